@@ -1,0 +1,39 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+# Both bootstrap a git-ignored .venv on first use and reuse it afterwards.
+# torch is pinned and installed *first*, so that the project's `torch>=2.10`
+# is already satisfied and pip never pulls a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.ripresa-installed
+
+.PHONY: demo test test-long lint bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m ripresa demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_checkpoint.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

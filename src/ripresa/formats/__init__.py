@@ -1,0 +1,1 @@
+"""On-disk formats: the torch-native ``checkpoint.pt`` (and, later, the ANDREA ``.bin``)."""

@@ -1,0 +1,233 @@
+"""The torch-native ``checkpoint.pt`` (DESIGN §3.2).
+
+A dict of tensors and primitives that loads with
+``torch.load(path, map_location="cpu", weights_only=True)`` and nothing else:
+no ``weights_only=False``, no extra safe globals. Beside it,
+``checkpoint.pt.sha256`` in ``sha256sum`` format is the commit marker, written
+last. See ``docs/FORMAT.md`` for the schema.
+
+Writing: the pickle is streamed into a temporary sibling while it is hashed,
+``fsync``'d, renamed, the folder ``fsync``'d, then the sidecar is written the
+same way. Loading: the sidecar, the hash, then the safe unpickler, then the
+schema — nothing is trusted before the step that checks it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import IntegrityError, SchemaError
+from ..fsio import Digest, StagedFile, clean_temporaries, fsync_dir, verify_against_sidecar, write_sidecar
+
+FORMAT = "ripresa.checkpoint"
+FORMAT_VERSION = 1
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+#: Leaf types allowed anywhere in a checkpoint (what ``weights_only`` can load
+#: without extra globals, minus anything that could smuggle code).
+_SAFE_LEAVES = (bool, int, float, str, bytes, type(None), torch.Tensor)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded, verified checkpoint: where it came from and what it holds."""
+
+    path: Path
+    digest: Digest
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["progress"]["step"])
+
+
+def check_safe_tree(obj: Any, where: str = "checkpoint") -> None:
+    """Raise :class:`SchemaError` if ``obj`` holds anything but safe primitives.
+
+    Dict keys must be ``str`` or ``int`` (optimizer states are keyed by index).
+    NumPy arrays and custom classes are refused: they need ``weights_only=False``.
+    """
+    stack: list[tuple[str, Any]] = [(where, obj)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, Mapping):
+            if type(v) is not dict:
+                raise SchemaError(f"{path} is a {type(v).__name__}, not a plain dict", hint="convert with dict(...)")
+            for k, x in v.items():
+                if not isinstance(k, str | int) or isinstance(k, bool):
+                    raise SchemaError(f"{path} has a key of type {type(k).__name__}", expected="str or int keys", found=repr(k))
+                stack.append((f"{path}.{k}", x))
+        elif isinstance(v, list | tuple):
+            if type(v) not in (list, tuple):
+                raise SchemaError(f"{path} is a {type(v).__name__}", expected="a plain list or tuple")
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+        elif isinstance(v, torch.Tensor):
+            if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
+                raise SchemaError(f"{path} is a tensor subclass {type(v).__name__}", hint="save plain tensors (.detach())")
+        elif not isinstance(v, _SAFE_LEAVES):
+            raise SchemaError(
+                f"{path} holds a {type(v).__module__}.{type(v).__name__}, which weights_only loading refuses",
+                expected="ints, floats, strings, lists, dicts, tensors",
+                found=type(v).__name__,
+                hint="convert numpy arrays with .tolist() or torch.from_numpy(...), objects with state_dict()",
+            )
+
+
+def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Digest:
+    """Write ``state`` durably to ``path`` + ``path.sha256``; return the digest.
+
+    The previous file at ``path`` (if any) is replaced only by the atomic
+    rename of a complete, ``fsync``'d new file; until the sidecar is written
+    the old sidecar no longer matches, so a crash in that window leaves a
+    generation a reader refuses (never a damaged one it trusts). Use the
+    run-folder store for multiple generations.
+    """
+    path = Path(path)
+    validate_checkpoint(state, path)
+    check_safe_tree(dict(state))
+    clean_temporaries(path.parent)
+    with StagedFile(path) as f:
+        torch.save(dict(state), f)
+        digest = f.finish()
+        f.publish()
+    fsync_dir(path.parent)
+    write_sidecar(path, digest)  # the commit marker, last
+    return digest
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Verify and load a ``checkpoint.pt``.
+
+    Order: the file exists and is regular → the sidecar is well-formed → the
+    sha256 matches → ``torch.load(weights_only=True)`` → the schema. Any
+    failure raises a typed error naming the file, expected, found and a hint.
+    """
+    path = Path(path)
+    digest = verify_against_sidecar(path)
+    if not zipfile.is_zipfile(path):
+        raise IntegrityError(
+            "checkpoint is not a torch zip archive",
+            file=path,
+            expected="a torch.save zip archive (end-of-central-directory record)",
+            found="no zip directory",
+            hint="the file is damaged or not a checkpoint.pt",
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise IntegrityError(
+            "checkpoint refused by the safe loader (weights_only=True)",
+            file=path,
+            expected="only tensors and primitives",
+            found=str(exc).splitlines()[0][:300],
+            hint="the file names a global the safe loader does not allow; it was not written by ripresa "
+            "and was not executed. Never load it with weights_only=False",
+        ) from exc
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError, AttributeError) as exc:
+        raise IntegrityError(
+            "checkpoint could not be read", file=path, expected="a readable torch archive",
+            found=f"{type(exc).__name__}: {str(exc)[:300]}", hint="the file is damaged",
+        ) from exc
+    validate_checkpoint(state, path)
+    return Checkpoint(path=path, digest=digest, state=state)
+
+
+def _need(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], path: Path | None, where: str = "") -> Any:
+    if key not in state:
+        raise SchemaError(
+            f"checkpoint lacks '{where}{key}'",
+            file=path,
+            expected=f"a key '{where}{key}'",
+            found=f"keys {sorted(map(str, state))}",
+            hint="the checkpoint is incomplete; missing state is never defaulted",
+        )
+    v = state[key]
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
+        names = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        raise SchemaError(
+            f"checkpoint '{where}{key}' has the wrong type", file=path, expected=names, found=type(v).__name__
+        )
+    return v
+
+
+def validate_checkpoint(state: Any, path: Path | None = None) -> None:
+    """Check the structure of a checkpoint dict (see docs/FORMAT.md)."""
+    if not isinstance(state, dict):
+        raise SchemaError("checkpoint is not a dict", file=path, expected="dict", found=type(state).__name__)
+    fmt = _need(state, "format", str, path)
+    if fmt != FORMAT:
+        raise SchemaError("not a ripresa checkpoint", file=path, expected=FORMAT, found=fmt)
+    ver = _need(state, "format_version", int, path)
+    if ver != FORMAT_VERSION:
+        raise SchemaError(
+            "unsupported checkpoint format version",
+            file=path,
+            expected=FORMAT_VERSION,
+            found=ver,
+            hint="written by a newer ripresa; upgrade" if ver > FORMAT_VERSION else "written by an older ripresa",
+        )
+    progress = _need(state, "progress", dict, path)
+    for k in ("step", "epoch", "samples_seen", "tokens_seen"):
+        v = _need(progress, k, int, path, "progress.")
+        if v < 0 and k != "epoch":
+            raise SchemaError(f"progress.{k} is negative", file=path, expected=">= 0", found=v)
+    model = _need(state, "model", dict, path)
+    for k, t in model.items():
+        if not isinstance(k, str) or not isinstance(t, torch.Tensor):
+            raise SchemaError("model state must map names to tensors", file=path, found=f"{k!r}: {type(t).__name__}")
+    for key in ("optimizer", "scheduler", "scaler", "data"):
+        _need(state, key, (dict, type(None)), path)
+    opt = state["optimizer"]
+    if opt is not None:
+        _need(opt, "state", dict, path, "optimizer.")
+        _need(opt, "param_groups", list, path, "optimizer.")
+    for key in ("objects", "rng", "config", "versions", "code", "data_identity", "extra"):
+        _need(state, key, dict, path)
+    _need(state, "lineage", list, path)
+    for name, h in state["data_identity"].items():
+        if not isinstance(h, str) or not _HEX64.match(h):
+            raise SchemaError(f"data_identity.{name} is not a sha256", file=path, expected="64 lowercase hex", found=repr(h)[:80])
+    code = state["code"]
+    h = code.get("files_sha256")
+    if h is not None and (not isinstance(h, str) or not _HEX64.match(h)):
+        raise SchemaError("code.files_sha256 is not a sha256", file=path, found=repr(h)[:80])
+    _check_progress_consistency(state, path)
+
+
+def _check_progress_consistency(state: Mapping[str, Any], path: Path | None) -> None:
+    """Optimizer per-parameter steps must agree with ``progress.step``.
+
+    Each optimizer step increments the per-parameter ``step`` of every
+    parameter that had a gradient, so none may exceed the steps completed;
+    without a GradScaler (which skips steps on overflow) the largest must equal
+    it. A mismatch means the checkpoint mixes two instants.
+    """
+    opt = state.get("optimizer")
+    if not opt:
+        return
+    steps = []
+    for pid, s in opt["state"].items():
+        if isinstance(s, dict) and "step" in s:
+            v = s["step"]
+            steps.append(float(v.item() if isinstance(v, torch.Tensor) else v))
+    if not steps:
+        return
+    step = state["progress"]["step"]
+    top = max(steps)
+    if top > step or (state.get("scaler") is None and top != step):
+        raise SchemaError(
+            "optimizer state and progress describe different instants",
+            file=path,
+            expected=f"per-parameter optimizer step {'<=' if state.get('scaler') else '=='} progress.step = {step}",
+            found=f"max per-parameter step {top:g}",
+            hint="a checkpoint must be taken at a step boundary, after a complete optimizer update",
+        )

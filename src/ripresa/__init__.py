@@ -23,6 +23,7 @@ from .errors import (
 from .formats.torch_pt import Checkpoint, load_checkpoint, save_checkpoint
 from .rng import RandomStreams
 from .state import Progress, Stateful, TrainingState
+from .trajectory import Trajectory, read_trajectory
 
 __all__ = [
     "__version__",
@@ -42,6 +43,8 @@ __all__ = [
     "SchemaError",
     "Stateful",
     "TrainingState",
+    "Trajectory",
+    "read_trajectory",
     "VerificationFailed",
     "load_checkpoint",
     "save_checkpoint",

@@ -33,14 +33,14 @@ def versions(device: str | None = None) -> dict[str, Any]:
         device = f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cpu"
     return {
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
+        "torch": str(torch.__version__),
+        "numpy": str(np.__version__),
         "ripresa": __version__,
         "platform": platform.platform(),
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "device": device,
-        "cuda": torch.version.cuda,
+        "cuda": None if torch.version.cuda is None else str(torch.version.cuda),
     }
 
 

@@ -73,7 +73,7 @@ def check_safe_tree(obj: Any, where: str = "checkpoint") -> None:
         elif isinstance(v, torch.Tensor):
             if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
                 raise SchemaError(f"{path} is a tensor subclass {type(v).__name__}", hint="save plain tensors (.detach())")
-        elif not isinstance(v, _SAFE_LEAVES):
+        elif type(v) not in _SAFE_LEAVES:
             raise SchemaError(
                 f"{path} holds a {type(v).__module__}.{type(v).__name__}, which weights_only loading refuses",
                 expected="ints, floats, strings, lists, dicts, tensors",
@@ -128,7 +128,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             "checkpoint refused by the safe loader (weights_only=True)",
             file=path,
             expected="only tensors and primitives",
-            found=str(exc).splitlines()[0][:300],
+            found=_unpickler_reason(exc),
             hint="the file names a global the safe loader does not allow; it was not written by ripresa "
             "and was not executed. Never load it with weights_only=False",
         ) from exc
@@ -139,6 +139,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         ) from exc
     validate_checkpoint(state, path)
     return Checkpoint(path=path, digest=digest, state=state)
+
+
+def _unpickler_reason(exc: Exception) -> str:
+    """The one informative line of torch's weights_only refusal."""
+    for line in str(exc).splitlines():
+        if "WeightsUnpickler error" in line:
+            return line.strip()[:300]
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
 
 
 def _need(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], path: Path | None, where: str = "") -> Any:

@@ -1,0 +1,119 @@
+"""The ``ripresa`` command line. The only place that turns errors into exit codes.
+
+Exit codes (every command): 0 success · 1 a check failed · 2 bad input or the
+work could not be completed. See :mod:`ripresa.errors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from . import __version__
+from .errors import RipresaError
+
+Handler = Callable[[argparse.Namespace], int]
+_COMMANDS: dict[str, Handler] = {}
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``ripresa verify ... -- python train.py`` → (ripresa args, trainer command)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+# ----------------------------------------------------------------------------- verify
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="prove a resume exact: continuous vs interrupted vs resumed vs resumed-without-RNG",
+        description="Run a trainer four times in fresh processes and compare the trajectories after the cut. "
+        "The trainer follows the contract --steps/--output/--resume/--omit-rng-restore and writes summary.json. "
+        "Without a command after --, the 33-parameter reference exercise is verified.",
+        usage="ripresa verify --output DIR [--steps N] [--cut K] [--tolerance T] [-- python train.py ARGS...]",
+    )
+    p.add_argument("--output", type=Path, required=True, help="new folder for the four runs and verification.json")
+    p.add_argument("--steps", type=int, default=10, help="total updates N (default 10)")
+    p.add_argument("--cut", type=int, default=5, help="updates before the interruption K (default 5)")
+    p.add_argument("--tolerance", type=float, default=1e-12, help="absolute tolerance (default 1e-12)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--json", action="store_true", help="print verification.json instead of tables")
+    _COMMANDS["verify"] = _cmd_verify
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import reference_exercise_command, render_verdict, verify_resume
+
+    command = args.trainer or reference_exercise_command()
+    verdict = verify_resume(command, output=args.output, steps=args.steps, cut=args.cut, atol=args.tolerance, rtol=args.rtol)
+    if args.json:
+        import json
+
+        print(json.dumps(verdict.report, indent=2, default=str))
+    else:
+        render_verdict(verdict)
+        print(f"report: {args.output / 'verification.json'}")
+    return verdict.exit_code
+
+
+# ----------------------------------------------------------------------------- demo
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the main job of `make demo`: verify the reference exercise end to end")
+    p.add_argument("--output", type=Path, default=None, help="folder to create (default runs/demo-TIMESTAMP)")
+    _COMMANDS["demo"] = _cmd_demo
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .verify import reference_exercise_command, render_verdict, verify_resume
+
+    console = Console()
+    out = args.output or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    console.rule("[bold]ripresa demo[/] — proving a resume exact on the 33-parameter reference exercise")
+    t0 = time.perf_counter()
+    verdict = verify_resume(reference_exercise_command(), output=out / "verify", steps=10, cut=5)
+    render_verdict(verdict, console)
+    console.print(f"\n{time.perf_counter() - t0:.1f} s · files: {out / 'verify'}  (verification.json, and one folder per path "
+                  "with checkpoint.pt, checkpoint.pt.sha256, summary.json)")
+    return verdict.exit_code
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ripresa",
+        description="Crash-safe, verifiable checkpoints and exact resume for PyTorch training runs.",
+        epilog="exit codes: 0 success, 1 a check failed, 2 bad input or work not completed",
+    )
+    parser.add_argument("--version", action="version", version=f"ripresa {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_verify(sub)
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ripresa`` and ``python -m ripresa``; returns the exit code."""
+    raw = list(sys.argv[1:] if argv is None else argv)
+    own, trainer = _split_command(raw)
+    parser = build_parser()
+    args = parser.parse_args(own)
+    args.trainer = trainer
+    try:
+        return _COMMANDS[args.command](args)
+    except RipresaError as exc:
+        print(f"ripresa {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"ripresa {args.command}: interrupted", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""Retention policies: table-driven cases and properties, all without a disk."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ripresa.errors import BadInput
+from ripresa.retention import (
+    DEFAULT_RETENTION,
+    KeepAny,
+    KeepEvery,
+    KeepLast,
+    KeepSteps,
+    RetentionPolicy,
+    parse_retention,
+    plan_deletions,
+)
+
+STEPS = [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1100, 1200]
+
+# ---- keep(): table-driven ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "steps", "kept"),
+    [
+        (KeepLast(3), STEPS, {1000, 1100, 1200}),
+        (KeepLast(1), STEPS, {1200}),
+        (KeepLast(50), STEPS, set(STEPS)),
+        (KeepLast(2), [], set()),
+        (KeepLast(2), [7, 3, 9, 1], {7, 9}),  # order of the input does not matter
+        (KeepLast(2), [5, 5, 5, 4], {4, 5}),  # duplicates count once
+        (KeepEvery(500), STEPS, {500, 1000}),
+        (KeepEvery(1), STEPS, set(STEPS)),
+        (KeepEvery(7), [0, 7, 13, 14], {0, 7, 14}),  # step 0 is divisible by anything
+        (KeepEvery(10_000), STEPS, set()),
+        (KeepSteps(frozenset({500, 1200})), STEPS, {500, 1200}),
+        (KeepSteps(frozenset({550})), STEPS, set()),  # a named step without a generation
+        (KeepLast(2) | KeepEvery(500), STEPS, {500, 1000, 1100, 1200}),
+        (KeepLast(1) | KeepSteps({300}) | KeepEvery(400), STEPS, {300, 400, 800, 1200}),
+    ],
+)
+def test_keep_table(policy: RetentionPolicy, steps: list[int], kept: set[int]) -> None:
+    assert policy.keep(steps) == kept
+
+
+@pytest.mark.parametrize(
+    ("policy", "steps", "newest", "protected", "deleted"),
+    [
+        # keep last 3 of 12: delete the 9 oldest
+        (KeepLast(3), STEPS, 1200, (), STEPS[:9]),
+        # a protected step (being written / read by a fork) survives
+        (KeepLast(3), STEPS, 1200, (100, 700), [200, 300, 400, 500, 600, 800, 900]),
+        # a protected step that has no valid generation changes nothing
+        (KeepLast(3), STEPS, 1200, (150,), STEPS[:9]),
+        # a policy that drops the newest valid step cannot delete it
+        (KeepSteps({100}), [100, 200, 300], 300, (), [200]),
+        (KeepEvery(1000), [999, 1000, 1001], 1001, (), [999]),
+        # nothing to delete
+        (KeepLast(3), [100, 200], 200, (), []),
+        (KeepLast(3), [], None, (), []),
+        # no newest_valid given: the largest step is still never deleted
+        (KeepSteps({100}), [100, 200, 300], None, (), [200]),
+        # newest_valid names a step below the largest: both are kept (safe side)
+        (KeepSteps({100}), [100, 200, 300], 200, (), []),
+        # milestones plus last 2
+        (KeepLast(2) | KeepEvery(500), STEPS, 1200, (), [100, 200, 300, 400, 600, 700, 800, 900]),
+    ],
+)
+def test_plan_deletions_table(
+    policy: RetentionPolicy,
+    steps: list[int],
+    newest: int | None,
+    protected: tuple[int, ...],
+    deleted: list[int],
+) -> None:
+    assert plan_deletions(steps, policy, newest_valid=newest, protected=protected) == deleted
+
+
+def test_plan_deletions_is_sorted_whatever_the_input_order() -> None:
+    shuffled = STEPS[:]
+    random.Random(0).shuffle(shuffled)
+    assert plan_deletions(shuffled, KeepLast(2), newest_valid=1200) == STEPS[:10]
+
+
+def test_default_is_keep_last_three() -> None:
+    assert DEFAULT_RETENTION == KeepLast(3)
+    assert DEFAULT_RETENTION.spec == "last=3"
+
+
+def test_numpy_integers_are_steps() -> None:
+    steps = np.array([10, 20, 30], dtype=np.int64)
+    assert KeepLast(np.int32(2)).keep(list(steps)) == {20, 30}
+    assert plan_deletions(steps, KeepLast(1), newest_valid=np.int64(30)) == [10, 20]
+
+
+# ---- construction is validated -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: KeepLast(0),
+        lambda: KeepLast(-1),
+        lambda: KeepLast(2.5),
+        lambda: KeepLast("3"),
+        lambda: KeepLast(True),
+        lambda: KeepEvery(0),
+        lambda: KeepEvery(None),
+        lambda: KeepSteps(frozenset()),
+        lambda: KeepSteps({-5}),
+        lambda: KeepSteps({1.5}),
+        lambda: KeepSteps("500"),
+        lambda: KeepSteps(500),
+        lambda: KeepAny(()),
+        lambda: KeepAny((KeepLast(1), "last=3")),
+        lambda: KeepAny(KeepLast(1)),
+    ],
+)
+def test_bad_construction_is_refused(make) -> None:
+    with pytest.raises(BadInput) as info:
+        make()
+    assert info.value.expected is not None and info.value.found is not None
+
+
+def test_policies_are_frozen_and_normalised() -> None:
+    p = KeepSteps([1200, 500, 500])
+    assert p.steps == frozenset({500, 1200}) and isinstance(p.steps, frozenset)
+    with pytest.raises(AttributeError):
+        p.steps = frozenset({1})  # type: ignore[misc]
+    assert KeepAny((KeepLast(1) | KeepEvery(2), KeepSteps({3}))).policies == (
+        KeepLast(1),
+        KeepEvery(2),
+        KeepSteps({3}),
+    )
+
+
+@pytest.mark.parametrize("bad_steps", [[1, -1], [1, 2.0], [True], ["3"]])
+def test_bad_steps_are_refused(bad_steps: list[object]) -> None:
+    with pytest.raises(BadInput):
+        KeepLast(2).keep(bad_steps)  # type: ignore[arg-type]
+    with pytest.raises(BadInput):
+        plan_deletions(bad_steps, KeepLast(2), newest_valid=None)  # type: ignore[arg-type]
+
+
+def test_bad_newest_or_protected_is_refused() -> None:
+    with pytest.raises(BadInput):
+        plan_deletions([1, 2], KeepLast(1), newest_valid=-2)
+    with pytest.raises(BadInput):
+        plan_deletions([1, 2], KeepLast(1), newest_valid=2, protected=["x"])  # type: ignore[list-item]
+
+
+# ---- the text form -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "policy"),
+    [
+        ("last=3", KeepLast(3)),
+        ("every=1000", KeepEvery(1000)),
+        ("steps=500", KeepSteps({500})),
+        ("steps=0+500+1200", KeepSteps({0, 500, 1200})),
+        ("last=3,every=1000", KeepAny((KeepLast(3), KeepEvery(1000)))),
+        (
+            "last=3,every=1000,steps=500+1200",
+            KeepAny((KeepLast(3), KeepEvery(1000), KeepSteps({500, 1200}))),
+        ),
+        (" LAST = 2 , steps = 500 + 1200 ", KeepAny((KeepLast(2), KeepSteps({500, 1200})))),
+        ("every=2,every=3", KeepAny((KeepEvery(2), KeepEvery(3)))),  # repeated key: union
+    ],
+)
+def test_parse_retention(spec: str, policy: RetentionPolicy) -> None:
+    assert parse_retention(spec) == policy
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "",
+        "   ",
+        "last",
+        "last=",
+        "last=0",
+        "last=-1",
+        "last=3.5",
+        "last=three",
+        "last=3,",
+        ",last=3",
+        "last=3;every=10",
+        "every=0",
+        "steps=",
+        "steps=500++1200",
+        "steps=-5",
+        "steps=5,6",
+        "keep=3",
+        "last=3=4",
+        "last=١٢",  # non-ASCII digits are not accepted silently
+    ],
+)
+def test_parse_retention_refuses_bad_specs(spec: str) -> None:
+    with pytest.raises(BadInput) as info:
+        parse_retention(spec, source="config.json")
+    err = info.value
+    assert err.file == "config.json"
+    assert "last=N" in str(err.expected)
+    assert repr(spec) in str(err.found)
+    assert err.hint and "last=3" in err.hint
+
+
+def test_parse_retention_refuses_non_text() -> None:
+    with pytest.raises(BadInput):
+        parse_retention(3)  # type: ignore[arg-type]
+
+
+def test_spec_strings() -> None:
+    policy = KeepLast(3) | KeepEvery(1000) | KeepSteps({1200, 500})
+    assert policy.spec == "last=3,every=1000,steps=500+1200"
+    assert str(policy) == policy.spec
+    assert parse_retention(policy.spec) == policy
+
+
+# ---- properties --------------------------------------------------------------
+
+step_lists = st.lists(st.integers(min_value=0, max_value=5000), max_size=40)
+
+
+def leaf_policies() -> st.SearchStrategy[RetentionPolicy]:
+    return st.one_of(
+        st.builds(KeepLast, st.integers(min_value=1, max_value=12)),
+        st.builds(KeepEvery, st.integers(min_value=1, max_value=1500)),
+        st.builds(
+            KeepSteps,
+            st.frozensets(st.integers(min_value=0, max_value=5000), min_size=1, max_size=6),
+        ),
+    )
+
+
+policies = st.one_of(
+    leaf_policies(),
+    st.lists(leaf_policies(), min_size=1, max_size=4).map(lambda ps: KeepAny(tuple(ps))),
+)
+
+
+@st.composite
+def deletion_cases(draw):
+    steps = draw(step_lists)
+    policy = draw(policies)
+    protected = draw(st.lists(st.integers(min_value=0, max_value=5000), max_size=5))
+    if steps and draw(st.booleans()):
+        protected += draw(st.lists(st.sampled_from(steps), max_size=3))
+    newest = max(steps) if steps else None
+    return steps, policy, newest, protected
+
+
+@settings(max_examples=150, deadline=None)
+@given(deletion_cases())
+def test_newest_valid_and_protected_never_deleted(case) -> None:
+    steps, policy, newest, protected = case
+    deleted = plan_deletions(steps, policy, newest_valid=newest, protected=protected)
+    if newest is not None:
+        assert newest not in deleted
+    assert not set(deleted) & set(protected)
+    assert set(deleted) <= set(steps)
+    assert deleted == sorted(set(deleted))
+    # after deleting, something valid always remains to resume from
+    assert not steps or set(steps) - set(deleted)
+
+
+@settings(max_examples=150, deadline=None)
+@given(deletion_cases())
+def test_deletions_and_kept_are_disjoint_and_cover(case) -> None:
+    steps, policy, newest, protected = case
+    deleted = set(plan_deletions(steps, policy, newest_valid=newest, protected=protected))
+    kept = policy.keep(steps)
+    assert not deleted & kept
+    # every step the policy drops is deleted, unless it is newest or protected
+    dropped = set(steps) - kept - set(protected) - ({newest} if newest is not None else set())
+    assert deleted == dropped
+
+
+@settings(max_examples=150, deadline=None)
+@given(deletion_cases())
+def test_applying_twice_deletes_nothing_more(case) -> None:
+    steps, policy, newest, protected = case
+    deleted = plan_deletions(steps, policy, newest_valid=newest, protected=protected)
+    remaining = sorted(set(steps) - set(deleted))
+    assert plan_deletions(remaining, policy, newest_valid=newest, protected=protected) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(step_lists, st.lists(leaf_policies(), min_size=1, max_size=4))
+def test_union_is_exactly_the_union_of_its_parts(steps, parts) -> None:
+    union = KeepAny(tuple(parts)).keep(steps)
+    each = [p.keep(steps) for p in parts]
+    for kept in each:
+        assert union >= kept
+    assert union == set().union(*each)
+
+
+@settings(max_examples=100, deadline=None)
+@given(step_lists, policies, st.randoms(use_true_random=False))
+def test_keep_is_a_subset_and_ignores_order(steps, policy, rnd) -> None:
+    kept = policy.keep(steps)
+    assert kept <= set(steps)
+    shuffled = steps[:]
+    rnd.shuffle(shuffled)
+    assert policy.keep(shuffled) == kept
+
+
+@settings(max_examples=100, deadline=None)
+@given(step_lists, st.integers(min_value=1, max_value=12))
+def test_keep_last_keeps_exactly_the_n_newest(steps, n) -> None:
+    kept = KeepLast(n).keep(steps)
+    distinct = sorted(set(steps))
+    assert len(kept) == min(n, len(distinct))
+    assert all(k >= s for k in kept for s in set(distinct) - kept)
+
+
+@settings(max_examples=100, deadline=None)
+@given(policies, step_lists)
+def test_spec_round_trips(policy, steps) -> None:
+    again = parse_retention(policy.spec)
+    assert again == policy or (isinstance(policy, KeepAny) and len(policy.policies) == 1)
+    assert again.keep(steps) == policy.keep(steps)

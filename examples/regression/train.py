@@ -174,9 +174,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # A step boundary: the update is complete and no gradient is pending.
     args.output.mkdir(parents=True)
-    ripresa.save_checkpoint(args.output / "checkpoint.pt", state.snapshot(progress))
     trajectory.finish(progress, {"mse": evaluate(model, X, Y)})
     trajectory.write(args.output / "summary.json")
+    try:
+        ripresa.save_checkpoint(args.output / "checkpoint.pt", state.snapshot(progress))
+    except ripresa.RipresaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     print(f"step {progress.step}: cursor {sampler.cursor}/{sampler.n_rows}, epoch {sampler.epoch}, "
           f"next lr {optimizer.param_groups[0]['lr']:g} -> {args.output}")
     return 0

@@ -212,7 +212,11 @@ def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, pro
                 progress_cb(name, rc)
         for name in wave:
             r = runs[name]
-            if r.returncode != 0:
+            # A resumed path that failed after writing its trajectory (e.g. its
+            # save refused an inconsistent state) is still compared: the
+            # failure becomes a failed check, not an incomplete verification.
+            resumed_with_summary = name in ("resume", "resume-without-rng") and (r.output / "summary.json").is_file()
+            if r.returncode != 0 and not resumed_with_summary:
                 raise BadInput(
                     f"the {name} path failed (exit {r.returncode}); the verification could not be completed",
                     file=r.log,
@@ -296,6 +300,13 @@ def verify_resume(
     prefix = compare_prefix(docs["continuous"], docs["interrupted"], atol=atol)
     positive = compare_resumed(docs["continuous"], docs["interrupted"], docs["resume"], atol=atol, rtol=rtol)
     negative = compare_resumed(docs["continuous"], docs["interrupted"], docs["resume-without-rng"], atol=atol, rtol=rtol)
+    for name, cmp in (("resume", positive), ("resume-without-rng", negative)):
+        rc = runs[name].returncode
+        if rc != 0:
+            last = _tail(runs[name].log, 4).replace("\n", " | ")
+            cmp.checks["process"] = CheckResult("process", problems=[f"exited with code {rc}: {last}"])
+            if cmp.first_divergence is None:
+                cmp.first_divergence = f"process: exited with code {rc}: {last}"
     positive_ok = prefix.passed and positive.agrees
     negative_diverged = not negative.agrees
     report = {

@@ -1,0 +1,915 @@
+"""The ANDREA raw ``.bin`` checkpoint (DESIGN §3.1): exact, for interop.
+
+Layout (all little-endian, nothing before, between or after)::
+
+    offset 0        int32               step       optimizer steps completed, >= 0
+    offset 4        int32               n_params   1 .. 2**31-1
+    offset 8        float32[n_params]   weights    model.parameters() order, flattened
+    offset 8 + 4n   float32[n_params]   m          AdamW exp_avg   (first moment)
+    offset 8 + 8n   float32[n_params]   v          AdamW exp_avg_sq (second moment)
+    total size      8 + 12 * n_params bytes, exactly
+
+The file has no magic and no checksum. ripresa keeps integrity *beside* it
+(``step_NNNNNN.bin.sha256``, written through :mod:`ripresa.fsio`) and never
+inside it, so a ``.bin`` written by ripresa is byte-for-byte what the ANDREA
+engine writes and reads.
+
+Writing streams per-parameter tensors straight into a :class:`~ripresa.fsio.StagedFile`
+(which hashes in the same pass): no second full copy of the model is ever
+concatenated in memory. Reading validates the header and the size *before*
+allocating anything, so a damaged or hostile header cannot make ripresa
+allocate gigabytes.
+
+A ``.bin`` alone is not a complete resume point: it lacks the random
+generators, data position, scheduler, ... (see :func:`describe_missing`). It
+still loads: weights, m and v are restored and the rest is reported missing,
+never invented.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..errors import BadInput, IntegrityError, SaveFailed, SchemaError
+from ..fsio import (
+    CHUNK,
+    Digest,
+    StagedFile,
+    fsync_dir,
+    require_regular_file,
+    sha256_file,
+    sidecar_path,
+    write_sidecar,
+)
+
+# ---- format constants ----------------------------------------------------------
+
+#: Header: int32 step, int32 n_params, little-endian (8 bytes).
+HEADER = struct.Struct("<ii")
+HEADER_SIZE = HEADER.size  # 8 bytes
+#: Bytes per parameter: one float32 each in weights, m and v.
+BYTES_PER_PARAM = 12
+#: Largest n_params (and step) an int32 can hold.
+MAX_PARAMS = 2**31 - 1
+MAX_STEP = 2**31 - 1
+#: The on-disk element type: float32, little-endian whatever the host.
+FLOAT = np.dtype("<f4")
+#: The three regions after the header, in file order.
+REGIONS = ("weights", "m", "v")
+
+#: Elements per write/hash piece: fsio's streaming granularity (8 MiB), so a
+#: non-contiguous, zero-stride or GPU chunk is copied at most this much at a time.
+_PIECE_ELEMS = CHUNK // FLOAT.itemsize
+#: Elements per NaN/Inf scan block (4 MiB of floats → 1 MiB bool temporary).
+_SCAN_ELEMS = 1 << 20
+
+_NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.bin$")
+
+#: What a ``.bin`` never holds, whoever wrote it (DESIGN §2 minus weights/m/v).
+BIN_LACKS: tuple[str, ...] = (
+    "random generator states (Python, NumPy, torch CPU/CUDA, registered generators)",
+    "data position (epoch, permutation or its seed, cursor)",
+    "LR scheduler state",
+    "GradScaler state (mixed precision)",
+    "optimizer hyperparameters (lr, betas, eps, weight decay) and per-parameter steps "
+    "(one shared step is assumed)",
+    "model buffers (e.g. BatchNorm running statistics) — only parameters are stored",
+    "progress beyond the step (epochs, samples and tokens seen)",
+    "resolved config, versions, code identity and data identity",
+)
+
+
+def _file_size_of(n: int) -> int:
+    """Exact size in bytes of a ``.bin`` holding ``n`` parameters."""
+    return HEADER_SIZE + BYTES_PER_PARAM * n
+
+
+# ---- names ---------------------------------------------------------------------
+
+
+def bin_name(step: int) -> str:
+    """``7`` → ``step_000007.bin`` (six digits, wider when the step needs it)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise BadInput(
+            "invalid step for a .bin name",
+            expected=f"an int in 0..{MAX_STEP}",
+            found=repr(step),
+        )
+    return f"step_{step:06d}.bin"
+
+
+def parse_bin_name(name: str | os.PathLike[str]) -> int | None:
+    """``step_000007.bin`` → ``7``; ``None`` for anything that is not a canonical name.
+
+    Only the exact form :func:`bin_name` writes is accepted (``step_0000007.bin``
+    is not), so names and steps map one to one. A path is reduced to its name.
+    """
+    base = Path(name).name
+    m = _NAME_RE.match(base)
+    if m is None:
+        return None
+    step = int(m.group("digits"))
+    if step > MAX_STEP or bin_name(step) != base:
+        return None
+    return step
+
+
+def companion_path(path: str | os.PathLike[str]) -> Path:
+    """``.../step_000007.bin`` → ``.../step_000007.json`` (the companion, DESIGN §3.1)."""
+    p = Path(path)
+    return p.with_name(p.stem + ".json")
+
+
+# ---- header --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BinHeader:
+    """The 8-byte header of a ``.bin``: ``step`` and ``n_params``."""
+
+    step: int
+    n_params: int
+
+    @property
+    def file_size(self) -> int:
+        """Size in bytes the file must have: ``8 + 12 * n_params``."""
+        return _file_size_of(self.n_params)
+
+    def offset(self, region: str) -> int:
+        """Byte offset of ``region`` (``weights``, ``m`` or ``v``) in the file."""
+        return HEADER_SIZE + REGIONS.index(region) * FLOAT.itemsize * self.n_params
+
+
+def _open_regular(path: Path) -> tuple[int, int]:
+    """Open ``path`` read-only; return ``(fd, size)``. Refuses non-regular files.
+
+    ``O_NONBLOCK`` makes the open of a FIFO swapped in after the check return
+    at once instead of hanging; ``fstat`` on the open descriptor then decides,
+    so what is read is exactly what was checked.
+    """
+    require_regular_file(path, "ANDREA .bin")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise BadInput(
+            "ANDREA .bin could not be opened",
+            file=path,
+            expected="a readable regular file",
+            found=f"{type(exc).__name__}: {exc.strerror}",
+        ) from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BadInput(
+            "ANDREA .bin is not a regular file",
+            file=path,
+            expected="a regular file",
+            found="a folder, FIFO, socket or device",
+            hint="ripresa never reads from special files",
+        )
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return fd, st.st_size
+
+
+def _read_exact(fd: int, buf: memoryview, path: Path, what: str) -> None:
+    """Fill ``buf`` from ``fd``; a short read means the file shrank under us."""
+    done = 0
+    total = len(buf)
+    while done < total:
+        try:
+            got = os.readv(fd, [buf[done:]])
+        except OSError as exc:
+            raise BadInput(
+                "ANDREA .bin could not be read",
+                file=path,
+                expected=f"{total} bytes of {what}",
+                found=f"{type(exc).__name__}: {exc.strerror}",
+                hint="check the disk / the file's permissions",
+            ) from exc
+        if got == 0:
+            raise IntegrityError(
+                "ANDREA .bin shrank while it was read",
+                file=path,
+                expected=f"{total} bytes of {what}",
+                found=f"{done} bytes",
+                hint="another process is writing this file; read a committed generation",
+            )
+        done += got
+
+
+def _check_header(raw: bytes, size: int, path: Path, expected_n: int | None) -> BinHeader:
+    """Validate a header and the file size; pure (no I/O), so it is cheap to test.
+
+    Every check needs only the 8 header bytes and the size: nothing is
+    allocated from an unvalidated ``n_params``.
+    """
+    if size < HEADER_SIZE:
+        raise IntegrityError(
+            "ANDREA .bin is empty" if size == 0 else "ANDREA .bin is truncated inside its header",
+            file=path,
+            expected=f">= {HEADER_SIZE} bytes (int32 step, int32 n_params)",
+            found=f"{size} bytes",
+            hint="the save was interrupted or the copy is incomplete; use an earlier generation",
+        )
+    step, n = HEADER.unpack(raw[:HEADER_SIZE])
+    if step < 0:
+        raise IntegrityError(
+            "ANDREA .bin has a negative step",
+            file=path,
+            expected=f"step in 0..{MAX_STEP}",
+            found=step,
+            hint="the header is damaged, or this is not an ANDREA .bin",
+        )
+    if n < 1:
+        raise IntegrityError(
+            "ANDREA .bin has an invalid parameter count",
+            file=path,
+            expected=f"n_params in 1..{MAX_PARAMS}",
+            found=n,
+            hint="the header is damaged, or this is not an ANDREA .bin",
+        )
+    want = _file_size_of(n)
+    if size != want:
+        fits = ""
+        if (size - HEADER_SIZE) % BYTES_PER_PARAM == 0 and size > HEADER_SIZE:
+            fits = f"; the size would fit n_params={(size - HEADER_SIZE) // BYTES_PER_PARAM}, so the header may be damaged"
+        if size < want:
+            raise IntegrityError(
+                "ANDREA .bin is truncated",
+                file=path,
+                expected=f"{want} bytes (8 + 12 x {n} params)",
+                found=f"{size} bytes ({want - size} missing)",
+                hint="the save was interrupted or the copy is incomplete; use an earlier generation" + fits,
+            )
+        raise IntegrityError(
+            "ANDREA .bin has trailing bytes after the v region",
+            file=path,
+            expected=f"{want} bytes (8 + 12 x {n} params), nothing after v",
+            found=f"{size} bytes ({size - want} extra)",
+            hint="the format has no trailer: this file was appended to or is not an ANDREA .bin" + fits,
+        )
+    if expected_n is not None and n != expected_n:
+        raise SchemaError(
+            "ANDREA .bin does not fit the model: parameter counts differ",
+            file=path,
+            expected=f"n_params = {expected_n} (the model's)",
+            found=f"n_params = {n}",
+            hint="this checkpoint was written for another model architecture or size",
+        )
+    return BinHeader(step=step, n_params=n)
+
+
+def read_header(path: str | os.PathLike[str], *, expected_n: int | None = None) -> BinHeader:
+    """Read and validate a ``.bin``'s header against its size, before any allocation.
+
+    Raises :class:`~ripresa.errors.BadInput` (exit 2) for a missing,
+    unreadable or non-regular file, and :class:`~ripresa.errors.IntegrityError`
+    (exit 1) for content that fails a check: size < 8, step < 0,
+    n_params < 1, a truncated file, trailing bytes, and (as
+    :class:`~ripresa.errors.SchemaError`) ``n_params != expected_n``.
+    """
+    p = Path(path)
+    fd, size = _open_regular(p)
+    try:
+        raw = bytearray(min(size, HEADER_SIZE))
+        _read_exact(fd, memoryview(raw), p, "header")
+    finally:
+        os.close(fd)
+    return _check_header(bytes(raw), size, p, expected_n)
+
+
+# ---- writing -------------------------------------------------------------------
+
+#: One piece of a region: a float32 tensor (any device, any shape, flattened in
+#: logical row-major order) or a float32 numpy array.
+Chunk: TypeAlias = torch.Tensor | np.ndarray
+#: A region (weights, m or v): one chunk, or a sequence of per-parameter chunks.
+Region: TypeAlias = Chunk | Sequence[Chunk] | Iterable[Chunk]
+
+
+class BinArrays(NamedTuple):
+    """Per-parameter flat views of the three regions, in file order.
+
+    Unpacks as ``weights, m, v``. Each element is a tuple of 1-D chunks whose
+    concatenation is the region; nothing is concatenated in memory. Chunks
+    may be views of live tensors (zero copies), zero-stride views (a missing
+    optimizer state is an ``expand``-ed zero: no memory), or on a GPU
+    (copied to the host one piece at a time while writing).
+    """
+
+    weights: tuple[Chunk, ...]
+    m: tuple[Chunk, ...]
+    v: tuple[Chunk, ...]
+
+    @property
+    def n_params(self) -> int:
+        """Elements per region (from shapes only; no data is touched)."""
+        return _count(self.weights)
+
+
+def _as_chunks(region: Region) -> tuple[Chunk, ...]:
+    if isinstance(region, torch.Tensor | np.ndarray):
+        return (region,)
+    return tuple(region)
+
+
+def _count(chunks: Sequence[Chunk]) -> int:
+    return sum(int(c.numel()) if isinstance(c, torch.Tensor) else int(c.size) for c in chunks)
+
+
+def _check_kinds(name: str, chunks: Sequence[Chunk], final: Path) -> None:
+    """Refuse anything that is not a tensor or an array (so shapes can be counted)."""
+    for i, c in enumerate(chunks):
+        if not isinstance(c, torch.Tensor | np.ndarray):
+            raise BadInput(
+                f"ANDREA .bin region {name}[{i}] is neither a tensor nor a numpy array",
+                file=final,
+                expected="torch.Tensor or numpy.ndarray (float32)",
+                found=type(c).__name__,
+            )
+
+
+def _check_chunks(name: str, chunks: Sequence[Chunk], final: Path) -> None:
+    """Refuse anything that is not float32 data we can read, before writing a byte."""
+    for i, c in enumerate(chunks):
+        where = f"{name}[{i}]"
+        if isinstance(c, torch.Tensor):
+            if c.dtype != torch.float32:
+                raise BadInput(
+                    f"ANDREA .bin region {where} is not float32",
+                    file=final,
+                    expected="torch.float32",
+                    found=str(c.dtype),
+                    hint="the .bin format stores float32 only; use checkpoint.pt for other dtypes",
+                )
+            if c.device.type == "meta" or c.is_sparse or c.is_quantized:
+                raise BadInput(
+                    f"ANDREA .bin region {where} has no dense data",
+                    file=final,
+                    expected="a dense tensor with storage",
+                    found=f"layout={c.layout}, device={c.device}",
+                )
+        elif isinstance(c, np.ndarray):
+            if c.dtype.kind != "f" or c.dtype.itemsize != 4:
+                raise BadInput(
+                    f"ANDREA .bin region {where} is not float32",
+                    file=final,
+                    expected="numpy float32",
+                    found=str(c.dtype),
+                    hint="the .bin format stores float32 only",
+                )
+
+
+def check_n_params(n: int, final: str | os.PathLike[str] | None = None) -> None:
+    """Refuse a parameter count the format cannot hold (``1 .. 2**31-1``)."""
+    if n > MAX_PARAMS:
+        raise SaveFailed(
+            "model too large for the ANDREA .bin format",
+            file=final,
+            expected=f"n_params <= {MAX_PARAMS} (int32 header field)",
+            found=f"n_params = {n}",
+            hint="save with checkpoint.pt (torch-native) or the sharded DCP format instead",
+        )
+    if n < 1:
+        raise BadInput(
+            "nothing to save in an ANDREA .bin",
+            file=final,
+            expected="n_params >= 1",
+            found=f"n_params = {n}",
+            hint="the model has no parameters",
+        )
+
+
+def _pieces(chunk: Chunk) -> Iterator[np.ndarray]:
+    """Contiguous little-endian float32 host pieces of ``chunk``, in logical order.
+
+    At most ``_PIECE_ELEMS`` elements are copied at a time, and only when the
+    chunk is not already a contiguous host float32 array (GPU, non-contiguous,
+    zero-stride or big-endian): the memory used is bounded by one piece,
+    except for a non-contiguous *multi-dimensional* tensor, whose logical
+    flattening copies that one parameter.
+    """
+    if isinstance(chunk, torch.Tensor):
+        t = chunk.detach().reshape(-1)  # a view when the tensor is contiguous
+        for start in range(0, t.numel(), _PIECE_ELEMS):
+            piece = t[start : start + _PIECE_ELEMS]
+            if piece.device.type != "cpu":
+                piece = piece.to("cpu")
+            yield np.ascontiguousarray(piece.numpy(), dtype=FLOAT)
+    else:
+        a = chunk.reshape(-1)
+        for start in range(0, a.size, _PIECE_ELEMS):
+            yield np.ascontiguousarray(a[start : start + _PIECE_ELEMS], dtype=FLOAT)
+
+
+def write_bin(staged: StagedFile, step: int, weights: Region, m: Region, v: Region) -> BinHeader:
+    """Stream a complete ``.bin`` into ``staged`` (hashed in the same pass).
+
+    ``weights``, ``m`` and ``v`` are each a float32 tensor/array or a
+    sequence of per-parameter chunks (see :class:`BinArrays`,
+    :func:`flatten_model_and_adamw`); chunks are written as memory views,
+    so no concatenated copy is made. Everything is validated before the
+    first byte: ``staged`` must be empty, 0 <= step <= 2**31-1, all chunks
+    float32, the three regions of equal length n with 1 <= n <= 2**31-1
+    (counted from shapes, without touching data).
+
+    The caller finishes and publishes ``staged`` (see :func:`save_bin`).
+    """
+    final = staged.final
+    if staged.size != 0:
+        raise BadInput(
+            "an ANDREA .bin must be the whole file",
+            file=final,
+            expected="an empty staged file",
+            found=f"{staged.size} bytes already written",
+        )
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise BadInput("ANDREA .bin step must be an int", file=final, expected="int", found=type(step).__name__)
+    step = int(step)
+    if step < 0:
+        raise BadInput("ANDREA .bin step is negative", file=final, expected=f"0..{MAX_STEP}", found=step)
+    if step > MAX_STEP:
+        raise SaveFailed(
+            "step too large for the ANDREA .bin format",
+            file=final,
+            expected=f"step <= {MAX_STEP} (int32 header field)",
+            found=step,
+            hint="save with checkpoint.pt instead",
+        )
+    regions = {"weights": _as_chunks(weights), "m": _as_chunks(m), "v": _as_chunks(v)}
+    for name, chunks in regions.items():
+        _check_kinds(name, chunks, final)
+    counts = {name: _count(chunks) for name, chunks in regions.items()}
+    n = counts["weights"]
+    check_n_params(n, final)
+    if counts["m"] != n or counts["v"] != n:
+        raise BadInput(
+            "ANDREA .bin regions differ in length",
+            file=final,
+            expected=f"weights, m and v of {n} elements each",
+            found=", ".join(f"{k}={c}" for k, c in counts.items()),
+            hint="m and v must have one element per parameter element, in the same order",
+        )
+    for name, chunks in regions.items():
+        _check_chunks(name, chunks, final)
+
+    staged.write(HEADER.pack(step, n))
+    for chunks in regions.values():
+        for chunk in chunks:
+            for piece in _pieces(chunk):
+                staged.write(memoryview(piece).cast("B"))
+    if staged.size != _file_size_of(n):  # a chunk changed shape while we wrote it
+        raise SaveFailed(
+            "ANDREA .bin came out with the wrong size",
+            file=final,
+            expected=f"{_file_size_of(n)} bytes",
+            found=f"{staged.size} bytes",
+            hint="a tensor was resized during the save; save at a step boundary",
+        )
+    return BinHeader(step=step, n_params=n)
+
+
+def save_bin(
+    path: str | os.PathLike[str],
+    step: int,
+    weights: Region,
+    m: Region,
+    v: Region,
+    *,
+    sidecar: bool = True,
+) -> Digest:
+    """Write ``path`` with the commit protocol of DESIGN §4; return its digest.
+
+    Temporary sibling → stream + sha256 → ``fsync`` → rename → ``fsync`` the
+    folder → (if ``sidecar``) ``path.sha256``, the commit marker, last. A run
+    folder that also writes a companion ``.json`` passes ``sidecar=False``
+    and writes the marker itself after the companion.
+    """
+    final = Path(path)
+    with StagedFile(final) as f:
+        write_bin(f, step, weights, m, v)
+        digest = f.finish()
+        f.publish()
+    fsync_dir(final.parent)
+    if sidecar:
+        write_sidecar(final, digest)
+    return digest
+
+
+# ---- reading -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class BinContents:
+    """A read ``.bin``: header fields and the three regions as float32 arrays.
+
+    ``digest`` is set when the read checked a sha256 (``expected_sha256``).
+    """
+
+    path: Path
+    step: int
+    n_params: int
+    weights: npt.NDArray[np.float32]
+    m: npt.NDArray[np.float32]
+    v: npt.NDArray[np.float32]
+    digest: Digest | None = None
+
+    @property
+    def header(self) -> BinHeader:
+        return BinHeader(self.step, self.n_params)
+
+
+def _check_finite(path: Path, header: BinHeader, regions: dict[str, np.ndarray]) -> None:
+    """Reject NaN/Inf, naming the region, the first bad index and its file offset.
+
+    Scans in blocks so the temporary boolean mask stays small (1 MiB).
+    """
+    for name, arr in regions.items():
+        for start in range(0, arr.size, _SCAN_ELEMS):
+            block = arr[start : start + _SCAN_ELEMS]
+            ok = np.isfinite(block)
+            if ok.all():
+                continue
+            i = start + int(np.argmin(ok))
+            raise IntegrityError(
+                f"ANDREA .bin holds a non-finite value in {name}",
+                file=path,
+                expected="finite float32 values (--check-finite)",
+                found=f"{name}[{i}] = {float(arr[i])!r} (byte offset {header.offset(name) + 4 * i})",
+                hint="the run diverged before this save; resume from an earlier generation",
+            )
+
+
+def read_bin(
+    path: str | os.PathLike[str],
+    *,
+    expected_n: int | None = None,
+    check_finite: bool = False,
+    expected_sha256: str | None = None,
+    mmap: bool = False,
+) -> BinContents:
+    """Read a ``.bin``: header → size → (hash) → data → (finite check).
+
+    Nothing is allocated before the header and the size are validated (and,
+    with ``expected_sha256``, the content hash matches, streamed through
+    :func:`ripresa.fsio.sha256_file`). No sidecar or companion is needed: a
+    foreign ``.bin`` loads; see :func:`describe_missing` for what it lacks.
+
+    Args:
+        expected_n: the model's parameter count; a mismatch is a
+            :class:`~ripresa.errors.SchemaError` (exit 1).
+        check_finite: reject NaN/Inf, naming the region and first bad index.
+        expected_sha256: lowercase hex the file must hash to (e.g. from
+            :func:`ripresa.fsio.read_sidecar` or the companion).
+        mmap: map the file copy-on-write instead of reading it (no
+            allocation; the arrays are writable but never write back).
+    """
+    p = Path(path)
+    fd, size = _open_regular(p)
+    try:
+        raw = bytearray(min(size, HEADER_SIZE))
+        _read_exact(fd, memoryview(raw), p, "header")
+        header = _check_header(bytes(raw), size, p, expected_n)
+        n = header.n_params
+        digest: Digest | None = None
+        if expected_sha256 is not None:
+            digest = sha256_file(p)
+            if digest.sha256 != expected_sha256.lower() or digest.size != size:
+                raise IntegrityError(
+                    "sha256 mismatch: the .bin is not the file that was committed",
+                    file=p,
+                    expected=expected_sha256,
+                    found=digest.sha256,
+                    hint="the file is damaged (truncated, bit rot, or edited); use an earlier generation",
+                )
+        if mmap:
+            block = np.memmap(p, dtype=FLOAT, mode="c", offset=HEADER_SIZE, shape=(3, n))
+            regions = {name: block[i] for i, name in enumerate(REGIONS)}
+        else:
+            regions = {}
+            for name in REGIONS:
+                arr = np.empty(n, dtype=FLOAT)
+                view = memoryview(arr).cast("B")
+                for start in range(0, len(view), CHUNK):
+                    _read_exact(fd, view[start : start + CHUNK], p, name)
+                regions[name] = arr
+            try:
+                extra = os.read(fd, 1)
+            except OSError:
+                extra = b""
+            if extra:
+                raise IntegrityError(
+                    "ANDREA .bin grew while it was read",
+                    file=p,
+                    expected=f"{header.file_size} bytes",
+                    found="more data after v",
+                    hint="another process is writing this file; read a committed generation",
+                )
+    finally:
+        os.close(fd)
+    if check_finite:
+        _check_finite(p, header, regions)
+    return BinContents(
+        path=p,
+        step=header.step,
+        n_params=n,
+        weights=regions["weights"],
+        m=regions["m"],
+        v=regions["v"],
+        digest=digest,
+    )
+
+
+def describe_missing(path: str | os.PathLike[str]) -> list[str]:
+    """What a resume from ``path`` will lack, one line each (empty: nothing).
+
+    Without a companion ``step_NNNNNN.json`` (a ``.bin`` from another engine,
+    or a ripresa save interrupted before its companion) everything in
+    :data:`BIN_LACKS` is missing; without the ``.sha256`` sidecar nothing
+    vouches for the content. The caller warns with these lines; it never
+    invents the missing state.
+    """
+    p = Path(path)
+    missing: list[str] = []
+    side = sidecar_path(p)
+    if not side.is_file():
+        missing.append(
+            f"sha256 sidecar '{side.name}': the content cannot be checked against a commit marker"
+        )
+    comp = companion_path(p)
+    if not comp.is_file():
+        missing.append(f"companion '{comp.name}': the following state is not restored:")
+        missing.extend(f"  - {item}" for item in BIN_LACKS)
+    return missing
+
+
+# ---- model + AdamW mapping -----------------------------------------------------
+
+
+def _params_of(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """``model.parameters()`` in order (shared parameters once), the file's order."""
+    return list(model.parameters())
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _check_model(model: torch.nn.Module, path: Path | None) -> list[torch.nn.Parameter]:
+    params = _params_of(model)
+    names = _param_names(model)
+    for p in params:
+        if p.dtype != torch.float32:
+            raise BadInput(
+                f"parameter '{names.get(id(p), '?')}' is not float32",
+                file=path,
+                expected="a float32 model (the .bin stores float32)",
+                found=str(p.dtype),
+                hint="cast the model with model.float(), or use checkpoint.pt",
+            )
+    return params
+
+
+def _check_optimizer(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], path: Path | None
+) -> dict[int, dict]:
+    """Map ``id(param)`` → its param group; refuse what the format cannot hold."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise BadInput(
+            "the ANDREA .bin holds Adam/AdamW state only",
+            file=path,
+            expected="torch.optim.AdamW (or Adam)",
+            found=type(optimizer).__name__,
+            hint="use checkpoint.pt for other optimizers",
+        )
+    group_of: dict[int, dict] = {}
+    for group in optimizer.param_groups:
+        if group.get("amsgrad"):
+            raise BadInput(
+                "AdamW with amsgrad=True cannot be stored in an ANDREA .bin",
+                file=path,
+                expected="amsgrad=False",
+                found="amsgrad=True (max_exp_avg_sq has no place in the file)",
+                hint="use checkpoint.pt",
+            )
+        for p in group["params"]:
+            group_of[id(p)] = group
+    in_model = {id(p) for p in params}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in in_model]
+    if stray:
+        raise BadInput(
+            "the optimizer holds parameters that are not in the model",
+            file=path,
+            expected="optimizer parameters ⊆ model.parameters()",
+            found=f"{len(stray)} extra parameter(s), shapes {[tuple(p.shape) for p in stray[:4]]}",
+            hint="build the optimizer from model.parameters()",
+        )
+    return group_of
+
+
+def _zeros_view(p: torch.Tensor) -> torch.Tensor:
+    """A 1-D zero view as long as ``p``, with no storage behind it (stride 0)."""
+    return torch.zeros((), dtype=torch.float32).expand(p.numel())
+
+
+def flatten_model_and_adamw(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> BinArrays:
+    """Per-parameter views of weights, m (``exp_avg``) and v (``exp_avg_sq``).
+
+    In ``model.parameters()`` order; zero views (no memory) for a parameter
+    without optimizer state yet or not held by the optimizer. Views of live
+    tensors: write them before the next optimizer step. Pass to
+    :func:`write_bin` / :func:`save_bin` as ``*arrays``.
+    """
+    params = _check_model(model, None)
+    group_of = _check_optimizer(optimizer, params, None)
+    names = _param_names(model)
+    w_chunks: list[Chunk] = []
+    m_chunks: list[Chunk] = []
+    v_chunks: list[Chunk] = []
+    for p in params:
+        w_chunks.append(p.detach().reshape(-1))
+        state = optimizer.state.get(p, {}) if id(p) in group_of else {}
+        for key, out in (("exp_avg", m_chunks), ("exp_avg_sq", v_chunks)):
+            t = state.get(key)
+            if t is None:
+                out.append(_zeros_view(p))
+                continue
+            if t.dtype != torch.float32 or t.numel() != p.numel():
+                raise BadInput(
+                    f"optimizer state '{key}' of '{names.get(id(p), '?')}' cannot be stored",
+                    expected=f"float32 with {p.numel()} elements",
+                    found=f"{t.dtype} with {t.numel()} elements",
+                )
+            out.append(t.detach().reshape(-1))
+    arrays = BinArrays(tuple(w_chunks), tuple(m_chunks), tuple(v_chunks))
+    check_n_params(arrays.n_params)
+    return arrays
+
+
+def adamw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The one per-parameter AdamW ``step`` shared by all parameters (0 if no state).
+
+    A ``.bin`` holds a single step; if the per-parameter steps differ (a
+    parameter that got no gradient in some steps, a GradScaler that skipped
+    steps) the file cannot represent the optimizer exactly, and this refuses.
+    """
+    params = _check_model(model, None)
+    group_of = _check_optimizer(optimizer, params, None)
+    steps: set[float] = set()
+    for p in params:
+        if id(p) in group_of:
+            s = optimizer.state.get(p, {}).get("step")
+            if s is not None:
+                steps.add(float(s.item() if isinstance(s, torch.Tensor) else s))
+    if not steps:
+        return 0
+    if len(steps) > 1:
+        raise BadInput(
+            "per-parameter AdamW steps differ; one .bin step cannot represent them",
+            expected="the same step for every parameter",
+            found=f"steps {sorted(steps)[:6]}",
+            hint="use checkpoint.pt, which keeps per-parameter steps",
+        )
+    (s,) = steps
+    if s != int(s) or not 0 <= s <= MAX_STEP:
+        raise BadInput("AdamW step is not a valid int32 step", expected=f"0..{MAX_STEP}", found=s)
+    return int(s)
+
+
+def _scalar_dtype(fused: bool) -> torch.dtype:
+    """The dtype torch gives AdamW's ``step`` (``torch.optim.optimizer._get_scalar_dtype``)."""
+    if fused:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def load_into_model_and_adamw(
+    contents: BinContents, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[str]:
+    """Copy weights into the model and m, v, step into AdamW, bit-exactly.
+
+    Everything is checked before anything changes (float32 model, Adam/AdamW
+    without amsgrad, optimizer parameters within the model, n_params equal to
+    the model's, zero moments for parameters the optimizer does not hold), so
+    a refused load leaves model and optimizer untouched.
+
+    The optimizer's state is (re)created the way ``torch.optim.Adam`` creates
+    it lazily: ``exp_avg``/``exp_avg_sq`` like the parameter (same device,
+    memory format), and ``step`` a 0-d tensor holding the header's step — on
+    the parameter's device in ``fused``/``capturable`` mode, else on the CPU
+    (float32, or float64 under a float64 default dtype). Works on a fresh
+    optimizer with no state.
+
+    Limits of the format: every parameter gets the header's step, including
+    one that never had a gradient in the original run; a float32 ``step`` is
+    exact up to 2**24 (as is torch's own counter).
+
+    Returns notes on what was *not* restored (model buffers, parameters the
+    optimizer does not hold); the caller reports them.
+    """
+    path = contents.path
+    params = _check_model(model, path)
+    group_of = _check_optimizer(optimizer, params, path)
+    names = _param_names(model)
+    n_model = sum(p.numel() for p in params)
+    if n_model != contents.n_params:
+        raise SchemaError(
+            "ANDREA .bin does not fit the model: parameter counts differ",
+            file=path,
+            expected=f"n_params = {n_model} (the model's)",
+            found=f"n_params = {contents.n_params}",
+            hint="this checkpoint was written for another model architecture or size",
+        )
+    for name in REGIONS:
+        arr = getattr(contents, name)
+        if arr.shape != (contents.n_params,) or arr.dtype != FLOAT:
+            raise SchemaError(
+                f"region {name} has the wrong shape or dtype",
+                file=path,
+                expected=f"({contents.n_params},) float32",
+                found=f"{arr.shape} {arr.dtype}",
+            )
+    notes: list[str] = []
+    offsets: list[int] = []
+    off = 0
+    for p in params:
+        offsets.append(off)
+        k = p.numel()
+        if id(p) not in group_of:
+            if np.any(contents.m[off : off + k]) or np.any(contents.v[off : off + k]):
+                raise BadInput(
+                    f"parameter '{names.get(id(p), '?')}' has optimizer moments in the file "
+                    "but the optimizer does not hold it",
+                    file=path,
+                    expected="the optimizer built over all trained parameters",
+                    found="non-zero m/v for a parameter outside the optimizer",
+                    hint="build the optimizer from model.parameters()",
+                )
+            notes.append(f"parameter '{names.get(id(p), '?')}': weights restored, not in the optimizer")
+        off += k
+
+    def chunk(arr: np.ndarray, start: int, p: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(arr[start : start + p.numel()]).view(p.shape)
+
+    step_value = float(contents.step)
+    with torch.no_grad():
+        for p, start in zip(params, offsets, strict=True):
+            p.copy_(chunk(contents.weights, start, p))
+            group = group_of.get(id(p))
+            if group is None:
+                continue
+            fused = bool(group.get("fused"))
+            if fused or group.get("capturable"):
+                step_t = torch.tensor(step_value, dtype=_scalar_dtype(fused), device=p.device)
+            else:
+                step_t = torch.tensor(step_value, dtype=_scalar_dtype(False), device="cpu")
+            exp_avg = torch.empty_like(p, memory_format=torch.preserve_format)
+            exp_avg.copy_(chunk(contents.m, start, p))
+            exp_avg_sq = torch.empty_like(p, memory_format=torch.preserve_format)
+            exp_avg_sq.copy_(chunk(contents.v, start, p))
+            optimizer.state[p] = {"step": step_t, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    buffers = [name for name, _ in model.named_buffers()]
+    if buffers:
+        notes.append(
+            f"{len(buffers)} model buffer(s) not stored in a .bin and left as they are: "
+            + ", ".join(buffers[:8])
+            + (" ..." if len(buffers) > 8 else "")
+        )
+    return notes
+
+
+__all__ = [
+    "BIN_LACKS",
+    "BYTES_PER_PARAM",
+    "HEADER_SIZE",
+    "MAX_PARAMS",
+    "MAX_STEP",
+    "BinArrays",
+    "BinContents",
+    "BinHeader",
+    "adamw_step",
+    "bin_name",
+    "check_n_params",
+    "companion_path",
+    "describe_missing",
+    "flatten_model_and_adamw",
+    "load_into_model_and_adamw",
+    "parse_bin_name",
+    "read_bin",
+    "read_header",
+    "save_bin",
+    "write_bin",
+]

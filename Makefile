@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m ripresa demo
+	$(PY) -m ripresa demo $(if $(DEMO_OUT),--output $(DEMO_OUT))
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

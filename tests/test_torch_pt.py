@@ -11,13 +11,12 @@ import pickle
 import shutil
 import subprocess
 import sys
-import zipfile
 
 import pytest
 import torch
+from conftest import TRAIN, train, tree_digest
 
 import ripresa
-from conftest import TRAIN, train, tree_digest
 from ripresa.formats.torch_pt import load_checkpoint, save_checkpoint
 from ripresa.fsio import sidecar_path
 

@@ -6,7 +6,6 @@ import json
 import sys
 
 import pytest
-
 from conftest import FIXTURES, REPO, TRAIN, ripresa_cli, run
 
 

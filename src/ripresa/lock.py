@@ -58,7 +58,7 @@ LOCK_NAME = "LOCK"
 #: A refused ``acquire`` keeps trying this long (seconds) even with
 #: ``timeout=0``: :func:`read_lock_holder` probes with a shared lock held for
 #: microseconds, and a writer starting at that instant must not be refused.
-_PROBE_GRACE_S = 0.25
+_PROBE_GRACE_S = 0.0
 #: Interval between tries while waiting (seconds).
 _POLL_S = 0.01
 #: How long a refused ``acquire`` waits for the holder's pid to appear in
@@ -418,7 +418,9 @@ def read_lock_holder(folder: str | os.PathLike[str], *, wait: float = 1.0) -> Lo
     _require_folder(folder)
     path = folder / LOCK_NAME
     deadline = time.monotonic() + wait
+    tries = 0
     while True:
+        tries += 1
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
@@ -441,7 +443,9 @@ def read_lock_holder(folder: str | os.PathLike[str], *, wait: float = 1.0) -> Lo
         info = _parse(raw, path, complete=True)
         if info is not None and (not info.is_local or _pid_alive(info.pid)):
             return info
-        if time.monotonic() >= deadline:
+        # At least two looks, even with wait=0: an empty LOCK may be a holder
+        # between locking and writing, or between emptying and unlocking.
+        if tries >= 2 and time.monotonic() >= deadline:
             info = _parse(raw, path, complete=False)
             if info is not None:
                 return info

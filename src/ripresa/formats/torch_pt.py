@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError, SchemaError
-from ..fsio import Digest, StagedFile, clean_temporaries, fsync_dir, verify_against_sidecar, write_sidecar
+from ..fsio import (
+    Digest,
+    StagedFile,
+    clean_temporaries,
+    fsync_dir,
+    verify_against_sidecar,
+    write_sidecar,
+)
 
 FORMAT = "ripresa.checkpoint"
 FORMAT_VERSION = 1
@@ -223,7 +230,7 @@ def _check_progress_consistency(state: Mapping[str, Any], path: Path | None) -> 
     if not opt:
         return
     steps = []
-    for pid, s in opt["state"].items():
+    for s in opt["state"].values():
         if isinstance(s, dict) and "step" in s:
             v = s["step"]
             steps.append(float(v.item() if isinstance(v, torch.Tensor) else v))

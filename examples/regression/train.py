@@ -86,10 +86,10 @@ def build_optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torc
     return optimizer, scheduler
 
 
-def restore(state: ripresa.TrainingState, path: str, omit_rng_restore: bool) -> ripresa.Progress:
+def restore(state: ripresa.TrainingState, path: str, omit_rng_restore: bool, **allow: bool) -> ripresa.Progress:
     """Verify and load the checkpoint; random streams restored last (unless omitted)."""
     checkpoint = ripresa.load_checkpoint(path)
-    return state.restore(checkpoint, restore_rng=not omit_rng_restore)
+    return state.restore(checkpoint, restore_rng=not omit_rng_restore, **allow)
 
 
 def train_step(model, optimizer, scheduler, X, Y, ids, noise_gen) -> tuple[float, float]:
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, required=True, help="folder to create (must not exist)")
     p.add_argument("--resume", help="checkpoint.pt to resume from")
     p.add_argument("--omit-rng-restore", action="store_true", help="negative case: do not restore random streams")
+    p.add_argument("--allow-version-change", action="store_true", help="accept other python/torch/numpy/ripresa versions (recorded)")
+    p.add_argument("--allow-code-change", action="store_true", help="accept edited training code (recorded)")
     args = p.parse_args(argv)
     if args.steps < 0:
         p.error("--steps must be >= 0")
@@ -156,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     progress = ripresa.Progress()
     if args.resume:
         try:
-            progress = restore(state, args.resume, args.omit_rng_restore)
+            allow = {}
+            if args.allow_version_change:
+                allow["allow_version_change"] = True
+            if args.allow_code_change:
+                allow["allow_code_change"] = True
+            progress = restore(state, args.resume, args.omit_rng_restore, **allow)
         except ripresa.RipresaError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return exc.exit_code

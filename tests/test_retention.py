@@ -257,7 +257,7 @@ def deletion_cases(draw):
     return steps, policy, newest, protected
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(deletion_cases())
 def test_newest_valid_and_protected_never_deleted(case) -> None:
     steps, policy, newest, protected = case
@@ -271,7 +271,7 @@ def test_newest_valid_and_protected_never_deleted(case) -> None:
     assert not steps or set(steps) - set(deleted)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(deletion_cases())
 def test_deletions_and_kept_are_disjoint_and_cover(case) -> None:
     steps, policy, newest, protected = case
@@ -283,7 +283,7 @@ def test_deletions_and_kept_are_disjoint_and_cover(case) -> None:
     assert deleted == dropped
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(deletion_cases())
 def test_applying_twice_deletes_nothing_more(case) -> None:
     steps, policy, newest, protected = case
@@ -292,7 +292,7 @@ def test_applying_twice_deletes_nothing_more(case) -> None:
     assert plan_deletions(remaining, policy, newest_valid=newest, protected=protected) == []
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(step_lists, st.lists(leaf_policies(), min_size=1, max_size=4))
 def test_union_is_exactly_the_union_of_its_parts(steps, parts) -> None:
     union = KeepAny(tuple(parts)).keep(steps)
@@ -302,7 +302,7 @@ def test_union_is_exactly_the_union_of_its_parts(steps, parts) -> None:
     assert union == set().union(*each)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(step_lists, policies, st.randoms(use_true_random=False))
 def test_keep_is_a_subset_and_ignores_order(steps, policy, rnd) -> None:
     kept = policy.keep(steps)
@@ -312,7 +312,7 @@ def test_keep_is_a_subset_and_ignores_order(steps, policy, rnd) -> None:
     assert policy.keep(shuffled) == kept
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(step_lists, st.integers(min_value=1, max_value=12))
 def test_keep_last_keeps_exactly_the_n_newest(steps, n) -> None:
     kept = KeepLast(n).keep(steps)
@@ -321,7 +321,7 @@ def test_keep_last_keeps_exactly_the_n_newest(steps, n) -> None:
     assert all(k >= s for k in kept for s in set(distinct) - kept)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(policies, step_lists)
 def test_spec_round_trips(policy, steps) -> None:
     again = parse_retention(policy.spec)

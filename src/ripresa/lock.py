@@ -58,7 +58,7 @@ LOCK_NAME = "LOCK"
 #: A refused ``acquire`` keeps trying this long (seconds) even with
 #: ``timeout=0``: :func:`read_lock_holder` probes with a shared lock held for
 #: microseconds, and a writer starting at that instant must not be refused.
-_PROBE_GRACE_S = 0.0
+_PROBE_GRACE_S = 0.25
 #: Interval between tries while waiting (seconds).
 _POLL_S = 0.01
 #: How long a refused ``acquire`` waits for the holder's pid to appear in

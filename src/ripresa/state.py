@@ -32,6 +32,10 @@ from .identity import COMPARED_VERSIONS, code_identity, data_identity, versions
 from .rng import RandomStreams
 
 
+#: Optimizer state entries that an ANDREA .bin carries (m and v).
+BIN_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
 @runtime_checkable
 class Stateful(Protocol):
     """The protocol of ``torch.distributed.checkpoint.stateful.Stateful``."""
@@ -116,18 +120,33 @@ class TrainingState:
         self.lineage: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ capture
-    def snapshot(self, progress: Progress, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def snapshot(
+        self, progress: Progress, extra: Mapping[str, Any] | None = None, *, include_parameters: bool = True
+    ) -> dict[str, Any]:
         """Capture the complete state *now* (call at a step boundary).
 
         Tensors are copied to CPU, so training may go on while it is written.
+        With ``include_parameters=False`` the model's parameters and the
+        optimizer's ``exp_avg``/``exp_avg_sq`` are left out (they travel in an
+        ANDREA ``.bin``, copied once into staging buffers); buffers, per-parameter
+        steps and everything else are kept.
         """
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
+        model_sd = self.model.state_dict(keep_vars=True)
+        opt_sd = self.optimizer.state_dict() if self.optimizer is not None else None
+        if not include_parameters:
+            model_sd = {k: v for k, v in model_sd.items() if not isinstance(v, torch.nn.Parameter)}
+            if opt_sd is not None:
+                opt_sd = dict(opt_sd)
+                opt_sd["state"] = {
+                    i: {k: v for k, v in s.items() if k not in BIN_MOMENTS} for i, s in opt_sd["state"].items()
+                }
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "progress": progress.as_dict(),
-            "model": _tensor_tree_clone(self.model.state_dict()),
-            "optimizer": _tensor_tree_clone(self.optimizer.state_dict()) if self.optimizer is not None else None,
+            "model": _tensor_tree_clone(model_sd),
+            "optimizer": _tensor_tree_clone(opt_sd) if opt_sd is not None else None,
             "scheduler": _tensor_tree_clone(sched) if sched is not None else None,
             "scaler": _tensor_tree_clone(self.scaler.state_dict()) if self.scaler is not None else None,
             "data": _tensor_tree_clone(self.data.state_dict()) if self.data is not None else None,

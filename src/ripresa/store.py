@@ -34,7 +34,15 @@ from typing import Any
 
 from .errors import BadInput, IntegrityError, RipresaError
 from .formats import companion as companion_fmt
-from .formats.andrea_bin import BinArrays, BinContents, bin_name, parse_bin_name, read_bin, read_header, write_bin
+from .formats.andrea_bin import (
+    BinArrays,
+    BinContents,
+    bin_name,
+    parse_bin_name,
+    read_bin,
+    read_header,
+    write_bin,
+)
 from .fsio import (
     StagedFile,
     clean_temporaries,

@@ -159,7 +159,7 @@ def test_oserror_at_every_write_fsync_rename_and_folder_fsync(tmp_path):
             store.save(1, arrays_for(1, 300_000), small_companion(1))
         seen = {"n": 0}
 
-        def hook(name, path, op=op, k=k, err=err):
+        def hook(name, path, op=op, k=k, err=err, seen=seen):
             if name == op:
                 seen["n"] += 1
                 if seen["n"] == k:

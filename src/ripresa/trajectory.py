@@ -85,6 +85,7 @@ class Trajectory:
             "schema": SCHEMA,
             "resumed_from": resumed_from,
             "rng_restored": rng_restored,
+            "checkpoint": None,  # file name (relative to the output) of the checkpoint saved at the end
             "start": None,
             "steps": [],
             "final": None,
@@ -99,6 +100,10 @@ class Trajectory:
 
     def finish(self, progress: Progress, evaluation: Mapping[str, Any] | None = None) -> None:
         self.doc["final"] = observe(self.state, progress, evaluation)
+
+    def saved(self, name: str) -> None:
+        """Record the checkpoint this process saved at its end (relative to its output folder)."""
+        self.doc["checkpoint"] = name
 
     def write(self, path: str | Path) -> None:
         data = json.dumps(self.doc, indent=None, separators=(",", ":")).encode()

@@ -194,14 +194,15 @@ def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, pro
         "continuous": PathRun("continuous", [*command, "--steps", str(steps), "--output", str(output / "continuous")], output / "continuous", output / "continuous.log"),
         "interrupted": PathRun("interrupted", [*command, "--steps", str(cut), "--output", str(output / "interrupted")], output / "interrupted", output / "interrupted.log"),
     }
-    ckpt = output / "interrupted" / "checkpoint.pt"
-    resume_argv = [*command, "--steps", str(steps - cut), "--resume", str(ckpt)]
-    runs["resume"] = PathRun("resume", [*resume_argv, "--output", str(output / "resume")], output / "resume", output / "resume.log")
-    runs["resume-without-rng"] = PathRun(
-        "resume-without-rng", [*resume_argv, "--omit-rng-restore", "--output", str(output / "resume-without-rng")],
-        output / "resume-without-rng", output / "resume-without-rng.log",
-    )
     for wave in (("continuous", "interrupted"), ("resume", "resume-without-rng")):
+        if wave[0] == "resume":
+            ckpt = saved_checkpoint(output / "interrupted")
+            resume_argv = [*command, "--steps", str(steps - cut), "--resume", str(ckpt)]
+            runs["resume"] = PathRun("resume", [*resume_argv, "--output", str(output / "resume")], output / "resume", output / "resume.log")
+            runs["resume-without-rng"] = PathRun(
+                "resume-without-rng", [*resume_argv, "--omit-rng-restore", "--output", str(output / "resume-without-rng")],
+                output / "resume-without-rng", output / "resume-without-rng.log",
+            )
         procs = {name: _launch(runs[name]) for name in wave}
         for name, proc in procs.items():
             rc = proc.wait()
@@ -225,6 +226,16 @@ def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, pro
                     hint="run the command by hand: " + " ".join(r.argv),
                 )
     return runs
+
+
+def saved_checkpoint(folder: Path) -> Path:
+    """The checkpoint the interrupted path saved: ``summary.json``'s ``checkpoint``
+    (relative to the folder), else ``checkpoint.pt``."""
+    try:
+        name = json.loads((folder / "summary.json").read_text()).get("checkpoint")
+    except (OSError, ValueError):
+        name = None
+    return folder / name if name else folder / "checkpoint.pt"
 
 
 @dataclass

@@ -6,6 +6,7 @@ activation checkpointing (recomputing activations in backward to save memory).
 
 __version__ = "0.1.0"
 
+from .async_save import AsyncCheckpointWriter, StagingBuffers
 from .data import EpochSampler
 from .errors import (
     BadInput,
@@ -21,31 +22,51 @@ from .errors import (
     VerificationFailed,
 )
 from .formats.torch_pt import Checkpoint, load_checkpoint, save_checkpoint
+from .history import History, read_history
+from .lock import RunLock, read_lock_holder
+from .retention import DEFAULT_RETENTION, KeepEvery, KeepLast, KeepSteps, parse_retention
 from .rng import RandomStreams
+from .session import Checkpointer, ForeignCheckpointWarning
 from .state import Progress, Stateful, TrainingState
+from .store import CheckpointStore, CheckpointWarning, Generation
 from .trajectory import Trajectory, read_trajectory
 
 __all__ = [
     "__version__",
+    "AsyncCheckpointWriter",
     "BadInput",
     "CheckFailed",
     "Checkpoint",
+    "CheckpointStore",
+    "CheckpointWarning",
+    "Checkpointer",
+    "DEFAULT_RETENTION",
     "EpochSampler",
+    "ForeignCheckpointWarning",
+    "Generation",
+    "History",
     "IdentityMismatch",
     "IntegrityError",
+    "KeepEvery",
+    "KeepLast",
+    "KeepSteps",
     "LockHeld",
     "MissingDependency",
     "OutputExists",
     "Progress",
     "RandomStreams",
     "RipresaError",
+    "RunLock",
     "SaveFailed",
     "SchemaError",
+    "StagingBuffers",
     "Stateful",
-    "TrainingState",
     "Trajectory",
-    "read_trajectory",
+    "TrainingState",
     "VerificationFailed",
     "load_checkpoint",
+    "parse_retention",
+    "read_history",
+    "read_lock_holder",
     "save_checkpoint",
 ]

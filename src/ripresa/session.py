@@ -283,9 +283,10 @@ class Checkpointer:
     def close(self, *, final_save: bool = False) -> None:
         """Finish the in-flight save (and optionally save the last step), release the folder."""
         try:
+            self._collect(block=True, must_succeed=True)
             if final_save and self.last_saved_step != self.progress.step:
                 self._save(self.progress.step, "final", must_succeed=True)
-            self._collect(block=True, must_succeed=True)
+                self._collect(block=True, must_succeed=True)
         finally:
             try:
                 self.history.sync()

@@ -1,0 +1,145 @@
+"""The Checkpointer in a real user loop (examples/loop/train.py): signals, kills, exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import EXAMPLES
+
+from ripresa.formats.andrea_bin import read_bin
+from ripresa.history import History, read_history
+from ripresa.store import CheckpointStore
+
+LOOP = EXAMPLES / "loop" / "train.py"
+
+
+def start(run, *args):
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.Popen([sys.executable, str(LOOP), "--run", str(run), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_step(run, step, proc, timeout=60):
+    hist = run / ".loss.jsonl"
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early: {proc.returncode} {proc.stderr.read()}")
+        if hist.exists():
+            view = read_history(hist)
+            if view.steps and max(view.steps) >= step:
+                return max(view.steps)
+        time.sleep(0.02)
+    raise AssertionError("timeout waiting for the trainer")
+
+
+def generations(run):
+    return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]
+
+
+def test_sigusr1_checkpoints_and_continues(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, "--steps", "100000", "--every", "0", "--sleep", "0.005")
+    try:
+        wait_for_step(run, 20, proc)
+        assert generations(run) == []
+        proc.send_signal(signal.SIGUSR1)
+        t0 = time.time()
+        while not generations(run) and time.time() - t0 < 30:
+            time.sleep(0.02)
+        gens = generations(run)
+        assert len(gens) == 1
+        reached = wait_for_step(run, gens[0] + 20, proc)  # still training
+        assert reached >= gens[0] + 20 and proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    events = read_history(run / ".loss.jsonl").events
+    sig = [e for e in events if e["event"] == "signal"]
+    assert sig[0]["action"] == "checkpoint" and "SIGUSR1" in sig[0]["signals"]
+    assert sig[-1]["action"] == "stop" and "SIGTERM" in sig[-1]["signals"]
+
+
+def test_sigterm_saves_the_step_reached_and_exits_0(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, "--steps", "100000", "--every", "0", "--sleep", "0.005")
+    wait_for_step(run, 30, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # a second SIGTERM must not abort the save
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    view = read_history(run / ".loss.jsonl")
+    last = max(view.steps)
+    assert generations(run) == [last]
+    ck = [e for e in view.events if e["event"] == "checkpoint"]
+    assert ck[-1]["step"] == last and ck[-1]["reason"] == "stop"
+    # Resume goes on from exactly that step.
+    res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", str(last + 5)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    resume = [e for e in read_history(run / ".loss.jsonl").events if e["event"] == "resume"]
+    assert resume[-1]["from_step"] == last
+
+
+def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
+    total = 400
+    ref = tmp_path / "ref"
+    res = subprocess.run([sys.executable, str(LOOP), "--run", str(ref), "--steps", str(total), "--every", "50"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    run = tmp_path / "run"
+    rnd = random.Random(7)
+    for _ in range(4):
+        proc = start(run, "--steps", total, "--every", "50")
+        time.sleep(rnd.uniform(2.5, 4.0))  # torch import ~2 s, then training
+        proc.kill()
+        proc.wait()
+    res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", str(total), "--every", "50"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    a = read_bin(ref / f"step_{total:06d}.bin")
+    b = read_bin(run / f"step_{total:06d}.bin")
+    assert np.array_equal(a.weights, b.weights) and np.array_equal(a.m, b.m) and np.array_equal(a.v, b.v)
+    ha, hb = read_history(ref / ".loss.jsonl"), read_history(run / ".loss.jsonl")
+    assert sorted(ha.steps) == sorted(hb.steps) == list(range(1, total + 1))
+    assert [ha.steps[s]["loss"] for s in ha.steps] == [hb.steps[s]["loss"] for s in ha.steps]
+    assert len([e for e in hb.events if e["event"] == "resume"]) >= 1
+
+
+def test_history_torn_line_is_ignored_and_never_corrupts(tmp_path):
+    path = tmp_path / ".loss.jsonl"
+    h = History(path)
+    for s in range(1, 4):
+        h.step(s, loss=float(s))
+    h.close()
+    with open(path, "ab") as f:
+        f.write(b'{"step":4,"loss":4.')  # killed mid-write
+    view = read_history(path)
+    assert sorted(view.steps) == [1, 2, 3] and view.skipped_lines == [4]
+    h = History(path)
+    assert h.repaired_torn_line
+    h.step(4, loss=4.5)
+    h.step(2, loss=2.5)  # a resumed run re-appends step 2: the last line wins
+    h.close()
+    view = read_history(path)
+    assert view.steps[4]["loss"] == 4.5 and view.steps[2]["loss"] == 2.5 and view.steps[1]["loss"] == 1.0
+    lines = path.read_bytes().splitlines()
+    assert json.loads(lines[0])["step"] == 1 and lines[3] == b'{"step":4,"loss":4.'  # never rewritten
+
+
+def test_fresh_refuses_a_non_empty_folder(tmp_path):
+    import ripresa
+
+    (tmp_path / "x").write_text("something")
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+    st = ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ripresa.BadInput, match="--fresh"):
+        ripresa.Checkpointer(tmp_path, st, fresh=True, handle_signals=False)

@@ -68,5 +68,6 @@ __all__ = [
     "parse_retention",
     "read_history",
     "read_lock_holder",
+    "read_trajectory",
     "save_checkpoint",
 ]

@@ -84,6 +84,49 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return verdict.exit_code
 
 
+# ----------------------------------------------------------------------------- inspect
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show what a .bin, checkpoint.pt or run folder holds, and whether it is valid",
+        description="Inspect an ANDREA .bin (header, size, sidecar, companion, statistics of weights/m/v), "
+        "a checkpoint.pt (hash, schema, progress, versions, identities, tensor statistics) or a run folder "
+        "(generations, which one a resume uses, LOCK holder, leftover temporaries). Read-only. "
+        "Exit 0 valid (a run folder: a resume finds a valid generation), 1 a check failed, 2 bad input.",
+        usage="ripresa inspect PATH [--json] [--check-finite] [--deep | --no-deep]",
+    )
+    p.add_argument("path", type=Path, help="a .bin, a checkpoint.pt or a run folder")
+    p.add_argument("--json", action="store_true", help="print one JSON document (keys: see ripresa.inspect) instead of tables")
+    p.add_argument("--check-finite", action="store_true", help="fail (exit 1) on NaN/Inf in weights, m, v or any floating tensor")
+    p.add_argument(
+        "--deep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="read every .bin in full: sha256 against marker and companion, statistics (default); "
+        "--no-deep reads only headers, sizes, markers and companions",
+    )
+    _COMMANDS["inspect"] = _cmd_inspect
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect import error_report, inspect_path, render_report
+
+    try:
+        report = inspect_path(args.path, check_finite=args.check_finite, deep=args.deep)
+    except RipresaError as exc:
+        if not args.json:
+            raise
+        print(f"ripresa inspect: error: {exc}", file=sys.stderr)
+        report = error_report(args.path, exc, check_finite=args.check_finite, deep=args.deep)
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2, allow_nan=False))
+    else:
+        render_report(report)
+    return report["exit_code"]
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -95,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_verify(sub)
     _add_demo(sub)
+    _add_inspect(sub)
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -182,6 +183,53 @@ def test_sidecar_passes_real_sha256sum_and_detects_damage(tmp_path):
     with pytest.raises(IntegrityError) as ei:
         read_bin(path, expected_sha256=read_sidecar(path))
     assert ei.value.exit_code == 1 and "sha256" in ei.value.message
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_read_with_hash_reads_the_file_once_and_detects_a_flipped_byte(tmp_path):
+    """read_bin(expected_sha256=...) reads each byte once: hashing rides on the data read."""
+    n = 350_000  # 4.2 MB
+    rng = np.random.default_rng(5)
+    w, m, v = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    path = tmp_path / bin_name(9)
+    digest = save_bin(path, 9, w, m, v)
+    size = path.stat().st_size
+    assert size == 8 + 12 * n
+    before = _rchar()
+    c = read_bin(path, expected_n=n, expected_sha256=digest.sha256)
+    read = _rchar() - before
+    assert size <= read < 1.2 * size, f"read {read} bytes for a {size}-byte file"
+    assert c.digest == digest
+    for a, b in ((c.weights, w), (c.m, m), (c.v, v)):
+        np.testing.assert_array_equal(a, b)
+    # mmap: hashing the mapped memory reads nothing through read(2)
+    before = _rchar()
+    cm = read_bin(path, expected_sha256=digest.sha256, mmap=True)
+    assert _rchar() - before < 0.2 * size and cm.digest == digest
+    np.testing.assert_array_equal(cm.v, v)
+    del cm
+    # one flipped bit in each region (and in the last byte) is still caught, both ways
+    good = path.read_bytes()
+    for offset in (8, 8 + 4 * n + 12345, 8 + 8 * n + 7, size - 1):
+        data = bytearray(good)
+        data[offset] ^= 0x10
+        path.write_bytes(bytes(data))
+        for use_mmap in (False, True):
+            with pytest.raises(IntegrityError, match="sha256 mismatch") as ei:
+                read_bin(path, expected_sha256=digest.sha256, mmap=use_mmap)
+            err = ei.value
+            assert err.exit_code == 1 and err.file == str(path)
+            assert err.expected == digest.sha256
+            assert err.found == hashlib.sha256(bytes(data)).hexdigest() != digest.sha256
+    path.write_bytes(good)
+    assert read_bin(path, expected_sha256=digest.sha256.upper()).digest == digest  # hex case-insensitive
 
 
 def test_sidecar_is_optional_without_is_absent_and_sidecar_false(tmp_path):

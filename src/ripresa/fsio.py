@@ -8,7 +8,13 @@ itself survives a power cut. An ``fsync`` error fails the save: a page that
 failed to reach the disk may be dropped by the kernel, so retrying and
 trusting the second answer would be a lie.
 
-All system calls go through :data:`ops`, an instance of :class:`FileOps`, so
+Reads of checkpoints and sidecars open through :func:`open_regular` (or its
+private core): open first (non-blocking, so a FIFO cannot hang the
+reader), then ``fstat`` the descriptor, so what is read is what was checked.
+:func:`read_exact_hashing` reads into the caller's buffers and hashes in the
+same pass, so a checkpoint is read *and* verified with one read of the disk.
+
+All system calls of a save go through :data:`ops`, an instance of :class:`FileOps`, so
 that tests can inject faults (``OSError`` at the n-th ``write``/``fsync``/
 ``rename``) or record the operations of a save, without mocking any class of
 the library.
@@ -21,9 +27,11 @@ import hashlib
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterable
+import stat
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import BadInput, IntegrityError, SaveFailed
 
@@ -32,7 +40,12 @@ from .errors import BadInput, IntegrityError, SaveFailed
 CHUNK = 8 * 1024 * 1024
 
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]{8}$")
-_SHA_LINE_RE = re.compile(r"^(?P<hex>[0-9a-f]{64}) [ *](?P<name>[^/\x00\n]+)\n?$")
+#: One ``sha256sum`` line; matched with ``fullmatch`` (``\Z``, not ``$``, so a
+#: second newline is refused). No ``/`` and no control characters (``\r``,
+#: NUL, ...) in the name.
+_SHA_LINE_RE = re.compile(r"(?P<hex>[0-9a-f]{64}) [ *](?P<name>[^/\x00-\x1f\x7f]+)\n?\Z")
+#: Largest sidecar accepted (bytes). A valid line is at most 64 + 2 + 255 + 1.
+SIDECAR_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -274,9 +287,18 @@ def _save_error(what: str, path: Path, exc: OSError) -> SaveFailed:
         f"save failed: {what}",
         file=path,
         expected="a durable write",
-        found=f"{type(exc).__name__}: [errno {exc.errno}] {os.strerror(exc.errno or 0)}",
+        found=_describe_oserror(exc),
         hint=hint,
     )
+
+
+def _describe_oserror(exc: OSError) -> str:
+    """``OSError: [errno 28 ENOSPC] No space left on device`` (errno number and name)."""
+    if exc.errno is None:
+        return f"{type(exc).__name__}: {exc}"
+    name = errno.errorcode.get(exc.errno, "?")
+    text = exc.strerror or os.strerror(exc.errno)
+    return f"{type(exc).__name__}: [errno {exc.errno} {name}] {text}"
 
 
 def fsync_dir(folder: str | Path) -> None:
@@ -320,44 +342,377 @@ def write_sidecar(path: str | Path, digest: Digest | str, *, sync_dir: bool = Tr
     return side
 
 
+# ---- reading: open what was checked, read it once -------------------------------
+
+
+def _kind_of(mode: int) -> str:
+    """A file type in words, for error messages."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    return "a special file"
+
+
+class _Refused(Exception):
+    """Why :func:`_open_checked` refused a path (mapped to a public error by the caller).
+
+    ``kind``: ``missing``, ``symlink``, ``folder``, ``special``, ``unreadable``
+    or ``error``; ``found``: what is there, in words.
+    """
+
+    def __init__(self, kind: str, found: str) -> None:
+        super().__init__(kind, found)
+        self.kind = kind
+        self.found = found
+
+
+def _open_checked(path: Path, *, follow_symlinks: bool = True) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only and return ``(fd, fstat)`` if it is a regular file.
+
+    ``O_NONBLOCK`` makes the open of a FIFO (or of a FIFO swapped in for a
+    file) return at once instead of waiting for a writer; ``fstat`` on the
+    *open descriptor* then decides, so there is no window between a check of
+    the path and the open. ``O_NONBLOCK`` is cleared again before returning.
+    Without ``follow_symlinks`` a symlink is refused (``O_NOFOLLOW``).
+    Reads do not go through :data:`ops` (its hook counts the save protocol's
+    operations).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as exc:
+        raise _Refused("missing", "nothing at this path") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            if not follow_symlinks and os.path.islink(path):
+                raise _Refused("symlink", "a symlink") from exc
+            raise _Refused("special", "a symlink loop") from exc
+        if exc.errno == errno.ENXIO:  # a socket, or a device with nothing behind it
+            raise _Refused("special", "a socket or device") from exc
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise _Refused("unreadable", _describe_oserror(exc)) from exc
+        raise _Refused("error", _describe_oserror(exc)) from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise _Refused("folder", "a folder")
+        if not stat.S_ISREG(st.st_mode):
+            raise _Refused("special", _kind_of(st.st_mode))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _open_error(path: Path, what: str, refused: _Refused) -> BadInput:
+    """The :class:`BadInput` for a refused open of ``path``."""
+    if refused.kind == "missing":
+        return BadInput(
+            f"{what} not found",
+            file=path,
+            expected="an existing file",
+            found="nothing at this path",
+            hint="check the path; `ripresa inspect RUN` lists the valid generations",
+        )
+    if refused.kind == "folder":
+        return BadInput(
+            f"{what} is a folder",
+            file=path,
+            expected="a regular file",
+            found="a folder",
+            hint=_FOLDER_HINT,
+        )
+    if refused.kind in ("special", "symlink"):
+        return BadInput(
+            f"{what} is not a regular file",
+            file=path,
+            expected="a regular file",
+            found=refused.found,
+            hint="ripresa never reads from special files",
+        )
+    if refused.kind == "unreadable":
+        return BadInput(
+            f"{what} is not readable",
+            file=path,
+            expected="read permission",
+            found=refused.found,
+            hint="check the file's permissions and owner",
+        )
+    return BadInput(
+        f"{what} could not be opened",
+        file=path,
+        expected="a readable regular file",
+        found=refused.found,
+        hint="check the disk and the path",
+    )
+
+
+_FOLDER_HINT = (
+    "give the path of a file inside the folder (e.g. RUN/checkpoint.pt); "
+    "`ripresa inspect RUN` lists a run folder's generations"
+)
+
+
+def open_regular(path: str | Path, what: str = "checkpoint") -> int:
+    """Open an existing regular file read-only; return the descriptor (caller closes).
+
+    The file is opened first (``O_RDONLY | O_NONBLOCK | O_CLOEXEC``) and the
+    *descriptor* is checked with ``fstat``, so what is read is exactly what
+    was checked, and a FIFO never blocks. ``O_NONBLOCK`` is cleared before
+    returning. A symlink to a regular file is followed.
+
+    Raises :class:`~ripresa.errors.BadInput` (naming file, expected, found and
+    a hint) for a missing path, a folder, a FIFO, socket or device, and a file
+    that cannot be opened (permissions, I/O error). ``what`` names the file in
+    the message (``"checkpoint"``, ``"ANDREA .bin"``, ...).
+    """
+    p = Path(path)
+    try:
+        fd, _ = _open_checked(p)
+    except _Refused as refused:
+        raise _open_error(p, what, refused) from refused.__cause__
+    return fd
+
+
+def _read_error(path: str | Path | None, what: str, exc: OSError, expected: str) -> BadInput:
+    return BadInput(
+        f"{what} could not be read",
+        file=path,
+        expected=expected,
+        found=_describe_oserror(exc),
+        hint="check the disk and the file's permissions",
+    )
+
+
+def read_exact_hashing(
+    fd: int,
+    views: Sequence[memoryview | bytearray],
+    hasher: Any | None = None,
+    *,
+    path: str | Path | None = None,
+    what: str = "file",
+    piece: int = CHUNK,
+    overlap: bool = True,
+) -> int:
+    """Fill every buffer in ``views``, in order, from ``fd``, hashing as it reads.
+
+    One pass: each piece (``piece`` bytes) is read straight into the caller's
+    buffer (``os.readv``, no intermediate copy) and then fed to ``hasher``
+    (anything with ``update``, e.g. ``hashlib.sha256()``; ``None`` to only
+    read). A reader can so read a 1.4 GB file into preallocated arrays *and*
+    verify its sha256 with one read of the disk. With ``overlap`` (and more
+    than two pieces) the hashing of a piece runs in one helper thread while
+    the next piece is read (``hashlib`` releases the GIL), in file order.
+
+    Returns the number of bytes read (the total length of ``views``). A file
+    that ends early raises :class:`~ripresa.errors.IntegrityError` (it shrank
+    while it was read); a read error raises :class:`~ripresa.errors.BadInput`.
+    ``path`` and ``what`` name the file in these errors.
+    """
+    flat = [v if isinstance(v, memoryview) else memoryview(v) for v in views]
+    flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in flat]
+    for v in flat:
+        if v.readonly:
+            raise ValueError("read_exact_hashing needs writable buffers")
+    total = sum(len(v) for v in flat)
+    if piece < 1:
+        raise ValueError("piece must be >= 1")
+    pieces = (v[start : start + piece] for v in flat for start in range(0, len(v), piece))
+    use_thread = hasher is not None and overlap and total > 2 * piece
+    done = 0
+
+    def fill(buf: memoryview) -> None:
+        nonlocal done
+        got_here = 0
+        want = len(buf)
+        while got_here < want:
+            try:
+                got = os.readv(fd, [buf[got_here:]])
+            except InterruptedError:  # pragma: no cover - PEP 475 retries already
+                continue
+            except OSError as exc:
+                raise _read_error(path, what, exc, f"{total} bytes") from exc
+            if got == 0:
+                raise IntegrityError(
+                    f"{what} ended early: it shrank while it was read",
+                    file=path,
+                    expected=f"{total} bytes",
+                    found=f"{done + got_here} bytes, then end of file",
+                    hint="another process is writing this file; read a committed generation",
+                )
+            got_here += got
+        done += want
+
+    if not use_thread:
+        for buf in pieces:
+            fill(buf)
+            if hasher is not None:
+                hasher.update(buf)
+        return done
+
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ripresa-hash") as pool:
+        pending: Future[None] | None = None
+        try:
+            for buf in pieces:
+                fill(buf)
+                if pending is not None:
+                    pending.result()  # keep the hash in file order
+                pending = pool.submit(hasher.update, buf)
+        finally:
+            if pending is not None:
+                pending.result()
+    return done
+
+
+def sha256_fd(fd: int, *, what: str = "file", path: str | Path | None = None) -> Digest:
+    """sha256 and size of everything ``fd`` reads from its current offset to EOF.
+
+    For a freshly opened descriptor (e.g. from :func:`open_regular`) that is
+    the whole file. One reused buffer; the descriptor is left open at EOF.
+    """
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    while True:
+        try:
+            n = os.readv(fd, [view])
+        except OSError as exc:
+            raise _read_error(path, what, exc, "a readable file") from exc
+        if not n:
+            break
+        h.update(view[:n])
+        size += n
+    return Digest(h.hexdigest(), size)
+
+
+def _fadvise(fd: int, advice_name: str) -> bool:
+    advice = getattr(os, advice_name, None)
+    if advice is None or not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, advice)
+    except OSError:
+        return False
+    return True
+
+
+def sha256_file(path: str | Path, *, drop_cache: bool = False, what: str = "file") -> Digest:
+    """Stream a regular file through sha256 with one reused buffer; return its digest.
+
+    Opened with :func:`open_regular` (a FIFO, folder or device is refused
+    with :class:`~ripresa.errors.BadInput`, never read or waited on). With
+    ``drop_cache`` the file's clean pages are dropped from the page cache
+    afterwards.
+    """
+    p = Path(path)
+    fd = open_regular(p, what)
+    try:
+        _fadvise(fd, "POSIX_FADV_SEQUENTIAL")
+        digest = sha256_fd(fd, what=what, path=p)
+        if drop_cache:
+            _fadvise(fd, "POSIX_FADV_DONTNEED")
+    finally:
+        os.close(fd)
+    return digest
+
+
+def drop_page_cache(path: str | Path) -> bool:
+    """Ask the kernel to drop ``path``'s cached pages (``POSIX_FADV_DONTNEED``).
+
+    For benchmarks of cold reads. No ``fsync`` is done: dirty pages (a file
+    written but not yet synced) stay cached; files published through
+    :class:`StagedFile` are already synced. Returns ``False`` where the
+    platform has no ``posix_fadvise`` or the advice failed. Refuses a path
+    that is not a regular file (:class:`~ripresa.errors.BadInput`).
+    """
+    fd = open_regular(path, "file")
+    try:
+        return _fadvise(fd, "POSIX_FADV_DONTNEED")
+    finally:
+        os.close(fd)
+
+
 def read_sidecar(path: str | Path) -> str:
     """Read and validate ``path.sha256``; return the expected sha256 (hex).
 
-    Refuses a missing marker, anything that is not a regular file, more than
-    one line, bad hex, wrong length, and a file name other than ``path``'s
-    own (no ``../`` or absolute paths: the sidecar can only vouch for its
-    neighbour).
+    Refuses (:class:`~ripresa.errors.IntegrityError`) a missing marker,
+    anything that is not a regular file (a symlink, folder or FIFO — opened
+    without following links and without blocking, and checked on the open
+    descriptor), more than :data:`SIDECAR_MAX` bytes (at most
+    ``SIDECAR_MAX + 1`` are ever read), more than one line, bad hex, wrong
+    length, and a file name other than ``path``'s own (no ``../`` or absolute
+    paths: the sidecar can only vouch for its neighbour). A sidecar that
+    cannot be read (permissions, I/O error) is :class:`~ripresa.errors.BadInput`.
     """
     p = Path(path)
     side = sidecar_path(p)
-    if not os.path.lexists(side):
-        raise IntegrityError(
-            "missing commit marker (sha256 sidecar): the save did not complete",
-            file=side,
-            expected=f"a file '{side.name}' written after '{p.name}'",
-            found="nothing",
-            hint="this generation is uncommitted; use an earlier one",
-        )
-    if side.is_symlink() or not side.is_file():
-        raise IntegrityError(
-            "sha256 sidecar is not a regular file",
-            file=side,
-            expected="a regular file",
-            found="a symlink" if side.is_symlink() else "a folder or special file",
-            hint="remove it; only ripresa's own sidecars are trusted",
-        )
-    raw = side.read_bytes()[:4096]
     try:
-        text = raw.decode("ascii")
+        fd, _ = _open_checked(side, follow_symlinks=False)
+    except _Refused as refused:
+        if refused.kind == "missing":
+            raise IntegrityError(
+                "missing commit marker (sha256 sidecar): the save did not complete",
+                file=side,
+                expected=f"a file '{side.name}' written after '{p.name}'",
+                found="nothing",
+                hint="this generation is uncommitted; use an earlier one",
+            ) from None
+        if refused.kind in ("symlink", "folder", "special"):
+            raise IntegrityError(
+                "sha256 sidecar is not a regular file",
+                file=side,
+                expected="a regular file",
+                found=refused.found,
+                hint="remove it; only ripresa's own sidecars are trusted",
+            ) from None
+        raise _open_error(side, "sha256 sidecar", refused) from refused.__cause__
+    try:
+        raw = bytearray()
+        while len(raw) <= SIDECAR_MAX:
+            try:
+                got = os.read(fd, SIDECAR_MAX + 1 - len(raw))
+            except OSError as exc:
+                raise _read_error(side, "sha256 sidecar", exc, "one sha256sum line") from exc
+            if not got:
+                break
+            raw += got
+    finally:
+        os.close(fd)
+    if len(raw) > SIDECAR_MAX:
+        raise IntegrityError(
+            "malformed sha256 sidecar: too large",
+            file=side,
+            expected=f"one line '<64 lowercase hex>  <file name>' (at most {SIDECAR_MAX} bytes)",
+            found=f"more than {SIDECAR_MAX} bytes, starting {bytes(raw[:60])!r}",
+            hint="the commit marker is damaged; this generation cannot be trusted",
+        )
+    try:
+        text: str | None = raw.decode("ascii")
     except UnicodeDecodeError:
         text = None
-    m = _SHA_LINE_RE.match(text) if text is not None else None
+    m = _SHA_LINE_RE.fullmatch(text) if text is not None else None
     if m is None:
         raise IntegrityError(
             "malformed sha256 sidecar",
             file=side,
             expected="one line '<64 lowercase hex>  <file name>'",
-            found=repr(raw[:120]),
+            found=repr(bytes(raw[:120])),
             hint="the commit marker is damaged; this generation cannot be trusted",
         )
     if m.group("name") != p.name:
@@ -372,7 +727,12 @@ def read_sidecar(path: str | Path) -> str:
 
 
 def require_regular_file(path: str | Path, what: str = "checkpoint") -> Path:
-    """Return ``path`` if it is an existing regular file, else a clear error."""
+    """Return ``path`` if it is an existing, readable regular file, else a clear error.
+
+    A check of the *path* for early, friendly errors; whoever then reads the
+    file must open it with :func:`open_regular` (which re-checks the open
+    descriptor), never trust this check alone.
+    """
     p = Path(path)
     if not os.path.lexists(p):
         raise BadInput(
@@ -383,13 +743,19 @@ def require_regular_file(path: str | Path, what: str = "checkpoint") -> Path:
             hint="check the path; `ripresa inspect RUN` lists the valid generations",
         )
     if p.is_dir():
-        raise BadInput(f"{what} is a folder", file=p, expected="a regular file", found="a folder")
+        raise BadInput(
+            f"{what} is a folder", file=p, expected="a regular file", found="a folder", hint=_FOLDER_HINT
+        )
     if not p.is_file():
+        try:
+            found = _kind_of(os.stat(p).st_mode)
+        except OSError:
+            found = "a dangling symlink"
         raise BadInput(
             f"{what} is not a regular file",
             file=p,
             expected="a regular file",
-            found="a FIFO, socket or device",
+            found=found,
             hint="ripresa never reads from special files",
         )
     if not os.access(p, os.R_OK):
@@ -397,39 +763,11 @@ def require_regular_file(path: str | Path, what: str = "checkpoint") -> Path:
     return p
 
 
-def sha256_file(path: str | Path, *, drop_cache: bool = False) -> Digest:
-    """Stream a file through sha256 with one reused buffer; return its digest."""
-    p = Path(path)
-    h = hashlib.sha256()
-    size = 0
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(p, "rb", buffering=0) as f:
-        fd = f.fileno()
-        if hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except OSError:
-                pass
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
-        if drop_cache and hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-    return Digest(h.hexdigest(), size)
-
-
 def verify_against_sidecar(path: str | Path) -> Digest:
     """Check ``path`` against ``path.sha256``; return its digest or raise."""
     p = require_regular_file(path)
     expected = read_sidecar(p)
-    digest = sha256_file(p)
+    digest = sha256_file(p, what="checkpoint")
     if digest.sha256 != expected:
         raise IntegrityError(
             "sha256 mismatch: the file changed after it was committed",

@@ -28,14 +28,15 @@ never invented.
 
 from __future__ import annotations
 
+import hashlib
+import mmap as _mmap
 import os
 import re
-import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -47,8 +48,8 @@ from ..fsio import (
     Digest,
     StagedFile,
     fsync_dir,
-    require_regular_file,
-    sha256_file,
+    open_regular,
+    read_exact_hashing,
     sidecar_path,
     write_sidecar,
 )
@@ -154,60 +155,22 @@ class BinHeader:
 def _open_regular(path: Path) -> tuple[int, int]:
     """Open ``path`` read-only; return ``(fd, size)``. Refuses non-regular files.
 
-    ``O_NONBLOCK`` makes the open of a FIFO swapped in after the check return
-    at once instead of hanging; ``fstat`` on the open descriptor then decides,
-    so what is read is exactly what was checked.
+    :func:`ripresa.fsio.open_regular` opens without blocking and checks the
+    open descriptor, so a FIFO never hangs the reader and what is read is
+    exactly what was checked.
     """
-    require_regular_file(path, "ANDREA .bin")
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = open_regular(path, "ANDREA .bin")
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise BadInput(
-            "ANDREA .bin could not be opened",
-            file=path,
-            expected="a readable regular file",
-            found=f"{type(exc).__name__}: {exc.strerror}",
-        ) from exc
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+        size = os.fstat(fd).st_size
+    except BaseException:
         os.close(fd)
-        raise BadInput(
-            "ANDREA .bin is not a regular file",
-            file=path,
-            expected="a regular file",
-            found="a folder, FIFO, socket or device",
-            hint="ripresa never reads from special files",
-        )
-    if hasattr(os, "set_blocking"):
-        os.set_blocking(fd, True)
-    return fd, st.st_size
+        raise
+    return fd, size
 
 
-def _read_exact(fd: int, buf: memoryview, path: Path, what: str) -> None:
-    """Fill ``buf`` from ``fd``; a short read means the file shrank under us."""
-    done = 0
-    total = len(buf)
-    while done < total:
-        try:
-            got = os.readv(fd, [buf[done:]])
-        except OSError as exc:
-            raise BadInput(
-                "ANDREA .bin could not be read",
-                file=path,
-                expected=f"{total} bytes of {what}",
-                found=f"{type(exc).__name__}: {exc.strerror}",
-                hint="check the disk / the file's permissions",
-            ) from exc
-        if got == 0:
-            raise IntegrityError(
-                "ANDREA .bin shrank while it was read",
-                file=path,
-                expected=f"{total} bytes of {what}",
-                found=f"{done} bytes",
-                hint="another process is writing this file; read a committed generation",
-            )
-        done += got
+def _read_exact(fd: int, buf: memoryview, path: Path, hasher: Any | None = None) -> None:
+    """Fill ``buf`` from ``fd`` (hashing it if asked); a short read means the file shrank."""
+    read_exact_hashing(fd, [buf], hasher, path=path, what="ANDREA .bin")
 
 
 def _check_header(raw: bytes, size: int, path: Path, expected_n: int | None) -> BinHeader:
@@ -285,7 +248,7 @@ def read_header(path: str | os.PathLike[str], *, expected_n: int | None = None) 
     fd, size = _open_regular(p)
     try:
         raw = bytearray(min(size, HEADER_SIZE))
-        _read_exact(fd, memoryview(raw), p, "header")
+        _read_exact(fd, memoryview(raw), p)
     finally:
         os.close(fd)
     return _check_header(bytes(raw), size, p, expected_n)
@@ -561,12 +524,18 @@ def read_bin(
     expected_sha256: str | None = None,
     mmap: bool = False,
 ) -> BinContents:
-    """Read a ``.bin``: header → size → (hash) → data → (finite check).
+    """Read a ``.bin``: header → size → data (hashed as read) → digest → (finite check).
 
-    Nothing is allocated before the header and the size are validated (and,
-    with ``expected_sha256``, the content hash matches, streamed through
-    :func:`ripresa.fsio.sha256_file`). No sidecar or companion is needed: a
-    foreign ``.bin`` loads; see :func:`describe_missing` for what it lacks.
+    Nothing is allocated before the header and the size are validated. The
+    file is read *once*: with ``expected_sha256`` the regions are read
+    straight into their preallocated arrays and hashed in the same pass
+    (:func:`ripresa.fsio.read_exact_hashing`), and the digest is compared
+    before the arrays are returned (a mismatch is an
+    :class:`~ripresa.errors.IntegrityError` naming the file, the expected and
+    the found hash; the arrays are dropped). With ``mmap`` the mapped memory
+    is hashed, which pages the file in once for both. No sidecar or companion
+    is needed: a foreign ``.bin`` loads; see :func:`describe_missing` for what
+    it lacks.
 
     Args:
         expected_n: the model's parameter count; a mismatch is a
@@ -575,37 +544,37 @@ def read_bin(
         expected_sha256: lowercase hex the file must hash to (e.g. from
             :func:`ripresa.fsio.read_sidecar` or the companion).
         mmap: map the file copy-on-write instead of reading it (no
-            allocation; the arrays are writable but never write back).
+            allocation; the arrays are writable but never write back). The
+            map is of the descriptor that was checked, not of the path.
     """
     p = Path(path)
     fd, size = _open_regular(p)
+    hasher = hashlib.sha256() if expected_sha256 is not None else None
     try:
         raw = bytearray(min(size, HEADER_SIZE))
-        _read_exact(fd, memoryview(raw), p, "header")
+        _read_exact(fd, memoryview(raw), p)
         header = _check_header(bytes(raw), size, p, expected_n)
         n = header.n_params
-        digest: Digest | None = None
-        if expected_sha256 is not None:
-            digest = sha256_file(p)
-            if digest.sha256 != expected_sha256.lower() or digest.size != size:
-                raise IntegrityError(
-                    "sha256 mismatch: the .bin is not the file that was committed",
-                    file=p,
-                    expected=expected_sha256,
-                    found=digest.sha256,
-                    hint="the file is damaged (truncated, bit rot, or edited); use an earlier generation",
-                )
         if mmap:
-            block = np.memmap(p, dtype=FLOAT, mode="c", offset=HEADER_SIZE, shape=(3, n))
+            # Map the descriptor that was checked (not the path again); private
+            # (copy-on-write), so the arrays are writable but never write back.
+            mapped = _mmap.mmap(fd, size, access=_mmap.ACCESS_COPY)
+            if hasher is not None:
+                if hasattr(mapped, "madvise") and hasattr(_mmap, "MADV_SEQUENTIAL"):
+                    try:
+                        mapped.madvise(_mmap.MADV_SEQUENTIAL)
+                    except OSError:
+                        pass
+                hasher.update(mapped)  # the mapped pages are the ones the arrays see
+            block = np.frombuffer(mapped, dtype=FLOAT, count=3 * n, offset=HEADER_SIZE).reshape(3, n)
             regions = {name: block[i] for i, name in enumerate(REGIONS)}
         else:
-            regions = {}
-            for name in REGIONS:
-                arr = np.empty(n, dtype=FLOAT)
-                view = memoryview(arr).cast("B")
-                for start in range(0, len(view), CHUNK):
-                    _read_exact(fd, view[start : start + CHUNK], p, name)
-                regions[name] = arr
+            if hasher is not None:
+                hasher.update(raw)
+            regions = {name: np.empty(n, dtype=FLOAT) for name in REGIONS}
+            # One pass: straight into the arrays, hashed as read.
+            views = [memoryview(regions[name]).cast("B") for name in REGIONS]
+            read_exact_hashing(fd, views, hasher, path=p, what="ANDREA .bin")
             try:
                 extra = os.read(fd, 1)
             except OSError:
@@ -620,6 +589,18 @@ def read_bin(
                 )
     finally:
         os.close(fd)
+    digest: Digest | None = None
+    if hasher is not None and expected_sha256 is not None:
+        found = hasher.hexdigest()
+        if found != expected_sha256.lower():
+            raise IntegrityError(
+                "sha256 mismatch: the .bin is not the file that was committed",
+                file=p,
+                expected=expected_sha256,
+                found=found,
+                hint="the file is damaged (truncated, bit rot, or edited); use an earlier generation",
+            )
+        digest = Digest(found, size)
     if check_finite:
         _check_finite(p, header, regions)
     return BinContents(

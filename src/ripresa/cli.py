@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import __version__
-from .errors import RipresaError
+from .errors import BadInput, RipresaError
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, Handler] = {}
@@ -127,6 +127,75 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return report["exit_code"]
 
 
+# ----------------------------------------------------------------------------- train
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train the ANDREA byte-level GPT with checkpoints, signals, sample audits and a data mixture",
+        description="Train the ANDREA byte-level GPT. With --run, resumes automatically from the newest valid "
+        "generation. With --output (the `ripresa verify` contract), --steps counts this process's steps and the "
+        "folder must not exist. SIGTERM/Ctrl-C: checkpoint and exit 0; SIGUSR1: checkpoint and continue.",
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", type=Path, help="run folder (created, or resumed)")
+    where.add_argument("--output", type=Path, help="new folder (verification contract)")
+    p.add_argument("--config", help="tiny | andrea-12m | andrea-120m | FILE.toml (default: the run's config.json, else tiny)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-3")
+    p.add_argument("--source", dest="sources", action="append", default=[], metavar="NAME=PATH", help="add a text file or folder as a data arm")
+    p.add_argument("--steps", type=int, help="steps to run in this process (default: until train.max_steps)")
+    p.add_argument("--every", type=int, help="checkpoint cadence in steps (default 100; 0 = signals only)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--fresh", action="store_true", help="refuse a non-empty run folder instead of resuming")
+    p.add_argument("--resume", type=Path, help="start from this step_NNNNNN.bin (another folder's generation, or a foreign .bin)")
+    p.add_argument("--omit-rng-restore", action="store_true", help="verification negative case: do not restore random streams")
+    p.add_argument("--no-audit", action="store_true", help="no sample audits")
+    p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--allow-version-change", action="store_true")
+    p.add_argument("--allow-code-change", action="store_true")
+    p.add_argument("--allow-data-change", action="store_true")
+    _COMMANDS["train"] = _cmd_train
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .gpt.train import TrainArgs, run
+
+    if args.steps is not None and args.steps < 0:
+        raise BadInput("--steps must be >= 0", found=args.steps)
+    return run(TrainArgs(
+        run=args.run, output=args.output, config=args.config, sets=tuple(args.sets), sources=tuple(args.sources),
+        steps=args.steps, every=args.every, device=args.device, fresh=args.fresh, resume=args.resume,
+        omit_rng_restore=args.omit_rng_restore, audit=not args.no_audit, asynchronous=not args.sync,
+        quiet=args.quiet, threads=args.threads, allow_version_change=args.allow_version_change,
+        allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
+    ))
+
+
+# ----------------------------------------------------------------------------- signal
+def _add_signal(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("signal", help="ask the process training RUN to checkpoint (SIGUSR1) or stop (SIGTERM)")
+    p.add_argument("run", type=Path, help="run folder")
+    p.add_argument("action", choices=["checkpoint", "stop"])
+    _COMMANDS["signal"] = _cmd_signal
+
+
+def _cmd_signal(args: argparse.Namespace) -> int:
+    import os
+    import signal as _signal
+
+    from .lock import read_lock_holder
+
+    holder = read_lock_holder(args.run)
+    if holder is None:
+        raise BadInput("no process is training this run", file=args.run, expected="a live writer holding LOCK",
+                       found="the lock is free", hint="start it with `ripresa train --run ...`")
+    sig = _signal.SIGUSR1 if args.action == "checkpoint" else _signal.SIGTERM
+    os.kill(holder.pid, sig)
+    print(f"sent {sig.name} to pid {holder.pid} ({args.action})")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -138,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_verify(sub)
     _add_demo(sub)
+    _add_train(sub)
+    _add_signal(sub)
     _add_inspect(sub)
     return parser
 

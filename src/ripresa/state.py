@@ -28,9 +28,9 @@ import torch
 
 from .errors import IdentityMismatch, SchemaError
 from .formats.torch_pt import FORMAT, FORMAT_VERSION, Checkpoint
-from .identity import COMPARED_VERSIONS, code_identity, data_identity, versions
+from .identity import COMPARED_VERSIONS, code_identity, versions
+from .identity import data_identity as compute_data_identity
 from .rng import RandomStreams
-
 
 #: Optimizer state entries that an ANDREA .bin carries (m and v).
 BIN_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -86,6 +86,7 @@ class TrainingState:
         config: the resolved config (JSON-like primitives).
         code_files: the training code files whose sha256 is the code identity.
         data_sources: ``name -> path or bytes`` hashed into the data identity.
+        data_identity: ``name -> sha256`` already computed by the caller.
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class TrainingState:
         config: Mapping[str, Any] | None = None,
         code_files: Iterable[str | Path] = (),
         data_sources: Mapping[str, str | Path | bytes] | None = None,
+        data_identity: Mapping[str, str] | None = None,
         device: str | None = None,
     ) -> None:
         self.model = model
@@ -114,7 +116,7 @@ class TrainingState:
                 raise TypeError(f"object {name!r} lacks state_dict()/load_state_dict()")
         self.config = dict(config or {})
         self.code = code_identity(code_files)
-        self.data_identity = data_identity(data_sources or {})
+        self.data_identity = {**compute_data_identity(data_sources or {}), **dict(data_identity or {})}
         self.versions = versions(device)
         #: changes accepted at resumes (versions/code/data), carried forward.
         self.lineage: list[dict[str, Any]] = []

@@ -1,0 +1,320 @@
+"""``ripresa train``: the ANDREA byte-level GPT, trained through the public Checkpointer.
+
+Reads top to bottom: resolve the config → build data sources, bandit mixture,
+model, AdamW, schedule → describe the state → open the run folder (resume) →
+train, with a checkpoint every ``--every`` steps (asynchronous), a sample
+audit at the same cadence, SIGTERM/SIGUSR1 handled at step boundaries, and one
+history line per step.
+
+Two ways to name the run folder:
+
+* ``--run runs/NAME`` — a long run: resumes from the newest valid generation
+  if there is one (and says so); ``--fresh`` refuses a non-empty folder.
+* ``--output DIR`` — the ``ripresa verify`` contract: ``DIR`` must not exist,
+  ``--steps N`` counts the steps of this process, ``--resume step_NNNNNN.bin``
+  starts from another folder's generation, ``--omit-rng-restore`` is the
+  negative case; a generation is saved at the end and ``summary.json`` is
+  written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import BadInput, OutputExists
+from ..fsio import write_atomic
+from ..mixture import BanditMixture, MixturePolicy, ZombieArmWarning
+from ..rng import RandomStreams
+from ..session import Checkpointer
+from ..state import TrainingState
+from ..trajectory import Trajectory
+from .config import resolve_config
+from .model import GPT, from_config_dict
+from .sources import TextSource, source_from_spec
+
+SAMPLES_NAME = ".samples.json"
+STATE_NAME = ".state.json"
+
+
+@dataclass
+class TrainArgs:
+    """What ``ripresa train`` was asked (see ``ripresa train --help``)."""
+
+    run: Path | None = None
+    output: Path | None = None
+    config: str | None = None
+    sets: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+    steps: int | None = None
+    every: int | None = None
+    device: str = "auto"
+    fresh: bool = False
+    resume: Path | None = None
+    omit_rng_restore: bool = False
+    audit: bool = True
+    asynchronous: bool = True
+    quiet: bool = False
+    threads: int | None = None
+    allow_version_change: bool = False
+    allow_code_change: bool = False
+    allow_data_change: bool = False
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda but CUDA is not available", expected="a CUDA device", found="CPU only",
+                       hint="use --device auto or cpu")
+    if choice not in ("cpu", "cuda"):
+        raise BadInput("unknown --device", expected="auto, cpu or cuda", found=choice)
+    return torch.device(choice)
+
+
+def lr_at(step: int, t: dict[str, Any]) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine to ``min_lr`` at ``max_steps``."""
+    lr, min_lr, warm, total = t["lr"], t["min_lr"], t["warmup_steps"], max(1, t["max_steps"])
+    if step < warm:
+        return lr * (step + 1) / warm
+    frac = min(1.0, (step - warm) / max(1, total - warm))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (lr - min_lr)
+
+
+class MixtureSlot:
+    """The bandit as a ``Stateful`` of the checkpoint, with the seed's two rules.
+
+    * A saved state of an earlier *phase* (a pivot happened) is not loaded:
+      the bandit starts fresh under the new policy.
+    * Arms of the saved state whose source no longer exists are zombie arms:
+      dropped with a warning (and a history event written by the trainer).
+    """
+
+    def __init__(self, mixture: BanditMixture) -> None:
+        self.mixture = mixture
+        self.skipped_for_pivot: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.mixture.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state.get("phase", 0)) != self.mixture.phase:
+            self.skipped_for_pivot = int(state.get("phase", 0))
+            return
+        self.mixture.load_state_dict(state)
+
+
+class SamplerSlot:
+    """The crop sampler as a ``Stateful``; non-strict only when arms were dropped on purpose."""
+
+    def __init__(self, sampler: Any, strict: bool) -> None:
+        self.sampler, self.strict = sampler, strict
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state, strict=self.strict)
+
+
+def load_arms(specs: list[str], history_notes: list[dict[str, Any]]) -> dict[str, TextSource]:
+    """Build every configured source; a user source whose path vanished is a zombie arm."""
+    arms: dict[str, TextSource] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if sep and not os.path.exists(path):
+            msg = f"data source '{name}' ({path}) no longer exists: its arm is dropped (zombie arm)"
+            warnings.warn(msg, ZombieArmWarning, stacklevel=2)
+            history_notes.append({"event": "zombie_arm", "arm": name, "path": path, "reason": "source missing"})
+            continue
+        src = source_from_spec(spec)
+        arms[src.name] = src
+    if not arms:
+        raise BadInput("no data source is available", expected="at least one", found=specs)
+    return arms
+
+
+def write_samples(run_dir: Path, doc: dict[str, Any]) -> None:
+    write_atomic(run_dir / SAMPLES_NAME, [json.dumps(doc, indent=1).encode() + b"\n"])
+
+
+def run(args: TrainArgs) -> int:
+    """Train; returns the exit code (0: done or stopped by a signal with a checkpoint)."""
+    if (args.run is None) == (args.output is None):
+        raise BadInput("give exactly one of --run or --output", expected="--run DIR or --output DIR")
+    if args.output is not None and os.path.lexists(args.output):
+        raise OutputExists("output folder already exists", file=args.output, expected="a new folder",
+                           found="an existing path", hint="--output never reuses a folder; use --run to resume one")
+    run_dir = args.run if args.run is not None else args.output
+    assert run_dir is not None
+    if args.fresh and run_dir.exists() and any(run_dir.iterdir()):
+        raise BadInput("--fresh refuses a run folder that is not empty", file=run_dir,
+                       hint="choose a new --run folder, or drop --fresh to resume this one")
+    cfg = resolve_config(args.config, args.sets, run_dir if args.output is None else None, args.sources)
+    if args.every is not None:
+        cfg["train"]["every"] = args.every
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    t = cfg["train"]
+
+    # ---- data: the arms and the bandit that mixes them -------------------------
+    notes: list[dict[str, Any]] = []
+    arms = load_arms(list(cfg["data"]["sources"]), notes)
+    dropped = {n["arm"] for n in notes}
+    policy = MixturePolicy.from_dict({k: {a: v for a, v in cfg["mixture"].get(k, {}).items() if a not in dropped}
+                                      for k in ("floors", "caps")})
+    seed = int(t["seed"])
+    torch.manual_seed(seed)
+    data_gen = np.random.Generator(np.random.PCG64(seed))  # crop offsets
+    mix_gen = np.random.Generator(np.random.PCG64(seed + 1))  # the bandit's arm draws
+    from .sources import CropSampler
+
+    mconf = from_config_dict(cfg["model"])
+    sampler = CropSampler(arms, mconf.block_size, t["batch_size"], data_gen)
+    mixture = BanditMixture(list(arms), policy, mix_gen, phase=int(cfg["mixture"].get("phase", 0)))
+
+    # ---- model, optimizer, schedule, mixed precision ----------------------------
+    model = GPT(mconf).to(device)
+    optimizer = model.configure_optimizer(t["lr"], t["weight_decay"], tuple(t["betas"]), device.type)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t["lr"] if t["lr"] else 1.0)
+    amp_dtype = None
+    scaler = None
+    if device.type == "cuda":
+        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if amp_dtype == torch.float16:
+            scaler = torch.amp.GradScaler("cuda")
+
+    # ---- the state ripresa saves, and the session over the run folder ------------
+    mixture_slot = MixtureSlot(mixture)
+    state = TrainingState(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        data=SamplerSlot(sampler, strict=not dropped),
+        rng=RandomStreams(numpy={"data": data_gen, "mixture": mix_gen}),
+        objects={"mixture": mixture_slot}, config=cfg,
+        code_files=[Path(__file__), Path(__file__).with_name("model.py"), Path(__file__).with_name("sources.py")],
+        data_identity=sampler.data_identity(), device=str(device),
+    )
+    audit_cfg = cfg["audit"]
+    samples_doc: dict[str, Any] = {"phase": mixture.phase, "audits": []}
+    if args.run is not None and (run_dir / SAMPLES_NAME).is_file():
+        try:
+            samples_doc = json.loads((run_dir / SAMPLES_NAME).read_text())
+        except ValueError:
+            samples_doc = {"phase": mixture.phase, "audits": [], "note": "previous .samples.json was unreadable"}
+
+    def audit(step: int) -> None:
+        if not (args.audit and audit_cfg.get("enabled", True)):
+            return
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # its own stream, never the training one
+        prompts = list(audit_cfg["prompts"])
+        out = []
+        for prompt in prompts:
+            idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                y = model.generate(idx, audit_cfg["max_new_tokens"], generator=gen,
+                                   temperature=audit_cfg["temperature"], top_k=audit_cfg["top_k"])
+            out.append({"prompt": prompt, "completion": bytes(y[0, idx.size(1):].tolist()).decode("utf-8", "replace")})
+        samples_doc["audits"] = [a for a in samples_doc["audits"] if a["step"] < step] + [{"step": step, "samples": out}]
+        write_samples(run_dir, samples_doc)
+
+    ckpt = Checkpointer(
+        run_dir, state, every=t["every"], asynchronous=args.asynchronous,
+        on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
+        allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
+        allow_data_change=args.allow_data_change or bool(dropped),
+    )
+    try:
+        for note in notes:
+            ckpt.history.append(note)
+        start = ckpt.resume(from_path=args.resume, restore_rng=not args.omit_rng_restore)
+        for z in mixture.dropped_arms:
+            ckpt.history.event("zombie_arm", arm=z["arm"], pulls=z.get("pulls"), ema_reward=z.get("ema_reward"),
+                               reason="bandit state names a source this run does not have")
+        if mixture_slot.skipped_for_pivot is not None:
+            ckpt.history.event("bandit_fresh", reason="pivot", saved_phase=mixture_slot.skipped_for_pivot,
+                               phase=mixture.phase, policy=policy.to_dict())
+        say = (lambda *a: None) if args.quiet else print
+        if start:
+            say(f"resumed {run_dir} at step {start} ({ckpt.resumed_from.bin.name if ckpt.resumed_from else args.resume})")
+        n_params = sum(p.numel() for p in model.parameters())
+        goal = start + args.steps if args.steps is not None else t["max_steps"]
+        say(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {device}, steps {start}→{goal}, "
+            f"checkpoint every {t['every']} → {run_dir}")
+        traj = None
+        if args.output is not None:
+            traj = Trajectory(state, resumed_from=str(args.resume) if args.resume else None,
+                              rng_restored=not args.omit_rng_restore)
+            traj.start(ckpt.progress)
+        stopped = train_loop(model, optimizer, scheduler, scaler, amp_dtype, device, sampler, mixture, ckpt,
+                             start, goal, t, traj, args.quiet)
+        if args.output is not None and not stopped:
+            ckpt.save_now("final")
+        last = ckpt.progress.step
+        if traj is not None:
+            traj.finish(ckpt.progress)
+            traj.saved(f"step_{last:06d}.bin")
+            traj.write(run_dir / "summary.json")
+    finally:
+        ckpt.close(final_save=False)
+    say(f"{'stopped by signal' if stopped else 'done'} at step {last}; checkpoints, .loss.jsonl, "
+        f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
+    return 0
+
+
+def train_loop(model, optimizer, scheduler, scaler, amp_dtype, device, sampler, mixture, ckpt, start, goal, t, traj, quiet) -> bool:
+    """Steps ``start+1 .. goal``; returns True when stopped by a signal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    tokens_per_step = t["batch_size"] * sampler.block_size
+    columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+               TextColumn("{task.fields[rate]} steps/s"), TextColumn("next ckpt {task.fields[next]}"), TimeElapsedColumn()]
+    last_t, last_step = time.perf_counter(), start
+    rate = 0.0
+    with Progress(*columns, disable=quiet, transient=False) as bar:
+        task = bar.add_task("train", total=goal, completed=start, loss="—", rate="—", next="—")
+        for step in range(start + 1, goal + 1):
+            arm = mixture.choose()
+            x, y, offsets = sampler.batch(arm)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                _, loss = model(x, y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            else:
+                loss.backward()
+            if t["grad_clip"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+            loss_value = float(loss.item())
+            mixture.update(arm, loss_value)
+            if traj is not None:
+                traj.step(step, rows=offsets, lr=lr, loss=loss_value, arm=arm)
+            stop = ckpt.step_done(step, loss=loss_value, lr=lr, arm=arm, tokens=tokens_per_step)
+            now = time.perf_counter()
+            if now - last_t >= 0.5 or stop or step == goal:
+                rate = (step - last_step) / (now - last_t) if now > last_t else 0.0
+                last_t, last_step = now, step
+                nxt = ckpt.steps_to_next_checkpoint()
+                eta = f"{nxt / rate:.0f}s" if nxt is not None and rate > 0 else "—"
+                bar.update(task, completed=step, loss=f"{loss_value:.4f}", rate=f"{rate:.1f}", next=eta)
+            if stop:
+                return True
+    return False

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,6 +31,12 @@ from typing import Any
 
 import numpy as np
 import torch
+
+# Imported here, before any seeding or restore, on purpose: importing rich draws
+# from Python's global `random` (rich.style seeds an id counter with
+# getrandbits). Imported lazily after a restore, that draw shifted the restored
+# stream — the resume verifier caught it (next_draws.python at the end).
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import BadInput, OutputExists
 from ..fsio import write_atomic
@@ -174,6 +181,10 @@ def run(args: TrainArgs) -> int:
     policy = MixturePolicy.from_dict({k: {a: v for a, v in cfg["mixture"].get(k, {}).items() if a not in dropped}
                                       for k in ("floors", "caps")})
     seed = int(t["seed"])
+    # Seed every global stream, even those this engine does not draw from: an
+    # unseeded one differs between processes, and the verifier compares them all.
+    random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
     data_gen = np.random.Generator(np.random.PCG64(seed))  # crop offsets
     mix_gen = np.random.Generator(np.random.PCG64(seed + 1))  # the bandit's arm draws
@@ -254,14 +265,14 @@ def run(args: TrainArgs) -> int:
         if args.output is not None:
             traj = Trajectory(state, resumed_from=str(args.resume) if args.resume else None,
                               rng_restored=not args.omit_rng_restore)
-            traj.start(ckpt.progress)
+            traj.start(ckpt.progress, {"loss": evaluate(model, sampler, device, amp_dtype)})
         stopped = train_loop(model, optimizer, scheduler, scaler, amp_dtype, device, sampler, mixture, ckpt,
                              start, goal, t, traj, args.quiet)
         if args.output is not None and not stopped:
             ckpt.save_now("final")
         last = ckpt.progress.step
         if traj is not None:
-            traj.finish(ckpt.progress)
+            traj.finish(ckpt.progress, {"loss": evaluate(model, sampler, device, amp_dtype)})
             traj.saved(f"step_{last:06d}.bin")
             traj.write(run_dir / "summary.json")
     finally:
@@ -271,10 +282,26 @@ def run(args: TrainArgs) -> int:
     return 0
 
 
+@torch.no_grad()
+def evaluate(model: GPT, sampler: Any, device: torch.device, amp_dtype: torch.dtype | None) -> float:
+    """Mean loss over a fixed batch of each arm (own generator, eval mode): the run's evaluation output."""
+    gen = np.random.Generator(np.random.PCG64(20260924))
+    was = model.training
+    model.eval()
+    losses = []
+    T = sampler.block_size
+    for arm, src in sampler.sources.items():
+        offs = gen.integers(0, len(src) - T, size=4, dtype=np.int64)
+        buf = torch.from_numpy(src.data[offs[:, None] + np.arange(T + 1)].astype(np.int64)).to(device)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            _, loss = model(buf[:, :-1], buf[:, 1:])
+        losses.append(float(loss.item()))
+    model.train(was)
+    return float(sum(losses) / len(losses))
+
+
 def train_loop(model, optimizer, scheduler, scaler, amp_dtype, device, sampler, mixture, ckpt, start, goal, t, traj, quiet) -> bool:
     """Steps ``start+1 .. goal``; returns True when stopped by a signal."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     tokens_per_step = t["batch_size"] * sampler.block_size
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                TextColumn("{task.fields[rate]} steps/s"), TextColumn("next ckpt {task.fields[next]}"), TimeElapsedColumn()]

@@ -254,7 +254,7 @@ def run(args: TrainArgs) -> int:
         if mixture_slot.skipped_for_pivot is not None:
             ckpt.history.event("bandit_fresh", reason="pivot", saved_phase=mixture_slot.skipped_for_pivot,
                                phase=mixture.phase, policy=policy.to_dict())
-        say = (lambda *a: None) if args.quiet else print
+        say = print  # --quiet only hides the progress bar
         if start:
             say(f"resumed {run_dir} at step {start} ({ckpt.resumed_from.bin.name if ckpt.resumed_from else args.resume})")
         n_params = sum(p.numel() for p in model.parameters())

@@ -290,7 +290,7 @@ def evaluate(model: GPT, sampler: Any, device: torch.device, amp_dtype: torch.dt
     model.eval()
     losses = []
     T = sampler.block_size
-    for arm, src in sampler.sources.items():
+    for src in sampler.sources.values():
         offs = gen.integers(0, len(src) - T, size=4, dtype=np.int64)
         buf = torch.from_numpy(src.data[offs[:, None] + np.arange(T + 1)].astype(np.int64)).to(device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):

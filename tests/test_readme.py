@@ -45,6 +45,12 @@ def test_make_demo_runs_the_main_job(tmp_path):
     assert "agrees within 1e-12" in res.stdout and "divergence detected" in res.stdout
     report = json.loads((out / "verify" / "verification.json").read_text())
     assert report["all_checks_passed"] is True
+    # The engine's cycle: a SIGUSR1 generation off the cadence, a SIGTERM stop, a resume.
+    assert "sent SIGUSR1" in res.stdout and "sent SIGTERM" in res.stdout and "exit code 0" in res.stdout
+    assert "resumed" in res.stdout
+    events = [json.loads(line) for line in (out / "gpt" / ".loss.jsonl").read_text().splitlines() if '"event"' in line]
+    kinds = [e["event"] for e in events]
+    assert "signal" in kinds and "resume" in kinds and kinds.count("checkpoint") >= 4
 
 
 def test_readme_exercise_commands(tmp_path):

@@ -63,25 +63,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- demo
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the main job of `make demo`: verify the reference exercise end to end")
+    p = sub.add_parser("demo", help="the main job of `make demo`: the resume proof, then the engine's checkpoint/signal/resume cycle")
     p.add_argument("--output", type=Path, default=None, help="folder to create (default runs/demo-TIMESTAMP)")
     _COMMANDS["demo"] = _cmd_demo
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from .demo import run_demo
 
-    from .verify import reference_exercise_command, render_verdict, verify_resume
-
-    console = Console()
     out = args.output or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    console.rule("[bold]ripresa demo[/] — proving a resume exact on the 33-parameter reference exercise")
-    t0 = time.perf_counter()
-    verdict = verify_resume(reference_exercise_command(), output=out / "verify", steps=10, cut=5)
-    render_verdict(verdict, console)
-    console.print(f"\n{time.perf_counter() - t0:.1f} s · files: {out / 'verify'}  (verification.json, and one folder per path "
-                  "with checkpoint.pt, checkpoint.pt.sha256, summary.json)")
-    return verdict.exit_code
+    return run_demo(out)
 
 
 # ----------------------------------------------------------------------------- inspect

@@ -187,6 +187,48 @@ def _cmd_signal(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- pivot / fork
+def _add_pivot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pivot", help="change the data-mixture policy of a run without retraining (the seed's pivot)")
+    p.add_argument("run", type=Path, help="run folder (running or stopped)")
+    p.add_argument("--caps", nargs="+", default=[], metavar="ARM=X", help="new maximum shares")
+    p.add_argument("--floors", nargs="+", default=[], metavar="ARM=Y", help="new minimum shares")
+    p.add_argument("--restart", action="store_true", help="restart the trainer detached (log in RUN/train.log)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the trainer's checkpoint and stop")
+    _COMMANDS["pivot"] = _cmd_pivot
+
+
+def _cmd_pivot(args: argparse.Namespace) -> int:
+    from .pivot import pivot
+
+    r = pivot(args.run, caps=args.caps, floors=args.floors, restart=args.restart, timeout=args.timeout)
+    print(f"pivot at step {r['step']} (phase {r['phase']}): archived {r['archived'] or 'nothing'} into {r['archive']}")
+    print(f"new policy: {r['policy']}")
+    if r["restarted"]:
+        print(f"restarted the trainer (pid {r['restarted']}), log: {args.run / 'train.log'}")
+    else:
+        print(f"resume with: {r['command']}")
+    return 0
+
+
+def _add_fork(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fork", help="copy generation N (hash-verified) into a new run, with overrides")
+    p.add_argument("run", type=Path, help="parent run folder")
+    p.add_argument("--step", type=int, required=True, help="the generation to fork from")
+    p.add_argument("--into", type=Path, required=True, help="new run folder (must not exist or be empty)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-3")
+    _COMMANDS["fork"] = _cmd_fork
+
+
+def _cmd_fork(args: argparse.Namespace) -> int:
+    from .fork import fork
+
+    r = fork(args.run, args.step, args.into, args.sets)
+    print(f"forked {args.run} at step {r['step']} into {r['into']} (bin sha256 {r['bin_sha256'][:16]}…, overrides {r['overrides']})")
+    print(f"continue with: {r['command']}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -200,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_train(sub)
     _add_signal(sub)
+    _add_pivot(sub)
+    _add_fork(sub)
     _add_inspect(sub)
     return parser
 

@@ -196,8 +196,11 @@ def run(args: TrainArgs) -> int:
 
     # ---- model, optimizer, schedule, mixed precision ----------------------------
     model = GPT(mconf).to(device)
-    optimizer = model.configure_optimizer(t["lr"], t["weight_decay"], tuple(t["betas"]), device.type)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, t) / t["lr"] if t["lr"] else 1.0)
+    optimizer = model.configure_optimizer(lr_at(0, t), t["weight_decay"], tuple(t["betas"]), device.type)
+    # The LR schedule is a pure function of (step, config) — `lr_at` — applied
+    # before every step, so it has no state of its own to save: the optimizer's
+    # param groups (saved) hold the LR in use, and a fork that overrides
+    # train.lr or the schedule takes effect at its first step.
     amp_dtype = None
     scaler = None
     if device.type == "cuda":
@@ -208,7 +211,7 @@ def run(args: TrainArgs) -> int:
     # ---- the state ripresa saves, and the session over the run folder ------------
     mixture_slot = MixtureSlot(mixture)
     state = TrainingState(
-        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        model=model, optimizer=optimizer, scaler=scaler,
         data=SamplerSlot(sampler, strict=not dropped),
         rng=RandomStreams(numpy={"data": data_gen, "mixture": mix_gen}),
         objects={"mixture": mixture_slot}, config=cfg,
@@ -266,7 +269,8 @@ def run(args: TrainArgs) -> int:
             traj = Trajectory(state, resumed_from=str(args.resume) if args.resume else None,
                               rng_restored=not args.omit_rng_restore)
             traj.start(ckpt.progress, {"loss": evaluate(model, sampler, device, amp_dtype)})
-        stopped = train_loop(model, optimizer, scheduler, scaler, amp_dtype, device, sampler, mixture, ckpt,
+        apply_hyperparameters(optimizer, t, start)
+        stopped = train_loop(model, optimizer, scaler, amp_dtype, device, sampler, mixture, ckpt,
                              start, goal, t, traj, args.quiet)
         if args.output is not None and not stopped:
             ckpt.save_now("final")
@@ -300,7 +304,20 @@ def evaluate(model: GPT, sampler: Any, device: torch.device, amp_dtype: torch.dt
     return float(sum(losses) / len(losses))
 
 
-def train_loop(model, optimizer, scheduler, scaler, amp_dtype, device, sampler, mixture, ckpt, start, goal, t, traj, quiet) -> bool:
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, t: dict[str, Any], step: int) -> None:
+    """Set the config's hyper-parameters on the (possibly restored) param groups.
+
+    For an exact resume these are the values already restored (a no-op); for
+    a fork or a pivot with overrides, the new values apply from the next step.
+    Group 0 decays, group 1 (biases, LayerNorms) does not.
+    """
+    for i, g in enumerate(optimizer.param_groups):
+        g["lr"] = lr_at(step, t)
+        g["weight_decay"] = float(t["weight_decay"]) if i == 0 else 0.0
+        g["betas"] = (float(t["betas"][0]), float(t["betas"][1]))
+
+
+def train_loop(model, optimizer, scaler, amp_dtype, device, sampler, mixture, ckpt, start, goal, t, traj, quiet) -> bool:
     """Steps ``start+1 .. goal``; returns True when stopped by a signal."""
     tokens_per_step = t["batch_size"] * sampler.block_size
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
@@ -313,7 +330,9 @@ def train_loop(model, optimizer, scheduler, scaler, amp_dtype, device, sampler, 
             arm = mixture.choose()
             x, y, offsets = sampler.batch(arm)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            lr = optimizer.param_groups[0]["lr"]
+            lr = lr_at(step - 1, t)  # the LR of this update (pure function of the step)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 _, loss = model(x, y)
@@ -329,7 +348,6 @@ def train_loop(model, optimizer, scheduler, scaler, amp_dtype, device, sampler, 
                 scaler.update()
             else:
                 optimizer.step()
-            scheduler.step()
             loss_value = float(loss.item())
             mixture.update(arm, loss_value)
             if traj is not None:

@@ -1,0 +1,132 @@
+"""``ripresa pivot``: a policy change without retraining — the seed's sequence at step 112,619.
+
+1. The new policy (floors and caps of the data mixture) is validated against
+   the run's arms **before** anything is stopped.
+2. If a trainer holds the run: SIGUSR1 (a checkpoint, the audit point right
+   before the change) and wait until it is committed; then SIGTERM (it saves
+   the step it reached and exits 0) and wait until the run folder's lock is free.
+3. With the lock held by this command: ``.samples.json`` and ``.state.json``
+   are moved into ``archive/pivot_NNNNNN/`` (NNNNNN = the newest valid
+   generation, the pivot step); ``.loss.jsonl`` stays where it is and gets a
+   ``pivot`` event; ``config.json`` gets the new policy and the next phase.
+4. ``--restart`` starts ``ripresa train --run RUN`` detached (output to
+   ``RUN/train.log``); otherwise the exact command is printed.
+
+The resumed run has full weights, m and v (the generation), a fresh bandit
+(the saved bandit belongs to the previous phase and is not loaded), a fresh
+sample log, and a continuous history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import BadInput, CheckFailed
+from .fsio import fsync_dir, write_atomic
+from .gpt.config import load_config_file
+from .gpt.train import SAMPLES_NAME, STATE_NAME
+from .history import HISTORY_NAME, History
+from .lock import RunLock, read_lock_holder
+from .mixture import MixturePolicy, parse_policy_args
+from .store import CheckpointStore
+
+
+def _arms(cfg: dict[str, Any]) -> list[str]:
+    return [spec.partition("=")[0] for spec in cfg["data"]["sources"]]
+
+
+def new_policy(cfg: dict[str, Any], caps: Sequence[str], floors: Sequence[str]) -> MixturePolicy:
+    """The run's policy with the given overrides, validated against its arms."""
+    current = MixturePolicy.from_dict({"floors": cfg["mixture"].get("floors", {}), "caps": cfg["mixture"].get("caps", {})})
+    delta = parse_policy_args(caps=list(caps), floors=list(floors))
+    merged = MixturePolicy(floors={**current.floors, **delta.floors}, caps={**current.caps, **delta.caps})
+    merged.validate(_arms(cfg))
+    return merged
+
+
+def _newest_valid(run: Path) -> int | None:
+    gen = CheckpointStore(run, writer=False).latest_valid(deep=False, warn=False)
+    return gen.step if gen else None
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise CheckFailed(f"timed out waiting for {what}", hint="the trainer did not respond; check RUN/train.log")
+
+
+def stop_trainer(run: Path, timeout: float = 600) -> dict[str, Any]:
+    """SIGUSR1 → committed generation → SIGTERM → lock free. Returns what happened."""
+    holder = read_lock_holder(run)
+    if holder is None:
+        return {"trainer": None}
+    before = _newest_valid(run)
+    os.kill(holder.pid, signal.SIGUSR1)
+    _wait(lambda: (_newest_valid(run) or -1) > (before if before is not None else -1), timeout, "the SIGUSR1 checkpoint")
+    audit_step = _newest_valid(run)
+    os.kill(holder.pid, signal.SIGTERM)
+    _wait(lambda: read_lock_holder(run) is None, timeout, "the trainer to stop")
+    return {"trainer": holder.pid, "sigusr1_step": audit_step, "stopped_at": _newest_valid(run)}
+
+
+def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), restart: bool = False,
+          timeout: float = 600) -> dict[str, Any]:
+    """Perform the pivot (see the module doc); returns a report."""
+    run = Path(run)
+    cfg_path = run / "config.json"
+    if not cfg_path.is_file():
+        raise BadInput("not a ripresa train run folder", file=run, expected="config.json", found="nothing")
+    cfg = load_config_file(cfg_path)
+    if not caps and not floors:
+        raise BadInput("a pivot needs a new policy", expected="--caps ARM=X and/or --floors ARM=Y")
+    policy = new_policy(cfg, caps, floors)  # refused here, before anything is stopped
+    stopped = stop_trainer(run, timeout)
+    lock = RunLock(run).acquire()
+    try:
+        step = _newest_valid(run)
+        if step is None:
+            raise CheckFailed("the run has no valid generation to pivot from", file=run,
+                              hint="train until a checkpoint exists (or send `ripresa signal RUN checkpoint`)")
+        archive = run / "archive" / f"pivot_{step:06d}"
+        archive.mkdir(parents=True, exist_ok=True)
+        moved = []
+        for name in (SAMPLES_NAME, STATE_NAME):
+            src = run / name
+            if src.exists():
+                os.replace(src, archive / name)  # atomic within the folder's filesystem
+                moved.append(name)
+        fsync_dir(archive)
+        fsync_dir(run)
+        old = {"floors": dict(cfg["mixture"].get("floors", {})), "caps": dict(cfg["mixture"].get("caps", {}))}
+        phase = int(cfg["mixture"].get("phase", 0)) + 1
+        cfg["mixture"].update(policy.to_dict())
+        cfg["mixture"]["phase"] = phase
+        history = History(run / HISTORY_NAME)
+        history.event("pivot", step=step, phase=phase, old_policy=old, new_policy=policy.to_dict(),
+                      archived=[f"archive/pivot_{step:06d}/{n}" for n in moved], trainer=stopped)
+        history.sync()
+        history.close()
+        write_atomic(cfg_path, [json.dumps(cfg, indent=2).encode() + b"\n"])
+    finally:
+        lock.release()
+    command = [sys.executable, "-m", "ripresa", "train", "--run", str(run)]
+    report = {"step": step, "phase": phase, "archive": str(archive), "archived": moved, "policy": policy.to_dict(),
+              "stopped": stopped, "command": " ".join(command), "restarted": None}
+    if restart:
+        log = open(run / "train.log", "ab")
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=os.getcwd())
+        log.close()
+        report["restarted"] = proc.pid
+    return report

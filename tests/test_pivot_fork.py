@@ -153,4 +153,4 @@ def test_fork_refuses_bad_sources_and_destinations(tmp_path):
     res = ripresa_cli("fork", parent, "--step", "10", "--into", tmp_path / "y")
     assert res.returncode == 1 and "sha256" in res.stderr
     assert not (tmp_path / "y").exists()
-    assert [g.step for g in CheckpointStore(parent, writer=False).generations() if g.valid] == [20]
+    assert [g.step for g in CheckpointStore(parent, writer=False).generations(deep=True) if g.valid] == [20]

@@ -229,6 +229,46 @@ def _cmd_fork(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- plot / compare
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="PNG of a run: loss and EMA, checkpoints, events, arm shares")
+    p.add_argument("run", type=Path, help="run folder")
+    p.add_argument("--png", type=Path, help="output file (default RUN/plot.png)")
+    _COMMANDS["plot"] = _cmd_plot
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plots import plot_run
+
+    print(f"wrote {plot_run(args.run, args.png)}")
+    return 0
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="which of several runs (e.g. forks) converges lower, from the fork point")
+    p.add_argument("runs", type=Path, nargs="+", help="two or more run folders")
+    p.add_argument("--png", type=Path, help="PNG of the curves")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _COMMANDS["compare"] = _cmd_compare
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .plots import compare_runs, render_comparison
+
+    result = compare_runs(args.runs, args.png)
+    if args.json:
+        import json
+
+        print(json.dumps(result, indent=2))
+    else:
+        from rich.console import Console
+
+        render_comparison(result, Console())
+        if args.png:
+            print(f"wrote {args.png}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -244,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_signal(sub)
     _add_pivot(sub)
     _add_fork(sub)
+    _add_plot(sub)
+    _add_compare(sub)
     _add_inspect(sub)
     return parser
 

@@ -96,11 +96,21 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
     assert res.returncode == 0, res.stderr
     run = tmp_path / "run"
     rnd = random.Random(7)
+    kills = 0
     for _ in range(4):
+        done = max(read_history(run / ".loss.jsonl").steps or [0]) if (run / ".loss.jsonl").exists() else 0
+        if done >= total - 20:
+            break
         proc = start(run, "--steps", total, "--every", "50")
-        time.sleep(rnd.uniform(2.5, 4.0))  # torch import ~2 s, then training
-        proc.kill()
-        proc.wait()
+        try:
+            wait_for_step(run, done + 1, proc)  # training has started in this process
+            time.sleep(rnd.uniform(0.0, 0.3))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                kills += 1
+            proc.wait()
+    assert kills >= 1
     res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", str(total), "--every", "50"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     a = read_bin(ref / f"step_{total:06d}.bin")

@@ -269,6 +269,20 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- generate
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete a file of prompts into a crash-safe JSONL ledger (restartable, exactly once)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    _COMMANDS["generate"] = _cmd_generate
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .ledger import main as ledger_main
+
+    return ledger_main(args.rest)
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -286,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fork(sub)
     _add_plot(sub)
     _add_compare(sub)
+    _add_generate(sub)
     _add_inspect(sub)
     return parser
 
@@ -294,6 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ripresa`` and ``python -m ripresa``; returns the exit code."""
     raw = list(sys.argv[1:] if argv is None else argv)
     own, trainer = _split_command(raw)
+    if own[:1] == ["generate"]:  # its options are parsed by ripresa.ledger (one parser, one place)
+        from .ledger import main as ledger_main
+
+        return ledger_main(own[1:])
     parser = build_parser()
     args = parser.parse_args(own)
     args.trainer = trainer

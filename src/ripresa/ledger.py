@@ -779,7 +779,7 @@ def _top_k(text: str) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ripresa.ledger RUN --inputs FILE --out OUT.jsonl [--step N] ...``; returns the exit code."""
-    p = argparse.ArgumentParser(prog="python -m ripresa.ledger",
+    p = argparse.ArgumentParser(prog="ripresa generate",
                                 description="Complete a file of prompts, one per line, into a crash-safe JSONL ledger.")
     p.add_argument("run", type=Path)
     p.add_argument("--inputs", type=Path, required=True)

@@ -15,6 +15,18 @@ Two ways to name the run folder:
   starts from another folder's generation, ``--omit-rng-restore`` is the
   negative case; a generation is saved at the end and ``summary.json`` is
   written.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the same command trains on
+every rank: DDP by default (gloo on CPU, nccl on CUDA), FSDP2
+(``fully_shard`` of each block and of the model) with ``--shard fsdp``.
+``train.batch_size`` is per rank (the global batch is ``batch_size x world
+size``); every rank draws its crops from its own stream, ``PCG64(seed)``
+jumped ``rank`` times, saved per rank; all ranks pick the same arm (one shared
+bandit, updated with the mean loss over the ranks); the history logs that mean
+loss. Rank 0 holds the lock and writes the history, ``config.json``,
+``.samples.json`` and ``.state.json``; DDP generations are ``.bin`` files
+written by rank 0, FSDP2 generations ``step_NNNNNN.dcp`` folders written by
+all ranks (see :mod:`ripresa.distributed`).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import torch
 # stream — the resume verifier caught it (next_draws.python at the end).
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..distributed import DistContext, init_from_env, rank_generator, rank_seed, torchrun_env
 from ..errors import BadInput, OutputExists
 from ..fsio import write_atomic
 from ..mixture import BanditMixture, MixturePolicy, ZombieArmWarning
@@ -75,6 +88,7 @@ class TrainArgs:
     allow_version_change: bool = False
     allow_code_change: bool = False
     allow_data_change: bool = False
+    shard: str = "ddp"
 
 
 def pick_device(choice: str) -> torch.device:
@@ -158,6 +172,37 @@ def run(args: TrainArgs) -> int:
     """Train; returns the exit code (0: done or stopped by a signal with a checkpoint)."""
     if (args.run is None) == (args.output is None):
         raise BadInput("give exactly one of --run or --output", expected="--run DIR or --output DIR")
+    if args.shard not in ("ddp", "fsdp"):
+        raise BadInput("unknown --shard", expected="ddp or fsdp", found=args.shard)
+    env = torchrun_env()
+    if args.shard == "fsdp" and env is None:
+        raise BadInput("--shard fsdp needs a process group", expected="a launch by torchrun",
+                       hint="torchrun --standalone --nproc_per_node=N -m ripresa train --shard fsdp ...")
+    device = pick_device(args.device)
+    created_group = False
+    if env is not None:
+        import torch.distributed as tdist
+
+        was = tdist.is_available() and tdist.is_initialized()
+        if init_from_env(device.type, need_group=args.shard == "fsdp"):
+            created_group = not was
+            if device.type == "cuda":
+                device = torch.device("cuda", env["local_rank"])
+    try:
+        return _run(args, device)
+    finally:
+        if created_group:
+            import torch.distributed as tdist
+
+            tdist.destroy_process_group()
+
+
+def _run(args: TrainArgs, device: torch.device) -> int:
+    import torch.distributed as tdist
+
+    group = tdist.is_available() and tdist.is_initialized()
+    rank = tdist.get_rank() if group else 0
+    world = tdist.get_world_size() if group else 1
     if args.output is not None and os.path.lexists(args.output):
         raise OutputExists("output folder already exists", file=args.output, expected="a new folder",
                            found="an existing path", hint="--output never reuses a folder; use --run to resume one")
@@ -166,12 +211,13 @@ def run(args: TrainArgs) -> int:
     if args.fresh and run_dir.exists() and any(run_dir.iterdir()):
         raise BadInput("--fresh refuses a run folder that is not empty", file=run_dir,
                        hint="choose a new --run folder, or drop --fresh to resume this one")
+    if group:
+        tdist.barrier()  # every rank has looked at the folder before rank 0 creates anything in it
     cfg = resolve_config(args.config, args.sets, run_dir if args.output is None else None, args.sources)
     if args.every is not None:
         cfg["train"]["every"] = args.every
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
     t = cfg["train"]
 
     # ---- data: the arms and the bandit that mixes them -------------------------
@@ -186,7 +232,8 @@ def run(args: TrainArgs) -> int:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    data_gen = np.random.Generator(np.random.PCG64(seed))  # crop offsets
+    # crop offsets: rank r draws from PCG64(seed) jumped r times (rank 0: the single-process stream)
+    data_gen = rank_generator(seed, rank) if group else np.random.Generator(np.random.PCG64(seed))
     mix_gen = np.random.Generator(np.random.PCG64(seed + 1))  # the bandit's arm draws
     from .sources import CropSampler
 
@@ -196,6 +243,26 @@ def run(args: TrainArgs) -> int:
 
     # ---- model, optimizer, schedule, mixed precision ----------------------------
     model = GPT(mconf).to(device)
+    forward = model  # what the training step calls: the model, or its DDP wrapper
+    if group:
+        if rank > 0:
+            # Every rank built the same initial weights (same seed); from here on
+            # each rank's global streams (dropout masks) are its own.
+            random.seed(rank_seed(seed, rank))
+            np.random.seed(rank_seed(seed, rank) % 2**32)
+            torch.manual_seed(rank_seed(seed, rank))
+        if args.shard == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (world,))
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        elif world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = model.configure_optimizer(lr_at(0, t), t["weight_decay"], tuple(t["betas"]), device.type)
     # The LR schedule is a pure function of (step, config) — `lr_at` — applied
     # before every step, so it has no state of its own to save: the optimizer's
@@ -229,6 +296,8 @@ def run(args: TrainArgs) -> int:
     def audit(step: int) -> None:
         if not (args.audit and audit_cfg.get("enabled", True)):
             return
+        if rank != 0 and args.shard != "fsdp":
+            return  # a replicated model: rank 0 samples alone (a sharded forward needs every rank)
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # its own stream, never the training one
         prompts = list(audit_cfg["prompts"])
         out = []
@@ -239,7 +308,8 @@ def run(args: TrainArgs) -> int:
                                    temperature=audit_cfg["temperature"], top_k=audit_cfg["top_k"])
             out.append({"prompt": prompt, "completion": bytes(y[0, idx.size(1):].tolist()).decode("utf-8", "replace")})
         samples_doc["audits"] = [a for a in samples_doc["audits"] if a["step"] < step] + [{"step": step, "samples": out}]
-        write_samples(run_dir, samples_doc)
+        if rank == 0:
+            write_samples(run_dir, samples_doc)
 
     ckpt = Checkpointer(
         run_dir, state, every=t["every"], asynchronous=args.asynchronous,
@@ -251,39 +321,57 @@ def run(args: TrainArgs) -> int:
         for note in notes:
             ckpt.history.append(note)
         start = ckpt.resume(from_path=args.resume, restore_rng=not args.omit_rng_restore)
+        dist_ctx: DistContext | None = ckpt.dist
+        if dist_ctx is not None and ckpt.world_change is not None:
+            # A rank the saved run did not have starts fresh streams; the bandit's
+            # stream is shared by all ranks, so every rank takes rank 0's.
+            mix_gen.bit_generator.state = dist_ctx.broadcast(mix_gen.bit_generator.state)
         for z in mixture.dropped_arms:
             ckpt.history.event("zombie_arm", arm=z["arm"], pulls=z.get("pulls"), ema_reward=z.get("ema_reward"),
                                reason="bandit state names a source this run does not have")
         if mixture_slot.skipped_for_pivot is not None:
             ckpt.history.event("bandit_fresh", reason="pivot", saved_phase=mixture_slot.skipped_for_pivot,
                                phase=mixture.phase, policy=policy.to_dict())
-        say = print  # --quiet only hides the progress bar
+        say = print if rank == 0 else (lambda *a, **k: None)  # --quiet only hides the progress bar
         if start:
-            say(f"resumed {run_dir} at step {start} ({ckpt.resumed_from.bin.name if ckpt.resumed_from else args.resume})")
+            origin = ckpt.resumed_from
+            say(f"resumed {run_dir} at step {start} ({_gen_name(origin) if origin else args.resume})")
         n_params = sum(p.numel() for p in model.parameters())
         goal = start + args.steps if args.steps is not None else t["max_steps"]
-        say(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {device}, steps {start}→{goal}, "
+        where = f"{device}" if not group else f"{world} rank(s) on {device.type} ({args.shard}, {tdist.get_backend()})"
+        say(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {where}, steps {start}→{goal}, "
             f"checkpoint every {t['every']} → {run_dir}")
         traj = None
         if args.output is not None:
-            traj = Trajectory(state, resumed_from=str(args.resume) if args.resume else None,
-                              rng_restored=not args.omit_rng_restore)
-            traj.start(ckpt.progress, {"loss": evaluate(model, sampler, device, amp_dtype)})
+            eval_loss = evaluate(model, sampler, device, amp_dtype)  # every rank: a sharded forward is collective
+            if rank == 0:
+                traj = Trajectory(state, resumed_from=str(args.resume) if args.resume else None,
+                                  rng_restored=not args.omit_rng_restore)
+                traj.start(ckpt.progress, {"loss": eval_loss})
         apply_hyperparameters(optimizer, t, start)
-        stopped = train_loop(model, optimizer, scaler, amp_dtype, device, sampler, mixture, ckpt,
-                             start, goal, t, traj, args.quiet)
+        stopped = train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, ckpt,
+                             start, goal, t, traj, args.quiet or rank != 0, model=model)
+        gen = None
         if args.output is not None and not stopped:
-            ckpt.save_now("final")
+            gen = ckpt.save_now("final")
         last = ckpt.progress.step
-        if traj is not None:
-            traj.finish(ckpt.progress, {"loss": evaluate(model, sampler, device, amp_dtype)})
-            traj.saved(f"step_{last:06d}.bin")
-            traj.write(run_dir / "summary.json")
+        if args.output is not None:
+            eval_loss = evaluate(model, sampler, device, amp_dtype)
+            if traj is not None:
+                traj.finish(ckpt.progress, {"loss": eval_loss})
+                traj.saved(_gen_name(gen) if gen is not None else f"step_{last:06d}.bin")
+                traj.write(run_dir / "summary.json")
     finally:
         ckpt.close(final_save=False)
     say(f"{'stopped by signal' if stopped else 'done'} at step {last}; checkpoints, .loss.jsonl, "
         f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
     return 0
+
+
+def _gen_name(gen: Any) -> str:
+    """``step_NNNNNN.bin`` or ``step_NNNNNN.dcp`` of a generation."""
+    path = getattr(gen, "bin", None) if not hasattr(gen, "kind") else gen.path
+    return path.name if path is not None else str(gen)
 
 
 @torch.no_grad()
@@ -317,9 +405,17 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, t: dict[str, Any], s
         g["betas"] = (float(t["betas"][0]), float(t["betas"][1]))
 
 
-def train_loop(model, optimizer, scaler, amp_dtype, device, sampler, mixture, ckpt, start, goal, t, traj, quiet) -> bool:
-    """Steps ``start+1 .. goal``; returns True when stopped by a signal."""
-    tokens_per_step = t["batch_size"] * sampler.block_size
+def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, ckpt, start, goal, t, traj, quiet,
+               model=None) -> bool:
+    """Steps ``start+1 .. goal``; returns True when stopped by a signal.
+
+    ``forward`` is what the step calls (the model, or its DDP wrapper);
+    ``model`` the module whose parameters are clipped (default: ``forward``).
+    """
+    model = forward if model is None else model
+    dist_ctx = ckpt.dist
+    world = dist_ctx.world_size if dist_ctx is not None else 1
+    tokens_per_step = t["batch_size"] * sampler.block_size * world
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                TextColumn("{task.fields[rate]} steps/s"), TextColumn("next ckpt {task.fields[next]}"), TimeElapsedColumn()]
     last_t, last_step = time.perf_counter(), start
@@ -335,7 +431,7 @@ def train_loop(model, optimizer, scaler, amp_dtype, device, sampler, mixture, ck
                 g["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                _, loss = model(x, y)
+                _, loss = forward(x, y)
             if scaler is not None:
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
@@ -349,6 +445,8 @@ def train_loop(model, optimizer, scaler, amp_dtype, device, sampler, mixture, ck
             else:
                 optimizer.step()
             loss_value = float(loss.item())
+            if dist_ctx is not None:
+                loss_value = dist_ctx.mean(loss_value)  # the bandit is shared: every rank updates it alike
             mixture.update(arm, loss_value)
             if traj is not None:
                 traj.step(step, rows=offsets, lr=lr, loss=loss_value, arm=arm)

@@ -1,0 +1,399 @@
+"""Sharded generations written with ``torch.distributed.checkpoint`` (DESIGN §3.3).
+
+One generation of an FSDP2 run::
+
+    step_NNNNNN.dcp/              the DCP folder
+        .metadata                 DCP's index (written by rank 0)
+        __R_0.distcp              the shards of rank R (one file per rank)
+        ripresa.json              the companion: everything DCP does not hold
+    step_NNNNNN.dcp.sha256        the commit marker, written last: one
+                                  ``sha256sum`` line per file of the folder
+
+``ripresa.json`` holds the same state as a ``.bin``'s companion (progress,
+scheduler, scaler, data position, ``Stateful`` objects, random streams, config,
+versions, code and data identity), with per-rank random streams and data
+positions in ``state.extra.distributed.ranks``, plus the size of every DCP file.
+Model and optimizer (weights, m, v, per-parameter steps, hyper-parameters) are
+in the DCP files, keyed by parameter name, so they load on any number of ranks.
+
+Commit protocol (every rank, then rank 0):
+
+1. every rank writes its shards into ``.step_NNNNNN.dcp.partial`` (DCP fsyncs
+   each file; rank 0 writes ``.metadata`` once all ranks have written);
+2. a barrier: every rank finished its part;
+3. rank 0 writes ``ripresa.json`` into the folder, fsyncs it and the folder,
+   renames the folder to ``step_NNNNNN.dcp``, fsyncs the run folder, hashes
+   every file and writes the marker atomically, last.
+
+A reader trusts a ``.dcp`` generation only when the marker lists exactly the
+files of the folder and the companion's hash and the files' sizes match
+(``deep`` re-hashes every file). ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256``
+checks it by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed, SchemaError
+from ..fsio import fsync_dir, sha256_file, sidecar_line, write_atomic
+from . import companion as companion_fmt
+
+FORMAT = "ripresa.dcp"
+FORMAT_VERSION = 1
+COMPANION_NAME = "ripresa.json"
+
+_NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.dcp$")
+_MARKER_NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.dcp\.sha256$")
+_PARTIAL_RE = re.compile(r"^\.step_[0-9]{6,}\.dcp\.partial$")
+_LINE_RE = re.compile(r"^(?P<hex>[0-9a-f]{64}) [ *](?P<dir>step_[0-9]{6,}\.dcp)/(?P<name>[^/\x00-\x1f\x7f]+)$")
+MAX_MARKER_BYTES = 1 << 20
+MAX_COMPANION_BYTES = 256 * 1024 * 1024
+
+
+def dcp_name(step: int) -> str:
+    """``7`` → ``step_000007.dcp``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise BadInput("invalid step for a .dcp name", expected="an int >= 0", found=repr(step))
+    return f"step_{step:06d}.dcp"
+
+
+def parse_dcp_name(name: str | os.PathLike[str]) -> int | None:
+    """``step_000007.dcp`` → 7; None for anything else (only the canonical form)."""
+    base = Path(name).name
+    m = _NAME_RE.match(base)
+    if m is None:
+        return None
+    step = int(m.group("digits"))
+    return step if dcp_name(step) == base else None
+
+
+def dcp_paths(folder: Path, step: int) -> tuple[Path, Path]:
+    """(``step_NNNNNN.dcp`` folder, its marker) in ``folder``."""
+    d = Path(folder) / dcp_name(step)
+    return d, d.with_name(d.name + ".sha256")
+
+
+def partial_path(folder: Path, step: int) -> Path:
+    """The folder every rank writes its shards into before the commit."""
+    return Path(folder) / f".{dcp_name(step)}.partial"
+
+
+@dataclass(frozen=True)
+class DcpGeneration:
+    """One ``.dcp`` generation and whether it can be trusted."""
+
+    step: int
+    path: Path
+    marker: Path
+    valid: bool
+    reason: str | None = None
+    size: int | None = None
+    world_size: int | None = None
+    files: dict[str, str] = field(default_factory=dict)
+    deep_checked: bool = False
+    kind: str = "dcp"
+
+    @property
+    def companion(self) -> Path:
+        return self.path / COMPANION_NAME
+
+
+def dcp_steps_on_disk(folder: Path) -> list[int]:
+    """Steps with a ``.dcp`` folder or marker (committed or not), ascending."""
+    steps: set[int] = set()
+    if not Path(folder).is_dir():
+        return []
+    for entry in os.scandir(folder):
+        s = parse_dcp_name(entry.name)
+        if s is None:
+            m = _MARKER_NAME_RE.match(entry.name)
+            if m and parse_dcp_name(entry.name[: -len(".sha256")]) is not None:
+                s = int(m.group("digits"))
+        if s is not None:
+            steps.add(s)
+    return sorted(steps)
+
+
+def read_dcp_marker(marker: Path, folder_name: str) -> dict[str, str]:
+    """Parse a ``.dcp`` marker: ``{file name inside the folder: sha256}``."""
+    if not os.path.lexists(marker):
+        raise IntegrityError("missing commit marker: the generation was never committed", file=marker,
+                             expected=f"{marker.name} written last", found="nothing", hint="an older generation will be used")
+    if marker.is_symlink() or not marker.is_file():
+        raise IntegrityError("commit marker is not a regular file", file=marker, expected="a regular file")
+    with open(marker, "rb") as f:
+        raw = f.read(MAX_MARKER_BYTES + 1)
+    if len(raw) > MAX_MARKER_BYTES:
+        raise IntegrityError("commit marker is implausibly large", file=marker, expected=f"<= {MAX_MARKER_BYTES} bytes")
+    try:
+        lines = raw.decode("ascii").splitlines()
+    except UnicodeDecodeError:
+        lines = []
+    out: dict[str, str] = {}
+    for line in lines:
+        m = _LINE_RE.match(line)
+        if m is None or m.group("dir") != folder_name or m.group("name") in out:
+            raise IntegrityError("malformed commit marker", file=marker,
+                                 expected=f"lines '<sha256>  {folder_name}/<file>'", found=repr(line[:160]),
+                                 hint="the marker is damaged; this generation cannot be trusted")
+        out[m.group("name")] = m.group("hex")
+    if COMPANION_NAME not in out:
+        raise IntegrityError("commit marker does not list the companion", file=marker, expected=COMPANION_NAME, found=sorted(out)[:8])
+    return out
+
+
+def read_dcp_companion(folder: Path, expected_sha256: str | None = None) -> dict[str, Any]:
+    """Read (and hash-check) ``ripresa.json`` of a ``.dcp`` folder; return the raw document."""
+    import hashlib
+
+    p = Path(folder) / COMPANION_NAME
+    if p.is_symlink() or not p.is_file():
+        raise IntegrityError("companion missing or not a regular file", file=p)
+    if p.stat().st_size > MAX_COMPANION_BYTES:
+        raise IntegrityError("companion is implausibly large", file=p)
+    raw = p.read_bytes()
+    if expected_sha256 is not None and hashlib.sha256(raw).hexdigest() != expected_sha256:
+        raise IntegrityError("companion sha256 mismatch", file=p, expected=expected_sha256,
+                             found=hashlib.sha256(raw).hexdigest(), hint="the companion changed after the commit")
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise IntegrityError("companion is not valid JSON", file=p, found=str(exc)[:200]) from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise SchemaError("not a ripresa .dcp companion", file=p, expected=FORMAT, found=doc.get("format") if isinstance(doc, dict) else type(doc).__name__)
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise SchemaError("unsupported .dcp companion version", file=p, expected=FORMAT_VERSION, found=doc.get("format_version"))
+    for key, typ in (("step", int), ("world_size", int), ("n_params", int), ("files", dict), ("state", dict)):
+        if not isinstance(doc.get(key), typ) or isinstance(doc.get(key), bool):
+            raise SchemaError(f"companion's '{key}' is missing or has the wrong type", file=p, expected=typ.__name__,
+                              found=type(doc.get(key)).__name__)
+    return doc
+
+
+def check_dcp(folder: Path, step: int, *, deep: bool = False) -> DcpGeneration:
+    """Validate one ``.dcp`` generation; ``deep`` re-hashes every file."""
+    d, mk = dcp_paths(Path(folder), step)
+    try:
+        hashes = read_dcp_marker(mk, d.name)
+        if d.is_symlink() or not d.is_dir():
+            raise IntegrityError("the .dcp folder is missing", file=d, expected="a folder", found="nothing or not a folder")
+        present = {e.name: e for e in os.scandir(d)}
+        if set(present) != set(hashes):
+            raise IntegrityError("the .dcp folder's files differ from its marker's", file=d, expected=sorted(hashes),
+                                 found=sorted(present), hint="a file was added or removed after the commit")
+        for name, e in present.items():
+            if e.is_symlink() or not e.is_file():
+                raise IntegrityError("a .dcp file is not a regular file", file=d / name)
+        doc = read_dcp_companion(d, hashes[COMPANION_NAME])
+        if doc["step"] != step:
+            raise IntegrityError("the companion names another step", file=d / COMPANION_NAME, expected=step, found=doc["step"])
+        if set(doc["files"]) != set(hashes) - {COMPANION_NAME}:
+            raise IntegrityError("the companion lists other files than the marker", file=d / COMPANION_NAME,
+                                 expected=sorted(set(hashes) - {COMPANION_NAME}), found=sorted(doc["files"]))
+        total = 0
+        for name, size in doc["files"].items():
+            actual = present[name].stat().st_size
+            if actual != size:
+                raise IntegrityError("a .dcp file has the wrong size", file=d / name, expected=size, found=actual,
+                                     hint="truncated or modified after the commit")
+            total += actual
+        if deep:
+            for name, want in hashes.items():
+                got = sha256_file(d / name).sha256
+                if got != want:
+                    raise IntegrityError("sha256 mismatch: a .dcp file changed after it was committed", file=d / name,
+                                         expected=want, found=got, hint="bit rot or an edit; an older generation will be used")
+    except RipresaError as exc:
+        reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
+        if exc.found is not None and not isinstance(exc.found, dict):
+            reason += f": found {str(exc.found)[:120]}"
+        return DcpGeneration(step, d, mk, valid=False, reason=reason)
+    return DcpGeneration(step, d, mk, valid=True, size=total, world_size=doc["world_size"], files=hashes, deep_checked=deep)
+
+
+def dcp_generations(folder: Path, *, deep: bool = False) -> list[DcpGeneration]:
+    return [check_dcp(folder, s, deep=deep) for s in dcp_steps_on_disk(folder)]
+
+
+def latest_valid_any(folder: Path, *, deep: bool = False, warn: bool = True) -> Any:
+    """The newest valid generation of either kind (``.bin`` or ``.dcp``), or None.
+
+    Returns a :class:`~ripresa.store.Generation` or a :class:`DcpGeneration`;
+    each newer generation that fails its check is skipped with a
+    :class:`~ripresa.store.CheckpointWarning` naming it and the reason.
+    """
+    from ..store import CheckpointStore, CheckpointWarning
+
+    store = CheckpointStore(folder, writer=False)
+    bins = set(store.steps_on_disk())
+    dcps = set(dcp_steps_on_disk(Path(folder)))
+    for step in sorted(bins | dcps, reverse=True):
+        for kind in ("dcp", "bin"):
+            if (kind == "dcp" and step not in dcps) or (kind == "bin" and step not in bins):
+                continue
+            g = check_dcp(Path(folder), step, deep=deep) if kind == "dcp" else store.check(step, deep=deep)
+            if g.valid:
+                return g
+            if warn:
+                what = "generation" if kind == "bin" else ".dcp generation"
+                warnings.warn(f"skipping {what} {step}: {g.reason}", CheckpointWarning, stacklevel=2)
+    return None
+
+
+# ---- writing ----------------------------------------------------------------------
+
+
+def clean_partials(folder: Path) -> list[Path]:
+    """Remove ``.step_NNNNNN.dcp.partial`` folders left by interrupted saves (rank 0, at start)."""
+    removed = []
+    if not Path(folder).is_dir():
+        return removed
+    for entry in os.scandir(folder):
+        if _PARTIAL_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def delete_dcp(folder: Path, step: int) -> None:
+    """Remove a ``.dcp`` generation, marker first (it reads as uncommitted if interrupted)."""
+    d, mk = dcp_paths(Path(folder), step)
+    try:
+        os.unlink(mk)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def encode_companion(step: int, world_size: int, n_params: int, files: dict[str, int], state: dict[str, Any]) -> bytes:
+    doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step), "world_size": int(world_size),
+           "n_params": int(n_params), "files": dict(sorted(files.items())), "state": companion_fmt.encode_tree(state)}
+    return companion_fmt.dumps(doc)
+
+
+def commit_dcp(folder: Path, step: int, partial: Path, *, world_size: int, n_params: int, state: dict[str, Any]) -> DcpGeneration:
+    """Rank 0, after every rank wrote its shards into ``partial``: companion, rename, marker (last)."""
+    folder = Path(folder)
+    final, marker = dcp_paths(folder, step)
+    try:
+        files = {e.name: e.stat().st_size for e in os.scandir(partial) if e.is_file(follow_symlinks=False)}
+        if ".metadata" not in files:
+            raise SaveFailed("DCP wrote no .metadata", file=partial, hint="the sharded save did not complete")
+        write_atomic(partial / COMPANION_NAME, [encode_companion(step, world_size, n_params, files, state)])
+        fsync_dir(partial)
+        if os.path.lexists(marker) or os.path.lexists(final):
+            # Re-saving a step: uncommit the old generation first, so no reader
+            # ever pairs the old marker with new files.
+            delete_dcp(folder, step)
+            fsync_dir(folder)
+        os.rename(partial, final)
+        fsync_dir(folder)
+        lines = [sidecar_line(sha256_file(final / name).sha256, f"{final.name}/{name}") for name in sorted(os.listdir(final))]
+        write_atomic(marker, lines)
+    except OSError as exc:
+        raise SaveFailed(f"writing the .dcp generation {step} failed: {exc}", file=final,
+                         hint="the previous generation is intact") from exc
+    gen = check_dcp(folder, step)
+    if not gen.valid:
+        raise IntegrityError(f".dcp generation {step} failed its check right after the save", file=final, found=gen.reason)
+    return gen
+
+
+# ---- model and optimizer through DCP ------------------------------------------------------
+
+
+def _quiet_dcp():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    return ctx
+
+
+def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, *, no_dist: bool = False) -> None:
+    """``dcp.save`` of model and optimizer (keyed by parameter name) into ``path`` (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        sd: dict[str, Any] = {"model": msd, "optim": osd}
+    else:
+        sd = {"model": get_model_state_dict(model)}
+    ctx = _quiet_dcp()
+    try:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True), no_dist=no_dist)
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, *, no_dist: bool = False) -> None:
+    """``dcp.load`` into the live model and optimizer (any number of ranks: DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    ctx = _quiet_dcp()
+    try:
+        if optimizer is not None:
+            msd, osd = get_state_dict(model, optimizer)
+            sd: dict[str, Any] = {"model": msd, "optim": osd}
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        else:
+            sd = {"model": get_model_state_dict(model)}
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+            set_model_state_dict(model, sd["model"])
+    except RipresaError:
+        raise
+    except Exception as exc:
+        raise IntegrityError("the .dcp generation could not be loaded into the model", file=path,
+                             found=f"{type(exc).__name__}: {str(exc)[:300]}",
+                             hint="build the same architecture as the run that saved (see its config)") from exc
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    """An index-keyed ``optimizer.state_dict()`` → the name-keyed form of ``get_state_dict``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    fqn = [names[id(p)] for p in order]
+    state = {fqn[int(i)]: dict(v) for i, v in osd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[int(i)] for i in g["params"]]}
+              for g in osd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, full: dict[str, Any]) -> None:
+    """Load a complete (unsharded) snapshot's model and optimizer into a possibly sharded model.
+
+    Every rank passes the full tensors; ``set_state_dict(full_state_dict=True)``
+    keeps each rank's shard (FSDP2) or the whole tensor (replicated).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    if optimizer is None:
+        set_model_state_dict(model, dict(full["model"]), options=opts)
+        return
+    osd = optimizer_state_by_name(model, optimizer, full["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=dict(full["model"]), optim_state_dict=osd, options=opts)

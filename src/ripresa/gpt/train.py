@@ -344,7 +344,9 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         traj = None
         if args.output is not None:
             eval_loss = evaluate(model, sampler, device, amp_dtype)  # every rank: a sharded forward is collective
-            if rank == 0:
+            # summary.json (the verify contract) observes full parameters: rank 0 of a replicated
+            # model; a sharded (FSDP2) run writes none.
+            if rank == 0 and not (group and args.shard == "fsdp"):
                 traj = Trajectory(state, resumed_from=str(args.resume) if args.resume else None,
                                   rng_restored=not args.omit_rng_restore)
                 traj.start(ckpt.progress, {"loss": eval_loss})

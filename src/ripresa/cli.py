@@ -96,12 +96,20 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         help="read every .bin in full: sha256 against marker and companion, statistics (default); "
         "--no-deep reads only headers, sizes, markers and companions",
     )
+    p.add_argument("--require-signature", action="store_true",
+                   help="fail (exit 1) on generations without a valid HMAC signature (key: RIPRESA_HMAC_KEY[_FILE])")
     _COMMANDS["inspect"] = _cmd_inspect
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import error_report, inspect_path, render_report
 
+    if args.require_signature:
+        from .auth import check_generation_file, require_from_cli
+
+        require_from_cli("ripresa inspect --require-signature")
+        if not args.path.is_dir():
+            check_generation_file(args.path)
     try:
         report = inspect_path(args.path, check_finite=args.check_finite, deep=args.deep)
     except RipresaError as exc:
@@ -146,6 +154,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-version-change", action="store_true")
     p.add_argument("--allow-code-change", action="store_true")
     p.add_argument("--allow-data-change", action="store_true")
+    p.add_argument("--require-signature", action="store_true",
+                   help="sign every generation and resume only from validly signed ones (key: RIPRESA_HMAC_KEY[_FILE])")
     _COMMANDS["train"] = _cmd_train
 
 
@@ -154,6 +164,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 0:
         raise BadInput("--steps must be >= 0", found=args.steps)
+    if args.require_signature:
+        from .auth import require_from_cli
+
+        require_from_cli("ripresa train --require-signature")
     return run(TrainArgs(
         run=args.run, output=args.output, config=args.config, sets=tuple(args.sets), sources=tuple(args.sources),
         steps=args.steps, every=args.every, device=args.device, fresh=args.fresh, resume=args.resume,

@@ -17,7 +17,13 @@ same pass, so a checkpoint is read *and* verified with one read of the disk.
 All system calls of a save go through :data:`ops`, an instance of :class:`FileOps`, so
 that tests can inject faults (``OSError`` at the n-th ``write``/``fsync``/
 ``rename``) or record the operations of a save, without mocking any class of
-the library.
+the library. ``ops.recorder`` (off by default) receives every operation with,
+for a write, its file offset and a copy of its bytes: the fault matrix replays
+those records to materialise what a power cut could leave on the disk
+(``docs/FAULTS.md``). Two environment variables drive faults in real
+processes: ``RIPRESA_CRASH_AT`` (SIGKILL at an exact system-call boundary or
+byte offset, see :func:`install_crash_hook`) and ``RIPRESA_FAIL_AT``
+(an ``OSError`` such as EIO at chosen operations, see :func:`install_fail_hook`).
 """
 
 from __future__ import annotations
@@ -56,32 +62,99 @@ class Digest:
     size: int
 
 
+@dataclass(frozen=True)
+class RecordedOp:
+    """One file operation as :attr:`FileOps.recorder` receives it, after it succeeded.
+
+    ``op`` is ``open`` (a new file was created), ``write``, ``fsync``,
+    ``rename``, ``fsync_dir`` or ``unlink``. ``path`` is the file operated on
+    (for ``write``/``fsync`` the temporary being written; for ``rename`` the
+    source; for ``fsync_dir`` the folder); ``dst`` is a rename's destination;
+    ``offset`` and ``data`` are a write's file offset and a copy of the bytes
+    that the system call actually wrote.
+    """
+
+    op: str
+    path: str
+    dst: str | None = None
+    offset: int | None = None
+    data: bytes | None = None
+
+
 class FileOps:
     """System calls used for durable writes. Subclass or wrap to inject faults.
 
     ``hook`` (if set) is called as ``hook(op, path)`` *before* each operation;
     raising from it simulates the operation failing (``OSError``), and a hook
     may also kill the process there to simulate a crash at that point.
+    ``after_hook`` (if set) is called the same way right *after* an operation
+    completed (a crash there leaves the operation done). For ``rename`` both
+    hooks receive the destination.
+
+    ``recorder`` (if set) receives a :class:`RecordedOp` after each successful
+    operation, including the unlink of a discarded temporary; writes are
+    recorded with their offset and a copy of their bytes. ``byte_budget`` (if
+    set) is the number of bytes that writes may still put on disk: a write is
+    cut to the budget, and once it is spent ``on_budget_spent`` is called
+    (the crash tests kill the process there, possibly in the middle of a
+    write's bytes). With all of these unset, each operation costs one
+    attribute test more than the bare system call.
     """
 
     def __init__(self) -> None:
         self.hook: Callable[[str, str], None] | None = None
+        self.after_hook: Callable[[str, str], None] | None = None
+        self.recorder: Callable[[RecordedOp], None] | None = None
+        self.byte_budget: int | None = None
+        self.on_budget_spent: Callable[[], None] | None = None
 
     def _before(self, op: str, path: str | Path) -> None:
         if self.hook is not None:
             self.hook(op, str(path))
 
+    def _after(self, op: str, path: str | Path) -> None:
+        if self.after_hook is not None:
+            self.after_hook(op, str(path))
+
+    def _record(self, op: str, path: str | Path, **info: Any) -> None:
+        if self.recorder is not None:
+            self.recorder(RecordedOp(op, str(path), **info))
+
     def open_new(self, path: Path) -> int:
         self._before("open", path)
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._record("open", path)
+        self._after("open", path)
+        return fd
 
     def write(self, fd: int, data: memoryview, path: Path) -> int:
         self._before("write", path)
-        return os.write(fd, data)
+        if self.byte_budget is not None:
+            if self.byte_budget <= 0:
+                self._spent()
+            data = data[: self.byte_budget]
+        if self.recorder is None:
+            n = os.write(fd, data)
+        else:
+            offset = os.lseek(fd, 0, os.SEEK_CUR)
+            n = os.write(fd, data)
+            self.recorder(RecordedOp("write", str(path), offset=offset, data=bytes(data[:n])))
+        if self.byte_budget is not None:
+            self.byte_budget -= n
+        self._after("write", path)
+        if self.byte_budget is not None and self.byte_budget <= 0:
+            self._spent()
+        return n
+
+    def _spent(self) -> None:
+        if self.on_budget_spent is not None:
+            self.on_budget_spent()
 
     def fsync(self, fd: int, path: Path) -> None:
         self._before("fsync", path)
         os.fsync(fd)
+        self._record("fsync", path)
+        self._after("fsync", path)
 
     def close(self, fd: int, path: Path) -> None:
         os.close(fd)
@@ -89,6 +162,8 @@ class FileOps:
     def rename(self, src: Path, dst: Path) -> None:
         self._before("rename", dst)
         os.replace(src, dst)
+        self._record("rename", src, dst=str(dst))
+        self._after("rename", dst)
 
     def fsync_dir(self, folder: Path) -> None:
         self._before("fsync_dir", folder)
@@ -97,37 +172,179 @@ class FileOps:
             os.fsync(fd)
         finally:
             os.close(fd)
+        self._record("fsync_dir", folder)
+        self._after("fsync_dir", folder)
 
     def unlink(self, path: Path) -> None:
         self._before("unlink", path)
         os.unlink(path)
+        self._record("unlink", path)
+        self._after("unlink", path)
+
+    def discard(self, path: Path) -> None:
+        """Unlink a temporary left by a failed save (no hooks: it is a failure path)."""
+        os.unlink(path)
+        self._record("unlink", path)
 
 
 #: The process-wide file-operation layer. Tests replace ``ops.hook``.
 ops = FileOps()
 
 
-def _install_env_kill_hook() -> None:
-    """``RIPRESA_CRASH_AT=op:N`` kills this process with SIGKILL right before
-    the N-th call of ``op`` (``write``, ``fsync``, ``rename``, ``fsync_dir``,
-    ``open``, ``unlink``, or ``any``). Used by the crash tests to stop a real
-    process at an exact system-call boundary of the save protocol."""
-    spec = os.environ.get("RIPRESA_CRASH_AT")
-    if not spec:
-        return
-    op, _, n = spec.partition(":")
-    target = int(n or "1")
-    counts: dict[str, int] = {}
+_OPS = ("open", "write", "fsync", "rename", "fsync_dir", "unlink", "any")
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), 9)
+
+
+def _parse_target(text: str) -> tuple[str, str | None]:
+    """``"3@.json"`` → ``("3", ".json")``."""
+    target, _, where = text.partition("@")
+    return target, (where or None)
+
+
+def install_crash_hook(spec: str, *, kill: Callable[[], None] = _kill_self) -> None:
+    """Crash this process at one point of its file operations (``RIPRESA_CRASH_AT``).
+
+    ``spec`` (all forms take an optional ``@TEXT`` suffix: count only
+    operations whose path contains ``TEXT``, e.g. ``@.json`` or
+    ``@step_000002``):
+
+    * ``op:N`` — SIGKILL right *before* the N-th ``op`` (``open``, ``write``,
+      ``fsync``, ``rename``, ``fsync_dir``, ``unlink``, or ``any``);
+    * ``after:op:N`` — SIGKILL right *after* the N-th ``op`` completed;
+    * ``bytes:N`` — SIGKILL once writes have put exactly N bytes on disk (a
+      write is cut there, so the kill can land in the middle of a write's
+      buffer: a torn write).
+
+    ``kill`` replaces the SIGKILL (tests). Used at import from the
+    environment and by forked test children directly.
+    """
+    raw = spec.strip()
+    try:
+        if raw.startswith("bytes:"):
+            count, where = _parse_target(raw[len("bytes:"):])
+            budget = int(count)
+            if budget < 0:
+                raise ValueError
+            if where is None:
+                ops.byte_budget = budget
+                ops.on_budget_spent = kill
+                return
+            seen = {"bytes": 0}
+
+            def before_write(name: str, path: str) -> None:
+                if name == "write" and where in path:
+                    # only this file's writes are cut: arm the budget for this call
+                    ops.byte_budget = budget - seen["bytes"]
+                    ops.on_budget_spent = kill
+                elif ops.on_budget_spent is kill:
+                    ops.byte_budget = None
+
+            def after_write(name: str, path: str) -> None:
+                if name == "write" and where in path and ops.byte_budget is not None:
+                    seen["bytes"] = budget - ops.byte_budget
+
+            ops.hook, ops.after_hook = before_write, after_write
+            return
+        when = "before"
+        rest = raw
+        if raw.startswith("after:"):
+            when, rest = "after", raw[len("after:"):]
+        op, _, n = rest.partition(":")
+        count, where = _parse_target(n or "1")
+        target = int(count)
+        if op not in _OPS or target < 1:
+            raise ValueError
+    except ValueError:
+        raise BadInput(
+            "invalid RIPRESA_CRASH_AT",
+            expected="op:N, after:op:N or bytes:N (op: " + ", ".join(_OPS) + "), optionally @TEXT",
+            found=spec,
+        ) from None
+    counts = {"n": 0}
 
     def hook(name: str, path: str) -> None:
-        key = "any" if op == "any" else name
-        if key != op:
+        if op != "any" and name != op:
             return
-        counts[key] = counts.get(key, 0) + 1
-        if counts[key] == target:
-            os.kill(os.getpid(), 9)
+        if where is not None and where not in path:
+            return
+        counts["n"] += 1
+        if counts["n"] == target:
+            kill()
+
+    if when == "before":
+        ops.hook = hook
+    else:
+        ops.after_hook = hook
+
+
+def install_fail_hook(spec: str) -> None:
+    """Make chosen operations fail with an ``OSError`` (``RIPRESA_FAIL_AT``).
+
+    ``spec``: ``op:N[-M|+][:ERRNO][@TEXT]`` — the N-th ``op`` (through the
+    M-th, or every one from the N-th on with ``+``) raises
+    ``OSError(ERRNO)`` *before* it runs; ``ERRNO`` is a name such as ``EIO``
+    (the default), ``ENOSPC`` or ``EFBIG``; ``@TEXT`` counts only operations
+    whose path contains ``TEXT``. Example: ``fsync:1-2:EIO@step_`` fails the
+    fsync of the first generation's first two files. A real process so
+    meets a failing disk without any mocking.
+    """
+    try:
+        body, _, where = spec.strip().partition("@")
+        parts = body.split(":")
+        op, rng = parts[0], parts[1]
+        code = getattr(errno, parts[2]) if len(parts) > 2 else errno.EIO
+        if len(parts) > 3 or op not in _OPS:
+            raise ValueError
+        if rng.endswith("+"):
+            first, last = int(rng[:-1]), None
+        elif "-" in rng:
+            a, b = rng.split("-")
+            first, last = int(a), int(b)
+        else:
+            first = last = int(rng)
+        if first < 1 or (last is not None and last < first):
+            raise ValueError
+    except (ValueError, IndexError, AttributeError):
+        raise BadInput(
+            "invalid RIPRESA_FAIL_AT",
+            expected="op:N[-M|+][:ERRNO][@TEXT], e.g. fsync:1:EIO",
+            found=spec,
+        ) from None
+    counts = {"n": 0}
+    previous = ops.hook
+
+    def hook(name: str, path: str) -> None:
+        if previous is not None:
+            previous(name, path)
+        if op != "any" and name != op:
+            return
+        if where and where not in path:
+            return
+        counts["n"] += 1
+        if counts["n"] >= first and (last is None or counts["n"] <= last):
+            raise OSError(code, os.strerror(code), path)
 
     ops.hook = hook
+
+
+def _install_env_kill_hook() -> None:
+    """Install the fault hooks named by ``RIPRESA_CRASH_AT`` and ``RIPRESA_FAIL_AT``.
+
+    ``RIPRESA_CRASH_AT=op:N`` kills this process with SIGKILL right before
+    the N-th call of ``op`` (``write``, ``fsync``, ``rename``, ``fsync_dir``,
+    ``open``, ``unlink``, or ``any``); see :func:`install_crash_hook` for
+    ``after:op:N``, ``bytes:N`` and ``@TEXT``. Used by the crash tests to stop
+    a real process at an exact system-call boundary of the save protocol.
+    """
+    spec = os.environ.get("RIPRESA_CRASH_AT")
+    if spec:
+        install_crash_hook(spec)
+    fail = os.environ.get("RIPRESA_FAIL_AT")
+    if fail:
+        install_fail_hook(fail)
 
 
 _install_env_kill_hook()
@@ -261,7 +478,7 @@ class StagedFile:
             self._fd = None
         if not self._published:
             try:
-                os.unlink(self.temp)
+                ops.discard(self.temp)
             except FileNotFoundError:
                 pass
             except OSError:

@@ -15,6 +15,12 @@ Only after the new generation is durable and re-checked does retention delete
 older ones — never the newest valid one, marker first (so a half-deleted
 generation reads as uncommitted, never as valid).
 
+With an HMAC key configured (``RIPRESA_HMAC_KEY`` / ``RIPRESA_HMAC_KEY_FILE``,
+see :mod:`ripresa.auth`), a fourth file ``step_NNNNNN.bin.hmac`` signs the
+generation; it is written right before the marker. A store with
+``require_signature`` (or ``RIPRESA_REQUIRE_SIGNATURE=1``) treats an unsigned
+or mis-signed generation as invalid.
+
 A reader trusts only committed generations: :meth:`CheckpointStore.latest_valid`
 skips a damaged newest generation with a warning that names the file and the
 reason, and returns the previous valid one. One writer per folder, enforced by
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import auth
 from .errors import BadInput, IntegrityError, RipresaError
 from .formats import companion as companion_fmt
 from .formats.andrea_bin import (
@@ -47,7 +54,9 @@ from .fsio import (
     StagedFile,
     clean_temporaries,
     fsync_dir,
+    open_regular,
     ops,
+    read_exact_hashing,
     sha256_file,
     sidecar_line,
     write_atomic,
@@ -56,7 +65,7 @@ from .lock import RunLock
 from .retention import DEFAULT_RETENTION, RetentionPolicy, plan_deletions
 
 _MARKER_LINE = re.compile(r"^([0-9a-f]{64}) [ *]([^/\x00\n]+)$")
-_STEP_FILE = re.compile(r"^step_(\d{6,})\.(bin|json|bin\.sha256)$")
+_STEP_FILE = re.compile(r"^step_(\d{6,})\.(bin|json|bin\.sha256|bin\.hmac)$")
 
 
 class CheckpointWarning(UserWarning):
@@ -77,6 +86,7 @@ class Generation:
     bin_sha256: str | None = None
     companion_sha256: str | None = None
     deep_checked: bool = False
+    signature_verified: bool = False
 
 
 def generation_paths(folder: Path, step: int) -> tuple[Path, Path, Path]:
@@ -122,13 +132,26 @@ class CheckpointStore:
         retention: which generations to keep (applied after each durable save).
         writer: take the folder's writer lock and clean leftover temporaries.
             Readers (``ripresa inspect``) pass ``writer=False``.
+        require_signature: treat unsigned or mis-signed generations as invalid
+            (``None``: from ``RIPRESA_REQUIRE_SIGNATURE``). Needs a key.
+        hmac_key: the key that signs saves and verifies signatures (``None``:
+            from ``RIPRESA_HMAC_KEY`` / ``RIPRESA_HMAC_KEY_FILE``; a writer
+            with a key signs every generation it saves).
     """
 
-    def __init__(self, folder: str | Path, *, retention: RetentionPolicy = DEFAULT_RETENTION, writer: bool = True) -> None:
+    def __init__(self, folder: str | Path, *, retention: RetentionPolicy = DEFAULT_RETENTION, writer: bool = True,
+                 require_signature: bool | None = None, hmac_key: bytes | None = None) -> None:
         self.folder = Path(folder)
         self.retention = retention
         self.lock: RunLock | None = None
         self.removed_temporaries: list[Path] = []
+        self.require_signature = auth.require_signature_from_env() if require_signature is None else bool(require_signature)
+        # A writer loads the key now (a misconfigured key fails at start, not at the
+        # first save); a reader only when it must verify.
+        self.hmac_key = hmac_key if hmac_key is not None else (
+            auth.load_key() if writer or self.require_signature else None)
+        if self.require_signature and self.hmac_key is None:
+            raise auth.missing_key_error("require_signature (RIPRESA_REQUIRE_SIGNATURE)")
         if writer:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.lock = RunLock(self.folder).acquire()
@@ -181,13 +204,21 @@ class CheckpointStore:
                 if d.sha256 != bin_sha:
                     raise IntegrityError("sha256 mismatch: the .bin changed after it was committed", file=b,
                                          expected=bin_sha, found=d.sha256, hint="bit rot or an edit; an older generation will be used")
+            if self.require_signature:
+                self._verify_signature(step, bin_sha, comp_sha)
         except RipresaError as exc:
             reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
             if exc.found is not None and not isinstance(exc.found, dict):
                 reason += f": found {str(exc.found)[:120]}"
             return Generation(step, b, c, mk, valid=False, reason=reason)
         return Generation(step, b, c, mk, valid=True, size=header.file_size, bin_sha256=bin_sha,
-                          companion_sha256=comp_sha, deep_checked=deep)
+                          companion_sha256=comp_sha, deep_checked=deep, signature_verified=self.require_signature)
+
+    def _verify_signature(self, step: int, bin_sha: str, comp_sha: str) -> None:
+        """Raise :class:`~ripresa.auth.SignatureError` unless generation ``step`` is signed with our key."""
+        b, c, _ = generation_paths(self.folder, step)
+        assert self.hmac_key is not None
+        auth.verify(self.hmac_key, auth.signature_path(b), step, b.name, bin_sha, c.name, comp_sha)
 
     def generations(self, *, deep: bool = False) -> list[Generation]:
         """Every generation on disk, ascending, each with its validity."""
@@ -215,10 +246,13 @@ class CheckpointStore:
         self._require_writer()
         b, c, mk = generation_paths(self.folder, step)
         encoded_state = companion_fmt.encode_tree(companion_state)
-        if os.path.lexists(mk):
+        sig = auth.signature_path(b)
+        if os.path.lexists(mk) or os.path.lexists(sig):
             # Re-saving a step: uncommit the old generation first, so no reader
-            # ever pairs the old marker with new files.
-            ops.unlink(mk)
+            # ever pairs the old marker (or signature) with new files.
+            for old in (mk, sig):
+                if os.path.lexists(old):
+                    ops.unlink(old)
             fsync_dir(self.folder)
         with StagedFile(b) as fb:
             header = write_bin(fb, step, *arrays)
@@ -236,6 +270,9 @@ class CheckpointStore:
                 fb.publish()
                 fc.publish()
         fsync_dir(self.folder)
+        if self.hmac_key is not None:  # the signature is durable before the marker commits the generation
+            write_atomic(sig, [auth.signature_line(self.hmac_key, step, b.name, bin_digest.sha256, c.name,
+                                                   comp_digest.sha256)])
         write_atomic(mk, [sidecar_line(bin_digest, b.name), sidecar_line(comp_digest, c.name)])
         gen = self.check(step, deep=False)  # re-read marker, header, companion: durable and consistent
         if not gen.valid:
@@ -257,7 +294,8 @@ class CheckpointStore:
     def delete(self, step: int) -> None:
         """Remove a generation, marker first (it reads as uncommitted if interrupted)."""
         self._require_writer()
-        for p in (generation_paths(self.folder, step)[2], *generation_paths(self.folder, step)[:2]):
+        b, c, mk = generation_paths(self.folder, step)
+        for p in (mk, auth.signature_path(b), b, c):
             try:
                 ops.unlink(p)
             except FileNotFoundError:
@@ -276,9 +314,9 @@ class CheckpointStore:
         """
         b, c, mk = generation_paths(self.folder, step)
         bin_sha, comp_sha = read_marker(mk, b, c)
-        raw = c.read_bytes() if c.is_file() and not c.is_symlink() else None
-        if raw is None:
-            raise IntegrityError("companion missing or not a regular file", file=c)
+        if self.require_signature:
+            self._verify_signature(step, bin_sha, comp_sha)
+        raw = _read_companion_bytes(c)
         import hashlib
 
         if hashlib.sha256(raw).hexdigest() != comp_sha:
@@ -290,3 +328,22 @@ class CheckpointStore:
         companion_fmt.validate_envelope(doc, c)
         contents = read_bin(b, expected_n=expected_n, check_finite=check_finite, expected_sha256=bin_sha)
         return contents, companion_fmt.decode_tree(doc["state"])
+
+
+def _read_companion_bytes(c: Path) -> bytes:
+    """The companion's bytes: a regular file (never a symlink, FIFO or folder), bounded in size."""
+    if c.is_symlink() or not c.is_file():
+        raise IntegrityError("companion missing or not a regular file", file=c)
+    fd = open_regular(c, "companion")
+    try:
+        size = os.fstat(fd).st_size
+        if size > companion_fmt.MAX_COMPANION_BYTES:
+            raise IntegrityError("companion is implausibly large", file=c,
+                                 expected=f"<= {companion_fmt.MAX_COMPANION_BYTES} bytes", found=size)
+        buf = bytearray(size)
+        read_exact_hashing(fd, [buf], None, path=c, what="companion")
+        if os.read(fd, 1):
+            raise IntegrityError("companion grew while it was read", file=c, hint="read a committed generation")
+    finally:
+        os.close(fd)
+    return bytes(buf)

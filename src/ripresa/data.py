@@ -134,3 +134,106 @@ class EpochSampler:
             self.permutation = arr.astype(np.int64, copy=True)
         self.epoch, self.cursor = epoch, cursor
         self.rows_consumed = int(state["rows_consumed"])
+
+
+class DistributedEpochSampler(EpochSampler):
+    """An :class:`EpochSampler` shared by the ranks of a distributed run, without overlap or gaps.
+
+    Every rank holds the same *global* position — the epoch, its permutation
+    and a cursor into it — and draws the same permutations (same seed on every
+    rank). Each call to :meth:`next_batch` advances the global cursor by one
+    global batch of ``batch_size * world_size`` rows and returns this rank's
+    share: the rows at positions ``rank, rank + world_size, ...`` of that
+    global batch. Over an epoch the ranks together see every row exactly once.
+
+    Args:
+        n_rows: rows in the data set.
+        batch_size: rows per rank per batch (the global batch is ``batch_size * world_size``).
+        rank, world_size: this process's place; default: the initialised
+            process group's (0 and 1 without one).
+        generator, seed: the permutation stream, as for :class:`EpochSampler`;
+            use the same seed on every rank.
+        drop_last: drop an incomplete final global batch of an epoch. Without
+            it the final global batch is split the same strided way, so a rank
+            may get fewer rows than the others (possibly none): with DDP,
+            where every rank must take a step, use ``drop_last=True``.
+
+    Resume, on the same or another number of ranks: the state is global (it
+    includes the permutation generator's state, because on a world-size
+    change a new rank restores rank 0's data position but not random
+    streams), so after :meth:`load_state_dict` every rank continues with the
+    next global batch, split over the new world size: the remaining rows of
+    the epoch are still each seen once. With another world size the global
+    batch has another size, so the batches — not the order of the rows — differ
+    from a run that kept the world size.
+    """
+
+    def __init__(
+        self,
+        n_rows: int,
+        batch_size: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        generator: np.random.Generator | None = None,
+        seed: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+
+            grouped = dist.is_available() and dist.is_initialized()
+            rank = (dist.get_rank() if grouped else 0) if rank is None else rank
+            world_size = (dist.get_world_size() if grouped else 1) if world_size is None else world_size
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if drop_last and batch_size * world_size > n_rows:
+            raise ValueError(f"drop_last with a global batch of {batch_size * world_size} > n_rows {n_rows} yields no batch")
+        super().__init__(n_rows, batch_size * world_size, generator=generator, seed=seed, drop_last=drop_last)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.per_rank_batch_size = int(batch_size)
+        #: World size of the state loaded last, when it differs from this one (a reshard).
+        self.resharded_from: int | None = None
+
+    def next_batch(self) -> list[int]:
+        """This rank's rows of the next global batch."""
+        return super().next_batch()[self.rank :: self.world_size]
+
+    def next_global_batch(self) -> list[int]:
+        """The whole next global batch (every rank's rows), advancing the position. For tests and tools."""
+        return super().next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position (as :class:`EpochSampler`), the permutation stream's state, and the world it was saved in."""
+        from .rng import _numpy_bitgen_state
+
+        state = super().state_dict()
+        state["batch_size"] = self.per_rank_batch_size
+        state["world_size"] = self.world_size
+        state["generator"] = _numpy_bitgen_state(self.generator.bit_generator.state)
+        state["distributed"] = True
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the global position; a state saved on another number of ranks is accepted (resharding)."""
+        from .rng import _numpy_bitgen_state_back
+
+        if not state.get("distributed"):
+            raise SchemaError("data position was not saved by a DistributedEpochSampler", found=sorted(state),
+                              hint="an EpochSampler's state has no global cursor to share between ranks")
+        for key in ("batch_size", "world_size", "generator"):
+            if key not in state:
+                raise SchemaError(f"data position lacks '{key}'", expected=key, found=sorted(state))
+        if int(state["batch_size"]) != self.per_rank_batch_size:
+            raise SchemaError(f"data position was saved with batch_size={state['batch_size']} per rank, "
+                              f"this run has {self.per_rank_batch_size}", expected=self.per_rank_batch_size,
+                              found=state["batch_size"], hint="resume with the same per-rank batch size")
+        saved_world = int(state["world_size"])
+        base = dict(state)
+        base["batch_size"] = self.batch_size  # the global batch of *this* world size
+        super().load_state_dict(base)
+        self.generator.bit_generator.state = _numpy_bitgen_state_back(state["generator"])
+        self.resharded_from = saved_world if saved_world != self.world_size else None

@@ -109,11 +109,24 @@ def init_from_env(device_type: str, *, need_group: bool = False) -> bool:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         raise BadInput("RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not",
                        expected="launch with torchrun", found={k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")})
+    kwargs: dict[str, Any] = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun hosts the store and keeps it across `--max-restarts` attempts; a
+        # restarted group that rendezvoused under the same keys read the dead
+        # group's addresses (gloo "connectFullMesh ... Connection refused").
+        # A prefix per attempt gives every attempt its own keys.
+        from datetime import timedelta
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env["world_size"],
+                             is_master=False, timeout=timedelta(minutes=30))
+        kwargs = {"store": dist.PrefixStore(f"ripresa/attempt_{attempt}", base), "rank": env["rank"],
+                  "world_size": env["world_size"]}
     if device_type == "cuda":
         torch.cuda.set_device(env["local_rank"])
-        dist.init_process_group("nccl", device_id=torch.device("cuda", env["local_rank"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", env["local_rank"]), **kwargs)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **kwargs)
     return True
 
 

@@ -611,6 +611,21 @@ class Checkpointer:
             self.signals.uninstall()
             self.store.close()
 
+    def abort(self) -> None:
+        """Release the folder on an error path: no collective, no new save.
+
+        An in-flight background write is let finish (a generation is never
+        left half-written by choice); its failure, if any, is not raised.
+        """
+        try:
+            if self.writer is not None and self._pending is not None:
+                self.writer.wait()
+        except Exception:
+            pass
+        self.history.close()
+        self.signals.uninstall()
+        self.store.close()
+
     def __enter__(self) -> Checkpointer:
         return self
 
@@ -618,14 +633,7 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:
-            try:
-                if self.writer is not None and self._pending is not None:
-                    self.writer.wait()  # never leave a half-written generation behind by choice
-            except Exception:
-                pass
-            self.history.close()
-            self.signals.uninstall()
-            self.store.close()
+            self.abort()  # never leave a half-written generation behind by choice
 
 
 

@@ -188,12 +188,20 @@ def run(args: TrainArgs) -> int:
             created_group = not was
             if device.type == "cuda":
                 device = torch.device("cuda", env["local_rank"])
+    ok = False
     try:
-        return _run(args, device)
+        code = _run(args, device)
+        ok = True
+        return code
     finally:
         if created_group:
+            import gc
+
             import torch.distributed as tdist
 
+            if ok:
+                tdist.barrier()  # no rank tears the group down while another still uses it
+            gc.collect()  # the DDP wrapper (a reference cycle) goes before its process group
             tdist.destroy_process_group()
 
 
@@ -363,8 +371,10 @@ def _run(args: TrainArgs, device: torch.device) -> int:
                 traj.finish(ckpt.progress, {"loss": eval_loss})
                 traj.saved(_gen_name(gen) if gen is not None else f"step_{last:06d}.bin")
                 traj.write(run_dir / "summary.json")
-    finally:
-        ckpt.close(final_save=False)
+    except BaseException:
+        ckpt.abort()  # no collective on an error path: another rank may be gone
+        raise
+    ckpt.close(final_save=False)
     say(f"{'stopped by signal' if stopped else 'done'} at step {last}; checkpoints, .loss.jsonl, "
         f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
     return 0

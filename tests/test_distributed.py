@@ -357,3 +357,31 @@ def test_dcp_generations_validate_and_fall_back(tmp_path):
     assert dcp_fmt.clean_partials(tmp_path) and not (tmp_path / ".step_000008.dcp.partial").exists()
     dcp_fmt.delete_dcp(tmp_path, 2)
     assert dcp_fmt.dcp_steps_on_disk(tmp_path) == [4, 6]
+
+
+# ---------------------------------------------------------------------------------- a user's own loop
+
+LOOP = Path(__file__).resolve().parent / "fixtures" / "dist_loop.py"
+
+
+def test_checkpointer_in_a_users_ddp_loop_then_resumed_on_one_process(tmp_path):
+    """The five Checkpointer lines in a user's DDP loop: generations with both ranks' data positions; resumed
+    on one process, the DistributedEpochSampler goes on with the epoch's remaining rows: none twice, none skipped."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "--", str(LOOP), "--run", str(run), "--steps", "7", "--every", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert valid_bins(run) == [4, 7]  # the cadence, and close(final_save=True)
+    ranks = json.loads((run / "step_000007.json").read_text())["state"]["extra"]["distributed"]["ranks"]
+    assert [r["data"]["world_size"] for r in ranks] == [2, 2] and ranks[0]["data"]["cursor"] == ranks[1]["data"]["cursor"] == 56
+    res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", "18"], capture_output=True, text=True,
+                         env={**os.environ, **ENV}, timeout=300)
+    assert res.returncode == 0, res.stderr
+    view = read_history(run / ".loss.jsonl")
+    assert [e for e in view.events if e["event"] == "world_size_change"][0]["dropped_ranks"] == [1]
+    epoch0 = [row for s in sorted(view.steps) if view.steps[s]["epoch"] == 0 for rows in view.steps[s]["rows"] for row in rows]
+    assert sorted(epoch0) == list(range(96))  # 7 steps x 8 rows on 2 ranks, then 10 steps x 4 rows on 1
+    assert [view.steps[s]["world"] for s in range(1, 19)] == [2] * 7 + [1] * 11
+    assert view.steps[18]["epoch"] == 1 and len(view.steps[18]["rows"][0]) == 4

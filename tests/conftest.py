@@ -6,6 +6,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,38 @@ def interrupted_run(tmp_path_factory) -> Path:
     res = train("--steps", "5", "--output", out)
     assert res.returncode == 0, res.stderr
     return out
+
+
+def popen(argv: list[str]) -> subprocess.Popen:
+    """A child process with piped text output (for signal and kill tests)."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def ripresa_train_proc(*args: str) -> subprocess.Popen:
+    """`ripresa train ARGS` as a child process."""
+    return popen([sys.executable, "-m", "ripresa", "train", *map(str, args)])
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    """Wait until the run's history has reached ``step`` (the child must stay alive)."""
+    from ripresa.history import read_history
+
+    hist = run / ".loss.jsonl"
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        if hist.exists():
+            steps = read_history(hist).steps
+            if steps and max(steps) >= step:
+                return max(steps)
+        time.sleep(0.05)
+    raise AssertionError(f"timeout waiting for step {step} in {run}")
+
+
+def valid_steps(run: Path) -> list[int]:
+    """Steps of the committed, valid generations of a run folder."""
+    from ripresa.store import CheckpointStore
+
+    return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 
 import numpy as np
-from conftest import ripresa_cli
+from conftest import ripresa_cli, ripresa_train_proc, wait_for_step
 
 from ripresa.formats.andrea_bin import read_bin
 from ripresa.history import read_history
@@ -20,20 +18,9 @@ FAST = ["--quiet", "--threads", "1", "--set", "train.batch_size=4"]
 
 
 def start_train(run, *extra):
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.Popen([sys.executable, "-m", "ripresa", "train", "--run", str(run), "--config", "tiny", *FAST, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return ripresa_train_proc("--run", run, "--config", "tiny", *FAST, *extra)
 
 
-def wait_step(run, step, proc, timeout=120):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        assert proc.poll() is None, proc.stderr.read()
-        h = run / ".loss.jsonl"
-        if h.exists() and (s := read_history(h).steps) and max(s) >= step:
-            return
-        time.sleep(0.05)
-    raise AssertionError("timeout")
 
 
 def same_arrays(a, b):
@@ -45,7 +32,7 @@ def test_pivot_on_a_live_trainer(tmp_path):
     run = tmp_path / "run"
     proc = start_train(run, "--steps", "100000", "--every", "50")
     try:
-        wait_step(run, 60, proc)
+        wait_for_step(run, 60, proc)
         # An invalid policy is refused before anything is stopped.
         bad = ripresa_cli("pivot", run, "--floors", "stdlib-code=0.9", "pydoc-topics=0.9")
         assert bad.returncode == 2 and "floors" in bad.stderr.lower()

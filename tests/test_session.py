@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -12,37 +11,20 @@ import time
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES
+from conftest import EXAMPLES, popen, valid_steps, wait_for_step
 
 from ripresa.formats.andrea_bin import read_bin
 from ripresa.history import History, read_history
-from ripresa.store import CheckpointStore
 
 LOOP = EXAMPLES / "loop" / "train.py"
 
 
 def start(run, *args):
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.Popen([sys.executable, str(LOOP), "--run", str(run), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return popen([sys.executable, str(LOOP), "--run", str(run), *map(str, args)])
 
 
-def wait_for_step(run, step, proc, timeout=60):
-    hist = run / ".loss.jsonl"
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise AssertionError(f"trainer exited early: {proc.returncode} {proc.stderr.read()}")
-        if hist.exists():
-            view = read_history(hist)
-            if view.steps and max(view.steps) >= step:
-                return max(view.steps)
-        time.sleep(0.02)
-    raise AssertionError("timeout waiting for the trainer")
 
 
-def generations(run):
-    return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]
 
 
 def test_sigusr1_checkpoints_and_continues(tmp_path):
@@ -50,12 +32,12 @@ def test_sigusr1_checkpoints_and_continues(tmp_path):
     proc = start(run, "--steps", "100000", "--every", "0", "--sleep", "0.005")
     try:
         wait_for_step(run, 20, proc)
-        assert generations(run) == []
+        assert valid_steps(run) == []
         proc.send_signal(signal.SIGUSR1)
         t0 = time.time()
-        while not generations(run) and time.time() - t0 < 30:
+        while not valid_steps(run) and time.time() - t0 < 30:
             time.sleep(0.02)
-        gens = generations(run)
+        gens = valid_steps(run)
         assert len(gens) == 1
         reached = wait_for_step(run, gens[0] + 20, proc)  # still training
         assert reached >= gens[0] + 20 and proc.poll() is None
@@ -79,7 +61,7 @@ def test_sigterm_saves_the_step_reached_and_exits_0(tmp_path):
     assert proc.returncode == 0, err
     view = read_history(run / ".loss.jsonl")
     last = max(view.steps)
-    assert generations(run) == [last]
+    assert valid_steps(run) == [last]
     ck = [e for e in view.events if e["event"] == "checkpoint"]
     assert ck[-1]["step"] == last and ck[-1]["reason"] == "stop"
     # Resume goes on from exactly that step.

@@ -3,47 +3,26 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-from conftest import ripresa_cli
+from conftest import ripresa_cli, ripresa_train_proc, valid_steps, wait_for_step
 
 from ripresa.formats.andrea_bin import read_bin
 from ripresa.gpt.model import CONFIGS
 from ripresa.history import read_history
-from ripresa.store import CheckpointStore
 
 FAST = ["--config", "tiny", "--quiet", "--set", "train.batch_size=4", "--threads", "1"]
 
 
-def train_proc(*args):
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.Popen([sys.executable, "-m", "ripresa", "train", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def wait_step(run, step, proc, timeout=120):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise AssertionError(f"exited early {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        h = run / ".loss.jsonl"
-        if h.exists():
-            v = read_history(h)
-            if v.steps and max(v.steps) >= step:
-                return max(v.steps)
-        time.sleep(0.05)
-    raise AssertionError("timeout")
 
 
-def valid_steps(run):
-    return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]
 
 
 def test_train_writes_generations_audits_sidecars_and_resumes(tmp_path):
@@ -88,9 +67,9 @@ def test_verify_the_engine_at_tolerance_zero(tmp_path):
 
 def test_sigusr1_then_sigterm_on_a_running_train(tmp_path):
     run = tmp_path / "run"
-    proc = train_proc("--run", run, *FAST, "--every", "0", "--no-audit")
+    proc = ripresa_train_proc("--run", run, *FAST, "--every", "0", "--no-audit")
     try:
-        wait_step(run, 5, proc)
+        wait_for_step(run, 5, proc)
         res = ripresa_cli("signal", run, "checkpoint")
         assert res.returncode == 0 and "SIGUSR1" in res.stdout
         t0 = time.time()
@@ -98,7 +77,7 @@ def test_sigusr1_then_sigterm_on_a_running_train(tmp_path):
             time.sleep(0.05)
         first = valid_steps(run)
         assert len(first) == 1
-        wait_step(run, first[0] + 3, proc)  # it continued
+        wait_for_step(run, first[0] + 3, proc)  # it continued
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
@@ -125,9 +104,9 @@ def test_sigkill_at_random_moments_then_identical_to_uninterrupted(tmp_path):
         done = max(valid_steps(run) or [0]) if run.exists() else 0
         if done >= total - 8:
             break
-        proc = train_proc("--run", run, *FAST, "--steps", total - done, "--every", "4", "--no-audit")
+        proc = ripresa_train_proc("--run", run, *FAST, "--steps", total - done, "--every", "4", "--no-audit")
         try:
-            wait_step(run, done + 1, proc)  # training has started in this process
+            wait_for_step(run, done + 1, proc)  # training has started in this process
             time.sleep(rnd.uniform(0.0, 0.4))
         finally:
             if proc.poll() is None:

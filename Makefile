@@ -29,6 +29,13 @@ test: $(STAMP)
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# The whole fault and bad-input matrix (kill points, power loss, full disks,
+# hostile files, concurrent writers, HMAC): tens of minutes; prints the table
+# and writes build/faults/faults.json. `make test` runs a sample of each family.
+.PHONY: test-faults
+test-faults: $(STAMP)
+	$(PY) tests/faults/report.py --out build/faults
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
 

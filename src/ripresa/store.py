@@ -34,6 +34,8 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,6 +188,8 @@ class CheckpointStore:
         b, c, mk = generation_paths(self.folder, step)
         try:
             bin_sha, comp_sha = read_marker(mk, b, c)
+            if self.require_signature:  # authenticate before parsing anything else
+                self._verify_signature(step, bin_sha, comp_sha)
             header = read_header(b)
             if header.step != step:
                 raise IntegrityError("the .bin's header names another step", file=b, expected=step, found=header.step)
@@ -193,7 +197,8 @@ class CheckpointStore:
             if comp_digest.sha256 != comp_sha:
                 raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=comp_digest.sha256,
                                      hint="the companion changed after the commit")
-            doc = companion_fmt.read_companion(c)
+            with _malformed_companion(c):
+                doc = companion_fmt.read_companion(c)
             rec = doc["bin"]
             if rec["name"] != b.name or rec["sha256"] != bin_sha or rec["size"] != header.file_size or rec["step"] != step:
                 raise IntegrityError("companion and .bin disagree", file=c,
@@ -204,8 +209,8 @@ class CheckpointStore:
                 if d.sha256 != bin_sha:
                     raise IntegrityError("sha256 mismatch: the .bin changed after it was committed", file=b,
                                          expected=bin_sha, found=d.sha256, hint="bit rot or an edit; an older generation will be used")
-            if self.require_signature:
-                self._verify_signature(step, bin_sha, comp_sha)
+                with _malformed_companion(c):  # a deep check also proves the state decodes (load will not fail)
+                    companion_fmt.decode_tree(doc["state"])
         except RipresaError as exc:
             reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
             if exc.found is not None and not isinstance(exc.found, dict):
@@ -323,11 +328,41 @@ class CheckpointStore:
             raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=hashlib.sha256(raw).hexdigest())
         try:
             doc = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise IntegrityError("companion is not valid JSON", file=c, found=str(exc)[:200]) from exc
         companion_fmt.validate_envelope(doc, c)
+        rec = doc["bin"]
+        if rec["name"] != b.name or rec["sha256"] != bin_sha or rec["step"] != step:
+            # the same cross-check as check(): a companion only describes its own .bin
+            raise IntegrityError("companion and .bin disagree", file=c,
+                                 expected={"name": b.name, "sha256": bin_sha, "step": step},
+                                 found={k: rec.get(k) for k in ("name", "sha256", "step")})
         contents = read_bin(b, expected_n=expected_n, check_finite=check_finite, expected_sha256=bin_sha)
-        return contents, companion_fmt.decode_tree(doc["state"])
+        if contents.step != step or rec["size"] != contents.header.file_size:
+            raise IntegrityError("companion and .bin disagree", file=c,
+                                 expected={"step": step, "size": contents.header.file_size},
+                                 found={"header step": contents.step, "size": rec["size"]})
+        with _malformed_companion(c):
+            state = companion_fmt.decode_tree(doc["state"])
+        return contents, state
+
+
+#: What parsing or decoding a hostile companion can raise besides ripresa's own errors.
+_MALFORMED = (RecursionError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError)
+
+
+@contextmanager
+def _malformed_companion(c: Path) -> Iterator[None]:
+    """Turn a parser's crash on a hostile companion (deep nesting, bad tagged nodes) into an IntegrityError."""
+    try:
+        yield
+    except RipresaError:
+        raise
+    except _MALFORMED as exc:
+        raise IntegrityError("companion is malformed: its state cannot be decoded", file=c,
+                             expected="a ripresa companion (tagged tensors, tuples, dicts)",
+                             found=f"{type(exc).__name__}: {str(exc)[:160]}",
+                             hint="it was not written by ripresa (or was edited); this generation cannot be trusted") from exc
 
 
 def _read_companion_bytes(c: Path) -> bytes:

@@ -193,6 +193,7 @@ class Tally:
     survived: int = 0
     lost: int = 0
     failures: list[str] = field(default_factory=list)
+    detail: str = ""
     _recorded: bool = False
 
     def add(self, ok: bool, label: str = "", why: str = "") -> bool:
@@ -213,6 +214,7 @@ class Tally:
         self._recorded = True
         line = json.dumps({"family": self.family, "what": self.what, "cases": self.cases,
                            "survived": self.survived, "lost": self.lost, "failures": self.failures,
+                           "detail": self.detail, "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
                            "full": FULL})
         with open(path, "a") as f:
             f.write(line + "\n")

@@ -154,6 +154,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-version-change", action="store_true")
     p.add_argument("--allow-code-change", action="store_true")
     p.add_argument("--allow-data-change", action="store_true")
+    p.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp",
+                   help="under torchrun: ddp (replicated; rank 0 writes .bin generations, default) or fsdp "
+                   "(FSDP2 fully_shard; every rank writes step_NNNNNN.dcp generations)")
     p.add_argument("--require-signature", action="store_true",
                    help="sign every generation and resume only from validly signed ones (key: RIPRESA_HMAC_KEY[_FILE])")
     _COMMANDS["train"] = _cmd_train
@@ -174,6 +177,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         omit_rng_restore=args.omit_rng_restore, audit=not args.no_audit, asynchronous=not args.sync,
         quiet=args.quiet, threads=args.threads, allow_version_change=args.allow_version_change,
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
+        shard=args.shard,
     ))
 
 
@@ -297,6 +301,67 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return ledger_main(args.rest)
 
 
+# ----------------------------------------------------------------------------- export
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="a verified, self-describing bundle of a run (or --inference: weights only)")
+    p.add_argument("run", type=Path, nargs="?", help="run folder")
+    p.add_argument("--to", type=Path, help="destination folder (new or empty)")
+    p.add_argument("--step", type=int, help="generation to export (default: newest valid)")
+    p.add_argument("--inference", action="store_true", help="weights only, as safetensors (not a resume checkpoint)")
+    p.add_argument("--verify", type=Path, metavar="DEST", help="re-hash and reload an existing bundle instead")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _COMMANDS["export"] = _cmd_export
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_run, render_export, verify_export
+
+    if args.verify is not None:
+        report = verify_export(args.verify, show_progress=not args.json)
+    else:
+        if args.run is None or args.to is None:
+            raise BadInput("ripresa export needs RUN and --to DEST", expected="ripresa export RUN --to DEST [--step N] [--inference]")
+        report = export_run(args.run, args.to, step=args.step, inference=args.inference, show_progress=not args.json)
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        render_export(report)
+    return 0
+
+
+# ----------------------------------------------------------------------------- convert
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint between .dcp, .bin (generation or plain), checkpoint.pt and safetensors, verified",
+        description="Convert SRC into DEST (format by name: step_NNNNNN.dcp, step_NNNNNN.bin generation, NAME.bin plain, "
+        "NAME.pt, NAME.safetensors weights only), then read DEST back and compare it bitwise with SRC. "
+        "DEST must not exist. Missing state is never invented: a plain .bin or safetensors converts only to formats "
+        "that hold no more. Exit 0 verified, 1 the re-read differs, 2 bad input.",
+    )
+    p.add_argument("src", type=Path, help="the checkpoint to convert")
+    p.add_argument("dest", type=Path, help="the new checkpoint (its name gives the format)")
+    p.add_argument("--config", help="the model, for a source without a config: tiny | andrea-12m | andrea-120m | FILE.toml")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _COMMANDS["convert"] = _cmd_convert
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    r = convert(args.src, args.dest, config=args.config)
+    if args.json:
+        import json
+
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"converted {r['source_kind']} {r['source']} → {r['dest_kind']} {r['dest']} (step {r['step']}, "
+              f"{r['n_params']:,} parameters); read back and compared bitwise ({r['compared']} state): identical")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -315,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_compare(sub)
     _add_generate(sub)
+    _add_export(sub)
     _add_inspect(sub)
+    _add_convert(sub)
     return parser
 
 

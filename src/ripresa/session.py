@@ -140,6 +140,14 @@ class Checkpointer:
             self.store = CheckpointStore(self.run_dir, retention=retention)
             self.history = History(self.run_dir / HISTORY_NAME)
         else:
+            if self.dist.sharded:
+                from . import auth
+
+                if auth.require_signature_from_env():
+                    raise BadInput("signed checkpoints are not available for sharded (FSDP2) runs",
+                                   expected="a .bin run (DDP or one process) with --require-signature",
+                                   found="RIPRESA_REQUIRE_SIGNATURE set with an FSDP2 model",
+                                   hint=".dcp generations carry sha256 markers but no HMAC signature")
             # Rank 0 creates the folder and takes the lock; the others wait, then read only.
             self.dist.barrier()
             if self.dist.is_main:

@@ -184,6 +184,12 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False) -> DcpGeneration:
     """Validate one ``.dcp`` generation; ``deep`` re-hashes every file."""
     d, mk = dcp_paths(Path(folder), step)
     try:
+        from .. import auth
+
+        if auth.require_signature_from_env():
+            raise IntegrityError("unsigned: .dcp generations carry no HMAC signature", file=d,
+                                 expected="a signed generation (RIPRESA_REQUIRE_SIGNATURE is set)", found="a .dcp generation",
+                                 hint="signed generations are .bin generations (DDP or one process)")
         hashes = read_dcp_marker(mk, d.name)
         if d.is_symlink() or not d.is_dir():
             raise IntegrityError("the .dcp folder is missing", file=d, expected="a folder", found="nothing or not a folder")

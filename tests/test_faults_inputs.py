@@ -346,7 +346,7 @@ def test_single_bit_flips_in_a_generation_are_all_detected(tmp_path, signed):
     files = [b, c, mk] + ([b.with_name(b.name + ".hmac")] if signed else [])
     bits = [(f, i) for f in files for i in range(f.stat().st_size * 8)]
     rnd = random.Random(21 + signed)
-    total = scale(250, 1000) if not signed else scale(100, 500)
+    total = scale(1000, 5000) if not signed else scale(200, 1000)
     # every file gets its share (the small ones are not drowned by the .bin)
     chosen = []
     for f in files:
@@ -400,7 +400,7 @@ def test_truncating_a_generations_bin_at_random_offsets_falls_back(tmp_path):
 
 # ---------------------------------------------------------------- property-based fuzzing
 
-EXAMPLES = scale(250, 3000)
+EXAMPLES = scale(300, 5000)
 #: Examples run and failed by each fuzzer (recorded in the fault table by the last test of this file).
 FUZZ: dict[str, list[int]] = {}
 

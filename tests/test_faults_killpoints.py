@@ -158,7 +158,7 @@ def test_sigkill_at_every_boundary_and_byte_offset_of_a_generation_save(tmp_path
     commit = _marker_rename_index(ops)
     rnd = random.Random(11 + signed)
     boundaries = _kill_specs(ops)
-    cases = pick(boundaries, 14 if not signed else 8) + pick(_byte_specs(ops, rnd, scale(3, 40)), 8 if not signed else 4)
+    cases = pick(boundaries, 24 if not signed else 12) + pick(_byte_specs(ops, rnd, scale(3, 40)), 10 if not signed else 5)
     tallies = {phase: Tally(*FAMILY[phase]) for phase in FAMILY}
     base = tmp_path / "base"
     _prepare(base, signed)

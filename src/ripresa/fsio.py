@@ -34,7 +34,9 @@ import os
 import re
 import secrets
 import stat
+import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -397,6 +399,32 @@ def clean_temporaries(folder: Path, *, only_dead: bool = True) -> list[Path]:
     return removed
 
 
+#: Pieces at least this large are hashed in the helper thread while written (bytes).
+_OVERLAP_MIN = 1 << 20
+#: Hash updates a ``stable`` writer may leave queued (bounds the lag, in pieces).
+_MAX_PENDING = 4
+_HASHER: ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """One helper thread for sha256 updates (FIFO, so each file's updates stay in order)."""
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ripresa-sha256")
+        return _HASHER
+
+
+def _reset_hasher_after_fork() -> None:
+    global _HASHER
+    _HASHER = None  # a forked child has no helper thread; make a new one on demand
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_hasher_after_fork)
+
+
 class StagedFile:
     """A file streamed to a temporary sibling, hashed as written, then published.
 
@@ -415,6 +443,7 @@ class StagedFile:
         self.final = Path(final)
         self.temp = temp_name_for(self.final)
         self._sha = hashlib.sha256()
+        self._pending: list[Future] = []
         self.size = 0
         self._fd: int | None = None
         self._published = False
@@ -424,21 +453,49 @@ class StagedFile:
         except OSError as exc:
             raise _save_error("could not create a temporary file", self.temp, exc) from exc
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        """Write all of ``data`` (looping over partial writes) and hash it."""
+    def write(self, data: bytes | bytearray | memoryview, *, stable: bool = False) -> int:
+        """Write all of ``data`` (looping over partial writes) and hash it.
+
+        A large piece is hashed in a helper thread *while* it is written
+        (sha256 and ``write`` both release the GIL), so a save costs about
+        max(hash, write) instead of their sum. ``stable=True`` promises that
+        ``data`` stays unchanged until :meth:`finish`, which lets the hashing
+        lag behind across calls; otherwise this call waits for its own hash.
+        The digest is the same either way: updates run in order.
+        """
         if self._fd is None:
             raise SaveFailed("write after finish()", file=self.final)
         view = memoryview(data).cast("B")
-        self._sha.update(view)
         total = len(view)
+        if total >= _OVERLAP_MIN:
+            self._pending.append(_hasher().submit(self._sha.update, view))
+        else:
+            self._drain_hashes()
+            self._sha.update(view)
         done = 0
         try:
             while done < total:
                 done += ops.write(self._fd, view[done:], self.temp)
         except OSError as exc:
+            self._drain_hashes(ignore_errors=True)
             raise _save_error("write failed", self.temp, exc) from exc
+        finally:
+            if not stable:
+                self._drain_hashes(ignore_errors=True)
+        while len(self._pending) > _MAX_PENDING:
+            self._pending.pop(0).result()
         self.size += total
         return total
+
+    def _drain_hashes(self, *, ignore_errors: bool = False) -> None:
+        """Wait for every queued hash update of this file (in order)."""
+        while self._pending:
+            fut = self._pending.pop(0)
+            try:
+                fut.result()
+            except Exception:
+                if not ignore_errors:
+                    raise
 
     def flush(self) -> None:  # file-like protocol (torch.save calls it)
         return None
@@ -449,6 +506,7 @@ class StagedFile:
             assert self.digest is not None
             return self.digest
         fd, self._fd = self._fd, None
+        self._drain_hashes()
         try:
             ops.fsync(fd, self.temp)
         except OSError as exc:
@@ -470,6 +528,7 @@ class StagedFile:
 
     def discard(self) -> None:
         """Close and remove the temporary file (idempotent)."""
+        self._drain_hashes(ignore_errors=True)
         if self._fd is not None:
             try:
                 os.close(self._fd)
@@ -780,7 +839,6 @@ def read_exact_hashing(
                 hasher.update(buf)
         return done
 
-    from concurrent.futures import Future, ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ripresa-hash") as pool:
         pending: Future[None] | None = None

@@ -433,7 +433,7 @@ def write_bin(staged: StagedFile, step: int, weights: Region, m: Region, v: Regi
     for chunks in regions.values():
         for chunk in chunks:
             for piece in _pieces(chunk):
-                staged.write(memoryview(piece).cast("B"))
+                staged.write(memoryview(piece).cast("B"), stable=True)
     if staged.size != _file_size_of(n):  # a chunk changed shape while we wrote it
         raise SaveFailed(
             "ANDREA .bin came out with the wrong size",

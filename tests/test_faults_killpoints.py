@@ -56,6 +56,8 @@ from ripresa.retention import KeepLast
 from ripresa.store import CheckpointStore
 
 N = 3000  # params: a 36 KB .bin, four writes (header, weights, m, v)
+#: A .bin whose regions are >= 1 MiB each: fsio hashes them in its helper thread while they are written.
+N_LARGE = 300_000
 KILLED = -signal.SIGKILL
 
 
@@ -68,26 +70,26 @@ def _clean_ops():
 
 # ---------------------------------------------------------------- the generation save
 
-def _prepare(folder: Path, signed: bool) -> None:
+def _prepare(folder: Path, signed: bool, n: int = N) -> None:
     """Generations 1 and 2 committed; the save under test writes 3 and retention drops 1."""
     key = KEY if signed else None
     with CheckpointStore(folder, retention=KeepLast(2), hmac_key=key) as store:
         for s in (1, 2):
-            store.save(s, arrays_for(s, N), companion_for(s))
+            store.save(s, arrays_for(s, n), companion_for(s))
 
 
-def _save3(folder: Path, signed: bool) -> None:
+def _save3(folder: Path, signed: bool, n: int = N) -> None:
     with CheckpointStore(folder, retention=KeepLast(2), hmac_key=KEY if signed else None) as store:
-        store.save(3, arrays_for(3, N), companion_for(3))
+        store.save(3, arrays_for(3, n), companion_for(3))
 
 
-def _record_save(tmp: Path, signed: bool) -> list[fsio.RecordedOp]:
+def _record_save(tmp: Path, signed: bool, n: int = N) -> list[fsio.RecordedOp]:
     probe = tmp / f"probe-{signed}"
-    _prepare(probe, signed)
+    _prepare(probe, signed, n)
     seen: list[fsio.RecordedOp] = []
     fsio.ops.recorder = seen.append
     try:
-        _save3(probe, signed)
+        _save3(probe, signed, n)
     finally:
         fsio.ops.recorder = None
     shutil.rmtree(probe)
@@ -152,38 +154,40 @@ def _marker_rename_index(ops: list[fsio.RecordedOp]) -> int:
     return next(i for i, r in enumerate(ops) if r.op == "rename" and (r.dst or "").endswith("step_000003.bin.sha256"))
 
 
-@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
-def test_sigkill_at_every_boundary_and_byte_offset_of_a_generation_save(tmp_path, signed):
-    ops = _record_save(tmp_path, signed)
+@pytest.mark.parametrize(("signed", "n"), [(False, N), (True, N), (False, N_LARGE)],
+                         ids=["unsigned", "signed", "large-regions"])
+def test_sigkill_at_every_boundary_and_byte_offset_of_a_generation_save(tmp_path, signed, n):
+    ops = _record_save(tmp_path, signed, n)
     commit = _marker_rename_index(ops)
-    rnd = random.Random(11 + signed)
+    rnd = random.Random(11 + signed + n)
     boundaries = _kill_specs(ops)
-    cases = pick(boundaries, 24 if not signed else 12) + pick(_byte_specs(ops, rnd, scale(3, 40)), 10 if not signed else 5)
+    small = n == N and not signed
+    cases = pick(boundaries, 24 if small else 8) + pick(_byte_specs(ops, rnd, scale(3, 40)), 10 if small else 5)
     tallies = {phase: Tally(*FAMILY[phase]) for phase in FAMILY}
     base = tmp_path / "base"
-    _prepare(base, signed)
+    _prepare(base, signed, n)
     for k, (spec, phase, done) in enumerate(cases):
         folder = tmp_path / f"case{k}"
         shutil.copytree(base, folder)
 
         def child(folder=folder, spec=spec):
             fsio.install_crash_hook(spec)
-            _save3(folder, signed)
+            _save3(folder, signed, n)
 
         code = in_child(child)
-        label = f"{'signed ' if signed else ''}{spec}"
+        label = f"{'signed ' if signed else ''}{'large ' if n != N else ''}{spec}"
         if code != KILLED:
             tallies[phase].add(False, label, f"the child was not killed (exit {code})")
             continue
         committed = spec.startswith("bytes:") is False and done > commit
-        v = recover_and_check(folder, N, floor=3 if committed else 2, newest_possible=3,
+        v = recover_and_check(folder, n, floor=3 if committed else 2, newest_possible=3,
                               key=KEY if signed else None, exact=3 if committed else 2)
         if v.ok:
             # The next start: the writer removes the dead writer's temporaries and saves again.
             with CheckpointStore(folder, retention=KeepLast(2), hmac_key=KEY if signed else None) as store:
                 left = temporaries(folder)
-                store.save(4, arrays_for(4, N), companion_for(4))
-            v = recover_and_check(folder, N, floor=4, newest_possible=4, key=KEY if signed else None, exact=4)
+                store.save(4, arrays_for(4, n), companion_for(4))
+            v = recover_and_check(folder, n, floor=4, newest_possible=4, key=KEY if signed else None, exact=4)
             if left:
                 v.ok, v.why = False, f"temporaries left after the next start: {left}"
         tallies[phase].add(v.ok, label, v.why)

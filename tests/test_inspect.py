@@ -40,7 +40,7 @@ PT_KEYS = {
     "extra_keys", "model", "optimizer", "scheduler", "scaler", "data", "rng", "objects", "finite",
 }
 RUN_KEYS = {"folder", "generations", "resume_step", "lock", "temporaries", "finite"}
-GEN_KEYS = {"step", "valid", "reason", "size", "deep_checked", "resume", "files"}
+GEN_KEYS = {"step", "valid", "reason", "size", "deep_checked", "resume", "files", "kind"}
 
 
 def arrays_for(step: int, n: int) -> BinArrays:
@@ -337,3 +337,21 @@ def test_unknown_kind_exit_2(tmp_path):
     assert res.returncode == 2 and "unknown kind" in res.stderr and "notes.txt" in res.stderr
     with pytest.raises(BadInput):
         insp.inspect_path(tmp_path / "nope")
+
+
+def test_run_folder_with_dcp_generations(tmp_path):
+    """An FSDP2 run folder: `ripresa inspect` lists its .dcp generations and the one a resume uses."""
+    from ripresa.formats import dcp as dcp_fmt
+
+    for s in (2, 4):
+        part = dcp_fmt.partial_path(tmp_path, s)
+        part.mkdir()
+        (part / "__0_0.distcp").write_bytes(b"shard" * 10)
+        assert dcp_fmt.commit_dcp(tmp_path, s, part, world_size=1, n_params=3, state={"progress": {"step": s}}).valid
+    (tmp_path / "step_000004.dcp" / "__0_0.distcp").write_bytes(b"x" * 50)  # damaged newest
+    res = ripresa_cli("inspect", tmp_path, "--json")
+    report = json.loads(res.stdout)
+    assert res.returncode == 0, res.stderr
+    gens = report["run"]["generations"]
+    assert [(g["step"], g["kind"], g["valid"]) for g in gens] == [(2, "dcp", True), (4, "dcp", False)]
+    assert report["run"]["resume_step"] == 2 and "sha256" in gens[1]["reason"]

@@ -130,7 +130,7 @@ or tensor, ``index`` the flat index in it, ``offset`` the byte offset in a
 ``run``::
 
     folder,
-    generations [{"step", "valid", "reason", "size", "deep_checked", "resume",
+    generations [{"step", "kind" ("bin" | "dcp"), "valid", "reason", "size", "deep_checked", "resume",
                   "files": {"bin", "companion", "marker"}}]   (ascending),
     resume_step (the newest valid step, what a resume uses, checked as deep as
                  --deep/--no-deep says; null if none),
@@ -927,23 +927,30 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
 
     report = _base(given, "run", check_finite, deep)
     v = _Verdict()
-    gens = [store.check(step, deep=deep) for step in steps]
+    from .formats.dcp import dcp_generations
+
+    # .bin generations (single process / DDP) and .dcp generations (FSDP2) side by side.
+    gens: list[Any] = [store.check(step, deep=deep) for step in steps] + list(dcp_generations(p, deep=deep))
+    gens.sort(key=lambda g: g.step)
     valid = [g for g in gens if g.valid]
     resume = valid[-1] if valid else None
     rows = []
     for g in gens:
+        is_dcp = getattr(g, "kind", "bin") == "dcp"
+        main = g.path if is_dcp else g.bin
         try:
-            size = os.lstat(g.bin).st_size if os.path.lexists(g.bin) else None
+            size = g.size if is_dcp else (os.lstat(main).st_size if os.path.lexists(main) else None)
         except OSError:
             size = None
         rows.append({
             "step": g.step,
+            "kind": "dcp" if is_dcp else "bin",
             "valid": g.valid,
             "reason": g.reason,
             "size": size,
             "deep_checked": g.deep_checked,
-            "resume": resume is not None and g.step == resume.step,
-            "files": {"bin": os.path.lexists(g.bin), "companion": os.path.lexists(g.companion),
+            "resume": resume is not None and g is resume,
+            "files": {"bin" if not is_dcp else "dcp": os.path.lexists(main), "companion": os.path.lexists(g.companion),
                       "marker": os.path.lexists(g.marker)},
         })
 
@@ -999,7 +1006,9 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
             v.warn(f"leftover temporary file {t['name']} of a dead writer (pid {t['pid']}); "
                    "the next writer removes it")
 
-    if check_finite and resume is not None:
+    if check_finite and resume is not None and getattr(resume, "kind", "bin") == "dcp":
+        v.warn(f"--check-finite reads .bin generations; generation {resume.step} is a .dcp (its shards were hashed)")
+    elif check_finite and resume is not None:
         finite["step"] = resume.step
         try:
             from .formats.andrea_bin import read_header

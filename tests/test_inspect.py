@@ -346,6 +346,7 @@ def test_run_folder_with_dcp_generations(tmp_path):
     for s in (2, 4):
         part = dcp_fmt.partial_path(tmp_path, s)
         part.mkdir()
+        (part / ".metadata").write_bytes(b"meta")
         (part / "__0_0.distcp").write_bytes(b"shard" * 10)
         assert dcp_fmt.commit_dcp(tmp_path, s, part, world_size=1, n_params=3, state={"progress": {"step": s}}).valid
     (tmp_path / "step_000004.dcp" / "__0_0.distcp").write_bytes(b"x" * 50)  # damaged newest

@@ -139,3 +139,21 @@ def test_fresh_refuses_a_non_empty_folder(tmp_path):
     st = ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
     with pytest.raises(ripresa.BadInput, match="--fresh"):
         ripresa.Checkpointer(tmp_path, st, fresh=True, handle_signals=False)
+
+
+def test_resume_skips_a_newest_generation_damaged_after_its_commit(tmp_path):
+    """Bit rot in the newest .bin: the Checkpointer warns, records it and resumes from the previous one."""
+    run = tmp_path / "run"
+    res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", "200", "--every", "100"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = bytearray((run / "step_000200.bin").read_bytes())
+    data[len(data) // 2] ^= 0x04
+    (run / "step_000200.bin").write_bytes(bytes(data))
+    res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", "210", "--every", "100"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "skipping generation 200" in res.stderr and "sha256" in res.stderr
+    events = read_history(run / ".loss.jsonl").events
+    assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 100
+    assert any(e["event"] == "skipped_generation" and "200" in e["reason"] for e in events)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class History:
         # O_APPEND: every write lands at the end, even if the file was extended.
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._f = os.fdopen(fd, "ab", buffering=0)
+        self.lost_lines = 0  # appends that failed (e.g. disk full) since the last one that succeeded
         self.repaired_torn_line = self._terminate_torn_line()
 
     def _terminate_torn_line(self) -> bool:
@@ -57,9 +59,24 @@ class History:
         return True
 
     def append(self, record: dict[str, Any]) -> None:
-        """Append one JSON line (a single write system call)."""
+        """Append one JSON line (a single write system call).
+
+        A failed append (a full disk) does not stop training: it is counted and
+        warned about, and the next append that succeeds first writes a
+        ``history_lines_lost`` event with the count, so the gap is on record.
+        """
         line = json.dumps(record, separators=(",", ":"), allow_nan=True).encode() + b"\n"
-        self._f.write(line)
+        try:
+            if self.lost_lines:
+                gap = {"event": "history_lines_lost", "count": self.lost_lines, "time": round(time.time(), 3)}
+                self._f.write(json.dumps(gap, separators=(",", ":")).encode() + b"\n")
+                self.lost_lines = 0
+            self._f.write(line)
+        except OSError as exc:
+            self.lost_lines += 1
+            if self.lost_lines == 1:
+                warnings.warn(f"could not append to {self.path} ({exc}); training goes on, the gap will be recorded",
+                              stacklevel=3)
 
     def step(self, step: int, **metrics: Any) -> None:
         """The line of one optimizer step."""

@@ -245,7 +245,9 @@ class Checkpointer:
                 if isinstance(gen, dcp_fmt.DcpGeneration):
                     gen = dcp_fmt.check_dcp(self.run_dir, gen.step, deep=True)  # shards are hashed before loading
             else:
-                gen = store.latest_valid(deep=False)
+                # deep: a .bin damaged after its commit (bit rot) is skipped here, with a
+                # warning, in favour of the previous generation — not refused at load.
+                gen = store.latest_valid(deep=True)
         for w in caught:
             if issubclass(w.category, CheckpointWarning):
                 warnings.warn(str(w.message), CheckpointWarning, stacklevel=3)

@@ -467,10 +467,13 @@ class StagedFile:
             raise SaveFailed("write after finish()", file=self.final)
         view = memoryview(data).cast("B")
         total = len(view)
-        if total >= _OVERLAP_MIN:
+        if total >= _OVERLAP_MIN or (stable and self._pending):
             self._pending.append(_hasher().submit(self._sha.update, view))
+        elif self._pending:
+            # Queue behind the pending updates (order matters) without waiting for them;
+            # a private copy, since the caller may reuse its small buffer at once.
+            self._pending.append(_hasher().submit(self._sha.update, bytes(view)))
         else:
-            self._drain_hashes()
             self._sha.update(view)
         done = 0
         try:

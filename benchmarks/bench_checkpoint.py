@@ -1,0 +1,1165 @@
+#!/usr/bin/env python
+"""Side-by-side checkpoint benchmark: ripresa against the floor and the libraries.
+
+One process, one AdamW-shaped float32 state of ``--params`` parameters
+(weights + ``exp_avg`` + ``exp_avg_sq`` = 12·N bytes, as per-parameter tensors
+of a real ``torch.optim.AdamW`` after one step). Four figures:
+
+1. **durable save**: ripresa ``CheckpointStore.save`` (companion and commit
+   marker included) vs a raw ``write`` + ``fsync`` of the same bytes (the
+   floor), ``torch.save`` + ``fsync``, safetensors ``save_file`` + ``fsync``,
+   and ``torch.distributed.checkpoint.save`` (``FileSystemWriter(sync_files=True)``).
+2. **blocking stall** of an asynchronous save: ``AsyncCheckpointWriter.save``
+   vs ``torch.distributed.checkpoint.async_save`` vs a plain memcpy of the
+   same bytes into a preallocated buffer (and vs the synchronous save of 1.).
+3. **cold resume**: ``CheckpointStore.load`` (read + full sha256 check) vs
+   ``np.fromfile`` of the same file, the page cache dropped before each.
+4. **write amplification and CPU cost**: ``/proc/self/io`` ``write_bytes``
+   per logical byte, and CPU-seconds (user + sys) per GB, for every method.
+
+Methods of a group run alternately forward and backward within each pair;
+figures are the median of ``--pairs`` pairs (min and max kept too). Every
+output is deleted right after its measurement; the scratch folder is removed
+at the end, also on error or SIGTERM.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py                 # 120M (ANDREA-120M)
+    .venv/bin/python benchmarks/bench_checkpoint.py --params 12800000 --pairs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import hashlib
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "src") not in sys.path:  # run from a checkout without `pip install -e`
+    sys.path.insert(0, str(REPO / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import ripresa  # noqa: E402
+from ripresa.async_save import AsyncCheckpointWriter  # noqa: E402
+from ripresa.bin_state import bin_arrays, companion_snapshot  # noqa: E402
+from ripresa.formats.andrea_bin import read_bin  # noqa: E402
+from ripresa.fsio import fsync_dir  # noqa: E402
+from ripresa.store import CheckpointStore, generation_paths  # noqa: E402
+
+SCHEMA = "ripresa-bench-checkpoint/1"
+DEFAULT_PARAMS = 120_000_000  # ANDREA-120M
+GB = 1e9
+
+#: (key, figure, comparator or None, target operator, target value, explanation)
+TARGETS: list[tuple[str, str, str, str, float, str]] = [
+    ("save_ripresa_over_raw", "save.ripresa", "save.raw", "<=", 1.15,
+     "durable save vs raw write+fsync of the same bytes (the floor)"),
+    ("save_ripresa_over_torch_save", "save.ripresa", "save.torch_save", "<", 1.0,
+     "durable save vs torch.save + fsync"),
+    ("save_ripresa_over_safetensors", "save.ripresa", "save.safetensors", "<", 1.0,
+     "durable save vs safetensors save_file + fsync"),
+    ("save_ripresa_over_dcp", "save.ripresa", "save.dcp", "<", 1.0,
+     "durable save vs torch.distributed.checkpoint.save (sync_files=True)"),
+    ("stall_ripresa_over_memcpy", "stall.ripresa_async", "stall.memcpy", "<=", 1.5,
+     "async save stall (last_stall_s) vs memcpy into a preallocated buffer"),
+    ("stall_ripresa_over_sync_save", "stall.ripresa_async", "save.ripresa", "<=", 0.1,
+     "async save stall vs the synchronous ripresa save"),
+    ("stall_ripresa_over_dcp_async", "stall.ripresa_async", "stall.dcp_async", "<", 1.0,
+     "async save stall vs torch.distributed.checkpoint.async_save stall"),
+    ("resume_ripresa_over_fromfile", "resume.ripresa_load", "resume.np_fromfile", "<=", 1.3,
+     "cold load + full sha256 check vs np.fromfile of the same file, cold"),
+    ("write_amplification_ripresa", "save.ripresa", None, "<=", 1.02,
+     "bytes written (/proc/self/io write_bytes) / logical bytes, ripresa save"),
+]
+
+#: (key, figure, comparator, target (<=), table label, explanation): shown, not counted in targets_met
+INFO_RATIOS: list[tuple[str, str, str, float, str, str]] = [
+    ("stall_caller_over_memcpy", "stall.ripresa_async_caller", "stall.memcpy", 1.5,
+     "stall incl. snapshot (info)",
+     "info: stall as the training loop sees it (bin_arrays + companion_snapshot + save()) vs memcpy"),
+    ("stall_caller_over_ripresa", "stall.ripresa_async_caller", "save.ripresa", 0.1,
+     "stall incl. snapshot (info)",
+     "info: stall as the training loop sees it vs the synchronous save"),
+    ("resume_over_read_nohash", "resume.ripresa_load", "resume.read_bin_nohash", 1.3,
+     "resume vs read w/o hash (info)",
+     "info: cold load + sha256 vs the same reader without the hash (the faster read floor here)"),
+]
+
+#: method key -> (group, label, what the primary figure is)
+METHODS: dict[str, tuple[str, str, str]] = {
+    "save.raw": ("save", "raw write+fsync", "seconds to durable"),
+    "save.ripresa": ("save", "ripresa CheckpointStore.save", "seconds to durable (companion + marker)"),
+    "save.torch_save": ("save", "torch.save + fsync", "seconds to durable"),
+    "save.safetensors": ("save", "safetensors save_file + fsync", "seconds to durable"),
+    "save.dcp": ("save", "DCP save (sync_files)", "seconds to durable"),
+    "stall.ripresa_async": ("stall", "ripresa AsyncCheckpointWriter.save", "last_stall_s"),
+    "stall.ripresa_async_caller": ("stall", "ripresa async incl. snapshot", "bin_arrays + companion_snapshot + save()"),
+    "stall.dcp_async": ("stall", "DCP async_save", "seconds until async_save returns"),
+    "stall.memcpy": ("stall", "memcpy to preallocated buffer", "seconds"),
+    "complete.ripresa_async": ("complete", "ripresa async, until committed", "seconds until wait() returns"),
+    "complete.dcp_async": ("complete", "DCP async_save, until done", "seconds until the future resolves"),
+    "resume.ripresa_load": ("resume", "ripresa CheckpointStore.load (sha256)", "seconds, cold cache"),
+    "resume.np_fromfile": ("resume", "np.fromfile", "seconds, cold cache"),
+    "resume.read_bin_nohash": ("resume", "ripresa read_bin, no hash", "seconds, cold cache (diagnostic)"),
+}
+
+
+#: short x-axis labels of the chart
+PLOT_LABELS = {
+    "save.raw": "raw write\n+ fsync", "save.ripresa": "ripresa\nsave", "save.torch_save": "torch.save\n+ fsync",
+    "save.safetensors": "safetensors\n+ fsync", "save.dcp": "DCP save\n(sync_files)",
+    "stall.memcpy": "memcpy", "stall.ripresa_async": "ripresa\nasync stall",
+    "stall.ripresa_async_caller": "ripresa async\n+ snapshot", "stall.dcp_async": "DCP\nasync_save",
+    "resume.np_fromfile": "np.fromfile", "resume.read_bin_nohash": "ripresa read\n(no hash)",
+    "resume.ripresa_load": "ripresa load\n(+ sha256)",
+}
+
+
+# ---------------------------------------------------------------------------- machine facts
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return sorted(flags & {"sha_ni", "avx2", "avx512f", "aes"})
+    except OSError:
+        pass
+    return []
+
+
+def _mount_of(path: Path) -> dict[str, str]:
+    """Filesystem type, device and mount point of ``path`` (from /proc/self/mountinfo)."""
+    best: dict[str, str] = {"fstype": "unknown", "source": "unknown", "mount_point": "/"}
+    try:
+        real = os.path.realpath(path)
+        best_len = -1
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            mnt = fields[4].replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > best_len:
+                rf = right.split()
+                best_len = len(mnt)
+                best = {"fstype": rf[0], "source": rf[1] if len(rf) > 1 else "?", "mount_point": mnt}
+    except OSError:
+        pass
+    return best
+
+
+def _block_stat_path(path: Path) -> Path | None:
+    st = os.stat(path)
+    p = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
+    return p if p.exists() else None
+
+
+def pressure() -> dict[str, float]:
+    """Linux PSI: % of the last 60 s some task waited for CPU / for I/O (contention)."""
+    out: dict[str, float] = {}
+    for res in ("cpu", "io"):
+        try:
+            for line in Path(f"/proc/pressure/{res}").read_text().splitlines():
+                if line.startswith("some"):
+                    out[f"{res}_some_avg60"] = float(line.split("avg60=")[1].split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def machine_facts(scratch: Path) -> dict[str, Any]:
+    import safetensors
+
+    mem_total = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    dirty = {}
+    for knob in ("dirty_ratio", "dirty_background_ratio", "dirty_expire_centisecs"):
+        try:
+            dirty[knob] = int(Path(f"/proc/sys/vm/{knob}").read_text())
+        except (OSError, ValueError):
+            pass
+    st = os.stat(scratch)
+    rotational = None
+    try:
+        dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
+        q = dev / "queue" / "rotational"
+        if not q.exists():
+            q = dev.parent / "queue" / "rotational"
+        rotational = int(q.read_text()) if q.exists() else None
+    except (OSError, ValueError):
+        pass
+    dirty_src = _git("status", "--porcelain", "--", "src")
+    # the code measured, file by file: src/ may differ from git_commit while others edit it
+    sources = {}
+    for mod in ("fsio", "store", "async_save", "bin_state", "formats.andrea_bin"):
+        path = Path(sys.modules[f"ripresa.{mod}"].__file__)
+        sources[str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)] = (
+            hashlib.sha256(path.read_bytes()).hexdigest())
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": mem_total,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "safetensors": safetensors.__version__,
+        "ripresa": ripresa.__version__,
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_src_modified": bool(dirty_src),
+        "source_sha256": sources,
+        "scratch_dir": str(scratch),
+        "filesystem": _mount_of(scratch),
+        "device_rotational": rotational,
+        "vm": dirty,
+    }
+
+
+# ---------------------------------------------------------------------------- meters
+
+
+def _proc_io() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            k, _, v = line.partition(":")
+            out[k.strip()] = int(v)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_s() -> float | None:
+    """CPU-seconds all processes of the machine spent busy (from /proc/stat), or None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / _CLK_TCK
+
+
+class OthersMeter:
+    """What *other* processes did over a window: their share of the machine's CPU
+    (0..1) and the bytes they moved on the scratch folder's block device."""
+
+    def __init__(self, block_stat: Path | None) -> None:
+        self.cores = os.cpu_count() or 1
+        self.block_stat = block_stat
+        self._t = self._busy = self._own = 0.0
+        self._dev = self._own_io = 0
+
+    def _device_bytes(self) -> int | None:
+        """Sectors read + written by the whole device, in bytes."""
+        if self.block_stat is None:
+            return None
+        try:
+            f = self.block_stat.read_text().split()
+            return (int(f[2]) + int(f[6])) * 512
+        except (OSError, ValueError, IndexError):
+            return None
+
+    @staticmethod
+    def _own_io_bytes() -> int:
+        io = _proc_io()
+        return io.get("read_bytes", 0) + io.get("write_bytes", 0)
+
+    def start(self) -> None:
+        self._t, self._busy, self._own = time.perf_counter(), _machine_busy_s() or 0.0, _cpu_seconds()
+        self._dev, self._own_io = self._device_bytes() or 0, self._own_io_bytes()
+
+    def cpu_share(self) -> float | None:
+        busy = _machine_busy_s()
+        if busy is None:
+            return None
+        wall = time.perf_counter() - self._t
+        others = (busy - self._busy) - (_cpu_seconds() - self._own)
+        return max(0.0, others) / max(wall * self.cores, 1e-9)
+
+    def io_bytes(self) -> float | None:
+        """Device bytes not explained by this process's own reads and writes (approximate:
+        the filesystem's journal and metadata of our own writes count as others')."""
+        dev = self._device_bytes()
+        if dev is None:
+            return None
+        return float(max(0, (dev - self._dev) - (self._own_io_bytes() - self._own_io)))
+
+
+class Meter:
+    """Wall time, CPU time, /proc/self/io and device bytes around one measurement.
+
+    On a shared machine other processes can take the CPU or the disk in the
+    middle of a sample. So, with ``quiet_timeout > 0``, before each
+    measurement it waits (at most ``quiet_timeout`` seconds) for a 0.5 s
+    window in which other processes use less than ``quiet_share`` of the CPU
+    and move less than ``quiet_io_bytes`` on the disk; and it records what
+    they did *during* the measurement (``others_cpu_share``,
+    ``others_io_bytes``), so that :meth:`Bench.measure` can discard and redo
+    a disturbed sample.
+    """
+
+    def __init__(self, block_stat: Path | None, *, quiet_timeout: float = 0.0, quiet_share: float = 0.1,
+                 quiet_io_bytes: float = 8e6, on_wait: Callable[[str], None] | None = None) -> None:
+        self.block_stat = block_stat
+        self.quiet_timeout = quiet_timeout
+        self.quiet_share = quiet_share
+        self.quiet_io_bytes = quiet_io_bytes
+        self.on_wait = on_wait
+
+    def wait_quiet(self) -> tuple[float, float | None]:
+        """(seconds waited, others' CPU share in the last window)."""
+        t0 = time.perf_counter()
+        if self.quiet_timeout <= 0:
+            return 0.0, None
+        om = OthersMeter(self.block_stat)
+        while True:
+            om.start()
+            time.sleep(0.5)
+            cpu, io = om.cpu_share(), om.io_bytes()
+            waited = time.perf_counter() - t0
+            quiet = (cpu is None or cpu < self.quiet_share) and (io is None or io < self.quiet_io_bytes)
+            if quiet or waited >= self.quiet_timeout:
+                return waited, cpu
+            if self.on_wait is not None:
+                self.on_wait(f"waiting for quiet (others: CPU {cpu or 0:.0%}, disk {(io or 0) / 1e6:.0f} MB)")
+
+    def _dev_written(self) -> int | None:
+        if self.block_stat is None:
+            return None
+        try:
+            return int(self.block_stat.read_text().split()[6]) * 512
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def run(self, fn: Callable[[], dict[str, float] | None]) -> dict[str, float]:
+        gc.collect()
+        os.sync()  # nothing of an earlier measurement is still being written back
+        waited, before = self.wait_quiet()
+        om = OthersMeter(self.block_stat)
+        io0, dev0, cpu0 = _proc_io(), self._dev_written(), _cpu_seconds()
+        om.start()
+        t0 = time.perf_counter()
+        extra = fn() or {}
+        wall = time.perf_counter() - t0
+        others, others_io = om.cpu_share(), om.io_bytes()
+        cpu1, io1, dev1 = _cpu_seconds(), _proc_io(), self._dev_written()
+        sample = {
+            "quiet_wait_s": waited,
+            "others_cpu_share_before": before,
+            "others_cpu_share": others,
+            "others_io_bytes": others_io,
+            "wall_s": wall,
+            "cpu_s": cpu1 - cpu0,
+            "write_bytes": float(io1.get("write_bytes", 0) - io0.get("write_bytes", 0)),
+            "cancelled_write_bytes": float(
+                io1.get("cancelled_write_bytes", 0) - io0.get("cancelled_write_bytes", 0)
+            ),
+            "read_bytes": float(io1.get("read_bytes", 0) - io0.get("read_bytes", 0)),
+            "loadavg_1min": os.getloadavg()[0],
+        }
+        if dev0 is not None and dev1 is not None:
+            sample["device_write_bytes"] = float(dev1 - dev0)
+        sample.update(extra)
+        return sample
+
+    def disturbed(self, sample: dict[str, Any], logical: int) -> bool:
+        """Did other processes take a real share of the CPU or the disk during ``sample``?"""
+        cpu, io = sample.get("others_cpu_share"), sample.get("others_io_bytes")
+        if cpu is not None and cpu >= self.quiet_share:
+            return True
+        # own journal/metadata is counted as others' I/O: allow 2% of the payload on top
+        return io is not None and io >= self.quiet_io_bytes * 4 + 0.02 * logical
+
+
+def drop_cache(path: Path) -> None:
+    """fsync, then POSIX_FADV_DONTNEED: the next read of ``path`` comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# ---------------------------------------------------------------------------- the state
+
+
+class BenchModel(torch.nn.Module):
+    """A GPT-like parameter layout summing to exactly ``n`` float32 elements."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        d = 768 if n >= 50_000_000 else 256 if n >= 5_000_000 else 64
+        per_layer = 12 * d * d + 13 * d
+        layers = min(12, (n // 2) // per_layer)
+        shapes: list[tuple[str, tuple[int, ...]]] = []
+        for i in range(layers):
+            shapes += [
+                (f"h{i}_ln1_w", (d,)), (f"h{i}_ln1_b", (d,)),
+                (f"h{i}_qkv_w", (3 * d, d)), (f"h{i}_qkv_b", (3 * d,)),
+                (f"h{i}_proj_w", (d, d)), (f"h{i}_proj_b", (d,)),
+                (f"h{i}_ln2_w", (d,)), (f"h{i}_ln2_b", (d,)),
+                (f"h{i}_fc_w", (4 * d, d)), (f"h{i}_fc_b", (4 * d,)),
+                (f"h{i}_fc2_w", (d, 4 * d)), (f"h{i}_fc2_b", (d,)),
+            ]
+        used = layers * per_layer + 2 * d
+        rows = (n - used) // d
+        if rows < 1:
+            raise SystemExit(f"--params {n} is too small (at least {used + d})")
+        shapes += [("wte", (rows, d)), ("lnf_w", (d,)), ("lnf_b", (d,))]
+        rest = n - used - rows * d
+        if rest:
+            shapes.append(("head_b", (rest,)))
+        for name, shape in shapes:
+            self.register_parameter(name, torch.nn.Parameter(torch.empty(shape)))
+        assert sum(p.numel() for p in self.parameters()) == n
+        self.d_model, self.n_layers = d, layers
+
+
+def build_state(n: int, seed: int = 0) -> tuple[BenchModel, torch.optim.AdamW]:
+    """Model + AdamW after one real step (so exp_avg/exp_avg_sq/step exist)."""
+    torch.manual_seed(seed)
+    model = BenchModel(n)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p).mul_(1e-3)
+    opt.step()
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    return model, opt
+
+
+def flat_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """weights..., exp_avg..., exp_avg_sq... as a list of per-parameter tensors."""
+    params = list(model.parameters())
+    return (
+        [p.detach() for p in params]
+        + [opt.state[p]["exp_avg"] for p in params]
+        + [opt.state[p]["exp_avg_sq"] for p in params]
+    )
+
+
+def torch_state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def safetensors_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        st = opt.state[p]
+        out[f"model.{name}"] = p.detach()
+        out[f"optim.{name}.exp_avg"] = st["exp_avg"]
+        out[f"optim.{name}.exp_avg_sq"] = st["exp_avg_sq"]
+        out[f"optim.{name}.step"] = st["step"].reshape(1)
+    return out
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+
+
+def sha256_throughput(nbytes: int) -> float:
+    """GB/s of hashlib.sha256 over in-memory data (best of 3, no disk)."""
+    size = max(1 << 20, min(nbytes, 512 << 20))
+    buf = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        hashlib.sha256(memoryview(buf)).digest()
+        best = min(best, time.perf_counter() - t0)
+    return size / best / GB
+
+
+# ---------------------------------------------------------------------------- the benchmark
+
+
+class Bench:
+    def __init__(self, n: int, pairs: int, scratch: Path, log: Callable[[str], None], meter: Meter,
+                 retries: int = 0) -> None:
+        self.n, self.pairs, self.scratch, self.log, self.retries = n, pairs, scratch, log, retries
+        self.logical = 12 * n
+        self.meter = meter
+        self.samples: dict[str, list[dict[str, float]]] = {k: [] for k in METHODS}
+        self.step = 0
+        self.model, self.opt = build_state(n)
+        self.state = ripresa.TrainingState(self.model, self.opt)
+        self.tensors = flat_tensors(self.model, self.opt)
+        assert sum(t.numel() for t in self.tensors) == 3 * n
+        self.store = CheckpointStore(scratch / "store")
+        self.async_store = CheckpointStore(scratch / "async")
+        self.writer = AsyncCheckpointWriter(self.async_store, pin_memory=False)
+        self.copy_buffer: torch.Tensor | None = None
+        self.resume_step: int | None = None
+
+    def close(self) -> None:
+        try:
+            self.writer.wait()
+        except Exception:  # noqa: BLE001 - cleanup path; the error was already raised
+            pass
+        self.store.close()
+        self.async_store.close()
+
+    def next_step(self) -> int:
+        self.step += 1
+        return self.step
+
+    # ---- 1. durable saves ------------------------------------------------------------
+    def save_raw(self) -> Callable[[], None]:
+        path = self.scratch / "raw.bin"
+
+        def run() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for t in self.tensors:
+                    _write_all(fd, memoryview(t.numpy()).cast("B"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return self._then_remove(run, path)
+
+    def save_ripresa(self) -> Callable[[], None]:
+        step = self.next_step()
+
+        def run() -> None:
+            progress = ripresa.Progress(step=step)
+            self.store.save(step, bin_arrays(self.state), companion_snapshot(self.state, progress))
+
+        def cleanup() -> None:
+            self.store.delete(step)
+            fsync_dir(self.store.folder)
+        return self._then(run, cleanup)
+
+    def save_torch(self) -> Callable[[], None]:
+        path = self.scratch / "torch.pt"
+
+        def run() -> None:
+            with open(path, "wb") as f:
+                torch.save(torch_state_dict(self.model, self.opt), f)
+                f.flush()
+                os.fsync(f.fileno())
+        return self._then_remove(run, path)
+
+    def save_safetensors(self) -> Callable[[], None]:
+        from safetensors.torch import save_file
+
+        path = self.scratch / "model.safetensors"
+
+        def run() -> None:
+            save_file(safetensors_dict(self.model, self.opt), str(path))
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return self._then_remove(run, path)
+
+    def save_dcp(self) -> Callable[[], None]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        path = self.scratch / "dcp"
+
+        def run() -> None:
+            writer = FileSystemWriter(str(path), sync_files=True)
+            dcp.save(torch_state_dict(self.model, self.opt), storage_writer=writer, no_dist=True)
+        return self._then_remove(run, path)
+
+    # ---- 2. async stall ----------------------------------------------------------------
+    def stall_ripresa(self) -> Callable[[], dict[str, float]]:
+        step = self.next_step()
+
+        def run() -> dict[str, float]:
+            t0 = time.perf_counter()
+            progress = ripresa.Progress(step=step)
+            self.writer.save(step, bin_arrays(self.state), companion_snapshot(self.state, progress))
+            t1 = time.perf_counter()
+            self.writer.wait()
+            t2 = time.perf_counter()
+            return {"stall_s": self.writer.last_stall_s, "caller_stall_s": t1 - t0, "complete_s": t2 - t0}
+
+        def cleanup() -> None:
+            self.async_store.delete(step)
+            fsync_dir(self.async_store.folder)
+        return self._then(run, cleanup)
+
+    def stall_dcp(self) -> Callable[[], dict[str, float]]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        path = self.scratch / "dcp_async"
+
+        def run() -> dict[str, float]:
+            t0 = time.perf_counter()
+            writer = FileSystemWriter(str(path), sync_files=True)
+            fut = dcp.async_save(torch_state_dict(self.model, self.opt), storage_writer=writer, no_dist=True)
+            t1 = time.perf_counter()
+            upload = getattr(fut, "upload_completion", fut)
+            upload.result()
+            t2 = time.perf_counter()
+            return {"stall_s": t1 - t0, "complete_s": t2 - t0}
+        return self._then_remove(run, path)
+
+    def stall_memcpy(self) -> Callable[[], dict[str, float]]:
+        def run() -> dict[str, float]:
+            assert self.copy_buffer is not None
+            t0 = time.perf_counter()
+            off = 0
+            for t in self.tensors:
+                k = t.numel()
+                self.copy_buffer[off : off + k].view(t.shape).copy_(t)
+                off += k
+            return {"stall_s": time.perf_counter() - t0}
+        return run
+
+    # ---- 3. cold resume ----------------------------------------------------------------
+    def _resume_files(self) -> list[Path]:
+        assert self.resume_step is not None
+        return list(generation_paths(self.store.folder, self.resume_step))
+
+    def resume_ripresa(self) -> Callable[[], None]:
+        def run() -> None:
+            contents, _ = self.store.load(self.resume_step, expected_n=self.n)
+            assert contents.digest is not None and contents.n_params == self.n
+            del contents
+        return self._cold(run)
+
+    def resume_fromfile(self) -> Callable[[], None]:
+        path = self._resume_files()[0]
+
+        def run() -> None:
+            a = np.fromfile(path, dtype="<f4", offset=8)
+            assert a.size == 3 * self.n
+            del a
+        return self._cold(run)
+
+    def resume_nohash(self) -> Callable[[], None]:
+        path = self._resume_files()[0]
+
+        def run() -> None:
+            contents = read_bin(path, expected_n=self.n)
+            del contents
+        return self._cold(run)
+
+    def _cold(self, run: Callable[[], None]) -> Callable[[], None]:
+        for p in self._resume_files():
+            drop_cache(p)
+        return run
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _then_remove(self, run: Callable[[], Any], path: Path) -> Callable[[], Any]:
+        return self._then(run, lambda: remove(path))
+
+    def _then(self, run: Callable[[], Any], cleanup: Callable[[], None]) -> Callable[[], Any]:
+        self._pending_cleanup = cleanup
+        return run
+
+    def measure(self, key: str, make: Callable[[], Callable[[], Any]]) -> dict[str, Any]:
+        """One sample of ``key``; redone (up to ``retries`` times) while other processes
+        disturbed it. Discarded attempts are kept in the sample's ``discarded``."""
+        discarded: list[dict[str, Any]] = []
+        while True:
+            self._pending_cleanup = None
+            run = make()
+            try:
+                sample = self.meter.run(run)
+            finally:
+                if self._pending_cleanup is not None:
+                    self._pending_cleanup()
+                    self._pending_cleanup = None
+            sample["disturbed"] = self.meter.disturbed(sample, self.logical)
+            if not sample["disturbed"] or len(discarded) >= self.retries:
+                sample["discarded"] = discarded
+                return sample
+            discarded.append({k: sample[k] for k in ("wall_s", "others_cpu_share", "others_io_bytes")})
+            self.log(f"{key:<28} {sample['wall_s']:9.4f} s  discarded: other processes used "
+                     f"{(sample['others_cpu_share'] or 0):.0%} of the CPU and "
+                     f"{(sample['others_io_bytes'] or 0) / 1e6:.0f} MB of disk I/O; measuring again")
+
+    def record(self, key: str, sample: dict[str, float], primary: str = "wall_s") -> None:
+        s = dict(sample)
+        s["value"] = s[primary]
+        self.samples[key].append(s)
+        parts = []
+        if s.get("others_cpu_share") is not None:
+            parts.append(f"others: CPU {s['others_cpu_share']:.0%}")
+        if s.get("others_io_bytes") is not None:
+            parts.append(f"disk {s['others_io_bytes'] / 1e6:.0f} MB")
+        if s.get("quiet_wait_s"):
+            parts.append(f"waited {s['quiet_wait_s']:.1f} s")
+        if s.get("disturbed"):
+            parts.append("DISTURBED (kept: retries exhausted)")
+        self.log(f"{key:<28} {s['value']:9.4f} s  " + (f"({', '.join(parts)})" if parts else ""))
+
+    # ---- warm-up (outside every figure) --------------------------------------------------
+    def warmup(self) -> None:
+        """Load each library's code paths on a tiny state; allocate the async/memcpy buffers."""
+        import torch.distributed.checkpoint as dcp
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        tiny = {"a": torch.ones(16), "b": torch.zeros(4, 4)}
+        w = self.scratch / "warm"
+        w.mkdir()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.save(tiny, w / "t.pt")
+            save_file(tiny, str(w / "t.safetensors"))
+            dcp.save(tiny, storage_writer=FileSystemWriter(str(w / "d"), sync_files=True), no_dist=True)
+            f = dcp.async_save(tiny, storage_writer=FileSystemWriter(str(w / "e"), sync_files=True), no_dist=True)
+            getattr(f, "upload_completion", f).result()
+        shutil.rmtree(w)
+        # The async writer allocates its staging buffers at its first save; a
+        # training loop pays that once, so it is paid here, outside the figures.
+        step = self.next_step()
+        self.writer.save(step, bin_arrays(self.state), companion_snapshot(self.state, ripresa.Progress(step=step)))
+        self.writer.wait()
+        self.async_store.delete(step)
+        self.copy_buffer = torch.empty(3 * self.n, dtype=torch.float32)
+        self.copy_buffer.fill_(0.0)  # fault the pages in: "preallocated"
+
+    def prepare_resume(self) -> None:
+        step = self.next_step()
+        self.store.save(step, bin_arrays(self.state), companion_snapshot(self.state, ripresa.Progress(step=step)))
+        self.resume_step = step
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _ok(value: float, op: str, target: float) -> bool:
+    return value <= target if op == "<=" else value < target
+
+
+def compute(bench: Bench) -> tuple[dict[str, Any], dict[str, Any]]:
+    methods: dict[str, Any] = {}
+    for key, runs in bench.samples.items():
+        if not runs:
+            continue
+        group, label, what = METHODS[key]
+        vals = [r["value"] for r in runs]
+        entry = {"group": group, "label": label, "figure": what, "samples": vals, **_summary(vals),
+                 "runs": runs}
+        cpu = [r["cpu_s"] / (bench.logical / GB) for r in runs]
+        entry["cpu_s_per_gb"] = statistics.median(cpu)
+        shares = [r["others_cpu_share"] for r in runs if r.get("others_cpu_share") is not None]
+        if shares:
+            entry["others_cpu_share_median"] = statistics.median(shares)
+            entry["others_cpu_share_max"] = max(shares)
+        if group in ("save", "complete"):
+            entry["write_amplification"] = statistics.median(r["write_bytes"] / bench.logical for r in runs)
+            if all("device_write_bytes" in r for r in runs):
+                entry["device_write_amplification"] = statistics.median(
+                    r["device_write_bytes"] / bench.logical for r in runs)
+            entry["throughput_gbps"] = bench.logical / entry["median"] / GB
+        if group == "resume":
+            entry["throughput_gbps"] = bench.logical / entry["median"] / GB
+        methods[key] = entry
+    ratios: dict[str, Any] = {}
+    for name, fig, comp, op, target, text in TARGETS:
+        if fig not in methods or (comp is not None and comp not in methods):
+            continue
+        if comp is None:
+            value = methods[fig]["write_amplification"]
+        else:
+            value = methods[fig]["median"] / methods[comp]["median"]
+        met = _ok(value, op, target)
+        ratios[name] = {"value": value, "figure": fig, "comparator": comp, "target": f"{op} {target}",
+                        "met": "yes" if met else "no", "what": text}
+        if comp is not None:
+            # the same ratio of the best samples: robust to a comparator's unlucky samples
+            best = methods[fig]["min"] / methods[comp]["min"]
+            ratios[name]["ratio_of_minimums"] = best
+            ratios[name]["met_by_minimums"] = "yes" if _ok(best, op, target) else "no"
+    # info rows: the same targets against a stricter reading (not counted in targets_met)
+    for name, fig, comp, target, label, text in INFO_RATIOS:
+        if fig in methods and comp in methods:
+            v = methods[fig]["median"] / methods[comp]["median"]
+            best = methods[fig]["min"] / methods[comp]["min"]
+            ratios[name] = {
+                "value": v, "figure": fig, "comparator": comp, "target": f"<= {target}",
+                "met": "yes" if v <= target else "no", "ratio_of_minimums": best,
+                "met_by_minimums": "yes" if best <= target else "no", "info": True, "label": label,
+                "what": text}
+    return methods, ratios
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def render_table(result: dict[str, Any]):
+    from rich.table import Table
+
+    methods, ratios = result["methods"], result["ratios"]
+    n, nbytes = result["params"], result["bytes"]
+    t1 = Table(title=f"ripresa checkpoint benchmark — {n:,} params, {nbytes / GB:.2f} GB, "
+               f"median of {result['pairs']} pairs", title_justify="left")
+    for col, just in (("figure", "left"), ("ripresa", "right"), ("vs", "left"), ("other", "right"),
+                      ("ratio", "right"), ("target", "right"), ("result", "center"),
+                      ("ratio of mins", "right"), ("by mins", "center")):
+        t1.add_column(col, justify=just)
+
+    def verdict(met: str | None) -> str:
+        return "" if met is None else "[green]PASS[/]" if met == "yes" else "[red]MISS[/]"
+
+    for r in ratios.values():
+        fig = methods[r["figure"]]
+        if r["comparator"] is None:
+            t1.add_row("write amplification", f"{r['value']:.4f}", "logical bytes", "", f"{r['value']:.4f}",
+                       r["target"], verdict(r["met"]), "", "")
+            continue
+        comp = methods[r["comparator"]]
+        t1.add_row(
+            r.get("label") or f"{fig['group']}: {fig['label']}",
+            f"{fig['median']:.3f} s", comp["label"], f"{comp['median']:.3f} s", f"{r['value']:.3f}",
+            r["target"], verdict(r["met"]),
+            f"{r['ratio_of_minimums']:.3f}" if "ratio_of_minimums" in r else "",
+            verdict(r.get("met_by_minimums")),
+        )
+    t2 = Table(title="per method (seconds: median, min – max; CPU-s per GB; write amplification)",
+               title_justify="left")
+    for col, just in (("method", "left"), ("median s", "right"), ("min – max", "right"),
+                      ("GB/s", "right"), ("CPU-s/GB", "right"), ("write amp", "right"),
+                      ("device amp", "right"), ("others' CPU", "right")):
+        t2.add_column(col, justify=just)
+    for key, m in methods.items():
+        t2.add_row(
+            key, f"{m['median']:.4f}", f"{m['min']:.4f} – {m['max']:.4f}",
+            f"{m['throughput_gbps']:.2f}" if "throughput_gbps" in m else "",
+            f"{m['cpu_s_per_gb']:.2f}",
+            f"{m['write_amplification']:.4f}" if "write_amplification" in m else "",
+            f"{m['device_write_amplification']:.3f}" if "device_write_amplification" in m else "",
+            f"{m['others_cpu_share_median']:.0%}" if "others_cpu_share_median" in m else "",
+        )
+    f = result["facts"]
+    facts = (f"sha256 in memory: {f['sha256_gbps']:.2f} GB/s · raw durable write: {f['raw_write_gbps']:.2f} GB/s · "
+             f"cold read (np.fromfile): {f['cold_read_gbps']:.2f} GB/s · warm read: {f['warm_read_gbps']:.2f} GB/s · "
+             f"memcpy: {f['memcpy_gbps']:.2f} GB/s\n"
+             f"load average (1, 5, 15 min) at start {_fmt_load(result['machine']['loadavg_start'])}, "
+             f"at end {_fmt_load(result['machine']['loadavg_end'])} on {result['machine']['cores']} cores; "
+             f"CPU/IO pressure (PSI some avg60, %) at end: "
+             f"{result['machine']['pressure_end'].get('cpu_some_avg60', float('nan')):.0f}/"
+             f"{result['machine']['pressure_end'].get('io_some_avg60', float('nan')):.0f}")
+    if "others_cpu_share_median" in f:
+        facts += (f"\nother processes used a median {f['others_cpu_share_median']:.0%} (max "
+                  f"{f['others_cpu_share_max']:.0%}) of the machine's CPU during the samples; "
+                  f"{f['samples_with_others_over_quiet_share']} of {f['samples']} samples above "
+                  f"{f['quiet_share']:.0%}; waited {f['quiet_wait_total_s']:.0f} s in all for quiet; "
+                  f"{f['discarded_samples']} disturbed samples discarded and redone, "
+                  f"{f['disturbed_samples_kept']} kept after {f['retries']} retries")
+    return t1, t2, facts
+
+
+def _fmt_load(load: list[float] | tuple[float, ...]) -> str:
+    return "/".join(f"{x:.2f}" for x in load)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    panels = [
+        ("durable save (s)", ["save.raw", "save.ripresa", "save.torch_save", "save.safetensors", "save.dcp"]),
+        ("blocking stall (s, log scale)", ["stall.memcpy", "stall.ripresa_async", "stall.ripresa_async_caller",
+                                "stall.dcp_async", "save.ripresa"]),
+        ("cold resume (s)", ["resume.np_fromfile", "resume.read_bin_nohash", "resume.ripresa_load"]),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
+    for ax, (title, keys) in zip(axes, panels, strict=True):
+        keys = [k for k in keys if k in methods]
+        med = [methods[k]["median"] for k in keys]
+        lo = [methods[k]["median"] - methods[k]["min"] for k in keys]
+        hi = [methods[k]["max"] - methods[k]["median"] for k in keys]
+        colors = ["#d62728" if "ripresa" in k else "#7f7f7f" if k in ("save.raw", "stall.memcpy",
+                  "resume.np_fromfile") else "#1f77b4" for k in keys]
+        for light in ("save.ripresa", "resume.read_bin_nohash", "stall.ripresa_async_caller"):
+            if light in keys and (light != "save.ripresa" or title.startswith("blocking")):
+                colors[keys.index(light)] = "#ff9896"
+        labels = [("ripresa\nsync save" if k == "save.ripresa" and title.startswith("blocking")
+                   else PLOT_LABELS.get(k, textwrap.fill(methods[k]["label"], 14))) for k in keys]
+        bars = ax.bar(range(len(keys)), med, yerr=[lo, hi], capsize=4, color=colors)
+        for b, v in zip(bars, med, strict=True):
+            ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+        ax.set_xticks(range(len(keys)), labels, fontsize=7)
+        ax.set_title(title)
+        ax.set_ylabel("seconds (median, bars: min–max)")
+        if title.startswith("blocking"):
+            ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"ripresa checkpoint benchmark: {result['params']:,} params "
+                 f"({result['bytes'] / GB:.2f} GB), median of {result['pairs']} pairs — "
+                 f"{result['machine']['cpu_model']}, {result['machine']['filesystem']['fstype']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=int, default=DEFAULT_PARAMS,
+                    help="parameters N (state = 12·N bytes); default 120,000,000 (ANDREA-120M)")
+    ap.add_argument("--pairs", type=int, default=5, help="pairs per method (median of these); default 5")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
+                    help="folder for bench_checkpoint_<N>.json and .png")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="scratch folder on the disk to measure (default: --out); emptied at the end")
+    ap.add_argument("--quiet-timeout", type=float, default=60.0,
+                    help="before each sample, wait up to this many seconds until other processes use "
+                         "less than --quiet-share of the CPU and almost no disk (0: never wait); default 60")
+    ap.add_argument("--quiet-share", type=float, default=0.10,
+                    help="share of the machine's CPU (0..1) other processes may use for a sample to "
+                         "start and count; default 0.10")
+    ap.add_argument("--retries", type=int, default=3,
+                    help="redo a sample during which other processes used >= --quiet-share of the CPU "
+                         "or real disk I/O, at most this many times (0: keep every sample); default 3")
+    ap.add_argument("--from-json", type=Path, default=None, metavar="JSON",
+                    help="measure nothing: redraw the PNG and reprint the tables of an earlier run's JSON")
+    args = ap.parse_args(argv)
+    if args.pairs < 1:
+        ap.error("--pairs must be >= 1")
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(width=None if sys.stdout.isatty() else 180)
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        png_path = args.from_json.with_suffix(".png")
+        plot(result, png_path)
+        for part in render_table(result):
+            console.print(part)
+        console.print(f"command: {result['command']}")
+        console.print(f"wrote {png_path}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = args.dir if args.dir is not None else args.out
+    base.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".bench-scratch-", dir=base))
+
+    def on_term(signum, frame):  # noqa: ARG001 - run the finally blocks (cleanup) on SIGTERM
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, on_term)
+    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    bench: Bench | None = None
+    started = time.time()
+    load_start = os.getloadavg()
+    pressure_start = pressure()
+    facts_at_start = machine_facts(scratch)  # source hashes of the code as imported now
+    try:
+        n = args.params
+        groups = [
+            ("save", ["save.raw", "save.ripresa", "save.torch_save", "save.safetensors", "save.dcp"]),
+            ("stall", ["stall.memcpy", "stall.ripresa_async", "stall.dcp_async"]),
+            ("resume", ["resume.np_fromfile", "resume.ripresa_load", "resume.read_bin_nohash"]),
+        ]
+        total = sum(len(keys) for _, keys in groups) * args.pairs + 5
+        with Progress(TextColumn("[bold]{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=False) as prog:
+            task = prog.add_task(f"building state ({n:,} params)", total=total)
+            log = (lambda s: prog.console.print(f"{time.strftime('%H:%M:%S')} {s}", markup=False, highlight=False)) if not console.is_terminal else (lambda s: None)
+            meter = Meter(_block_stat_path(scratch), quiet_timeout=args.quiet_timeout,
+                          quiet_share=args.quiet_share,
+                          on_wait=lambda text: prog.update(task, description=text))
+            bench = Bench(n, args.pairs, scratch, log, meter, retries=max(0, args.retries))
+            prog.advance(task)
+            prog.update(task, description="warm-up")
+            bench.warmup()
+            prog.advance(task)
+            prog.update(task, description="sha256 in memory")
+            meter.wait_quiet()
+            sha_gbps = sha256_throughput(bench.logical)
+            prog.advance(task)
+
+            makers: dict[str, Callable[[], Callable[[], Any]]] = {
+                "save.raw": bench.save_raw, "save.ripresa": bench.save_ripresa,
+                "save.torch_save": bench.save_torch, "save.safetensors": bench.save_safetensors,
+                "save.dcp": bench.save_dcp, "stall.memcpy": bench.stall_memcpy,
+                "stall.ripresa_async": bench.stall_ripresa, "stall.dcp_async": bench.stall_dcp,
+                "resume.np_fromfile": bench.resume_fromfile, "resume.ripresa_load": bench.resume_ripresa,
+                "resume.read_bin_nohash": bench.resume_nohash,
+            }
+            for group, keys in groups:
+                if group == "resume":
+                    prog.update(task, description="committing a generation to resume")
+                    bench.prepare_resume()
+                    # free what the stall group held, before loads allocate their arrays
+                    bench.writer.buffers = None
+                    bench.copy_buffer = None
+                    gc.collect()
+                for pair in range(args.pairs):
+                    order = keys if pair % 2 == 0 else list(reversed(keys))
+                    for key in order:
+                        prog.update(task, description=f"pair {pair + 1}/{args.pairs} {key}")
+                        sample = bench.measure(key, makers[key])
+                        if key == "stall.ripresa_async":
+                            bench.record(key, sample, "stall_s")
+                            bench.samples["stall.ripresa_async_caller"].append(
+                                dict(sample, value=sample["caller_stall_s"]))
+                            bench.samples["complete.ripresa_async"].append(
+                                dict(sample, value=sample["complete_s"]))
+                        elif key == "stall.dcp_async":
+                            bench.record(key, sample, "stall_s")
+                            bench.samples["complete.dcp_async"].append(dict(sample, value=sample["complete_s"]))
+                        elif key == "stall.memcpy":
+                            bench.record(key, sample, "stall_s")
+                        else:
+                            bench.record(key, sample)
+                        prog.advance(task)
+            prog.update(task, description="warm read (page cache)")
+            resume_bin = bench._resume_files()[0]
+            np.fromfile(resume_bin, dtype="<f4", offset=8)  # page it in
+            t0 = time.perf_counter()
+            np.fromfile(resume_bin, dtype="<f4", offset=8)
+            warm_s = time.perf_counter() - t0
+            prog.advance(task)
+            prog.update(task, description="done")
+            prog.advance(task)
+
+        methods, ratios = compute(bench)
+        facts = {
+            "sha256_gbps": sha_gbps,
+            "raw_write_gbps": methods["save.raw"]["throughput_gbps"],
+            "cold_read_gbps": methods["resume.np_fromfile"]["throughput_gbps"],
+            "warm_read_gbps": bench.logical / warm_s / GB,
+            "memcpy_gbps": bench.logical / methods["stall.memcpy"]["median"] / GB,
+            "sha256_seconds_for_state": bench.logical / (sha_gbps * GB),
+            "resume_lower_bound_s": max(bench.logical / (sha_gbps * GB), methods["resume.np_fromfile"]["median"]),
+        }
+        all_runs = [r for key in METHODS if not key.startswith(("complete.", "stall.ripresa_async_caller"))
+                    for r in bench.samples[key]]
+        shares = [r["others_cpu_share"] for r in all_runs if r.get("others_cpu_share") is not None]
+        if shares:
+            facts["others_cpu_share_median"] = statistics.median(shares)
+            facts["others_cpu_share_max"] = max(shares)
+            facts["samples_with_others_over_quiet_share"] = sum(x >= args.quiet_share for x in shares)
+            facts["samples"] = len(shares)
+        facts["quiet_wait_total_s"] = sum(r.get("quiet_wait_s", 0.0) for r in all_runs)
+        facts["quiet_timeout_s"], facts["quiet_share"] = args.quiet_timeout, args.quiet_share
+        facts["retries"] = args.retries
+        facts["discarded_samples"] = sum(len(r.get("discarded", [])) for r in all_runs)
+        facts["disturbed_samples_kept"] = sum(bool(r.get("disturbed")) for r in all_runs)
+        result = {
+            "schema": SCHEMA,
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "started": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(timespec="seconds"),
+            "duration_s": time.time() - started,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "params": n,
+            "bytes": bench.logical,
+            "pairs": args.pairs,
+            "model": {"d_model": bench.model.d_model, "layers": bench.model.n_layers,
+                      "tensors_per_region": len(list(bench.model.parameters())),
+                      "optimizer": "torch.optim.AdamW after one step"},
+            "machine": dict(facts_at_start, loadavg_start=load_start, loadavg_end=os.getloadavg(),
+                            pressure_start=pressure_start, pressure_end=pressure()),
+            "notes": [
+                "Medians of --pairs samples; each group alternates method order per pair.",
+                "save.*: seconds from the call until the bytes are fsync'd. Library saves fsync the file only "
+                "(not the folder); ripresa also renames, fsyncs the folder twice and writes a commit marker.",
+                "stall.ripresa_async is AsyncCheckpointWriter.last_stall_s; stall.ripresa_async_caller adds "
+                "bin_arrays() and companion_snapshot(); every async save is waited for before the next figure.",
+                "resume.*: page cache dropped with fsync + POSIX_FADV_DONTNEED before each read.",
+                "write_amplification: /proc/self/io write_bytes delta / (12*params); device_write_amplification: "
+                "sectors written by the whole block device in the same window (includes journal and other processes).",
+            ],
+            "facts": facts,
+            "methods": methods,
+            "ratios": ratios,
+            "targets_met": {k: v["met"] for k, v in ratios.items() if not v.get("info")},
+        }
+        json_path = args.out / f"bench_checkpoint_{n}.json"
+        png_path = args.out / f"bench_checkpoint_{n}.png"
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, png_path)
+        t1, t2, fact_line = render_table(result)
+        console.print(t1)
+        console.print(t2)
+        console.print(fact_line)
+        console.print(f"wrote {json_path} and {png_path}")
+        return 0
+    finally:
+        if bench is not None:
+            bench.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

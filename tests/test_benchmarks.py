@@ -1,0 +1,204 @@
+"""benchmarks/bench_checkpoint.py runs end to end (small size) and writes a usable JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO, run
+
+BENCH = REPO / "benchmarks" / "bench_checkpoint.py"
+N = 200_000
+
+EXPECTED_METHODS = {
+    "save.raw", "save.ripresa", "save.torch_save", "save.safetensors", "save.dcp",
+    "stall.ripresa_async", "stall.ripresa_async_caller", "stall.dcp_async", "stall.memcpy",
+    "complete.ripresa_async", "complete.dcp_async",
+    "resume.ripresa_load", "resume.np_fromfile", "resume.read_bin_nohash",
+}
+EXPECTED_RATIOS = {
+    "save_ripresa_over_raw", "save_ripresa_over_torch_save", "save_ripresa_over_safetensors",
+    "save_ripresa_over_dcp", "stall_ripresa_over_memcpy", "stall_ripresa_over_sync_save",
+    "stall_ripresa_over_dcp_async", "resume_ripresa_over_fromfile", "write_amplification_ripresa",
+}
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_checkpoint", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    pytest.importorskip("safetensors")
+    pytest.importorskip("matplotlib")
+    out = tmp_path_factory.mktemp("bench_out")
+    scratch = tmp_path_factory.mktemp("bench_scratch")
+    t0 = time.monotonic()
+    proc = run([sys.executable, str(BENCH), "--params", str(N), "--pairs", "2",
+                "--out", str(out), "--dir", str(scratch), "--quiet-timeout", "0", "--retries", "0"],
+               timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, scratch, proc, elapsed
+
+
+def test_finishes_quickly(small_run):
+    *_, elapsed = small_run
+    assert elapsed < 60, f"the small benchmark took {elapsed:.1f} s"
+
+
+def test_json_has_every_method_with_positive_medians(small_run):
+    out, *_ = small_run
+    doc = json.loads((out / f"bench_checkpoint_{N}.json").read_text())
+    assert doc["schema"] == "ripresa-bench-checkpoint/1"
+    assert doc["params"] == N and doc["bytes"] == 12 * N and doc["pairs"] == 2
+    assert set(doc["methods"]) == EXPECTED_METHODS
+    for key, m in doc["methods"].items():
+        assert len(m["samples"]) == 2, key
+        assert m["median"] > 0 and m["min"] > 0 and m["min"] <= m["median"] <= m["max"], key
+        assert m["cpu_s_per_gb"] >= 0, key
+    for key in ("save.raw", "save.ripresa", "save.torch_save", "save.safetensors", "save.dcp"):
+        # every save wrote at least the logical bytes (page cache accounting of /proc/self/io)
+        assert doc["methods"][key]["write_amplification"] >= 0.99, key
+
+
+def test_json_ratios_and_targets(small_run):
+    out, *_ = small_run
+    doc = json.loads((out / f"bench_checkpoint_{N}.json").read_text())
+    assert EXPECTED_RATIOS <= set(doc["ratios"])
+    m = doc["methods"]
+    for name, r in doc["ratios"].items():
+        assert r["value"] > 0 and r["met"] in ("yes", "no"), name
+        if r["comparator"] is not None:
+            assert r["value"] == pytest.approx(m[r["figure"]]["median"] / m[r["comparator"]]["median"]), name
+            assert r["ratio_of_minimums"] == pytest.approx(m[r["figure"]]["min"] / m[r["comparator"]]["min"]), name
+            assert r["met_by_minimums"] in ("yes", "no"), name
+    assert set(doc["targets_met"]) == EXPECTED_RATIOS
+    machine = doc["machine"]
+    for key in ("cpu_model", "cores", "torch", "numpy", "filesystem"):
+        assert machine[key], key
+    assert machine["filesystem"]["fstype"]
+    assert doc["facts"]["sha256_gbps"] > 0
+
+
+def test_png_is_a_real_chart(small_run):
+    out, *_ = small_run
+    png = out / f"bench_checkpoint_{N}.png"
+    raw = png.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(raw) > 20_000
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(png)
+    assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 800 and img.shape[2] in (3, 4)
+    rgb = img[..., :3].reshape(-1, 3)
+    assert len(np.unique(rgb, axis=0)) > 10, "the chart is a single colour"
+    assert (rgb.std(axis=0) > 0.01).any()
+
+
+def test_prints_table_and_cleans_scratch(small_run):
+    out, scratch, proc, _ = small_run
+    assert "PASS" in proc.stdout or "MISS" in proc.stdout
+    assert "ripresa checkpoint benchmark" in proc.stdout
+    assert list(scratch.iterdir()) == [], "scratch files were left behind"
+    assert sorted(p.name for p in out.iterdir()) == [f"bench_checkpoint_{N}.json", f"bench_checkpoint_{N}.png"]
+
+
+def test_sigterm_midway_leaves_no_scratch_files(tmp_path):
+    import os
+    import signal
+    import subprocess
+
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    scratch.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH), "--params", "5000000", "--pairs", "5", "--out", str(out), "--dir", str(scratch), "--quiet-timeout", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # wait until the measurements have started (generation files in the scratch store)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(p.is_file() for p in scratch.rglob("*")):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the benchmark ended before it could be interrupted"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert list(scratch.iterdir()) == []
+
+
+def test_samples_record_other_processes_and_the_quiet_gate_is_bounded(small_run):
+    out, *_ = small_run
+    doc = json.loads((out / f"bench_checkpoint_{N}.json").read_text())
+    for key, m in doc["methods"].items():
+        for r in m["runs"]:
+            assert r["others_cpu_share"] is None or r["others_cpu_share"] >= 0, key
+            assert r["quiet_wait_s"] == 0.0, key  # --quiet-timeout 0: never waits
+
+            assert r["discarded"] == [] and r["disturbed"] in (True, False), key  # --retries 0
+
+    mod = _bench_module()
+    meter = mod.Meter(None, quiet_timeout=1.0, quiet_share=-1.0)  # never quiet: must give up after ~1 s
+    t0 = time.monotonic()
+    waited, share = meter.wait_quiet()
+    assert 0.9 <= waited <= 3.0 and time.monotonic() - t0 <= 3.5
+    assert share is None or share >= 0
+
+
+def test_a_disturbed_sample_is_redone_and_the_discarded_attempt_kept(tmp_path):
+    mod = _bench_module()
+    meter = mod.Meter(None, quiet_share=0.1, quiet_io_bytes=8e6)
+    assert meter.disturbed({"others_cpu_share": 0.5, "others_io_bytes": 0.0}, 10**9)
+    assert meter.disturbed({"others_cpu_share": 0.0, "others_io_bytes": 200e6}, 10**9)
+    assert not meter.disturbed({"others_cpu_share": 0.02, "others_io_bytes": 1e6}, 10**9)
+    assert not meter.disturbed({"others_cpu_share": None, "others_io_bytes": None}, 10**9)
+
+    class Scripted(mod.Meter):
+        """Others take the CPU during the first two attempts only."""
+
+        def __init__(self):
+            super().__init__(None, quiet_share=0.1)
+            self.calls = 0
+
+        def run(self, fn):
+            self.calls += 1
+            fn()
+            busy = 0.9 if self.calls <= 2 else 0.0
+            return {"wall_s": float(self.calls), "others_cpu_share": busy, "others_io_bytes": 0.0}
+
+    logs: list[str] = []
+    for retries, expect_calls, expect_disturbed in ((3, 3, False), (1, 2, True)):
+        meter = Scripted()
+        bench = mod.Bench(2000, 1, tmp_path / f"r{retries}", logs.append, meter, retries=retries)
+        try:
+            made: list[int] = []
+
+            def make(made=made):
+                made.append(1)
+                return lambda: None
+
+            sample = bench.measure("save.raw", make)
+        finally:
+            bench.close()
+        assert meter.calls == expect_calls and len(made) == expect_calls
+        assert sample["disturbed"] is expect_disturbed
+        assert [d["wall_s"] for d in sample["discarded"]] == [float(i) for i in range(1, expect_calls)]
+    assert any("discarded" in line for line in logs)

@@ -429,17 +429,7 @@ class Checkpointer:
             return  # this exact state is already committed
         t0 = time.perf_counter()
         try:
-            arrays = bin_arrays(self.state)
-            companion = companion_snapshot(self.state, self.progress)
-            if self.writer is not None:
-                self._collect(block=True, must_succeed=must_succeed)
-                self.writer.save(step, arrays, companion)
-                self._pending = (step, reason, t0)
-                self.save_stalls.append(time.perf_counter() - t0)
-            else:
-                gen = self.store.save(step, arrays, companion)
-                self.save_stalls.append(time.perf_counter() - t0)
-                self._committed(gen, reason, time.perf_counter() - t0)
+            self._submit_bin(step, reason, must_succeed, t0)
         except SaveFailed as exc:
             self._failed(step, exc, must_succeed)
             return
@@ -447,6 +437,20 @@ class Checkpointer:
             write_atomic(self.run_dir / name, [json.dumps(fn(), indent=1, allow_nan=True).encode() + b"\n"])
         if self.on_checkpoint is not None:
             self.on_checkpoint(step)  # runs while the background writer writes
+
+    def _submit_bin(self, step: int, reason: str, must_succeed: bool, t0: float, extra: dict[str, Any] | None = None) -> None:
+        """Capture weights/m/v and the companion now; write them in the background, or commit them now."""
+        arrays = bin_arrays(self.state)
+        companion = companion_snapshot(self.state, self.progress, extra)
+        if self.writer is not None:
+            self._collect(block=True, must_succeed=must_succeed)
+            self.writer.save(step, arrays, companion)
+            self._pending = (step, reason, t0)
+            self.save_stalls.append(time.perf_counter() - t0)
+        else:
+            gen = self.store.save(step, arrays, companion)
+            self.save_stalls.append(time.perf_counter() - t0)
+            self._committed(gen, reason, time.perf_counter() - t0)
 
     def _collect(self, *, block: bool, must_succeed: bool = False) -> Generation | None:
         """Account for a finished (or, with ``block``, the in-flight) background save."""
@@ -511,17 +515,7 @@ class Checkpointer:
                 return
         elif d.is_main:
             try:
-                arrays = bin_arrays(self.state)
-                companion = companion_snapshot(self.state, self.progress, extra)
-                if self.writer is not None:
-                    self._collect(block=True, must_succeed=must_succeed)
-                    self.writer.save(step, arrays, companion)
-                    self._pending = (step, reason, t0)
-                    self.save_stalls.append(time.perf_counter() - t0)
-                else:
-                    gen = self.store.save(step, arrays, companion)
-                    self.save_stalls.append(time.perf_counter() - t0)
-                    self._committed(gen, reason, time.perf_counter() - t0)
+                self._submit_bin(step, reason, must_succeed, t0, extra)
             except SaveFailed as exc:
                 if must_succeed:
                     self._deferred_error = exc  # raised by _collect_all, after every rank has been told

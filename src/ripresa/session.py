@@ -201,7 +201,7 @@ class Checkpointer:
             saved_extra = rest.get("extra", {})
         else:
             assert store is not None
-            contents, comp = store.load(gen.step, expected_n=n)
+            contents, comp, gen = self._load_or_fall_back(store, gen, n, from_path is None)
             full = join_state(self.state, contents, comp)
             self.progress = self.state.restore(full, restore_rng=restore_rng, **self.allow)
             saved_extra = full.get("extra", {})
@@ -212,6 +212,24 @@ class Checkpointer:
         self._note_world_change(saved_extra, world_size=1, fresh=False)
         self._write_config()
         return self.progress.step
+
+    def _load_or_fall_back(self, store: CheckpointStore, gen: Generation, n: int, may_fall_back: bool):
+        """Load ``gen`` (one read, hashed on the way); in the run folder, a .bin damaged after
+        its commit is skipped with a warning and the next older valid generation is loaded."""
+        while True:
+            try:
+                contents, comp = store.load(gen.step, expected_n=n)
+                return contents, comp, gen
+            except IntegrityError as exc:
+                if not may_fall_back:
+                    raise
+                msg = f"skipping generation {gen.step}: {exc.message} ({exc.file})"
+                warnings.warn(msg, CheckpointWarning, stacklevel=3)
+                self.history.event("skipped_generation", reason=msg)
+                older = [g for g in store.generations(deep=False) if g.valid and g.step < gen.step]
+                if not older:
+                    raise
+                gen = older[-1]
 
     def _choose(self, from_path: str | Path | None) -> tuple[Any, CheckpointStore | None, Path | None]:
         """(generation, store to load it from, foreign .bin) for ``from_path`` or the run folder."""
@@ -245,9 +263,9 @@ class Checkpointer:
                 if isinstance(gen, dcp_fmt.DcpGeneration):
                     gen = dcp_fmt.check_dcp(self.run_dir, gen.step, deep=True)  # shards are hashed before loading
             else:
-                # deep: a .bin damaged after its commit (bit rot) is skipped here, with a
-                # warning, in favour of the previous generation — not refused at load.
-                gen = store.latest_valid(deep=True)
+                # shallow here: load() hashes the .bin while reading it, and resume()
+                # falls back to an older generation if that hash fails (bit rot).
+                gen = store.latest_valid(deep=False)
         for w in caught:
             if issubclass(w.category, CheckpointWarning):
                 warnings.warn(str(w.message), CheckpointWarning, stacklevel=3)

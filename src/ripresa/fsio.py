@@ -41,13 +41,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import BadInput, IntegrityError, SaveFailed
+from .errors import BadInput, IntegrityError, RipresaError, SaveFailed
 
 #: Read/write granularity for streaming (bytes). 8 MiB keeps syscalls few
 #: without a large private buffer.
 CHUNK = 8 * 1024 * 1024
 
-_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]{8}$")
+#: A temporary's name: ``.NAME.tmp.PID.RANDOM``. The pid has at most 7
+#: digits without a leading zero (Linux's ``PID_MAX_LIMIT`` is 4194304): a
+#: name with more digits was not made by :func:`temp_name_for` and is not
+#: treated as a temporary (no ``int`` of 10**400, no ``OverflowError``).
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>[1-9][0-9]{0,6})\.[0-9a-f]{8}\Z")
+#: Largest pid a temporary's name may carry (Linux ``PID_MAX_LIMIT``).
+PID_MAX = 1 << 22
 #: One ``sha256sum`` line; matched with ``fullmatch`` (``\Z``, not ``$``, so a
 #: second newline is refused). No ``/`` and no control characters (``\r``,
 #: NUL, ...) in the name.
@@ -357,12 +363,30 @@ def temp_name_for(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
 
 
+def temp_name_pid(name: str) -> int | None:
+    """The writer pid in a name made by :func:`temp_name_for`, or ``None``.
+
+    ``None`` for any other name, including one whose pid is out of range
+    (0, or above :data:`PID_MAX`): such a file is not ours and is left alone.
+    Never raises.
+    """
+    if len(name) > 512:
+        return None
+    m = _TEMP_RE.match(name)
+    if m is None:
+        return None
+    pid = int(m.group("pid"))  # at most 7 digits: cannot overflow
+    return pid if 0 < pid <= PID_MAX else None
+
+
 def is_temp_name(name: str) -> bool:
-    """True for names made by :func:`temp_name_for`."""
-    return _TEMP_RE.match(name) is not None
+    """True for names made by :func:`temp_name_for` (a pid in range, see :func:`temp_name_pid`)."""
+    return temp_name_pid(name) is not None
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0 or pid > PID_MAX:  # 0 or -N would address a process group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -383,16 +407,15 @@ def clean_temporaries(folder: Path, *, only_dead: bool = True) -> list[Path]:
     if not folder.is_dir():
         return removed
     for entry in folder.iterdir():
-        m = _TEMP_RE.match(entry.name)
-        if not m:
+        pid = temp_name_pid(entry.name)
+        if pid is None:
             continue
-        pid = int(m.group("pid"))
         if only_dead and (pid == os.getpid() or _pid_alive(pid)):
             continue
         try:
             if entry.is_dir() and not entry.is_symlink():
                 continue
-            entry.unlink()
+            entry.unlink()  # unlinks a symlink itself, never its target
             removed.append(entry)
         except FileNotFoundError:
             pass
@@ -654,7 +677,9 @@ class _Refused(Exception):
         self.found = found
 
 
-def _open_checked(path: Path, *, follow_symlinks: bool = True) -> tuple[int, os.stat_result]:
+def _open_checked(
+    path: Path, *, follow_symlinks: bool = True, access: int = os.O_RDONLY, create_mode: int = 0o644
+) -> tuple[int, os.stat_result]:
     """Open ``path`` read-only and return ``(fd, fstat)`` if it is a regular file.
 
     ``O_NONBLOCK`` makes the open of a FIFO (or of a FIFO swapped in for a
@@ -665,14 +690,16 @@ def _open_checked(path: Path, *, follow_symlinks: bool = True) -> tuple[int, os.
     Reads do not go through :data:`ops` (its hook counts the save protocol's
     operations).
     """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = access | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags, create_mode)
     except FileNotFoundError as exc:
         raise _Refused("missing", "nothing at this path") from exc
     except OSError as exc:
+        if exc.errno == errno.EISDIR:
+            raise _Refused("folder", "a folder") from exc
         if exc.errno == errno.ELOOP:
             if not follow_symlinks and os.path.islink(path):
                 raise _Refused("symlink", "a symlink") from exc
@@ -764,6 +791,140 @@ def open_regular(path: str | Path, what: str = "checkpoint") -> int:
     except _Refused as refused:
         raise _open_error(p, what, refused) from refused.__cause__
     return fd
+
+
+_RUN_FILE_ACCESS = {
+    "read": os.O_RDONLY,
+    "append": os.O_WRONLY | os.O_APPEND,
+    "create_append": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+}
+
+
+def open_run_file(
+    path: str | Path, what: str, *, mode: str = "read", error: type[RipresaError] = BadInput
+) -> int:
+    """Open a file of a run folder, a bundle or a ledger; return the descriptor (caller closes).
+
+    The one way ripresa opens such a file (``docs/FAULTS.md``, hostile run
+    folders): ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC``, then ``fstat`` on the
+    *descriptor*, so a symlink is refused (never followed out of the folder),
+    a FIFO never blocks (neither for reading nor for writing), and a folder,
+    socket or device is refused. ``O_NONBLOCK`` is cleared before returning.
+
+    ``mode``: ``"read"`` (read-only), ``"append"`` (write-only, appending, the
+    file must exist) or ``"create_append"`` (the same, created ``0o644`` if
+    missing; a dangling symlink is refused, not followed to create its target).
+
+    Every refusal is an ``error`` (:class:`~ripresa.errors.BadInput` by
+    default; a caller reading an integrity-covered file passes
+    :class:`~ripresa.errors.IntegrityError`) naming file, expected, found and
+    a hint.
+    """
+    try:
+        access = _RUN_FILE_ACCESS[mode]
+    except KeyError:
+        raise ValueError(f"open_run_file: unknown mode {mode!r}") from None
+    p = Path(path)
+    try:
+        fd, _ = _open_checked(p, follow_symlinks=False, access=access)
+    except _Refused as refused:
+        raise _run_file_error(p, what, refused, error) from None
+    return fd
+
+
+def _run_file_error(path: Path, what: str, refused: _Refused, error: type[RipresaError]) -> RipresaError:
+    base = _open_error(path, what, refused)
+    if refused.kind == "symlink":
+        return error(
+            f"{what} is a symlink",
+            file=path,
+            expected="a regular file inside the folder",
+            found="a symlink",
+            hint="ripresa never follows links inside a run folder, bundle or ledger; "
+            "replace the link by the file itself",
+        )
+    return error(base.message, file=path, expected=base.expected, found=base.found, hint=base.hint)
+
+
+def read_small(
+    path: str | Path, what: str, limit: int, *, error: type[RipresaError] = BadInput
+) -> bytes:
+    """Read a whole small file of a run folder, a bundle or a ledger, bounded by ``limit`` bytes.
+
+    The one bounded small-file reader: opened with :func:`open_run_file` (no
+    symlink, no FIFO, a regular file), its size checked on the descriptor
+    *before* any buffer is allocated, then at most ``limit + 1`` bytes read
+    (a file that grew past ``limit`` while read is refused too). Refusals are
+    ``error`` (:class:`~ripresa.errors.BadInput` by default).
+    """
+    p = Path(path)
+    fd = open_run_file(p, what, error=error)
+    try:
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as exc:  # pragma: no cover - fstat of an open fd
+            raise _read_error(p, what, exc, "a readable file") from exc
+        if size > limit:
+            raise error(
+                f"{what} is too large",
+                file=p,
+                expected=f"at most {limit} bytes",
+                found=f"{size} bytes",
+                hint="this is not a file ripresa wrote; remove or replace it",
+            )
+        chunks: list[bytes] = []
+        got_total = 0
+        while got_total <= limit:
+            try:
+                got = os.read(fd, min(CHUNK, limit + 1 - got_total))
+            except OSError as exc:
+                raise _read_error(p, what, exc, f"at most {limit} bytes") from exc
+            if not got:
+                break
+            chunks.append(got)
+            got_total += len(got)
+    finally:
+        os.close(fd)
+    if got_total > limit:
+        raise error(
+            f"{what} is too large",
+            file=p,
+            expected=f"at most {limit} bytes",
+            found=f"more than {limit} bytes (it grew while read)",
+            hint="another process is writing this file",
+        )
+    return b"".join(chunks)
+
+
+def parse_json_bytes(
+    raw: bytes, path: str | Path | None, what: str, *, error: type[RipresaError] = BadInput
+) -> Any:
+    """``json.loads`` of bytes read from a file, every failure mapped to ``error``.
+
+    Invalid UTF-8, invalid JSON, deep nesting (``RecursionError``) and
+    numbers the parser cannot hold are all refused with file, expected,
+    found and hint; nothing else escapes.
+    """
+    import json
+
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+        found = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RecursionError) else "nesting too deep"
+        raise error(
+            f"{what} is not valid JSON",
+            file=path,
+            expected="a JSON document as ripresa writes it",
+            found=found[:300],
+            hint="the file is damaged or was not written by ripresa",
+        ) from None
+
+
+def read_json_small(
+    path: str | Path, what: str, limit: int, *, error: type[RipresaError] = BadInput
+) -> Any:
+    """:func:`read_small` then :func:`parse_json_bytes`; every failure is an ``error``."""
+    return parse_json_bytes(read_small(path, what, limit, error=error), path, what, error=error)
 
 
 def _read_error(path: str | Path | None, what: str, exc: OSError, expected: str) -> BadInput:

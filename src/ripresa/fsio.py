@@ -795,8 +795,8 @@ def open_regular(path: str | Path, what: str = "checkpoint") -> int:
 
 _RUN_FILE_ACCESS = {
     "read": os.O_RDONLY,
-    "append": os.O_WRONLY | os.O_APPEND,
-    "create_append": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    "append": os.O_RDWR | os.O_APPEND,
+    "create_append": os.O_RDWR | os.O_APPEND | os.O_CREAT,
 }
 
 
@@ -811,8 +811,9 @@ def open_run_file(
     a FIFO never blocks (neither for reading nor for writing), and a folder,
     socket or device is refused. ``O_NONBLOCK`` is cleared before returning.
 
-    ``mode``: ``"read"`` (read-only), ``"append"`` (write-only, appending, the
-    file must exist) or ``"create_append"`` (the same, created ``0o644`` if
+    ``mode``: ``"read"`` (read-only), ``"append"`` (read-write, every write
+    appended, the file must exist; the descriptor can ``pread`` the very file
+    it appends to, e.g. to repair a torn last line) or ``"create_append"`` (the same, created ``0o644`` if
     missing; a dangling symlink is refused, not followed to create its target).
 
     Every refusal is an ``error`` (:class:`~ripresa.errors.BadInput` by

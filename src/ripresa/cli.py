@@ -183,24 +183,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- signal
 def _add_signal(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("signal", help="ask the process training RUN to checkpoint (SIGUSR1) or stop (SIGTERM)")
+    p = sub.add_parser(
+        "signal",
+        help="ask the process training RUN to checkpoint (SIGUSR1) or stop (SIGTERM)",
+        description="Send SIGUSR1 (checkpoint) or SIGTERM (checkpoint and stop) to the process holding RUN/LOCK: "
+        "a `ripresa train`, or a program using ripresa.Checkpointer. LOCK's pid is checked against the kernel "
+        "first (this host, this pid namespace, a live process that holds this LOCK); anything else is refused "
+        "with exit 2 and nothing is signalled (docs/FAULTS.md, \"Signalling the trainer\").",
+    )
     p.add_argument("run", type=Path, help="run folder")
     p.add_argument("action", choices=["checkpoint", "stop"])
     _COMMANDS["signal"] = _cmd_signal
 
 
 def _cmd_signal(args: argparse.Namespace) -> int:
-    import os
     import signal as _signal
 
-    from .lock import read_lock_holder
+    from .lock import signal_holder
 
-    holder = read_lock_holder(args.run)
-    if holder is None:
-        raise BadInput("no process is training this run", file=args.run, expected="a live writer holding LOCK",
-                       found="the lock is free", hint="start it with `ripresa train --run ...`")
     sig = _signal.SIGUSR1 if args.action == "checkpoint" else _signal.SIGTERM
-    os.kill(holder.pid, sig)
+    holder = signal_holder(args.run, sig)
     print(f"sent {sig.name} to pid {holder.pid} ({args.action})")
     return 0
 

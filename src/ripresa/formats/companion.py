@@ -1,4 +1,4 @@
-"""The companion ``step_NNNNNN.json`` of an ANDREA ``.bin`` (DESIGN §3.1).
+"""The companion ``step_NNNNNN.json`` of an ANDREA ``.bin`` (docs/FORMAT.md).
 
 The ``.bin`` holds weights, m and v and a step; everything else an exact
 resume needs — random streams, data position, scheduler, scaler, progress,
@@ -11,6 +11,12 @@ Tensors are encoded losslessly as ``{"__tensor__": dtype, "shape": [...],
 float32/bfloat16/float16 values are exactly representable in a double);
 tuples as ``{"__tuple__": [...]}``; dicts with non-string keys (optimizer
 state is keyed by parameter index) as ``{"__dict__": [[key, value], ...]}``.
+
+Every companion read from disk may be hostile (docs/FAULTS.md): it is parsed
+with :func:`loads_bounded` (nesting depth checked before the parser recurses)
+and decoded with :func:`decode_tree`, which checks each tagged node — dtype,
+shape, element count and element types — before it allocates anything, and
+raises only :class:`~ripresa.errors.SchemaError`.
 """
 
 from __future__ import annotations
@@ -66,27 +72,129 @@ def encode_tree(obj: Any) -> Any:
     raise SchemaError(f"cannot encode a {type(obj).__name__} in a companion", hint="use primitives or tensors")
 
 
-def decode_tree(obj: Any, where: str = "companion") -> Any:
-    """Inverse of :func:`encode_tree`, validating every tagged node."""
+#: Deepest nesting of a companion's JSON (a real one is < 16 levels deep).
+MAX_DEPTH = 64
+#: Most dimensions of a tagged tensor.
+MAX_NDIM = 32
+_INT_RANGES = {
+    torch.int64: (-(2**63), 2**63 - 1), torch.int32: (-(2**31), 2**31 - 1), torch.int16: (-(2**15), 2**15 - 1),
+    torch.int8: (-128, 127), torch.uint8: (0, 255),
+}
+
+
+def tree_depth(obj: Any) -> int:
+    """Deepest nesting of lists/dicts in a parsed JSON tree, computed without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            depth += 1
+            deepest = max(deepest, depth)
+            stack.extend((v, depth) for v in node if isinstance(v, dict | list))
+    return deepest
+
+
+def loads_bounded(raw: bytes | str, *, file: str | Path | None = None, what: str = "companion",
+                  max_depth: int = MAX_DEPTH) -> Any:
+    """``json.loads`` that refuses a document nested deeper than ``max_depth``.
+
+    A hostile file of ``[[[[...`` makes a recursive walk hit Python's recursion
+    limit: the parser's own ``RecursionError`` is caught here, and the parsed
+    tree's depth is measured without recursion before anyone walks it. Raises
+    :class:`IntegrityError` only (never ``RecursionError``/``ValueError``).
+    """
+    try:
+        doc = json.loads(raw)
+    except RecursionError as exc:
+        raise IntegrityError(f"{what} is nested too deeply", file=file, expected=f"<= {max_depth} levels",
+                             found="deeper than the parser's recursion limit",
+                             hint="it was not written by ripresa; it is not used") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{what} is not valid JSON", file=file, found=str(exc)[:200], hint="the file is damaged") from exc
+    depth = tree_depth(doc)
+    if depth > max_depth:
+        raise IntegrityError(f"{what} is nested too deeply", file=file, expected=f"<= {max_depth} levels",
+                             found=f"{depth} levels", hint="it was not written by ripresa; it is not used")
+    return doc
+
+
+def _fits(dt: torch.dtype) -> Any:
+    """Predicate: a JSON value that can be an element of a tensor of dtype ``dt``."""
+    if dt is torch.bool:
+        return lambda x: type(x) is bool or (type(x) is int and x in (0, 1))
+    if dt in _INT_RANGES:
+        lo, hi = _INT_RANGES[dt]
+        return lambda x: type(x) is int and lo <= x <= hi
+    return lambda x: type(x) is float or (type(x) is int and -(2**1023) < x < 2**1023)
+
+
+def decode_tensor(obj: Mapping[str, Any], where: str = "companion") -> torch.Tensor:
+    """One tagged tensor node → tensor; dtype, shape, count and elements checked before allocating."""
+    name = obj.get("__tensor__")
+    dt = _DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise SchemaError(f"{where}: unknown tensor dtype", expected=sorted(_DTYPES), found=repr(name)[:80])
+    shape, data = obj.get("shape"), obj.get("data")
+    if not isinstance(shape, list) or not isinstance(data, list) or set(obj) != {"__tensor__", "shape", "data"}:
+        raise SchemaError(f"{where}: malformed tensor", expected='{"__tensor__", "shape": [...], "data": [...]}',
+                          found=str(obj)[:120])
+    if len(shape) > MAX_NDIM or any(type(s) is not int or s < 0 for s in shape):
+        raise SchemaError(f"{where}: bad tensor shape", expected=f"<= {MAX_NDIM} non-negative ints", found=str(shape)[:120])
+    count = math.prod(shape)
+    if count != len(data):
+        raise SchemaError(f"{where}: tensor data length does not match its shape", expected=count, found=len(data),
+                          hint="a declared shape must describe the data present")
+    if 0 in shape and any(s > 2**31 for s in shape):
+        raise SchemaError(f"{where}: bad tensor shape", expected="dimensions < 2**31", found=str(shape)[:120])
+    fits = _fits(dt)
+    for x in data:
+        if not fits(x):
+            raise SchemaError(f"{where}: tensor data does not fit its dtype", expected=str(dt).removeprefix("torch."),
+                              found=repr(x)[:80], hint="the companion was edited or not written by ripresa")
+    try:
+        return torch.tensor(data, dtype=dt).reshape(shape)
+    except (RuntimeError, ValueError, TypeError, OverflowError) as exc:  # pragma: no cover - checked above
+        raise SchemaError(f"{where}: tensor cannot be built", found=f"{type(exc).__name__}: {str(exc)[:120]}") from exc
+
+
+def decode_tree(obj: Any, where: str = "companion", *, _depth: int = 0) -> Any:
+    """Inverse of :func:`encode_tree`, validating every tagged node.
+
+    Raises only :class:`SchemaError` (an :class:`IntegrityError`): a tree
+    nested deeper than :data:`MAX_DEPTH`, a tagged node of the wrong form, a
+    ``__dict__`` whose entries are not ``[key, value]`` pairs with str/int keys.
+    """
+    if _depth > MAX_DEPTH:
+        raise SchemaError(f"{where}: nested too deeply", expected=f"<= {MAX_DEPTH} levels")
+    d = _depth + 1
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            dt = _DTYPES.get(obj["__tensor__"])
-            shape, data = obj.get("shape"), obj.get("data")
-            if dt is None or not isinstance(shape, list) or not isinstance(data, list):
-                raise SchemaError(f"{where}: malformed tensor", found=str(obj)[:120])
-            if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in shape):
-                raise SchemaError(f"{where}: bad tensor shape", found=shape)
-            if math.prod(shape) != len(data):
-                raise SchemaError(f"{where}: tensor data length does not match its shape", expected=math.prod(shape), found=len(data))
-            return torch.tensor(data, dtype=dt).reshape(shape)
+            return decode_tensor(obj, where)
         if "__tuple__" in obj:
-            return tuple(decode_tree(v, where) for v in obj["__tuple__"])
+            items = obj["__tuple__"]
+            if not isinstance(items, list) or len(obj) != 1:
+                raise SchemaError(f"{where}: malformed tuple", expected='{"__tuple__": [...]}', found=str(obj)[:120])
+            return tuple(decode_tree(v, where, _depth=d) for v in items)
         if "__dict__" in obj:
-            return {k: decode_tree(v, f"{where}.{k}") for k, v in obj["__dict__"]}
-        return {k: decode_tree(v, f"{where}.{k}") for k, v in obj.items()}
+            pairs = obj["__dict__"]
+            if not isinstance(pairs, list) or len(obj) != 1:
+                raise SchemaError(f"{where}: malformed dict", expected='{"__dict__": [[key, value], ...]}', found=str(obj)[:120])
+            out: dict[Any, Any] = {}
+            for pair in pairs:
+                if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) not in (str, int):
+                    raise SchemaError(f"{where}: malformed dict entry", expected="[str or int key, value]",
+                                      found=str(pair)[:120])
+                out[pair[0]] = decode_tree(pair[1], f"{where}.{pair[0]}", _depth=d)
+            return out
+        return {k: decode_tree(v, f"{where}.{k}", _depth=d) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [decode_tree(v, where) for v in obj]
-    return obj
+        return [decode_tree(v, where, _depth=d) for v in obj]
+    if isinstance(obj, float | int | str | bool) or obj is None:
+        return obj
+    raise SchemaError(f"{where}: not a JSON value", found=type(obj).__name__)
 
 
 def dumps(companion: Mapping[str, Any]) -> bytes:
@@ -100,10 +208,7 @@ def read_companion(path: str | Path) -> dict[str, Any]:
     size = p.stat().st_size
     if size > MAX_COMPANION_BYTES:
         raise IntegrityError("companion is implausibly large", file=p, expected=f"<= {MAX_COMPANION_BYTES} bytes", found=size)
-    try:
-        doc = json.loads(p.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError("companion is not valid JSON", file=p, found=str(exc)[:200], hint="the file is damaged") from exc
+    doc = loads_bounded(p.read_bytes(), file=p)
     validate_envelope(doc, p)
     return doc
 

@@ -1,6 +1,6 @@
-"""``ripresa export``: a recoverable bundle of one generation (DESIGN §1, §7 "Export").
+"""``ripresa export``: a recoverable bundle of one generation (``docs/FORMAT.md``, ``docs/VERIFY.md``).
 
-Two kinds of export, never mixed (DESIGN §1):
+Two kinds of export, never mixed:
 
 * **resume bundle** (the default) — the generation itself (``.bin``, companion,
   commit marker), the run's config, its metrics (history, sample audits,
@@ -16,9 +16,10 @@ Layout of a resume bundle::
 
     DEST/
       README.md                       what each file is, the .bin layout, how to load / resume
-      checkpoint/step_NNNNNN.bin      weights, m, v (ANDREA format, DESIGN §3.1)
+      checkpoint/step_NNNNNN.bin      weights, m, v (ANDREA format, docs/FORMAT.md)
       checkpoint/step_NNNNNN.json     the companion (RNG, data position, scheduler, progress, ...)
       checkpoint/step_NNNNNN.bin.sha256   the generation's commit marker
+      checkpoint/step_NNNNNN.bin.hmac     the generation's HMAC signature, if the run is signed
       config.json                     the resolved config (``model`` section: the network's shape)
       parameters.json                 name, shape, offset of each parameter in the weights
       metrics/loss.jsonl              the run's history (.loss.jsonl)
@@ -46,10 +47,21 @@ copied file, and one forward pass must give finite logits. Only then is the
 export reported done. A failed copy removes what it wrote; a failed
 verification removes ``MANIFEST.sha256`` so the folder never reads as a
 complete export.
+
+Links and special files (``docs/FAULTS.md``): every file of the run is opened
+with :func:`~ripresa.fsio.open_run_file`, so a symlink in place of any file
+the export reads (the generation, its signature, ``config.json``,
+``.loss.jsonl``, ``.samples.json``, ``.state.json``, ``lineage.json``,
+``archive/`` and the files in it) **refuses the export** (exit 2) — the
+target of a link is never copied, so no file outside the run folder can
+leak into a bundle; a FIFO, socket, device or folder in their place is
+refused the same way, without blocking. ``verify_export`` opens the bundle's
+files the same way: a bundle holding a symlink fails (exit 1).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -63,7 +75,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import __version__
+from . import __version__, auth
 from .errors import (
     BadInput,
     IntegrityError,
@@ -77,10 +89,11 @@ from .fsio import (
     CHUNK,
     Digest,
     StagedFile,
-    drop_page_cache,
     fsync_dir,
-    open_regular,
-    sha256_file,
+    open_run_file,
+    parse_json_bytes,
+    read_small,
+    sha256_fd,
     sidecar_line,
 )
 from .store import CheckpointStore, CheckpointWarning, Generation
@@ -95,6 +108,11 @@ PROGRESS_MIN_BYTES = 64 << 20
 #: Prompt of the forward pass / generation that proves a reload.
 PROBE_TEXT = b"def main():\n    print('hello')\n"
 PROBE_PROMPT = b"The "
+
+#: Largest JSON file of a run or a bundle read whole (config, lineage, manifest...).
+JSON_MAX = 16 << 20
+#: Largest companion read whole.
+COMPANION_MAX = 64 << 20
 
 RESUME = "resume"
 INFERENCE = "inference"
@@ -138,36 +156,18 @@ def _meter(total: int, label: str, enabled: bool) -> Iterator[Any]:
         yield advance
 
 
-def _read_small(path: Path, what: str, limit: int = 64 << 20) -> bytes:
-    fd = open_regular(path, what)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise BadInput(f"{what} is unexpectedly large", file=path, expected=f"<= {limit} bytes", found=f"{size} bytes")
-        chunks = []
-        while True:
-            b = os.read(fd, CHUNK)
-            if not b:
-                break
-            chunks.append(b)
-    except OSError as exc:
-        raise BadInput(f"{what} could not be read", file=path, found=str(exc)) from exc
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
-
-
 def _load_json(path: Path, what: str, exc_type: type[RipresaError] = BadInput) -> Any:
-    raw = _read_small(path, what)
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise exc_type(f"{what} is not valid JSON", file=path, expected="a JSON document", found=str(exc)[:200]) from exc
+    """A small JSON file of a run or bundle (:func:`~ripresa.fsio.read_small`: no link, no FIFO, bounded)."""
+    return parse_json_bytes(read_small(path, what, JSON_MAX, error=exc_type), path, what, error=exc_type)
+
+
+def _as_dict(x: Any) -> dict[str, Any]:
+    return x if isinstance(x, dict) else {}
 
 
 def _size_or_zero(path: Path) -> int:
     try:
-        return path.stat().st_size
+        return os.lstat(path).st_size
     except OSError:
         return 0
 
@@ -178,14 +178,25 @@ def _model_section(config: Any) -> dict[str, Any] | None:
     return None
 
 
-def _build_gpt(model_cfg: dict[str, Any], where: Path) -> Any:
+def _build_gpt(model_cfg: dict[str, Any], where: Path, n_params: int) -> Any:
+    """The GPT of ``model_cfg``, built only once its parameter count (computed, nothing allocated)
+    equals ``n_params`` (what the ``.bin`` / safetensors holds): a config cannot make the export
+    allocate more than the checkpoint's own size."""
     from .gpt.model import GPT, from_config_dict
 
     try:
-        return GPT(from_config_dict(model_cfg))
-    except BadInput as exc:
+        conf = from_config_dict(model_cfg)
+        count = conf.param_count()
+    except (BadInput, TypeError, ValueError, OverflowError) as exc:
+        found = exc.message if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"[:200]
         raise SchemaError("config.json's model section does not describe a GPT", file=where,
-                          expected="n_layer, n_head, n_embd, block_size, ...", found=exc.message) from exc
+                          expected="n_layer, n_head, n_embd, block_size, ...", found=found) from exc
+    if count != n_params:
+        raise SchemaError("config.json's model does not match the checkpoint", file=where,
+                          expected=f"a model of {n_params} parameters (the checkpoint's)",
+                          found=f"a model of {count} parameters",
+                          hint="config.json must be the one the run trained with; nothing was built")
+    return GPT(conf)
 
 
 def _param_table(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -257,10 +268,19 @@ class _Bundle:
             fsync_dir(d.parent)
         return path
 
-    def copy(self, src: Path, rel: str, *, what: str, expected: Digest | str | None = None, keep: bool = False) -> bytes | None:
-        """Stream ``src`` into ``DEST/rel``; the copy must hash to ``expected`` if given."""
-        final = self._target(rel)
-        fd = open_regular(src, what)
+    def copy(self, src: Path, rel: str, *, what: str, expected: Digest | str | None = None, keep: bool = False,
+             error: type[RipresaError] = BadInput) -> bytes | None:
+        """Stream ``src`` into ``DEST/rel``; the copy must hash to ``expected`` if given.
+
+        ``src`` is opened with :func:`~ripresa.fsio.open_run_file`: a symlink
+        (never followed), FIFO, socket, device or folder is refused with ``error``.
+        """
+        fd = open_run_file(src, what, error=error)
+        try:
+            final = self._target(rel)
+        except BaseException:
+            os.close(fd)
+            raise
         kept: list[bytes] = []
         try:
             with StagedFile(final) as out:
@@ -398,10 +418,12 @@ def _parse_source(spec: str, identity: dict[str, Any]) -> dict[str, Any]:
 
 
 def _choose_config(run: Path, companion_cfg: Any, n_params: int) -> tuple[bytes | None, Any, str]:
-    """(config.json bytes to write or None to copy the run's, the config, where it came from).
+    """(config.json bytes to write or None, the config, where it came from).
 
     The run's ``config.json`` is used when its model matches the ``.bin``; else
     the generation's own config (from the companion), which it was trained with.
+    The run's file is read once (:func:`~ripresa.fsio.read_small`: a symlink or
+    FIFO is refused) and the bytes read are the bytes written to the bundle.
     """
     from .gpt.model import from_config_dict
 
@@ -411,15 +433,17 @@ def _choose_config(run: Path, companion_cfg: Any, n_params: int) -> tuple[bytes 
             return False
         try:
             return from_config_dict(m).param_count() == n_params
-        except BadInput:
+        except (BadInput, TypeError, ValueError, OverflowError):
             return False
 
     run_cfg_path = run / "config.json"
     run_cfg = None
-    if run_cfg_path.is_file():
-        run_cfg = _load_json(run_cfg_path, "the run's config.json")
+    run_raw = None
+    if os.path.lexists(run_cfg_path):
+        run_raw = read_small(run_cfg_path, "the run's config.json", JSON_MAX)
+        run_cfg = parse_json_bytes(run_raw, run_cfg_path, "the run's config.json")
         if matches(run_cfg):
-            return None, run_cfg, "run"
+            return run_raw, run_cfg, "run"
     if matches(companion_cfg):
         return _json_bytes(companion_cfg), companion_cfg, "generation"
     if run_cfg is not None and _model_section(run_cfg) is not None:
@@ -427,10 +451,28 @@ def _choose_config(run: Path, companion_cfg: Any, n_params: int) -> tuple[bytes 
                           expected=f"a model of {n_params} parameters", found="another shape",
                           hint="the run's config.json was changed after this generation was saved")
     if run_cfg is not None:
-        return None, run_cfg, "run"
+        return run_raw, run_cfg, "run"
     if isinstance(companion_cfg, dict) and companion_cfg:
         return _json_bytes(companion_cfg), companion_cfg, "generation"
     return None, None, "none"
+
+
+def _copy_signature(bundle: _Bundle, gen: Generation, rel_dir: str) -> str | None:
+    """Copy the generation's ``.bin.hmac`` (unchanged, its form checked) if it has one; return its path in the bundle.
+
+    A bundle of a signed run so stays signed (``docs/FORMAT.md``); the
+    signature is listed in the manifest like every file.
+    """
+    sig = auth.signature_path(gen.bin)
+    if not os.path.lexists(sig):
+        return None
+    _, sig_step, _ = auth.read_signature(sig)  # no link, no FIFO, one well-formed line
+    if sig_step != gen.step:
+        raise IntegrityError("the generation's signature names another step", file=sig, expected=gen.step,
+                             found=sig_step, hint="the signature was moved or forged; nothing was exported")
+    rel = f"{rel_dir}/{sig.name}"
+    bundle.copy(sig, rel, what="the generation's signature", error=IntegrityError)
+    return rel
 
 
 # ----------------------------------------------------------------------------- export
@@ -510,20 +552,24 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, n_params: int) ->
     rel_comp = f"checkpoint/{gen.companion.name}"
     rel_marker = f"checkpoint/{gen.marker.name}"
     assert gen.bin_sha256 and gen.companion_sha256 and gen.size is not None
-    bundle.copy(gen.bin, rel_bin, what="the generation's .bin", expected=Digest(gen.bin_sha256, gen.size))
-    raw_comp = bundle.copy(gen.companion, rel_comp, what="the generation's companion", expected=gen.companion_sha256, keep=True)
-    bundle.copy(gen.marker, rel_marker, what="the generation's commit marker")
+    bundle.copy(gen.bin, rel_bin, what="the generation's .bin", expected=Digest(gen.bin_sha256, gen.size),
+                error=IntegrityError)
+    raw_comp = bundle.copy(gen.companion, rel_comp, what="the generation's companion", expected=gen.companion_sha256,
+                           keep=True, error=IntegrityError)
+    rel_sig = _copy_signature(bundle, gen, "checkpoint")
+    bundle.copy(gen.marker, rel_marker, what="the generation's commit marker", error=IntegrityError)
     assert raw_comp is not None
-    doc = json.loads(raw_comp)
-    state = doc.get("state", {}) if isinstance(doc, dict) else {}
+    doc = parse_json_bytes(raw_comp, gen.companion, "the generation's companion", error=IntegrityError)
+    state = _as_dict(doc.get("state")) if isinstance(doc, dict) else {}
 
     cfg_bytes, config, cfg_from = _choose_config(run, state.get("config"), n_params)
-    if cfg_bytes is not None:
+    if cfg_from == "run":
+        assert cfg_bytes is not None
+        bundle.write("config.json", cfg_bytes)
+    elif cfg_bytes is not None:
         bundle.write("config.json", cfg_bytes)
         notes.append("config.json was taken from the generation's companion (the run's own config.json "
                      "is missing or describes another model)")
-    elif cfg_from == "run":
-        bundle.copy(run / "config.json", "config.json", what="the run's config.json")
     else:
         notes.append("no config.json: neither the run nor the generation records one; the model cannot be rebuilt")
     if cfg_from != "none" and config != state.get("config"):
@@ -533,7 +579,7 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, n_params: int) ->
     model_cfg = _model_section(config)
     params: list[dict[str, Any]] | None = None
     if model_cfg is not None:
-        params = _param_table(_build_gpt(model_cfg, run / "config.json"))
+        params = _param_table(_build_gpt(model_cfg, run / "config.json", n_params))
         bundle.write("parameters.json", _json_bytes({
             "what": "the parameters of the model, in model.parameters() order: each is a slice "
                     "[offset, offset + numel) of the weights region (and of m and v) of the .bin",
@@ -542,21 +588,17 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, n_params: int) ->
     metrics: list[str] = []
     for src, rel in ((".loss.jsonl", "metrics/loss.jsonl"), (".samples.json", "metrics/samples.json"),
                      (".state.json", "metrics/state.json")):
-        if (run / src).is_file():
+        if os.path.lexists(run / src):  # a link or FIFO in its place is refused, never skipped
             bundle.copy(run / src, rel, what=f"the run's {src}")
             metrics.append(rel)
         elif src == ".loss.jsonl":
             notes.append("the run has no .loss.jsonl: no training history exported")
-    archive = run / "archive"
-    if archive.is_dir():
-        for phase in sorted(p for p in archive.iterdir() if p.is_dir() and not p.is_symlink()):
-            for src, name in ((".samples.json", "samples.json"), (".state.json", "state.json")):
-                if (phase / src).is_file():
-                    rel = f"metrics/archive/{phase.name}/{name}"
-                    bundle.copy(phase / src, rel, what=f"archived {src}")
-                    metrics.append(rel)
+    for phase, src, name in _archived_files(run):
+        rel = f"metrics/archive/{phase}/{name}"
+        bundle.copy(run / "archive" / phase / src, rel, what=f"archived {src}")
+        metrics.append(rel)
 
-    identity = state.get("data_identity") or {}
+    identity = _as_dict(state.get("data_identity"))
     sources = _model_sources(state.get("config"), config)
     bundle.write("data.json", _json_bytes({
         "what": "the data this checkpoint was trained on: each source and the sha256 of the bytes it served "
@@ -569,17 +611,18 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, n_params: int) ->
                 "and the identity of the training code",
         "versions": state.get("versions"), "code": state.get("code"), "exported_with": _exporter_versions(),
     }))
-    has_lineage = (run / "lineage.json").is_file()
+    has_lineage = os.path.lexists(run / "lineage.json")
     if has_lineage:
         bundle.copy(run / "lineage.json", "lineage.json", what="the run's lineage.json")
-    progress = state.get("progress") or {}
+    progress = _as_dict(state.get("progress"))
     provenance = {
         "format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "kind": RESUME,
         "what": "a resume checkpoint: everything needed to continue the training exactly",
         "created": _now(), "exported_with": f"ripresa {__version__}",
         "source_run": str(run.resolve()), "step": gen.step, "progress": progress,
-        "generation": {"bin": rel_bin, "companion": rel_comp, "marker": rel_marker, "bin_sha256": gen.bin_sha256,
-                       "bin_size": gen.size, "companion_sha256": gen.companion_sha256, "n_params": n_params},
+        "generation": {"bin": rel_bin, "companion": rel_comp, "marker": rel_marker, "signature": rel_sig,
+                       "bin_sha256": gen.bin_sha256, "bin_size": gen.size, "companion_sha256": gen.companion_sha256,
+                       "n_params": n_params},
         "config_from": cfg_from, "lineage_in_companion": state.get("lineage") or [],
         "metrics": metrics, "notes": notes,
     }
@@ -590,6 +633,37 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, n_params: int) ->
     bundle.write("README.md", readme.encode())
     extra = {"generation": provenance["generation"]}
     return {"manifest_extra": extra, "notes": notes}
+
+
+def _archived_files(run: Path) -> list[tuple[str, str, str]]:
+    """(phase folder, file, name in the bundle) of every archived ``.samples.json`` / ``.state.json``.
+
+    ``archive/`` and its phase folders are listed without following links: a
+    symlink in place of ``archive/``, of a phase folder or of an archived file
+    refuses the export (:class:`~ripresa.errors.BadInput`).
+    """
+    archive = run / "archive"
+    if not os.path.lexists(archive):
+        return []
+    if os.path.islink(archive) or not archive.is_dir():
+        raise BadInput("the run's archive/ is not a folder", file=archive, expected="a folder inside the run",
+                       found="a symlink" if os.path.islink(archive) else "not a folder",
+                       hint="ripresa never follows links inside a run folder; replace the link by the folder")
+    out = []
+    try:
+        entries = sorted(os.scandir(archive), key=lambda e: e.name)
+    except OSError as exc:
+        raise BadInput("the run's archive/ cannot be listed", file=archive, found=str(exc)) from exc
+    for entry in entries:
+        if entry.is_symlink():
+            raise BadInput("an entry of the run's archive/ is a symlink", file=entry.path, expected="a folder",
+                           found="a symlink", hint="ripresa never follows links inside a run folder")
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        for src, name in ((".samples.json", "samples.json"), (".state.json", "state.json")):
+            if os.path.lexists(Path(entry.path) / src):
+                out.append((entry.name, src, name))
+    return out
 
 
 def _model_sources(gen_cfg: Any, run_cfg: Any) -> list[str]:
@@ -613,21 +687,22 @@ def _write_inference(bundle: _Bundle, run: Path, gen: Generation, n_params: int)
         raise MissingDependency("an inference export needs safetensors", expected="pip install safetensors",
                                 found="not installed") from exc
     notes: list[str] = []
-    raw_comp = _read_small(gen.companion, "the generation's companion")
+    raw_comp = read_small(gen.companion, "the generation's companion", COMPANION_MAX, error=IntegrityError)
     import hashlib
 
     if hashlib.sha256(raw_comp).hexdigest() != gen.companion_sha256:
         raise IntegrityError("the companion changed since it was checked", file=gen.companion,
                              expected=gen.companion_sha256, found=hashlib.sha256(raw_comp).hexdigest())
-    state = json.loads(raw_comp).get("state", {})
+    doc = parse_json_bytes(raw_comp, gen.companion, "the generation's companion", error=IntegrityError)
+    state = _as_dict(doc.get("state")) if isinstance(doc, dict) else {}
     cfg_bytes, config, cfg_from = _choose_config(run, state.get("config"), n_params)
     model_cfg = _model_section(config)
     if model_cfg is None:
         raise BadInput("an inference export needs the model's config", file=run / "config.json",
                        expected="a config.json with a 'model' section", found="none",
                        hint="only runs of `ripresa train` (the GPT) can be exported for inference")
+    model = _build_gpt(model_cfg, run / "config.json", n_params)  # the count is checked before anything is built
     contents = read_bin(gen.bin, expected_n=n_params, expected_sha256=gen.bin_sha256, check_finite=False)
-    model = _build_gpt(model_cfg, run / "config.json")
     _load_weights(model, contents.weights, gen.bin)
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     metadata = {"format": "ripresa.inference", "step": str(gen.step), "source_bin_sha256": gen.bin_sha256,
@@ -635,9 +710,7 @@ def _write_inference(bundle: _Bundle, run: Path, gen: Generation, n_params: int)
     bundle.write("model.safetensors", st_save(tensors, metadata=metadata))
     if cfg_bytes is not None:
         bundle.write("config.json", cfg_bytes)
-    else:
-        bundle.copy(run / "config.json", "config.json", what="the run's config.json")
-    progress = state.get("progress") or {}
+    progress = _as_dict(state.get("progress"))
     provenance = {
         "format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "kind": INFERENCE,
         "what": "an inference export: model weights only. NOT a resume checkpoint (no optimizer moments, "
@@ -682,7 +755,8 @@ def _read_manifest(dest: Path) -> dict[str, Any]:
                              expected=f"{MANIFEST_SHA}, written last by ripresa export", found="nothing",
                              hint="the export was interrupted or failed its verification; export again")
     lines: dict[str, str] = {}
-    for i, line in enumerate(_read_small(msha, MANIFEST_SHA, 16 << 20).decode("utf-8", "replace").splitlines(), 1):
+    for i, line in enumerate(read_small(msha, MANIFEST_SHA, JSON_MAX, error=IntegrityError)
+                             .decode("utf-8", "replace").splitlines(), 1):
         hexd, sep, rel = line.partition("  ")
         if not sep or len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd) or rel in lines:
             raise IntegrityError(f"malformed line {i} in {MANIFEST_SHA}", file=msha,
@@ -691,11 +765,13 @@ def _read_manifest(dest: Path) -> dict[str, Any]:
     if MANIFEST_JSON not in lines:
         raise IntegrityError(f"{MANIFEST_SHA} does not vouch for {MANIFEST_JSON}", file=msha,
                              expected=f"a line for {MANIFEST_JSON}", found=sorted(lines)[:8])
-    d = sha256_file(mjson, drop_cache=True, what=MANIFEST_JSON)
-    if d.sha256 != lines[MANIFEST_JSON]:
+    drop_page_cache_quiet(mjson)
+    raw = read_small(mjson, MANIFEST_JSON, JSON_MAX, error=IntegrityError)  # read once: the bytes hashed are the bytes parsed
+    found_sha = hashlib.sha256(raw).hexdigest()
+    if found_sha != lines[MANIFEST_JSON]:
         raise IntegrityError(f"sha256 mismatch: {MANIFEST_JSON} changed after the export", file=mjson,
-                             expected=lines[MANIFEST_JSON], found=d.sha256)
-    manifest = _load_json(mjson, MANIFEST_JSON, IntegrityError)
+                             expected=lines[MANIFEST_JSON], found=found_sha)
+    manifest = parse_json_bytes(raw, mjson, MANIFEST_JSON, error=IntegrityError)
     if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT \
             or manifest.get("kind") not in (RESUME, INFERENCE) or not isinstance(manifest.get("files"), list):
         raise IntegrityError(f"{MANIFEST_JSON} is not a ripresa export manifest", file=mjson,
@@ -713,6 +789,40 @@ def _read_manifest(dest: Path) -> dict[str, Any]:
         raise IntegrityError(f"{MANIFEST_SHA} and {MANIFEST_JSON} disagree", file=msha,
                              expected="the same files and hashes in both", found=diff[:8])
     return manifest
+
+
+def drop_page_cache_quiet(path: Path) -> bool:
+    """Drop ``path``'s cached pages if it is a regular file (no link followed); never raises."""
+    try:
+        fd = open_run_file(path, "file", error=IntegrityError)
+    except RipresaError:
+        return False
+    try:
+        return _fadvise_dontneed(fd)
+    finally:
+        os.close(fd)
+
+
+def _fadvise_dontneed(fd: int) -> bool:
+    if not hasattr(os, "posix_fadvise") or not hasattr(os, "POSIX_FADV_DONTNEED"):
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    return True
+
+
+def _hash_bundle_file(path: Path, what: str) -> tuple[Digest, bool]:
+    """sha256 of a bundle's file, opened with :func:`~ripresa.fsio.open_run_file` (a link or FIFO fails, exit 1)."""
+    fd = open_run_file(path, what, error=IntegrityError)
+    try:
+        dropped = _fadvise_dontneed(fd)
+        digest = sha256_fd(fd, what=what, path=path)
+        _fadvise_dontneed(fd)
+    finally:
+        os.close(fd)
+    return digest, dropped
 
 
 def verify_export(dest: Path, *, show_progress: bool = False, _expected_weights: np.ndarray | None = None) -> dict[str, Any]:
@@ -744,8 +854,8 @@ def verify_export(dest: Path, *, show_progress: bool = False, _expected_weights:
             if not os.path.lexists(path):
                 raise IntegrityError("a file of the export is missing", file=path,
                                      expected=f"{e['size']} bytes, sha256 {e['sha256']}", found="nothing")
-            dropped = drop_page_cache(path) and dropped
-            d = sha256_file(path, drop_cache=True, what=f"exported file {e['path']}")
+            d, was_dropped = _hash_bundle_file(path, f"exported file {e['path']}")
+            dropped = was_dropped and dropped
             if d.size != e["size"]:
                 raise IntegrityError("size mismatch: the exported file is not the one that was written", file=path,
                                      expected=f"{e['size']} bytes", found=f"{d.size} bytes",
@@ -770,7 +880,7 @@ def verify_export(dest: Path, *, show_progress: bool = False, _expected_weights:
 
 
 def _reload_resume(dest: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    gen = manifest.get("generation") or {}
+    gen = _as_dict(manifest.get("generation"))
     step = manifest.get("step")
     if not isinstance(step, int) or not isinstance(gen.get("bin"), str):
         raise IntegrityError(f"{MANIFEST_JSON} does not name the generation", file=dest / MANIFEST_JSON,
@@ -778,18 +888,18 @@ def _reload_resume(dest: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     bin_path = _safe_rel(dest, gen["bin"], dest / MANIFEST_JSON)
     store = CheckpointStore(bin_path.parent, writer=False)
     contents, state = store.load(step, check_finite=True)
-    progress = state.get("progress") or {}
+    progress = _as_dict(state.get("progress"))
     if progress.get("step") != step or contents.step != step:
         raise IntegrityError("the exported generation describes another step", file=bin_path,
                              expected=step, found={"bin": contents.step, "companion": progress.get("step")})
     out: dict[str, Any] = {"loaded": bin_path.name, "step": contents.step, "n_params": contents.n_params,
                            "companion_keys": sorted(state)}
     cfg_path = dest / "config.json"
-    model_cfg = _model_section(_load_json(cfg_path, "config.json", IntegrityError)) if cfg_path.is_file() else None
+    model_cfg = _model_section(_load_json(cfg_path, "config.json", IntegrityError)) if os.path.lexists(cfg_path) else None
     if model_cfg is None:
         out["forward"] = "skipped: no config.json with a 'model' section (not a ripresa GPT run)"
         return out
-    model = _build_gpt(model_cfg, cfg_path)
+    model = _build_gpt(model_cfg, cfg_path, contents.n_params)
     _load_weights(model, contents.weights, bin_path)
     out.update(_probe_forward(model, bin_path))
     return out
@@ -804,6 +914,7 @@ def _reload_inference(dest: Path, manifest: dict[str, Any], expected_weights: np
                                 found="not installed") from exc
     path = dest / "model.safetensors"
     cfg_path = dest / "config.json"
+    os.close(open_run_file(path, "model.safetensors", error=IntegrityError))  # no link, no FIFO (hashed above too)
     try:
         tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as f:
@@ -814,7 +925,7 @@ def _reload_inference(dest: Path, manifest: dict[str, Any], expected_weights: np
     model_cfg = _model_section(_load_json(cfg_path, "config.json", IntegrityError))
     if model_cfg is None:
         raise IntegrityError("config.json has no model section", file=cfg_path, expected="'model': {...}", found="none")
-    model = _build_gpt(model_cfg, cfg_path)
+    model = _build_gpt(model_cfg, cfg_path, sum(int(v.numel()) for v in tensors.values()))
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in tensors.items()}
     if want != got:

@@ -12,41 +12,91 @@ converges lower.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import BadInput, IntegrityError, OutputExists
-from .fsio import CHUNK, StagedFile, fsync_dir, sidecar_line, write_atomic
-from .gpt.config import apply_sets, load_config_file, validate
+from . import __version__, auth
+from .errors import BadInput, IntegrityError, OutputExists, RipresaError
+from .fsio import (
+    CHUNK,
+    StagedFile,
+    fsync_dir,
+    open_run_file,
+    read_json_small,
+    read_small,
+    sidecar_line,
+    write_atomic,
+)
+from .gpt.config import apply_sets, validate
 from .history import HISTORY_NAME, History, iter_lines
 from .store import CheckpointStore, generation_paths
 
+#: Largest run ``config.json`` read (bytes).
+CONFIG_MAX = 1 << 20
+
 
 def _copy_verified(src: Path, dst: Path, expected_sha256: str) -> None:
-    with open(src, "rb") as f, StagedFile(dst) as out:
-        while chunk := f.read(CHUNK):
-            out.write(chunk)
-        digest = out.finish()
-        if digest.sha256 != expected_sha256:
-            raise IntegrityError("copy does not match the parent's commit marker", file=src,
-                                 expected=expected_sha256, found=digest.sha256, hint="the parent changed during the fork")
-        out.publish()
+    """Copy ``src`` (opened with :func:`~ripresa.fsio.open_run_file`: no symlink, no FIFO) and check its sha256."""
+    fd = open_run_file(src, "parent generation file", error=IntegrityError)
+    try:
+        with StagedFile(dst) as out:
+            while chunk := os.read(fd, CHUNK):
+                out.write(chunk)
+            digest = out.finish()
+            if digest.sha256 != expected_sha256:
+                raise IntegrityError("copy does not match the parent's commit marker", file=src,
+                                     expected=expected_sha256, found=digest.sha256,
+                                     hint="the parent changed during the fork")
+            out.publish()
+    finally:
+        os.close(fd)
+
+
+def _read_signature(parent_bin: Path, step: int) -> bytes | None:
+    """The bytes of the parent generation's ``.bin.hmac`` (validated form), or ``None`` if it has none.
+
+    Copied unchanged with the generation, so a fork of a signed run stays
+    signed (``docs/FORMAT.md``). A symlink, FIFO, malformed line or a line for
+    another step is refused (:class:`~ripresa.errors.IntegrityError`).
+    """
+    sig = auth.signature_path(parent_bin)
+    if not os.path.lexists(sig):
+        return None
+    raw = read_small(sig, "generation signature", auth.MAX_SIGNATURE, error=IntegrityError)
+    _, sig_step, _ = auth.read_signature(sig)
+    if sig_step != step:
+        raise IntegrityError("the generation's signature names another step", file=sig, expected=step,
+                             found=sig_step, hint="the signature was moved or forged; this generation cannot be trusted")
+    return raw
+
+
+def read_run_config(path: Path, *, error: type[RipresaError] = BadInput) -> dict[str, Any]:
+    """A run folder's ``config.json``: :func:`~ripresa.fsio.read_json_small`, a JSON object, bounded."""
+    cfg = read_json_small(path, "run config (config.json)", CONFIG_MAX, error=error)
+    if not isinstance(cfg, dict):
+        raise error("run config is not a JSON object", file=path, expected="a JSON object",
+                    found=type(cfg).__name__, hint="the run's config.json is damaged")
+    return cfg
 
 
 def _history_up_to(parent: Path, step: int) -> list[dict[str, Any]]:
-    """Lines of the parent's history that belong to steps <= ``step`` (in order)."""
-    keep = []
+    """Lines of the parent's history that belong to steps <= ``step`` (in order).
+
+    Streamed (:class:`~ripresa.history.HistoryReader`): a symlinked or FIFO
+    history is refused, an over-long or out-of-range line skipped.
+    """
+    keep: list[dict[str, Any]] = []
     hist = parent / HISTORY_NAME
-    if not hist.exists():
+    if not os.path.lexists(hist):
         return keep
     for _, obj in iter_lines(hist):
         if obj is None:
             continue
         at = obj.get("step", obj.get("from_step"))
-        if isinstance(at, int) and at <= step:
+        if isinstance(at, int) and not isinstance(at, bool) and at <= step:
             keep.append(obj)
     return keep
 
@@ -63,28 +113,33 @@ def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[
     gen = store.check(step, deep=True)
     if not gen.valid:
         raise IntegrityError(f"generation {step} of the parent is not valid: {gen.reason}", file=gen.bin)
-    cfg = load_config_file(parent / "config.json")
+    cfg = read_run_config(parent / "config.json")
     cfg = apply_sets(cfg, sets)
     if any(s.startswith("mixture.") for s in sets):
         cfg["mixture"]["phase"] = int(cfg["mixture"].get("phase", 0)) + 1  # a new policy: fresh bandit
     validate(cfg)
-    into.mkdir(parents=True, exist_ok=True)
     b, c, mk = generation_paths(parent, step)
+    signature = _read_signature(b, step)
+    history_lines = _history_up_to(parent, step)  # refuses a FIFO or symlinked history before anything is written
+    into.mkdir(parents=True, exist_ok=True)
     nb, nc, nmk = generation_paths(into, step)
     assert gen.bin_sha256 and gen.companion_sha256
     _copy_verified(b, nb, gen.bin_sha256)
     _copy_verified(c, nc, gen.companion_sha256)
+    if signature is not None:  # written before the marker, as a save does
+        write_atomic(auth.signature_path(nb), [signature], sync_dir=False)
     fsync_dir(into)
     write_atomic(nmk, [sidecar_line(gen.bin_sha256, nb.name), sidecar_line(gen.companion_sha256, nc.name)])
     lineage = {
         "parent_run": str(parent.resolve()), "step": step, "bin": nb.name, "bin_sha256": gen.bin_sha256,
-        "companion_sha256": gen.companion_sha256, "overrides": list(sets), "created": time.time(),
+        "companion_sha256": gen.companion_sha256, "signed": signature is not None,
+        "overrides": list(sets), "created": time.time(),
         "ripresa": __version__,
     }
     write_atomic(into / "lineage.json", [json.dumps(lineage, indent=2).encode() + b"\n"])
     write_atomic(into / "config.json", [json.dumps(cfg, indent=2).encode() + b"\n"])
     history = History(into / HISTORY_NAME)
-    for obj in _history_up_to(parent, step):
+    for obj in history_lines:
         history.append(obj)
     history.event("fork", step=step, parent_step=step, parent_run=str(parent.resolve()), bin_sha256=gen.bin_sha256,
                   overrides=list(sets))

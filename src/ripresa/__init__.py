@@ -6,30 +6,95 @@ activation checkpointing (recomputing activations in backward to save memory).
 
 __version__ = "0.1.0"
 
-from .async_save import AsyncCheckpointWriter, StagingBuffers
-from .data import EpochSampler
-from .errors import (
-    BadInput,
-    CheckFailed,
-    IdentityMismatch,
-    IntegrityError,
-    LockHeld,
-    MissingDependency,
-    OutputExists,
-    RipresaError,
-    SaveFailed,
-    SchemaError,
-    VerificationFailed,
-)
-from .formats.torch_pt import Checkpoint, load_checkpoint, save_checkpoint
-from .history import History, read_history
-from .lock import RunLock, read_lock_holder
-from .retention import DEFAULT_RETENTION, KeepEvery, KeepLast, KeepSteps, parse_retention
-from .rng import RandomStreams
-from .session import Checkpointer, ForeignCheckpointWarning
-from .state import Progress, Stateful, TrainingState
-from .store import CheckpointStore, CheckpointWarning, Generation
-from .trajectory import Trajectory, read_trajectory
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+# Public names, imported on first use (PEP 562): `import ripresa.cli` and
+# `ripresa signal RUN stop` never import torch; `from ripresa import X` and
+# `ripresa.X` work for every name in __all__ as before.
+_LAZY: dict[str, str] = {
+    "AsyncCheckpointWriter": "async_save",
+    "StagingBuffers": "async_save",
+    "EpochSampler": "data",
+    "BadInput": "errors",
+    "CheckFailed": "errors",
+    "IdentityMismatch": "errors",
+    "IntegrityError": "errors",
+    "LockHeld": "errors",
+    "MissingDependency": "errors",
+    "OutputExists": "errors",
+    "RipresaError": "errors",
+    "SaveFailed": "errors",
+    "SchemaError": "errors",
+    "VerificationFailed": "errors",
+    "Checkpoint": "formats.torch_pt",
+    "load_checkpoint": "formats.torch_pt",
+    "save_checkpoint": "formats.torch_pt",
+    "History": "history",
+    "read_history": "history",
+    "RunLock": "lock",
+    "read_lock_holder": "lock",
+    "DEFAULT_RETENTION": "retention",
+    "KeepEvery": "retention",
+    "KeepLast": "retention",
+    "KeepSteps": "retention",
+    "parse_retention": "retention",
+    "RandomStreams": "rng",
+    "Checkpointer": "session",
+    "ForeignCheckpointWarning": "session",
+    "Progress": "state",
+    "Stateful": "state",
+    "TrainingState": "state",
+    "CheckpointStore": "store",
+    "CheckpointWarning": "store",
+    "Generation": "store",
+    "Trajectory": "trajectory",
+    "read_trajectory": "trajectory",
+}
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
+    from .async_save import AsyncCheckpointWriter, StagingBuffers
+    from .data import EpochSampler
+    from .errors import (
+        BadInput,
+        CheckFailed,
+        IdentityMismatch,
+        IntegrityError,
+        LockHeld,
+        MissingDependency,
+        OutputExists,
+        RipresaError,
+        SaveFailed,
+        SchemaError,
+        VerificationFailed,
+    )
+    from .formats.torch_pt import Checkpoint, load_checkpoint, save_checkpoint
+    from .history import History, read_history
+    from .lock import RunLock, read_lock_holder
+    from .retention import DEFAULT_RETENTION, KeepEvery, KeepLast, KeepSteps, parse_retention
+    from .rng import RandomStreams
+    from .session import Checkpointer, ForeignCheckpointWarning
+    from .state import Progress, Stateful, TrainingState
+    from .store import CheckpointStore, CheckpointWarning, Generation
+    from .trajectory import Trajectory, read_trajectory
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        # `import ripresa; ripresa.fsio.X`: a submodule, as the former eager imports allowed.
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f".{name}", __name__)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "__version__",

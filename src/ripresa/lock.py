@@ -855,7 +855,7 @@ def _pidfd_open(pid: int) -> int | None:
 
 
 def signal_holder(
-    folder: str | os.PathLike[str], sig: int | signal.Signals, *, wait: float = 1.0
+    folder: str | os.PathLike[str], sig: int | signal.Signals, *, wait: float = 1.0, pid: int | None = None
 ) -> LockInfo:
     """Send ``sig`` to the process holding the run folder's lock; return what LOCK says of it.
 
@@ -867,6 +867,8 @@ def signal_holder(
     for a pid ``<= 0``, out of range or not a number, a holder on another host,
     boot or pid namespace, a dead pid, and a live process that does not hold
     this ``LOCK``. If this process holds the lock itself, it signals itself.
+    With ``pid``, only that process is signalled (a second signal to the
+    trainer that got the first); another holder is refused.
     """
     folder = Path(folder)
     _require_folder(folder)
@@ -889,6 +891,9 @@ def signal_holder(
                     raise _not_running(folder, path)
             if mine is not None:
                 info = mine._info or LockInfo(os.getpid(), path)
+                if pid is not None and pid != os.getpid():
+                    raise _refuse(f"the run's lock is now held by this process, not by pid {pid}",
+                                  info, path, f"pid {os.getpid()}", f"pid {pid}")
                 os.kill(os.getpid(), sig)
                 return info
             raw = _read_fd(fd)
@@ -908,6 +913,14 @@ def signal_holder(
             path,
             content.problem or "no pid",
             "the holder's pid (1..pid_max) on the first line of LOCK",
+        )
+    if pid is not None and info.pid != pid:
+        raise _refuse(
+            f"the run's lock is now held by another process than pid {pid}",
+            info,
+            path,
+            f"pid {info.pid}",
+            f"pid {pid}, the trainer signalled before",
         )
     pid = info.pid
     if pid <= 0:

@@ -34,7 +34,7 @@ from .fsio import fsync_dir, write_atomic
 from .gpt.config import load_config_file
 from .gpt.train import SAMPLES_NAME, STATE_NAME
 from .history import HISTORY_NAME, History
-from .lock import RunLock, read_lock_holder
+from .lock import NotRunning, RunLock, is_locked, signal_holder
 from .mixture import MixturePolicy, parse_policy_args
 from .store import CheckpointStore
 
@@ -57,26 +57,48 @@ def _newest_valid(run: Path) -> int | None:
     return gen.step if gen else None
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
+def _wait(predicate, timeout: float, what: str, run: Path, *, gone=None) -> None:
+    """Poll ``predicate`` until true; refuse if ``gone()`` says the trainer is no more, or on timeout."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
         if predicate():
             return
+        if gone is not None and gone():
+            if predicate():
+                return
+            raise BadInput(f"the trainer exited while waiting for {what}", file=run,
+                           expected=what, found="the run folder's lock is free",
+                           hint="see RUN/train.log (or your program's output); then run the pivot again")
         time.sleep(0.05)
-    raise CheckFailed(f"timed out waiting for {what}", hint="the trainer did not respond; check RUN/train.log")
+    raise BadInput(f"timed out waiting for {what}", file=run, expected=f"{what} within {timeout:g} s",
+                   found="the trainer did not respond", hint="check RUN/train.log; raise --timeout for a slow save")
 
 
 def stop_trainer(run: Path, timeout: float = 600) -> dict[str, Any]:
-    """SIGUSR1 → committed generation → SIGTERM → lock free. Returns what happened."""
-    holder = read_lock_holder(run)
-    if holder is None:
+    """SIGUSR1 → committed generation → SIGTERM → lock free. Returns what happened.
+
+    Both signals go through :func:`ripresa.lock.signal_holder`: the pid in
+    ``LOCK`` is checked against the kernel (a live process on this host and in
+    this pid namespace that holds this run's lock) before anything is sent,
+    and the SIGTERM goes only to the process that got the SIGUSR1. A forged
+    ``LOCK`` is refused (:class:`~ripresa.errors.BadInput`, exit 2) before any
+    signal, so nothing is stopped and nothing is archived.
+    """
+    if not is_locked(run):
         return {"trainer": None}
     before = _newest_valid(run)
-    os.kill(holder.pid, signal.SIGUSR1)
-    _wait(lambda: (_newest_valid(run) or -1) > (before if before is not None else -1), timeout, "the SIGUSR1 checkpoint")
+    try:
+        holder = signal_holder(run, signal.SIGUSR1)
+    except NotRunning:
+        return {"trainer": None}  # it stopped on its own since the look above
+    _wait(lambda: (_newest_valid(run) or -1) > (before if before is not None else -1), timeout,
+          "the SIGUSR1 checkpoint", run, gone=lambda: not is_locked(run))
     audit_step = _newest_valid(run)
-    os.kill(holder.pid, signal.SIGTERM)
-    _wait(lambda: read_lock_holder(run) is None, timeout, "the trainer to stop")
+    try:
+        signal_holder(run, signal.SIGTERM, pid=holder.pid)
+    except NotRunning:
+        pass  # already gone: nothing left to stop
+    _wait(lambda: not is_locked(run), timeout, "the trainer to stop", run)
     return {"trainer": holder.pid, "sigusr1_step": audit_step, "stopped_at": _newest_valid(run)}
 
 

@@ -15,7 +15,12 @@ the step, both file names and both sha256s recorded in the marker::
     bin=<step_NNNNNN.bin> <sha256 of the .bin>
     companion=<step_NNNNNN.json> <sha256 of the companion>
 
-so changing a byte of either file (and fixing the marker to match), renaming
+A ``.dcp`` generation (FSDP2) is signed the same way by ``step_NNNNNN.dcp.hmac``
+beside its folder, written right before its marker; its MAC covers the step,
+the folder's name and every file of the folder (shards, ``.metadata``,
+``ripresa.json``) with its sha256 (:func:`dcp_message`, docs/FORMAT.md).
+
+For a ``.bin`` generation, changing a byte of either file (and fixing the marker to match), renaming
 a generation to another step, or pairing the files of two generations all
 break the signature. ``key`` is a key *identifier* (an HMAC of a constant,
 never the key or its plain hash), so a verifier can tell "signed with another
@@ -174,6 +179,50 @@ def message(step: int, bin_name: str, bin_sha256: str, companion_name: str, comp
     ).encode()
 
 
+def dcp_message(step: int, folder_name: str, files: Mapping[str, str]) -> bytes:
+    """The canonical bytes a ``.dcp`` generation's MAC covers: its step, its folder's
+    name and every file of the folder (shards, ``.metadata``, companion) with its sha256."""
+    lines = ["ripresa dcp generation signature v1", f"step={int(step)}", f"folder={folder_name}"]
+    for name in sorted(files):
+        h = files[name]
+        if not isinstance(h, str) or not _HEX64.match(h) or "\n" in name or "/" in name:
+            raise ValueError(f"not a file name and sha256 hex digest: {name!r} {h!r}")
+        lines.append(f"file={name} {h}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def dcp_signature_line(key: bytes, step: int, folder_name: str, files: Mapping[str, str]) -> bytes:
+    """The content of ``step_NNNNNN.dcp.hmac`` (the same line format as a ``.bin.hmac``)."""
+    m = mac(key, dcp_message(step, folder_name, files))
+    return f"ripresa-hmac-sha256 v1 key={key_id(key)} step={int(step)} mac={m}\n".encode()
+
+
+def verify_dcp(key: bytes, sig_path: Path, step: int, folder_name: str, files: Mapping[str, str]) -> None:
+    """Raise :class:`SignatureError` unless ``sig_path`` signs exactly this ``.dcp`` generation with ``key``."""
+    _check_mac(key, sig_path, step, mac(key, dcp_message(step, folder_name, files)),
+               f"the HMAC of step {step}, {folder_name} and its {len(files)} files as committed")
+
+
+def _check_mac(key: bytes, sig_path: Path, step: int, want: str, what: str) -> None:
+    kid, sig_step, got = read_signature(sig_path)
+    if kid != key_id(key):
+        raise SignatureError(
+            "generation was signed with another key",
+            file=sig_path,
+            expected=f"key id {key_id(key)} (the configured key)",
+            found=f"key id {kid}",
+            hint="set the key this run was saved with, or treat the generation as untrusted",
+        )
+    if not hmac.compare_digest(want.encode(), got.encode()) or sig_step != step:
+        raise SignatureError(
+            "signature does not match the generation",
+            file=sig_path,
+            expected=what,
+            found="another MAC" + (f" (for step {sig_step})" if sig_step != step else ""),
+            hint="the files, the marker or the signature were changed by someone without the key",
+        )
+
+
 def mac(key: bytes, msg: bytes) -> str:
     """HMAC-SHA256 of ``msg`` (hex)."""
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
@@ -235,24 +284,8 @@ def read_signature(path: Path) -> tuple[str, int, str]:
 def verify(key: bytes, sig_path: Path, step: int, bin_name: str, bin_sha256: str, companion_name: str,
            companion_sha256: str) -> None:
     """Raise :class:`SignatureError` unless ``sig_path`` signs exactly this generation with ``key``."""
-    kid, sig_step, got = read_signature(sig_path)
-    if kid != key_id(key):
-        raise SignatureError(
-            "generation was signed with another key",
-            file=sig_path,
-            expected=f"key id {key_id(key)} (the configured key)",
-            found=f"key id {kid}",
-            hint="set the key this run was saved with, or treat the generation as untrusted",
-        )
-    want = mac(key, message(step, bin_name, bin_sha256, companion_name, companion_sha256))
-    if not hmac.compare_digest(want.encode(), got.encode()) or sig_step != step:
-        raise SignatureError(
-            "signature does not match the generation",
-            file=sig_path,
-            expected=f"the HMAC of step {step}, {bin_name} and {companion_name} as committed",
-            found="another MAC" + (f" (for step {sig_step})" if sig_step != step else ""),
-            hint="the files, the marker or the signature were changed by someone without the key",
-        )
+    _check_mac(key, sig_path, step, mac(key, message(step, bin_name, bin_sha256, companion_name, companion_sha256)),
+               f"the HMAC of step {step}, {bin_name} and {companion_name} as committed")
 
 
 def missing_key_error(what: str) -> BadInput:
@@ -270,6 +303,10 @@ __all__ = [
     "ENV_KEY_FILE",
     "ENV_REQUIRE",
     "MIN_KEY_BYTES",
+    "dcp_message",
+    "dcp_signature_line",
+    "verify_dcp",
+    "unsigned_error",
     "SignatureError",
     "key_id",
     "load_key",
@@ -324,3 +361,15 @@ def check_generation_file(path: str | os.PathLike[str]) -> None:
     if not gen.valid:
         raise SignatureError(f"generation {step} is not trusted under --require-signature: {gen.reason}",
                              file=p, hint="an unsigned, mis-signed or damaged generation is never trusted")
+
+
+def unsigned_error(what: str, path: str | os.PathLike[str], missing: str) -> SignatureError:
+    """The error for a file that cannot carry a signature, refused under require-signature."""
+    return SignatureError(
+        f"{what} is not signed, and signatures are required",
+        file=path,
+        expected=f"a signed generation of a run folder ({ENV_REQUIRE} / --require-signature is set)",
+        found=f"{what}: {missing}",
+        hint="only step_NNNNNN.bin and step_NNNNNN.dcp generations saved with the key are trusted; "
+        f"unset {ENV_REQUIRE} (drop --require-signature) to load it knowingly",
+    )

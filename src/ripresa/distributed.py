@@ -270,3 +270,49 @@ class DistContext:
 
     def describe(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "backend": self.backend, "shard": "fsdp" if self.sharded else "ddp"}
+
+
+#: Largest world size a saved record may claim (torchrun jobs are far smaller).
+MAX_WORLD_SIZE = 1 << 20
+
+
+def check_distributed_record(rec: Any, *, file: Any = None, world_size: int | None = None) -> dict[str, Any] | None:
+    """Validate ``extra.distributed`` of a saved state before anything indexes or sizes by it.
+
+    ``None`` (a single-process save) passes. Otherwise: a dict whose
+    ``world_size`` is an int in ``1..MAX_WORLD_SIZE`` (equal to ``world_size``
+    when given, e.g. a ``.dcp`` companion's own), whose ``ranks`` is a list of
+    exactly that many entries, entry ``r`` a dict with ``rank == r`` and the
+    keys ``rng``, ``data``, ``objects`` (``objects`` a dict). Every failure is
+    an :class:`~ripresa.errors.IntegrityError` naming ``file``; nothing is
+    allocated from the claimed numbers (the list must already hold them).
+    """
+    from .errors import IntegrityError
+
+    if rec is None:
+        return None
+
+    def bad(what: str, expected: Any, found: Any) -> IntegrityError:
+        return IntegrityError(f"the saved per-rank record (extra.distributed) is malformed: {what}", file=file,
+                              expected=expected, found=str(found)[:160],
+                              hint="the companion was edited or damaged; this generation cannot be trusted")
+
+    if not isinstance(rec, dict):
+        raise bad("not a dict", "a dict", type(rec).__name__)
+    ws = rec.get("world_size")
+    if type(ws) is not int or not 1 <= ws <= MAX_WORLD_SIZE:
+        raise bad("world_size", f"an int in 1..{MAX_WORLD_SIZE}", repr(ws))
+    if world_size is not None and ws != world_size:
+        raise bad("world_size differs from the generation's", world_size, ws)
+    ranks = rec.get("ranks")
+    if type(ranks) is not list or len(ranks) != ws:
+        raise bad("ranks", f"a list of {ws} entries (one per rank)",
+                  f"{type(ranks).__name__} of {len(ranks)}" if isinstance(ranks, list) else type(ranks).__name__)
+    for r, entry in enumerate(ranks):
+        if not isinstance(entry, dict) or not {"rank", "rng", "data", "objects"} <= set(entry):
+            raise bad(f"entry {r}", "a dict with rank, rng, data, objects", type(entry).__name__)
+        if type(entry["rank"]) is not int or entry["rank"] != r:
+            raise bad(f"entry {r} names another rank", r, repr(entry["rank"]))
+        if not isinstance(entry["objects"], dict):
+            raise bad(f"entry {r}: objects", "a dict", type(entry["objects"]).__name__)
+    return rec

@@ -22,7 +22,17 @@ consecutive failures the session raises :class:`~ripresa.errors.SaveFailed`
 and the run stops with its last valid checkpoint. A save requested by
 SIGTERM that fails always raises: the operator asked for a durable stop.
 
-Distributed runs (DESIGN §3.3): inside an initialised process group (DDP or
+Which generations a resume considers (docs/FORMAT.md, docs/FAULTS.md): the
+kind the session writes — a single-process session only ``.bin`` generations
+(a ``.dcp`` folder in its run folder is never read, and a warning names it),
+an FSDP2 session ``.dcp`` ones, and a ``.bin`` of another mode only while
+saying so (a warning and an ``other_mode_generation`` history event). The
+newest candidate that fails any check — at the choice or while it is loaded —
+is skipped with a warning and a ``skipped_generation`` event, and the next
+older valid one is used. Under require-signature nothing unsigned loads: not a
+``.bin`` without companion (a "foreign" one), not an unsigned ``.dcp``.
+
+Distributed runs (docs/FORMAT.md, ``.dcp``): inside an initialised process group (DDP or
 FSDP2 under ``torchrun``) the same five lines work on every rank. Rank 0 takes
 the lock and writes the history; every rank agrees at each step boundary on
 signals (a SIGTERM or SIGUSR1 delivered to any rank makes all ranks save the
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import time
 import warnings
@@ -45,9 +56,16 @@ from typing import Any
 
 import torch
 
+from . import auth
 from .async_save import AsyncCheckpointWriter
 from .bin_state import bin_arrays, companion_snapshot, join_state
-from .distributed import WORLD_CHANGE_NOTE, DistContext, NullHistory, fault_point
+from .distributed import (
+    WORLD_CHANGE_NOTE,
+    DistContext,
+    NullHistory,
+    check_distributed_record,
+    fault_point,
+)
 from .errors import BadInput, IdentityMismatch, IntegrityError, RipresaError, SaveFailed
 from .formats import dcp as dcp_fmt
 from .formats.andrea_bin import (
@@ -66,6 +84,14 @@ from .store import CheckpointStore, CheckpointWarning, Generation
 
 class ForeignCheckpointWarning(UserWarning):
     """A .bin without companion was resumed: weights, m, v only."""
+
+
+class OtherModeWarning(CheckpointWarning):
+    """A generation of another kind than the session writes was ignored (or, distributed, used)."""
+
+
+#: What restoring a hostile (but hash-consistent) state can raise besides ripresa's own errors.
+_RESTORE_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
 
 
 class Checkpointer:
@@ -140,14 +166,6 @@ class Checkpointer:
             self.store = CheckpointStore(self.run_dir, retention=retention)
             self.history = History(self.run_dir / HISTORY_NAME)
         else:
-            if self.dist.sharded:
-                from . import auth
-
-                if auth.require_signature_from_env():
-                    raise BadInput("signed checkpoints are not available for sharded (FSDP2) runs",
-                                   expected="a .bin run (DDP or one process) with --require-signature",
-                                   found="RIPRESA_REQUIRE_SIGNATURE set with an FSDP2 model",
-                                   hint=".dcp generations carry sha256 markers but no HMAC signature")
             # Rank 0 creates the folder and takes the lock; the others wait, then read only.
             self.dist.barrier()
             if self.dist.is_main:
@@ -186,25 +204,31 @@ class Checkpointer:
         if self.dist is not None:
             return self._resume_dist(from_path, restore_rng)
         n = sum(p.numel() for p in self.state.model.parameters())
-        gen, store, foreign = self._choose(from_path)
-        if foreign is not None:
-            return self._resume_foreign(foreign, n)
+        if from_path is not None:
+            gen, store, foreign = self._choose_path(from_path)
+            if foreign is not None:
+                return self._resume_foreign(foreign, n)
+            saved_extra = self._load_generation(gen, store, n, restore_rng)
+        else:
+            gen, saved_extra, last_error = None, {}, None
+            for cand in self._candidates():
+                try:
+                    saved_extra = self._load_generation(cand, self.store, n, restore_rng)
+                except IntegrityError as exc:  # damaged after its check (bit rot, a hostile state): the next older
+                    last_error = exc
+                    what = ".dcp generation" if isinstance(cand, dcp_fmt.DcpGeneration) else "generation"
+                    msg = f"skipping {what} {cand.step}: {exc.message} ({exc.file})"
+                    warnings.warn(msg, CheckpointWarning, stacklevel=2)
+                    self.history.event("skipped_generation", reason=msg)
+                    continue
+                gen = cand
+                break
+            if gen is None and last_error is not None:
+                raise last_error
         if gen is None:
             self.history.event("start", step=0, rng_restored=restore_rng)
             self._write_config()
             return 0
-        if isinstance(gen, dcp_fmt.DcpGeneration):
-            rest = self._read_dcp_rest(gen, n)
-            _validate_rest(self.state, rest, self.allow)
-            dcp_fmt.load_shards(self.state.model, self.state.optimizer, gen.path, no_dist=True)
-            self.progress = _restore_rest(self.state, rest, restore_rng, self.allow)
-            saved_extra = rest.get("extra", {})
-        else:
-            assert store is not None
-            contents, comp, gen = self._load_or_fall_back(store, gen, n, from_path is None)
-            full = join_state(self.state, contents, comp)
-            self.progress = self.state.restore(full, restore_rng=restore_rng, **self.allow)
-            saved_extra = full.get("extra", {})
         self.resumed_from = gen
         self.last_saved_step = gen.step if from_path is None else None
         self.history.event("resume", from_step=gen.step, file=str(_gen_path(gen)), rng_restored=restore_rng,
@@ -213,67 +237,111 @@ class Checkpointer:
         self._write_config()
         return self.progress.step
 
-    def _load_or_fall_back(self, store: CheckpointStore, gen: Generation, n: int, may_fall_back: bool):
-        """Load ``gen`` (one read, hashed on the way); in the run folder, a .bin damaged after
-        its commit is skipped with a warning and the next older valid generation is loaded."""
-        while True:
-            try:
-                contents, comp = store.load(gen.step, expected_n=n)
-                return contents, comp, gen
-            except IntegrityError as exc:
-                if not may_fall_back:
-                    raise
-                msg = f"skipping generation {gen.step}: {exc.message} ({exc.file})"
-                warnings.warn(msg, CheckpointWarning, stacklevel=3)
-                self.history.event("skipped_generation", reason=msg)
-                older = [g for g in store.generations(deep=False) if g.valid and g.step < gen.step]
-                if not older:
-                    raise
-                gen = older[-1]
+    def _load_generation(self, gen: Any, store: CheckpointStore | None, n: int, restore_rng: bool) -> dict[str, Any]:
+        """Single process: load ``gen`` (a checked ``.bin`` or ``.dcp``) into the live state; its ``extra``.
+
+        Everything read is checked before the live objects change; a state that
+        passes the file checks but cannot be restored is an IntegrityError.
+        """
+        try:
+            if isinstance(gen, dcp_fmt.DcpGeneration):
+                rest = self._read_dcp_rest(gen, n)
+                _validate_rest(self.state, rest, self.allow)
+                dcp_fmt.load_shards(self.state.model, self.state.optimizer, gen.path, no_dist=True)
+                self.progress = _restore_rest(self.state, rest, restore_rng, self.allow)
+                return rest.get("extra") or {}
+            reader = store if store is not None else CheckpointStore(gen.bin.parent, writer=False)
+            contents, comp = reader.load(gen.step, expected_n=n)
+            full = join_state(self.state, contents, comp)
+            _saved_record(full, gen.companion)
+            self.progress = self.state.restore(full, restore_rng=restore_rng, **self.allow)
+            return full.get("extra") or {}
+        except _RESTORE_FAULTS as exc:
+            raise IntegrityError("the generation's state cannot be restored", file=_gen_path(gen),
+                                 expected="a state as ripresa writes it",
+                                 found=f"{type(exc).__name__}: {str(exc)[:200]}",
+                                 hint="it was edited or damaged; an older generation will be used") from None
+
+    def _kinds(self) -> tuple[str, ...]:
+        """The generation kinds this session may resume, the one it writes first."""
+        if self.dist is None:
+            return ("bin",)
+        return ("dcp", "bin") if self.dist.sharded else ("bin", "dcp")
+
+    def _candidates(self):
+        """The valid generations of the kinds this session resumes, newest first (a generator).
+
+        A generation that fails its check is skipped with a warning and a
+        ``skipped_generation`` event; one of another kind than the session
+        writes is announced (``other_mode_generation``) before it is used; a
+        single-process session names the ``.dcp`` folders it ignores.
+        """
+        kinds = self._kinds()
+        store = self.store
+        req, key = store.require_signature, store.hmac_key
+        if "dcp" not in kinds:
+            ignored = dcp_fmt.dcp_steps_on_disk(self.run_dir)
+            if ignored:
+                msg = (f"ignoring .dcp generation(s) {ignored[-3:]} in {self.run_dir}: a single-process run resumes only "
+                       ".bin generations (.dcp ones are written by sharded FSDP2 runs; resume one explicitly with "
+                       "--resume, or convert it with `ripresa convert`)")
+                warnings.warn(msg, OtherModeWarning, stacklevel=3)
+                self.history.event("ignored_generations", kind="dcp", steps=ignored[-8:], reason=msg)
+        bins = set(store.steps_on_disk()) if "bin" in kinds else set()
+        dcps = set(dcp_fmt.dcp_steps_on_disk(self.run_dir)) if "dcp" in kinds else set()
+        for step in sorted(bins | dcps, reverse=True):
+            for kind in kinds:
+                if step not in (dcps if kind == "dcp" else bins):
+                    continue
+                if kind == "dcp":  # shards are hashed before loading (DCP reads them unhashed)
+                    g: Any = dcp_fmt.check_dcp(self.run_dir, step, deep=True, require_signature=req, hmac_key=key)
+                else:  # shallow: load() hashes the .bin while reading it
+                    g = store.check(step, deep=False)
+                if not g.valid:
+                    what = ".dcp generation" if kind == "dcp" else "generation"
+                    msg = f"skipping {what} {step}: {g.reason}"
+                    warnings.warn(msg, CheckpointWarning, stacklevel=3)
+                    self.history.event("skipped_generation", reason=msg)
+                    continue
+                if kind != kinds[0]:
+                    msg = (f"resuming {_gen_path(g).name}, a {kind} generation written by another mode than this "
+                           f"{'sharded (FSDP2)' if kinds[0] == 'dcp' else 'DDP'} run (it writes {kinds[0]} generations)")
+                    warnings.warn(msg, OtherModeWarning, stacklevel=3)
+                    self.history.event("other_mode_generation", step=step, kind=kind, reason=msg)
+                yield g
+
+    def _choose_path(self, from_path: str | Path) -> tuple[Any, CheckpointStore | None, Path | None]:
+        """(generation, store to load it from, foreign .bin) for an explicit ``--resume`` path."""
+        src = Path(from_path)
+        dstep = dcp_fmt.parse_dcp_name(src.name)
+        if dstep is not None:
+            gen = dcp_fmt.check_dcp(src.parent, dstep, deep=True)
+            if not gen.valid:
+                raise IntegrityError(f"cannot resume from .dcp generation {dstep}: {gen.reason}", file=src,
+                                     hint="check it with `sha256sum -c` from its folder")
+            return gen, None, None
+        step = parse_bin_name(src.name)
+        if step is None:
+            raise BadInput("--resume needs a step_NNNNNN.bin or a step_NNNNNN.dcp folder", file=src,
+                           expected="step_NNNNNN.bin or step_NNNNNN.dcp", found=src.name)
+        companion = src.with_suffix(".json")
+        if not os.path.lexists(companion):
+            if self.store.require_signature or auth.require_signature_from_env():
+                raise auth.unsigned_error("a .bin without companion", src,
+                                          "no companion, no commit marker and no signature (.bin.hmac)")
+            return None, None, src
+        reader = CheckpointStore(src.parent, writer=False)
+        gen = reader.check(step, deep=False)
+        if not gen.valid:
+            raise IntegrityError(f"cannot resume from generation {step}: {gen.reason}", file=src,
+                                 hint="`ripresa inspect` shows the valid generations")
+        return gen, reader, None
 
     def _choose(self, from_path: str | Path | None) -> tuple[Any, CheckpointStore | None, Path | None]:
         """(generation, store to load it from, foreign .bin) for ``from_path`` or the run folder."""
         if from_path is not None:
-            src = Path(from_path)
-            dstep = dcp_fmt.parse_dcp_name(src.name)
-            if dstep is not None:
-                gen = dcp_fmt.check_dcp(src.parent, dstep, deep=True)
-                if not gen.valid:
-                    raise IntegrityError(f"cannot resume from .dcp generation {dstep}: {gen.reason}", file=src,
-                                         hint="check it with `sha256sum -c` from its folder")
-                return gen, None, None
-            step = parse_bin_name(src.name)
-            if step is None:
-                raise BadInput("--resume needs a step_NNNNNN.bin or a step_NNNNNN.dcp folder", file=src,
-                               expected="step_NNNNNN.bin or step_NNNNNN.dcp", found=src.name)
-            companion = src.with_suffix(".json")
-            if not companion.exists():
-                return None, None, src
-            reader = CheckpointStore(src.parent, writer=False)
-            gen = reader.check(step, deep=False)
-            if not gen.valid:
-                raise IntegrityError(f"cannot resume from generation {step}: {gen.reason}", file=src,
-                                     hint="`ripresa inspect` shows the valid generations")
-            return gen, reader, None
-        store = self.store
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CheckpointWarning)
-            if dcp_fmt.dcp_steps_on_disk(self.run_dir):
-                gen = dcp_fmt.latest_valid_any(self.run_dir, deep=False)
-                if isinstance(gen, dcp_fmt.DcpGeneration):
-                    gen = dcp_fmt.check_dcp(self.run_dir, gen.step, deep=True)  # shards are hashed before loading
-            else:
-                # shallow here: load() hashes the .bin while reading it, and resume()
-                # falls back to an older generation if that hash fails (bit rot).
-                gen = store.latest_valid(deep=False)
-        for w in caught:
-            if issubclass(w.category, CheckpointWarning):
-                warnings.warn(str(w.message), CheckpointWarning, stacklevel=3)
-                self.history.event("skipped_generation", reason=str(w.message))
-        if isinstance(gen, dcp_fmt.DcpGeneration) and not gen.valid:
-            raise IntegrityError(f"the newest .dcp generation failed its deep check: {gen.reason}", file=gen.path,
-                                 hint="move it aside to resume from the previous generation")
-        return gen, store, None
+            return self._choose_path(from_path)
+        return next(iter(self._candidates()), None), self.store, None
 
     def _read_dcp_rest(self, gen: dcp_fmt.DcpGeneration, n: int) -> dict[str, Any]:
         """The companion state of a ``.dcp`` generation (everything DCP does not hold)."""
@@ -281,9 +349,9 @@ class Checkpointer:
         if doc["n_params"] != n:
             raise IntegrityError("the .dcp generation holds another number of parameters than the model",
                                  file=gen.path, expected=n, found=doc["n_params"], hint="build the model from the run's config.json")
-        from .formats.companion import decode_tree
-
-        return decode_tree(doc["state"])
+        rest = dcp_fmt.decode_state(doc, gen.path)
+        _saved_record(rest, gen.companion)
+        return rest
 
     def _resume_dist(self, from_path: str | Path | None, restore_rng: bool) -> int:
         d = self.dist
@@ -344,7 +412,7 @@ class Checkpointer:
 
     def _note_world_change(self, saved_extra: Mapping[str, Any], *, world_size: int, fresh: bool) -> None:
         """Record a resume on another number of ranks than the save's (history event, :attr:`world_change`)."""
-        rec = saved_extra.get("distributed") if isinstance(saved_extra, Mapping) else None
+        rec = _saved_record({"extra": saved_extra}, None)
         saved_world = int(rec["world_size"]) if rec else 1
         if saved_world == world_size:
             return
@@ -568,7 +636,8 @@ class Checkpointer:
             try:
                 rest = _rest_proxy(self.state).snapshot(self.progress, extra, include_parameters=False)
                 n = sum(p.numel() for p in self.state.model.parameters())
-                gen = dcp_fmt.commit_dcp(self.run_dir, step, part, world_size=d.world_size, n_params=n, state=rest)
+                gen = dcp_fmt.commit_dcp(self.run_dir, step, part, world_size=d.world_size, n_params=n, state=rest,
+                                         hmac_key=self.store.hmac_key)
                 self._dcp_retention(step)
             except (RipresaError, OSError) as exc:
                 error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
@@ -674,7 +743,7 @@ def rank_view(full: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], bool,
     ``fresh``: its random streams are not restored.
     """
     out = dict(full)
-    rec = (full.get("extra") or {}).get("distributed")
+    rec = _saved_record(full, None)
     saved_world = int(rec["world_size"]) if rec else 1
     if rank >= saved_world:
         return out, True, saved_world
@@ -684,6 +753,16 @@ def rank_view(full: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], bool,
             raise IntegrityError("per-rank entries are out of order in the companion", expected=rank, found=entry["rank"])
         out["rng"], out["data"], out["objects"] = entry["rng"], entry["data"], entry["objects"]
     return out, False, saved_world
+
+
+def _saved_record(full: Mapping[str, Any], file: Any) -> dict[str, Any] | None:
+    """``extra.distributed`` of a saved state, validated (counts against the list it holds) before any use."""
+    extra = full.get("extra")
+    if extra is None:
+        return None
+    if not isinstance(extra, Mapping):
+        raise IntegrityError("the saved state's 'extra' is not a dict", file=file, found=type(extra).__name__)
+    return check_distributed_record(extra.get("distributed"), file=file)
 
 
 def _rest_proxy(state: TrainingState) -> TrainingState:

@@ -1,4 +1,4 @@
-"""Sharded generations written with ``torch.distributed.checkpoint`` (DESIGN §3.3).
+"""Sharded generations written with ``torch.distributed.checkpoint`` (docs/FORMAT.md, ``.dcp``).
 
 One generation of an FSDP2 run::
 
@@ -6,6 +6,8 @@ One generation of an FSDP2 run::
         .metadata                 DCP's index (written by rank 0)
         __R_0.distcp              the shards of rank R (one file per rank)
         ripresa.json              the companion: everything DCP does not hold
+    step_NNNNNN.dcp.hmac          with an HMAC key: the signature, written right
+                                  before the marker (:func:`ripresa.auth.dcp_message`)
     step_NNNNNN.dcp.sha256        the commit marker, written last: one
                                   ``sha256sum`` line per file of the folder
 
@@ -26,14 +28,15 @@ Commit protocol (every rank, then rank 0):
    every file and writes the marker atomically, last.
 
 A reader trusts a ``.dcp`` generation only when the marker lists exactly the
-files of the folder and the companion's hash and the files' sizes match
-(``deep`` re-hashes every file). ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256``
+files of the folder, the companion's hash and the files' sizes match, the
+``.metadata`` passes the restricted reader of :mod:`ripresa.formats.dcp_safe`
+(nothing of it is ever unpickled freely), and — under require-signature —
+the signature matches (``deep`` re-hashes every file). ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256``
 checks it by hand.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -44,8 +47,9 @@ from typing import Any
 
 import torch
 
+from .. import auth
 from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed, SchemaError
-from ..fsio import fsync_dir, sha256_file, sidecar_line, write_atomic
+from ..fsio import fsync_dir, parse_json_bytes, read_small, sha256_file, sidecar_line, write_atomic
 from . import companion as companion_fmt
 
 FORMAT = "ripresa.dcp"
@@ -81,6 +85,11 @@ def dcp_paths(folder: Path, step: int) -> tuple[Path, Path]:
     """(``step_NNNNNN.dcp`` folder, its marker) in ``folder``."""
     d = Path(folder) / dcp_name(step)
     return d, d.with_name(d.name + ".sha256")
+
+
+def signature_path(folder: Path, step: int) -> Path:
+    """``step_NNNNNN.dcp.hmac`` beside the folder (written only with an HMAC key)."""
+    return Path(folder) / (dcp_name(step) + auth.SUFFIX)
 
 
 def partial_path(folder: Path, step: int) -> Path:
@@ -129,12 +138,7 @@ def read_dcp_marker(marker: Path, folder_name: str) -> dict[str, str]:
     if not os.path.lexists(marker):
         raise IntegrityError("missing commit marker: the generation was never committed", file=marker,
                              expected=f"{marker.name} written last", found="nothing", hint="an older generation will be used")
-    if marker.is_symlink() or not marker.is_file():
-        raise IntegrityError("commit marker is not a regular file", file=marker, expected="a regular file")
-    with open(marker, "rb") as f:
-        raw = f.read(MAX_MARKER_BYTES + 1)
-    if len(raw) > MAX_MARKER_BYTES:
-        raise IntegrityError("commit marker is implausibly large", file=marker, expected=f"<= {MAX_MARKER_BYTES} bytes")
+    raw = read_small(marker, "commit marker", MAX_MARKER_BYTES, error=IntegrityError)
     try:
         lines = raw.decode("ascii").splitlines()
     except UnicodeDecodeError:
@@ -152,63 +156,116 @@ def read_dcp_marker(marker: Path, folder_name: str) -> dict[str, str]:
     return out
 
 
+#: Largest parameter count a companion may claim.
+MAX_N_PARAMS = 1 << 48
+
+
 def read_dcp_companion(folder: Path, expected_sha256: str | None = None) -> dict[str, Any]:
-    """Read (and hash-check) ``ripresa.json`` of a ``.dcp`` folder; return the raw document."""
+    """Read (and hash-check) ``ripresa.json`` of a ``.dcp`` folder; return the raw document.
+
+    One bounded read (no symlink, no FIFO, at most :data:`MAX_COMPANION_BYTES`),
+    then every field checked before it is used: ``step``, ``world_size`` (and
+    ``state.extra.distributed`` against it, see
+    :func:`ripresa.distributed.check_distributed_record`), ``n_params``,
+    ``files``. Deep nesting, malformed fields and wrong types are all an
+    :class:`~ripresa.errors.IntegrityError`.
+    """
     import hashlib
 
+    from ..distributed import MAX_WORLD_SIZE, check_distributed_record
+
     p = Path(folder) / COMPANION_NAME
-    if p.is_symlink() or not p.is_file():
-        raise IntegrityError("companion missing or not a regular file", file=p)
-    if p.stat().st_size > MAX_COMPANION_BYTES:
-        raise IntegrityError("companion is implausibly large", file=p)
-    raw = p.read_bytes()
+    raw = read_small(p, "companion", MAX_COMPANION_BYTES, error=IntegrityError)
     if expected_sha256 is not None and hashlib.sha256(raw).hexdigest() != expected_sha256:
         raise IntegrityError("companion sha256 mismatch", file=p, expected=expected_sha256,
                              found=hashlib.sha256(raw).hexdigest(), hint="the companion changed after the commit")
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise IntegrityError("companion is not valid JSON", file=p, found=str(exc)[:200]) from exc
+    doc = parse_json_bytes(raw, p, "companion", error=IntegrityError)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise SchemaError("not a ripresa .dcp companion", file=p, expected=FORMAT, found=doc.get("format") if isinstance(doc, dict) else type(doc).__name__)
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise SchemaError("unsupported .dcp companion version", file=p, expected=FORMAT_VERSION, found=doc.get("format_version"))
-    for key, typ in (("step", int), ("world_size", int), ("n_params", int), ("files", dict), ("state", dict)):
-        if not isinstance(doc.get(key), typ) or isinstance(doc.get(key), bool):
+        raise SchemaError("not a ripresa .dcp companion", file=p, expected=FORMAT,
+                          found=str(doc.get("format"))[:80] if isinstance(doc, dict) else type(doc).__name__)
+    if doc.get("format_version") != FORMAT_VERSION or isinstance(doc.get("format_version"), bool):
+        raise SchemaError("unsupported .dcp companion version", file=p, expected=FORMAT_VERSION,
+                          found=str(doc.get("format_version"))[:40])
+    for key, typ, lo, hi in (("step", int, 0, 10**12), ("world_size", int, 1, MAX_WORLD_SIZE),
+                             ("n_params", int, 0, MAX_N_PARAMS), ("files", dict, 0, 1 << 20), ("state", dict, 0, None)):
+        v = doc.get(key)
+        if not isinstance(v, typ) or isinstance(v, bool):
             raise SchemaError(f"companion's '{key}' is missing or has the wrong type", file=p, expected=typ.__name__,
-                              found=type(doc.get(key)).__name__)
+                              found=type(v).__name__)
+        n = v if typ is int else len(v)
+        if n < lo or (hi is not None and n > hi):
+            raise SchemaError(f"companion's '{key}' is out of range", file=p, expected=f"{lo}..{hi}", found=str(n)[:40])
+    for name, size in doc["files"].items():
+        if not _FILE_NAME_RE.match(name) or type(size) is not int or not 0 <= size < 1 << 50:
+            raise SchemaError("companion's 'files' holds a malformed entry", file=p,
+                              expected="{file name: size in bytes}", found=f"{name[:80]!r}: {str(size)[:40]}")
+    extra = doc["state"].get("extra")
+    rec = extra.get("distributed") if isinstance(extra, dict) else None
+    check_distributed_record(rec, file=p, world_size=doc["world_size"] if rec is not None else None)
     return doc
 
 
-def check_dcp(folder: Path, step: int, *, deep: bool = False) -> DcpGeneration:
-    """Validate one ``.dcp`` generation; ``deep`` re-hashes every file."""
-    d, mk = dcp_paths(Path(folder), step)
-    try:
-        from .. import auth
+_FILE_NAME_RE = re.compile(r"^[^/\x00-\x1f\x7f]{1,255}$")
 
-        if auth.require_signature_from_env():
-            raise IntegrityError("unsigned: .dcp generations carry no HMAC signature", file=d,
-                                 expected="a signed generation (RIPRESA_REQUIRE_SIGNATURE is set)", found="a .dcp generation",
-                                 hint="signed generations are .bin generations (DDP or one process)")
+
+def decode_state(doc: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The decoded companion state of a ``.dcp`` generation; a malformed tree is an IntegrityError."""
+    p = Path(folder) / COMPANION_NAME
+    try:
+        return companion_fmt.decode_tree(doc["state"])
+    except RipresaError:
+        raise
+    except (RecursionError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
+            RuntimeError, MemoryError) as exc:
+        raise IntegrityError("companion is malformed: its state cannot be decoded", file=p,
+                             expected="a ripresa companion (tagged tensors, tuples, dicts)",
+                             found=f"{type(exc).__name__}: {str(exc)[:160]}",
+                             hint="it was not written by ripresa (or was edited); this generation cannot be trusted") from None
+
+
+def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature: bool | None = None,
+              hmac_key: bytes | None = None) -> DcpGeneration:
+    """Validate one ``.dcp`` generation; ``deep`` re-hashes every file and decodes the companion state.
+
+    Order: the marker; under ``require_signature`` (``None``: from
+    ``RIPRESA_REQUIRE_SIGNATURE``) the signature over the marker's hashes,
+    before anything else is parsed; the folder's files against the marker;
+    the companion (hash, fields); the ``.metadata`` through the restricted
+    reader (:func:`ripresa.formats.dcp_safe.read_metadata`); with ``deep``,
+    every file's sha256 and the decoded state. A missing key under
+    require-signature raises :class:`~ripresa.errors.BadInput`.
+    """
+    from .dcp_safe import read_metadata
+
+    d, mk = dcp_paths(Path(folder), step)
+    require = auth.require_signature_from_env() if require_signature is None else bool(require_signature)
+    key = None
+    if require:
+        key = hmac_key if hmac_key is not None else auth.load_key()
+        if key is None:
+            raise auth.missing_key_error("require_signature (RIPRESA_REQUIRE_SIGNATURE)")
+    try:
         hashes = read_dcp_marker(mk, d.name)
+        if key is not None:  # authenticate before parsing anything else
+            auth.verify_dcp(key, signature_path(Path(folder), step), step, d.name, hashes)
         if d.is_symlink() or not d.is_dir():
             raise IntegrityError("the .dcp folder is missing", file=d, expected="a folder", found="nothing or not a folder")
         present = {e.name: e for e in os.scandir(d)}
         if set(present) != set(hashes):
-            raise IntegrityError("the .dcp folder's files differ from its marker's", file=d, expected=sorted(hashes),
-                                 found=sorted(present), hint="a file was added or removed after the commit")
+            raise IntegrityError("the .dcp folder's files differ from its marker's", file=d, expected=sorted(hashes)[:8],
+                                 found=sorted(present)[:8], hint="a file was added or removed after the commit")
         for name, e in present.items():
-            if e.is_symlink() or not e.is_file():
+            if e.is_symlink() or not e.is_file(follow_symlinks=False):
                 raise IntegrityError("a .dcp file is not a regular file", file=d / name)
         doc = read_dcp_companion(d, hashes[COMPANION_NAME])
         if doc["step"] != step:
             raise IntegrityError("the companion names another step", file=d / COMPANION_NAME, expected=step, found=doc["step"])
         if set(doc["files"]) != set(hashes) - {COMPANION_NAME}:
             raise IntegrityError("the companion lists other files than the marker", file=d / COMPANION_NAME,
-                                 expected=sorted(set(hashes) - {COMPANION_NAME}), found=sorted(doc["files"]))
+                                 expected=sorted(set(hashes) - {COMPANION_NAME})[:8], found=sorted(doc["files"])[:8])
         total = 0
         for name, size in doc["files"].items():
-            actual = present[name].stat().st_size
+            actual = present[name].stat(follow_symlinks=False).st_size
             if actual != size:
                 raise IntegrityError("a .dcp file has the wrong size", file=d / name, expected=size, found=actual,
                                      hint="truncated or modified after the commit")
@@ -219,6 +276,8 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False) -> DcpGeneration:
                 if got != want:
                     raise IntegrityError("sha256 mismatch: a .dcp file changed after it was committed", file=d / name,
                                          expected=want, found=got, hint="bit rot or an edit; an older generation will be used")
+            decode_state(doc, d)  # a deep check proves the state decodes (the resume will not fail on it)
+        read_metadata(d)  # restricted unpickler; every storage entry inside the folder's shards
     except RipresaError as exc:
         reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
         if exc.found is not None and not isinstance(exc.found, dict):
@@ -231,20 +290,32 @@ def dcp_generations(folder: Path, *, deep: bool = False) -> list[DcpGeneration]:
     return [check_dcp(folder, s, deep=deep) for s in dcp_steps_on_disk(folder)]
 
 
-def latest_valid_any(folder: Path, *, deep: bool = False, warn: bool = True) -> Any:
-    """The newest valid generation of either kind (``.bin`` or ``.dcp``), or None.
+#: The generation kinds: ``bin`` (one process, DDP) and ``dcp`` (FSDP2).
+KINDS = ("bin", "dcp")
 
-    Returns a :class:`~ripresa.store.Generation` or a :class:`DcpGeneration`;
-    each newer generation that fails its check is skipped with a
-    :class:`~ripresa.store.CheckpointWarning` naming it and the reason.
+
+def latest_valid_of(folder: Path, kinds: tuple[str, ...], *, deep: bool = False, warn: bool = True,
+                    store: Any = None) -> Any:
+    """The newest valid generation among ``kinds`` (``"bin"``, ``"dcp"``), or None.
+
+    The caller passes the kinds it may resume: a single-process session only
+    ``("bin",)`` (the ``.dcp`` folders of its run folder are never read), a
+    sharded one ``("dcp", "bin")``. Each newer generation of those kinds that
+    fails its check is skipped with a :class:`~ripresa.store.CheckpointWarning`
+    naming it and the reason. ``store`` (a :class:`~ripresa.store.CheckpointStore`
+    of ``folder``) checks the ``.bin`` ones; a reader is opened if None.
     """
     from ..store import CheckpointStore, CheckpointWarning
 
-    store = CheckpointStore(folder, writer=False)
-    bins = set(store.steps_on_disk())
-    dcps = set(dcp_steps_on_disk(Path(folder)))
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown generation kinds {sorted(unknown)}")
+    if "bin" in kinds and store is None:
+        store = CheckpointStore(folder, writer=False)
+    bins = set(store.steps_on_disk()) if "bin" in kinds else set()
+    dcps = set(dcp_steps_on_disk(Path(folder))) if "dcp" in kinds else set()
     for step in sorted(bins | dcps, reverse=True):
-        for kind in ("dcp", "bin"):
+        for kind in kinds:
             if (kind == "dcp" and step not in dcps) or (kind == "bin" and step not in bins):
                 continue
             g = check_dcp(Path(folder), step, deep=deep) if kind == "dcp" else store.check(step, deep=deep)
@@ -254,6 +325,11 @@ def latest_valid_any(folder: Path, *, deep: bool = False, warn: bool = True) -> 
                 what = "generation" if kind == "bin" else ".dcp generation"
                 warnings.warn(f"skipping {what} {step}: {g.reason}", CheckpointWarning, stacklevel=2)
     return None
+
+
+def latest_valid_any(folder: Path, *, deep: bool = False, warn: bool = True) -> Any:
+    """The newest valid generation of either kind (``inspect``'s view of a mixed folder)."""
+    return latest_valid_of(folder, ("dcp", "bin"), deep=deep, warn=warn)
 
 
 # ---- writing ----------------------------------------------------------------------
@@ -272,12 +348,13 @@ def clean_partials(folder: Path) -> list[Path]:
 
 
 def delete_dcp(folder: Path, step: int) -> None:
-    """Remove a ``.dcp`` generation, marker first (it reads as uncommitted if interrupted)."""
+    """Remove a ``.dcp`` generation, marker first (it reads as uncommitted if interrupted), then its signature."""
     d, mk = dcp_paths(Path(folder), step)
-    try:
-        os.unlink(mk)
-    except FileNotFoundError:
-        pass
+    for p in (mk, signature_path(Path(folder), step)):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
     shutil.rmtree(d, ignore_errors=True)
 
 
@@ -287,8 +364,13 @@ def encode_companion(step: int, world_size: int, n_params: int, files: dict[str,
     return companion_fmt.dumps(doc)
 
 
-def commit_dcp(folder: Path, step: int, partial: Path, *, world_size: int, n_params: int, state: dict[str, Any]) -> DcpGeneration:
-    """Rank 0, after every rank wrote its shards into ``partial``: companion, rename, marker (last)."""
+def commit_dcp(folder: Path, step: int, partial: Path, *, world_size: int, n_params: int, state: dict[str, Any],
+               hmac_key: bytes | None = None) -> DcpGeneration:
+    """Rank 0, after every rank wrote its shards into ``partial``: companion, rename, signature, marker (last).
+
+    With ``hmac_key`` the signature ``step_NNNNNN.dcp.hmac`` (every file's
+    sha256, :func:`ripresa.auth.dcp_message`) is durable before the marker.
+    """
     folder = Path(folder)
     final, marker = dcp_paths(folder, step)
     try:
@@ -304,12 +386,14 @@ def commit_dcp(folder: Path, step: int, partial: Path, *, world_size: int, n_par
             fsync_dir(folder)
         os.rename(partial, final)
         fsync_dir(folder)
-        lines = [sidecar_line(sha256_file(final / name).sha256, f"{final.name}/{name}") for name in sorted(os.listdir(final))]
-        write_atomic(marker, lines)
+        hashes = {name: sha256_file(final / name).sha256 for name in sorted(os.listdir(final))}
+        if hmac_key is not None:
+            write_atomic(signature_path(folder, step), [auth.dcp_signature_line(hmac_key, step, final.name, hashes)])
+        write_atomic(marker, [sidecar_line(h, f"{final.name}/{name}") for name, h in hashes.items()])
     except OSError as exc:
         raise SaveFailed(f"writing the .dcp generation {step} failed: {exc}", file=final,
                          hint="the previous generation is intact") from exc
-    gen = check_dcp(folder, step)
+    gen = check_dcp(folder, step, require_signature=hmac_key is not None, hmac_key=hmac_key)
     if not gen.valid:
         raise IntegrityError(f".dcp generation {step} failed its check right after the save", file=final, found=gen.reason)
     return gen
@@ -344,7 +428,14 @@ def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, *, no_dist: bool = False) -> None:
-    """``dcp.load`` into the live model and optimizer (any number of ranks: DCP reshards)."""
+    """``dcp.load`` into the live model and optimizer (any number of ranks: DCP reshards).
+
+    Through :class:`~ripresa.formats.dcp_safe.SafeFileSystemReader` and
+    :class:`~ripresa.formats.dcp_safe.SafeLoadPlanner`: the ``.metadata`` is
+    read with the restricted unpickler and checked against the folder first
+    (a refusal raises here, before DCP runs), every item is loaded with
+    ``weights_only=True``.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -353,25 +444,39 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         set_state_dict,
     )
 
+    from .dcp_safe import SafeFileSystemReader, SafeLoadPlanner, unwrap
+
+    reader = SafeFileSystemReader(path)
+    reader.read_metadata()  # refuses a hostile .metadata with its own error, before DCP runs
     ctx = _quiet_dcp()
     try:
         if optimizer is not None:
             msd, osd = get_state_dict(model, optimizer)
             sd: dict[str, Any] = {"model": msd, "optim": osd}
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+            dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
             set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         else:
             sd = {"model": get_model_state_dict(model)}
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+            dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
             set_model_state_dict(model, sd["model"])
     except RipresaError:
         raise
-    except Exception as exc:
+    except (Exception, _checkpoint_exception()) as exc:
+        inner = unwrap(exc)
+        if inner is not None:
+            raise inner from None
         raise IntegrityError("the .dcp generation could not be loaded into the model", file=path,
-                             found=f"{type(exc).__name__}: {str(exc)[:300]}",
-                             hint="build the same architecture as the run that saved (see its config)") from exc
+                             found=f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300] if str(exc) else ''}",
+                             hint="build the same architecture as the run that saved (see its config)") from None
     finally:
         ctx.__exit__(None, None, None)
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    """DCP's ``CheckpointException`` (a ``BaseException``: ``except Exception`` misses it)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:

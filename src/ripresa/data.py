@@ -104,7 +104,11 @@ class EpochSampler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the position; refuses a state for another data set or batch size."""
+        """Restore the position; refuses a state for another data set or batch size.
+
+        Everything is checked (:func:`validate_sampler_state`) before anything changes.
+        """
+        validate_sampler_state(state)
         for key, mine in (("n_rows", self.n_rows), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
             if key not in state:
                 raise SchemaError(f"data position lacks '{key}'", expected=key, found=sorted(state))
@@ -134,6 +138,52 @@ class EpochSampler:
             self.permutation = arr.astype(np.int64, copy=True)
         self.epoch, self.cursor = epoch, cursor
         self.rows_consumed = int(state["rows_consumed"])
+
+
+_INT64 = 2**63 - 1
+
+
+def validate_sampler_state(state: Any, where: str = "data") -> None:
+    """Structural check of a saved :meth:`EpochSampler.state_dict` (types and ranges); :class:`SchemaError`.
+
+    Used by :meth:`EpochSampler.load_state_dict` and, for a state read from a
+    file, by :func:`ripresa.state.validate_saved_state` (what ``ripresa inspect
+    --deep`` and a resume share).
+    """
+    if not isinstance(state, Mapping):
+        raise SchemaError(f"{where}: data position is not a dict", found=type(state).__name__)
+    for key in ("n_rows", "batch_size", "drop_last", "epoch", "cursor", "rows_consumed"):
+        if key not in state:
+            raise SchemaError(f"data position lacks '{key}'", expected=key, found=sorted(map(str, state)))
+    for key in ("n_rows", "batch_size", "epoch", "cursor", "rows_consumed"):
+        v = state.get(key)
+        if type(v) is not int or not -1 <= v <= _INT64:
+            raise SchemaError(f"{where}.{key} is not an integer in range", expected=f"-1..{_INT64}", found=repr(v)[:80])
+    if type(state.get("drop_last")) is not bool:
+        raise SchemaError(f"{where}.drop_last is not a bool", found=repr(state.get("drop_last"))[:80])
+    n, cursor, epoch = state["n_rows"], state["cursor"], state["epoch"]
+    if n < 1 or state["batch_size"] < 1 or state["rows_consumed"] < 0:
+        raise SchemaError(f"{where}: n_rows, batch_size must be >= 1 and rows_consumed >= 0",
+                          found={k: state[k] for k in ("n_rows", "batch_size", "rows_consumed")})
+    if not 0 <= cursor <= n:
+        raise SchemaError(f"{where}: data cursor out of range", expected=f"0..{n}", found=cursor)
+    perm = state.get("permutation")
+    if perm is None:
+        if epoch != -1 or cursor != 0:
+            raise SchemaError(f"{where}: data position has a cursor but no permutation", found=f"epoch {epoch}, cursor {cursor}")
+    elif not (isinstance(perm, torch.Tensor) and perm.dtype == torch.int64 and tuple(perm.shape) == (n,)):
+        found = f"{perm.dtype}, shape {tuple(perm.shape)}" if isinstance(perm, torch.Tensor) else type(perm).__name__
+        raise SchemaError(f"{where}: saved permutation is not an int64 tensor of n_rows ids", expected=f"int64, shape ({n},)",
+                          found=found)
+    elif epoch < 0:
+        raise SchemaError(f"{where}: data position has a permutation but no epoch", found=f"epoch {epoch}")
+    if state.get("distributed"):
+        from .rng import validate_numpy_state
+
+        ws = state.get("world_size")
+        if type(ws) is not int or not 1 <= ws <= 1 << 20:
+            raise SchemaError(f"{where}.world_size out of range", expected="1..1048576", found=repr(ws)[:80])
+        validate_numpy_state(state.get("generator"), f"{where}.generator")
 
 
 class DistributedEpochSampler(EpochSampler):
@@ -227,6 +277,7 @@ class DistributedEpochSampler(EpochSampler):
         for key in ("batch_size", "world_size", "generator"):
             if key not in state:
                 raise SchemaError(f"data position lacks '{key}'", expected=key, found=sorted(state))
+        validate_sampler_state(state)
         if int(state["batch_size"]) != self.per_rank_batch_size:
             raise SchemaError(f"data position was saved with batch_size={state['batch_size']} per rank, "
                               f"this run has {self.per_rank_batch_size}", expected=self.per_rank_batch_size,
@@ -235,5 +286,5 @@ class DistributedEpochSampler(EpochSampler):
         base = dict(state)
         base["batch_size"] = self.batch_size  # the global batch of *this* world size
         super().load_state_dict(base)
-        self.generator.bit_generator.state = _numpy_bitgen_state_back(state["generator"])
+        self.generator.bit_generator.state = _numpy_bitgen_state_back(state["generator"], "data.generator")
         self.resharded_from = saved_world if saved_world != self.world_size else None

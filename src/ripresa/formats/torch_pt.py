@@ -111,14 +111,17 @@ def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Digest:
     return digest
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, require_signature: bool | None = None) -> Checkpoint:
     """Verify and load a ``checkpoint.pt``.
 
     Order: the file exists and is regular → the sidecar is well-formed → the
     sha256 matches → ``torch.load(weights_only=True)`` → the schema. Any
     failure raises a typed error naming the file, expected, found and a hint.
+    A ``checkpoint.pt`` carries no signature: under ``require_signature``
+    (``None``: ``RIPRESA_REQUIRE_SIGNATURE``) it is refused before it is read.
     """
     path = Path(path)
+    refuse_unsigned(path, require_signature)
     digest = verify_against_sidecar(path)
     if not zipfile.is_zipfile(path):
         raise IntegrityError(
@@ -146,6 +149,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         ) from exc
     validate_checkpoint(state, path)
     return Checkpoint(path=path, digest=digest, state=state)
+
+
+def refuse_unsigned(path: Path, require_signature: bool | None = None) -> None:
+    """Raise :class:`~ripresa.auth.SignatureError` when signatures are required: ``checkpoint.pt`` has none."""
+    from .. import auth
+
+    if auth.require_signature_from_env() if require_signature is None else require_signature:
+        raise auth.unsigned_error("a checkpoint.pt", path, "the torch-native format carries no HMAC signature")
 
 
 def _unpickler_reason(exc: Exception) -> str:

@@ -1,4 +1,4 @@
-"""Complete training-state capture and restore (DESIGN §2).
+"""Complete training-state capture and restore (docs/FORMAT.md, docs/VERIFY.md).
 
 :class:`TrainingState` holds references to the live objects of a run — model,
 optimizer, scheduler, GradScaler, data position, random streams, any
@@ -26,11 +26,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import IdentityMismatch, SchemaError
-from .formats.torch_pt import FORMAT, FORMAT_VERSION, Checkpoint
+from .errors import IdentityMismatch, RipresaError, SchemaError
+from .formats.torch_pt import FORMAT, FORMAT_VERSION, Checkpoint, validate_checkpoint
 from .identity import COMPARED_VERSIONS, code_identity, versions
 from .identity import data_identity as compute_data_identity
-from .rng import RandomStreams
+from .rng import RandomStreams, validate_rng_state
 
 #: Optimizer state entries that an ANDREA .bin carries (m and v).
 BIN_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -56,6 +56,135 @@ class Progress:
 
     def as_dict(self) -> dict[str, int]:
         return {k: int(v) for k, v in asdict(self).items()}
+
+
+_INT64 = 2**63 - 1
+#: What a restore can raise on a state that passed every check but was still not what the
+#: live objects accept (a last line: each is turned into a SchemaError naming the file).
+_UNEXPECTED = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError, AssertionError)
+
+
+def validate_saved_state(state: Any, *, where: str | Path | None = None) -> None:
+    """Structural check of a training state read from disk (docs/FORMAT.md); :class:`SchemaError` only.
+
+    The ONE validation that ``ripresa inspect --deep``, ``CheckpointStore.check(deep=True)``
+    and ``CheckpointStore.load`` (hence every resume) share, so that a state
+    inspect calls valid never crashes a resume: the checkpoint schema
+    (:func:`~ripresa.formats.torch_pt.validate_checkpoint`: keys, types,
+    progress consistent with the optimizer), progress integers in int64 range,
+    optimizer param groups and per-parameter steps well formed, every random
+    stream well formed and of its exact size (:func:`~ripresa.rng.validate_rng_state`),
+    an :class:`~ripresa.EpochSampler` data position in range, scheduler and
+    scaler dicts with string keys, ``extra.distributed`` per-rank records.
+    Works on a companion's state (no parameters) and on a full one. What can
+    only be checked against the live objects (names, shapes, groups) is
+    :meth:`TrainingState.check_structure`'s.
+    """
+    file = where
+    try:
+        validate_checkpoint(state, None if where is None else Path(where))
+    except SchemaError:
+        raise
+    except RipresaError as exc:  # pragma: no cover - validate_checkpoint raises SchemaError
+        raise SchemaError(exc.message, file=file, expected=exc.expected, found=exc.found) from exc
+    except _UNEXPECTED as exc:
+        raise SchemaError("saved state is malformed", file=file, found=f"{type(exc).__name__}: {str(exc)[:160]}") from exc
+
+    def bad(what: str, expected: Any = None, found: Any = None) -> SchemaError:
+        return SchemaError(f"saved state is malformed: {what}", file=file, expected=expected, found=found,
+                           hint="the companion was edited or not written by ripresa; this generation cannot be trusted")
+
+    for k, v in state["progress"].items():
+        if type(v) is not int or not -1 <= v <= _INT64:
+            raise bad(f"progress.{k}", f"an integer in -1..{_INT64}", repr(v)[:80])
+    extra_keys = set(state["progress"]) - {"step", "epoch", "samples_seen", "tokens_seen"}
+    if extra_keys:
+        raise bad("progress has unknown keys", ["step", "epoch", "samples_seen", "tokens_seen"], sorted(map(str, extra_keys)))
+    opt = state["optimizer"]
+    if opt is not None:
+        seen: set[int] = set()
+        for i, g in enumerate(opt["param_groups"]):
+            if not isinstance(g, dict) or not isinstance(g.get("params"), list) or not all(isinstance(k, str) for k in g):
+                raise bad(f"optimizer.param_groups[{i}]", "a dict with a 'params' list", type(g).__name__)
+            ids = g["params"]
+            if not all(type(x) is int and 0 <= x <= _INT64 for x in ids) or seen & set(ids) or len(set(ids)) != len(ids):
+                raise bad(f"optimizer.param_groups[{i}].params", "distinct non-negative parameter indices", str(ids)[:120])
+            seen |= set(ids)
+        for idx, entry in opt["state"].items():
+            if type(idx) is not int or idx not in seen:
+                raise bad(f"optimizer.state key {idx!r}", "the index of a parameter of a group", repr(idx)[:80])
+            if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry):
+                raise bad(f"optimizer.state[{idx}]", "a dict", type(entry).__name__)
+            step = entry.get("step")
+            if step is not None and not (
+                (isinstance(step, torch.Tensor) and step.numel() == 1 and step.dtype.is_floating_point)
+                or (type(step) in (int, float))
+            ):
+                raise bad(f"optimizer.state[{idx}].step", "a number or a one-element float tensor", repr(step)[:80])
+            for name, t in entry.items():
+                if isinstance(t, torch.Tensor) and name != "step" and not t.dtype.is_floating_point:
+                    raise bad(f"optimizer.state[{idx}].{name}", "a floating tensor", str(t.dtype))
+    for key in ("scheduler", "scaler"):
+        v = state[key]
+        if v is not None and not all(isinstance(k, str) for k in v):
+            raise bad(f"{key} has non-string keys", "string keys", sorted(map(repr, v))[:5])
+    validate_rng_state(state["rng"], "rng")
+    data = state["data"]
+    if isinstance(data, dict) and {"n_rows", "cursor", "permutation"} <= set(data):
+        from .data import validate_sampler_state
+
+        validate_sampler_state(data)
+    if not all(isinstance(k, str) for k in state["objects"]):
+        raise bad("objects has non-string names", "string names", sorted(map(repr, state["objects"]))[:5])
+    for k, v in state["model"].items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            raise bad("model state must map names to tensors", found=f"{k!r}: {type(v).__name__}")
+    rec = state["extra"].get("distributed")
+    if rec is not None:
+        from .distributed import check_distributed_record
+
+        check_distributed_record(rec, file=file)
+        for r, entry in enumerate(rec["ranks"][1:], start=1):
+            validate_rng_state(entry["rng"], f"extra.distributed.ranks[{r}].rng")
+            d = entry["data"]
+            if isinstance(d, dict) and {"n_rows", "cursor", "permutation"} <= set(d):
+                from .data import validate_sampler_state
+
+                validate_sampler_state(d, f"extra.distributed.ranks[{r}].data")
+
+
+def _like(saved: Any, live: Any, where: str, depth: int = 0) -> str | None:
+    """Where ``saved`` does not have the shape of ``live`` (keys, list lengths, leaf kinds); None if alike."""
+    if live is None or saved is None or depth > 16:
+        return None
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping) or set(map(str, saved)) != set(map(str, live)):
+            return f"{where}: keys {sorted(map(str, saved))[:8] if isinstance(saved, Mapping) else type(saved).__name__}"
+        for k, v in live.items():
+            if k in saved:
+                bad = _like(saved[k], v, f"{where}.{k}", depth + 1)
+                if bad:
+                    return bad
+        return None
+    if isinstance(live, list | tuple):
+        if not isinstance(saved, list | tuple) or len(saved) != len(live):
+            return f"{where}: {type(saved).__name__} of {len(saved) if isinstance(saved, list | tuple) else '?'}"
+        for i, (a, b) in enumerate(zip(saved, live, strict=True)):
+            bad = _like(a, b, f"{where}[{i}]", depth + 1)
+            if bad:
+                return bad
+        return None
+    if isinstance(live, bool) or isinstance(saved, bool):
+        return None if isinstance(live, bool) and isinstance(saved, bool) else f"{where}: {type(saved).__name__}"
+    if isinstance(live, int | float):
+        ok = isinstance(saved, int | float) or (isinstance(saved, torch.Tensor) and saved.numel() == 1)
+        return None if ok else f"{where}: {type(saved).__name__}"
+    if isinstance(live, torch.Tensor):
+        ok = isinstance(saved, torch.Tensor) and saved.shape == live.shape or isinstance(saved, int | float)
+        return None if ok else f"{where}: {type(saved).__name__}"
+    if isinstance(live, str):
+        return None if isinstance(saved, str) else f"{where}: {type(saved).__name__}"
+    return None
 
 
 def _tensor_tree_clone(obj: Any) -> Any:
@@ -220,6 +349,19 @@ class TrainingState:
                     "optimizer parameter groups differ", file=source,
                     expected=[len(g["params"]) for g in groups_live], found=[len(g["params"]) for g in groups_saved],
                 )
+            for i, (gs, gl) in enumerate(zip(groups_saved, groups_live, strict=True)):
+                bad = _like({k: v for k, v in gs.items() if k != "params"}, {k: v for k, v in gl.items() if k != "params"},
+                            f"optimizer.param_groups[{i}]")
+                if bad:
+                    raise SchemaError("optimizer hyper-parameters do not fit the optimizer", file=source,
+                                      expected=sorted(k for k in gl if k != "params"), found=bad,
+                                      hint="build the same optimizer as the run that saved")
+        for key, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if obj is not None:
+                bad = _like(state[key], obj.state_dict(), key)
+                if bad:
+                    raise SchemaError(f"{key} state does not fit the live {key}", file=source, found=bad,
+                                      hint=f"build the same {key} as the run that saved")
         if set(state["objects"]) != set(self.objects):
             raise SchemaError(
                 "user objects differ from the checkpoint's", file=source,
@@ -246,6 +388,21 @@ class TrainingState:
         """
         source = checkpoint.path if isinstance(checkpoint, Checkpoint) else None
         state = checkpoint.state if isinstance(checkpoint, Checkpoint) else checkpoint
+        try:
+            return self._restore(state, source, restore_rng=restore_rng, allow_version_change=allow_version_change,
+                                 allow_code_change=allow_code_change, allow_data_change=allow_data_change)
+        except RipresaError:
+            raise
+        except _UNEXPECTED as exc:
+            # Every check ran before any change; this is a state the live objects still refused.
+            raise SchemaError("the saved state could not be restored into the live objects", file=source,
+                              found=f"{type(exc).__name__}: {str(exc)[:200]}",
+                              hint="the checkpoint does not fit this run (or was edited); build the same objects as "
+                              "the run that saved, or resume from another generation") from exc
+
+    def _restore(self, state: Mapping[str, Any], source: Path | None, *, restore_rng: bool, allow_version_change: bool,
+                 allow_code_change: bool, allow_data_change: bool) -> Progress:
+        validate_saved_state(state, where=source)
         self.check_structure(state, source)
         changes = self.identity_changes(state)
         refused = {
@@ -270,7 +427,7 @@ class TrainingState:
         if changes:
             self.lineage.append({"at_step": int(state["progress"]["step"]), "accepted_changes": changes})
 
-        # The order of DESIGN §2. The scheduler was constructed by the caller
+        # The order of the module doc. The scheduler was constructed by the caller
         # before this call, so optimizer.load_state_dict's LRs are final.
         self.model.load_state_dict(state["model"], strict=True)
         if self.scheduler is not None:

@@ -8,6 +8,7 @@ allocation (``docs/FAULTS.md``).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -230,3 +231,174 @@ def test_sparse_gigabyte_history_line_stays_in_bounded_memory(tmp_path):
     grew_kib, long_lines, steps = out.stdout.split(maxsplit=2)
     assert int(long_lines) == 1 and steps.strip() == "[1, 2]"
     assert int(grew_kib) < 64 * 1024, f"reader grew by {grew_kib} KiB"
+
+
+# ---- real runs: export, export --verify, fork, train --run ------------------------
+
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+KEY = "0123456789abcdef0123456789abcdef"
+SECRET = b"PRIVATE-SECRET-never-in-a-bundle\n"
+FAST = ["--quiet", "--threads", "1", "--set", "train.batch_size=4"]
+
+
+def _cli(*args, env=None, timeout=120):
+    full = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", COLUMNS="200")
+    full.pop("RIPRESA_HMAC_KEY_FILE", None)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ripresa", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=full)
+
+
+@pytest.fixture(scope="module")
+def signed_run(tmp_path_factory):
+    """A real, signed 20-step run (generations 10 and 20) with an archived phase and a lineage."""
+    run = tmp_path_factory.mktemp("signed") / "run"
+    res = _cli("train", "--run", run, "--config", "tiny", *FAST, "--steps", "20", "--every", "10", "--no-audit",
+               env={"RIPRESA_HMAC_KEY": KEY})
+    assert res.returncode == 0, res.stderr
+    assert (run / "step_000020.bin.hmac").is_file()
+    phase = run / "archive" / "pivot_000010"
+    phase.mkdir(parents=True)
+    shutil.copy(run / ".state.json", phase / ".state.json")
+    (run / "lineage.json").write_text('{"parent_run": "x", "step": 10}\n')
+    return run
+
+
+@pytest.fixture
+def run_copy(signed_run, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(signed_run, dst, symlinks=True)
+    return dst
+
+
+def _no_secret_under(folder: Path) -> None:
+    if not folder.exists():
+        return
+    for p in folder.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            assert SECRET not in p.read_bytes(), p
+
+
+def _no_traceback(res) -> None:
+    assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_export_and_fork_carry_the_signature(run_copy, tmp_path):
+    from ripresa.export import export_run
+
+    report = export_run(run_copy, tmp_path / "bundle", show_progress=False)
+    sig = "checkpoint/step_000020.bin.hmac"
+    assert sig in {f["path"] for f in report["files"]}
+    assert (tmp_path / "bundle" / sig).read_bytes() == (run_copy / "step_000020.bin.hmac").read_bytes()
+    res = _cli("fork", run_copy, "--step", "20", "--into", tmp_path / "fork")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "fork" / "step_000020.bin.hmac").read_bytes() == (run_copy / "step_000020.bin.hmac").read_bytes()
+    # the fork's generation verifies under --require-signature with the run's key
+    for target in (tmp_path / "fork" / "step_000020.bin", tmp_path / "bundle" / "checkpoint" / "step_000020.bin"):
+        res = _cli("inspect", "--require-signature", target, env={"RIPRESA_HMAC_KEY": KEY})
+        assert res.returncode == 0, res.stdout + res.stderr
+
+
+HOSTILE_EXPORT_FILES = [".state.json", ".samples.json", "lineage.json", "config.json", ".loss.jsonl",
+                        "archive/pivot_000010/.state.json", "archive/pivot_000010", "archive",
+                        "step_000020.bin.hmac"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_EXPORT_FILES)
+def test_export_refuses_a_symlink_and_leaks_nothing(run_copy, tmp_path, name):
+    from ripresa.export import export_run
+
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "secret.txt").write_bytes(SECRET)
+    (private / ".state.json").write_bytes(SECRET)
+    target = run_copy / name
+    if target.is_dir():
+        shutil.rmtree(target)
+        os.symlink(private, target)
+    else:
+        if not target.exists():
+            (run_copy / ".samples.json").write_text('{"phase": 0, "audits": []}\n')
+        target.unlink()
+        os.symlink(private / "secret.txt", target)
+    dest = tmp_path / "bundle"
+    with pytest.raises((BadInput, IntegrityError)) as info:
+        export_run(run_copy, dest, show_progress=False)
+    assert "symlink" in (str(info.value.found) + info.value.message)
+    _no_secret_under(dest)
+    assert not (dest / "MANIFEST.sha256").exists()
+
+
+@pytest.mark.parametrize("name", [".state.json", ".loss.jsonl", "lineage.json", "config.json"])
+def test_export_refuses_a_fifo_without_hanging(run_copy, tmp_path, name):
+    (run_copy / name).unlink()
+    os.mkfifo(run_copy / name)
+    res = _cli("export", run_copy, "--to", tmp_path / "bundle", timeout=120)
+    assert res.returncode == 2, res.stderr
+    _no_traceback(res)
+    assert "FIFO" in res.stderr
+
+
+def test_export_verify_fails_on_a_bundle_holding_a_symlink(run_copy, tmp_path):
+    from ripresa.export import export_run
+
+    dest = tmp_path / "bundle"
+    export_run(run_copy, dest, show_progress=False)
+    for rel in ("metrics/state.json", "MANIFEST.json"):
+        d2 = tmp_path / f"b-{rel.replace('/', '_')}"
+        shutil.copytree(dest, d2, symlinks=True)
+        outside = tmp_path / f"outside-{rel.replace('/', '_')}"
+        shutil.copy(d2 / rel, outside)  # identical bytes: only the link is wrong
+        (d2 / rel).unlink()
+        os.symlink(outside, d2 / rel)
+        res = _cli("export", "--verify", d2)
+        assert res.returncode == 1, res.stdout + res.stderr
+        _no_traceback(res)
+        assert "symlink" in res.stderr
+
+
+@pytest.mark.parametrize("command", ["fork", "train"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_fork_and_train_refuse_a_hostile_history_without_hanging(run_copy, tmp_path, command, kind):
+    hist = run_copy / ".loss.jsonl"
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes(b'{"step":1,"loss":1.0}\n')
+    before = outside.read_bytes()
+    hist.unlink()
+    if kind == "fifo":
+        os.mkfifo(hist)
+    else:
+        os.symlink(outside, hist)
+    if command == "fork":
+        res = _cli("fork", run_copy, "--step", "20", "--into", tmp_path / "fork", timeout=120)
+        assert not (tmp_path / "fork").exists()
+    else:
+        res = _cli("train", "--run", run_copy, *FAST, "--steps", "5", "--no-audit", timeout=120,
+                   env={"RIPRESA_HMAC_KEY": KEY})
+    assert res.returncode == 2, res.stdout + res.stderr
+    _no_traceback(res)
+    assert ".loss.jsonl" in res.stderr
+    assert outside.read_bytes() == before
+
+
+def test_train_refuses_a_config_that_does_not_fit_its_checkpoints(run_copy):
+    cfg = json.loads((run_copy / "config.json").read_text())
+    cfg["model"].update(n_layer=64, n_embd=4096, n_head=32)  # ~13 G parameters if it were ever built
+    (run_copy / "config.json").write_text(json.dumps(cfg))
+    res = _cli("train", "--run", run_copy, *FAST, "--steps", "5", "--no-audit", env={"RIPRESA_HMAC_KEY": KEY})
+    assert res.returncode == 2, res.stdout + res.stderr
+    _no_traceback(res)
+    assert "does not match the run's checkpoints" in res.stderr
+
+
+def test_export_refuses_a_config_that_does_not_fit_the_bin_before_building(run_copy, tmp_path):
+    from ripresa.errors import SchemaError
+    from ripresa.export import _build_gpt
+
+    cfg = json.loads((run_copy / "config.json").read_text())
+    big = dict(cfg["model"], n_layer=64, n_embd=4096, n_head=32)
+    with pytest.raises(SchemaError, match="does not match the checkpoint"):
+        _build_gpt(big, run_copy / "config.json", 136_960)

@@ -466,7 +466,8 @@ def _copy_signature(bundle: _Bundle, gen: Generation, rel_dir: str) -> str | Non
     sig = auth.signature_path(gen.bin)
     if not os.path.lexists(sig):
         return None
-    _, sig_step, _ = auth.read_signature(sig)  # no link, no FIFO, one well-formed line
+    read_small(sig, "the generation's signature", auth.MAX_SIGNATURE, error=IntegrityError)  # no link, no FIFO
+    _, sig_step, _ = auth.read_signature(sig)  # one well-formed line
     if sig_step != gen.step:
         raise IntegrityError("the generation's signature names another step", file=sig, expected=gen.step,
                              found=sig_step, hint="the signature was moved or forged; nothing was exported")

@@ -52,7 +52,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..distributed import DistContext, init_from_env, rank_generator, rank_seed, torchrun_env
 from ..errors import BadInput, OutputExists
-from ..fsio import write_atomic
+from ..formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, parse_bin_name
+from ..fsio import open_run_file, read_json_small, write_atomic
+from ..history import HISTORY_NAME
 from ..mixture import BanditMixture, MixturePolicy, ZombieArmWarning
 from ..rng import RandomStreams
 from ..session import Checkpointer
@@ -164,6 +166,78 @@ def load_arms(specs: list[str], history_notes: list[dict[str, Any]]) -> dict[str
     return arms
 
 
+#: Largest ``.samples.json`` read back at a resume (bytes).
+SAMPLES_MAX = 64 << 20
+#: Files of a run folder that ``train --run`` reads or appends to.
+RUN_FILES = ("config.json", HISTORY_NAME, SAMPLES_NAME, STATE_NAME, "lineage.json")
+
+
+def check_run_files(run_dir: Path) -> None:
+    """Refuse a run folder whose own files are links or special files, before anything reads them.
+
+    Each of :data:`RUN_FILES` that exists is opened with
+    :func:`~ripresa.fsio.open_run_file`: a symlink (never followed out of the
+    folder), a FIFO (never waited on), a socket, device or folder in its place
+    is a :class:`~ripresa.errors.BadInput` (exit 2) (``docs/FAULTS.md``).
+    """
+    for name in RUN_FILES:
+        path = run_dir / name
+        if os.path.lexists(path):
+            os.close(open_run_file(path, f"the run's {name}"))
+
+
+def check_model_fits_run(run_dir: Path, param_count: int) -> None:
+    """Refuse a config whose model has another parameter count than every ``.bin`` of the run.
+
+    Computed from the config (nothing allocated) and compared with the size of
+    the run's generations, so a hostile ``config.json`` cannot make a resume
+    build a model of gigabytes before the checkpoint's check refuses it.
+    """
+    sizes = {}
+    try:
+        entries = list(os.scandir(run_dir))
+    except OSError:
+        return
+    for entry in entries:
+        step = parse_bin_name(entry.name)
+        if step is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        sizes[step] = st.st_size
+    if not sizes:
+        return
+    want = HEADER_SIZE + BYTES_PER_PARAM * param_count
+    if want not in sizes.values():
+        newest = max(sizes)
+        raise BadInput("the config's model does not match the run's checkpoints", file=run_dir / "config.json",
+                       expected=f"a model whose {param_count} parameters fill a .bin of {want} bytes",
+                       found=f"step {newest}: a .bin of {sizes[newest]} bytes",
+                       hint="resume with the config the run was trained with (a --set of model.* needs a new run); "
+                            "nothing was built")
+
+
+def read_samples(run_dir: Path, phase: int) -> dict[str, Any]:
+    """The run's ``.samples.json`` (bounded, no link, no FIFO); a fresh one if it is missing or malformed."""
+    fresh: dict[str, Any] = {"phase": phase, "audits": []}
+    path = run_dir / SAMPLES_NAME
+    if not os.path.lexists(path):
+        return fresh
+    os.close(open_run_file(path, f"the run's {SAMPLES_NAME}"))  # a link or FIFO is refused, not replaced
+    try:
+        doc = read_json_small(path, f"the run's {SAMPLES_NAME}", SAMPLES_MAX)
+    except BadInput:
+        return {**fresh, "note": f"previous {SAMPLES_NAME} was unreadable"}
+    audits = doc.get("audits") if isinstance(doc, dict) else None
+    if not isinstance(audits, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("step"), int) and not isinstance(a.get("step"), bool)
+            for a in audits):
+        return {**fresh, "note": f"previous {SAMPLES_NAME} was malformed"}
+    return doc
+
+
 def write_samples(run_dir: Path, doc: dict[str, Any]) -> None:
     write_atomic(run_dir / SAMPLES_NAME, [json.dumps(doc, indent=1).encode() + b"\n"])
 
@@ -219,6 +293,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     if args.fresh and run_dir.exists() and any(run_dir.iterdir()):
         raise BadInput("--fresh refuses a run folder that is not empty", file=run_dir,
                        hint="choose a new --run folder, or drop --fresh to resume this one")
+    if args.run is not None and os.path.lexists(run_dir):
+        check_run_files(run_dir)
     if group:
         tdist.barrier()  # every rank has looked at the folder before rank 0 creates anything in it
     cfg = resolve_config(args.config, args.sets, run_dir if args.output is None else None, args.sources)
@@ -246,6 +322,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     from .sources import CropSampler
 
     mconf = from_config_dict(cfg["model"])
+    if args.run is not None:
+        check_model_fits_run(run_dir, mconf.param_count())
     sampler = CropSampler(arms, mconf.block_size, t["batch_size"], data_gen)
     mixture = BanditMixture(list(arms), policy, mix_gen, phase=int(cfg["mixture"].get("phase", 0)))
 
@@ -295,11 +373,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     )
     audit_cfg = cfg["audit"]
     samples_doc: dict[str, Any] = {"phase": mixture.phase, "audits": []}
-    if args.run is not None and (run_dir / SAMPLES_NAME).is_file():
-        try:
-            samples_doc = json.loads((run_dir / SAMPLES_NAME).read_text())
-        except ValueError:
-            samples_doc = {"phase": mixture.phase, "audits": [], "note": "previous .samples.json was unreadable"}
+    if args.run is not None:
+        samples_doc = read_samples(run_dir, mixture.phase)
 
     def audit(step: int) -> None:
         if not (args.audit and audit_cfg.get("enabled", True)):

@@ -2,7 +2,8 @@
 
     python tests/faults/report.py [--out build/faults] [--sample] [-- PYTEST ARGS...]
 
-Runs ``tests/test_faults_*.py`` — every family, slow ones included — with
+Runs ``tests/test_faults_*.py`` and the hostile-folder fuzzer
+(``tests/test_hostile_folders.py``) — every family, slow ones included — with
 ``RIPRESA_FAULTS_FULL=1`` (the long matrix; ``--sample`` runs the default
 suite's sample instead) and ``RIPRESA_FAULTS_LEDGER`` pointing at a ledger
 the tests append to (one line per family and test: cases, survived, lost).
@@ -29,7 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 #: Row order: the families of the issue, in its order.
-ORDER = ("kill:", "power loss:", "full disk", "file-size", "EIO", "training", "stop after", "hostile", "symlinks",
+ORDER = ("kill:", "power loss:", "full disk", "file-size", "EIO", "training", "stop after", "hostile folders",
+         "hostile", "symlinks",
          "single-bit", "truncated", "property", "concurrent", "authenticated")
 
 
@@ -90,6 +92,10 @@ def render(report: dict) -> str:
                  f"{'long matrix' if report['full'] else 'sample'}, pytest exit {report['pytest_rc']}, "
                  f"{report['tests']['passed']} tests passed, {len(report['tests']['skipped'])} skipped, "
                  f"{len(report['tests']['failed'])} failed")
+    executed = [r for r in rows if "executed" in r["family"]]
+    if executed:
+        lines.append("code executed by hostile files: " + ", ".join(f"{r['lost']} of {r['cases']} ({r['family']})" for r in executed)
+                     + " — must be 0")
     for s in report["tests"]["skipped"]:
         lines.append(f"skipped: {s}")
     for f in report["tests"]["failed"]:
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if p.exists():
             p.unlink()
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_faults_*.py"))
+    files.append("tests/test_hostile_folders.py")  # issue #10: one row per hostile-folder family, and 'code executed'
     env = dict(os.environ, RIPRESA_FAULTS_LEDGER=str(ledger), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     if args.sample:
         env.pop("RIPRESA_FAULTS_FULL", None)

@@ -28,6 +28,13 @@ per-parameter step), the optimizer hyper-parameters, and every other field
 (progress, random streams, data position, config, identities, per-rank
 entries). A difference fails the command (exit 1) and names the first field
 that differs.
+
+Hostile sources (docs/FAULTS.md): a ``.dcp`` source is read through
+:mod:`ripresa.formats.dcp_safe` (no free unpickling of ``.metadata`` or of
+shard items). Under ``RIPRESA_REQUIRE_SIGNATURE`` only signed generations
+(``.bin`` or ``.dcp``) are accepted as sources — a plain ``.bin``, a
+``checkpoint.pt`` or a ``.safetensors`` carries no signature and is refused —
+and a ``.bin`` or ``.dcp`` destination is signed with the configured key.
 """
 
 from __future__ import annotations
@@ -40,7 +47,15 @@ from typing import Any
 
 import torch
 
-from .errors import BadInput, CheckFailed, MissingDependency, OutputExists, SchemaError
+from . import auth
+from .errors import (
+    BadInput,
+    CheckFailed,
+    IntegrityError,
+    MissingDependency,
+    OutputExists,
+    SchemaError,
+)
 from .formats import dcp as dcp_fmt
 from .formats.andrea_bin import (
     BIN_LACKS,
@@ -100,7 +115,7 @@ def _gpt_config(config: dict[str, Any] | None, override: str | dict[str, Any] | 
 
     if isinstance(override, str):
         return resolve_config(override, (), None)
-    if config and isinstance(config.get("model"), Mapping):
+    if isinstance(config, Mapping) and isinstance(config.get("model"), Mapping):
         return dict(config)
     if isinstance(override, dict):
         return override
@@ -135,7 +150,7 @@ def _split(full: Mapping[str, Any]) -> dict[str, Any]:
 # ---- reading ---------------------------------------------------------------------------------
 
 
-def load(path: str | Path, *, config: str | dict[str, Any] | None = None) -> Loaded:
+def load(path: str | Path, *, config: str | dict[str, Any] | None = None, _written_here: bool = False) -> Loaded:
     """Read and verify a checkpoint of any supported kind into a live GPT (+ AdamW).
 
     ``config`` names the model (``tiny``, a TOML file) and wins over the
@@ -146,19 +161,28 @@ def load(path: str | Path, *, config: str | dict[str, Any] | None = None) -> Loa
     if not src.exists():
         raise BadInput("source not found", file=src, expected="an existing checkpoint", found="nothing")
     kind = kind_of(src)
+    # Under require-signature only signed generations are sources; a destination this
+    # command just wrote is read back to compare it, whatever its kind.
+    require = auth.require_signature_from_env() and not _written_here
+    if require and kind in ("plain-bin", "safetensors", "pt"):
+        raise auth.unsigned_error({"plain-bin": "a plain .bin", "safetensors": "a .safetensors",
+                                   "pt": "a checkpoint.pt"}[kind], src, "this format carries no HMAC signature")
     if kind == "bin":
         from .bin_state import join_state
         from .store import CheckpointStore
 
         step = parse_bin_name(src.name)
         assert step is not None
-        store = CheckpointStore(src.parent, writer=False)
+        store = CheckpointStore(src.parent, writer=False, require_signature=require or None)
         gen = store.check(step)
         if not gen.valid:
             raise CheckFailed(f"the source generation is not valid: {gen.reason}", file=src)
-        import json as _json
+        from .formats import companion as companion_fmt
+        from .fsio import read_json_small
 
-        cfg = _gpt_config(_json.loads(src.with_suffix(".json").read_bytes())["state"].get("config"), config, src)
+        doc = read_json_small(src.with_suffix(".json"), "companion", companion_fmt.MAX_COMPANION_BYTES, error=IntegrityError)
+        saved = doc.get("state") if isinstance(doc, dict) else None
+        cfg = _gpt_config(saved.get("config") if isinstance(saved, dict) else None, config, src)
         model, opt = _build(cfg)
         contents, comp = store.load(step, expected_n=sum(p.numel() for p in model.parameters()))
         full = join_state(_Shim(model, opt), contents, comp)  # type: ignore[arg-type]
@@ -168,7 +192,7 @@ def load(path: str | Path, *, config: str | dict[str, Any] | None = None) -> Loa
     if kind == "pt":
         from .formats.torch_pt import load_checkpoint
 
-        ck = load_checkpoint(src)
+        ck = load_checkpoint(src, require_signature=require)
         cfg = _gpt_config(ck.state.get("config"), config, src)
         model, opt = _build(cfg)
         model.load_state_dict(ck.state["model"], strict=True)
@@ -177,16 +201,14 @@ def load(path: str | Path, *, config: str | dict[str, Any] | None = None) -> Loa
         opt.load_state_dict(ck.state["optimizer"])
         return Loaded(kind, src, model, opt, _split(ck.state), ck.step, cfg)
     if kind == "dcp":
-        from .formats.companion import decode_tree
-
         step = dcp_fmt.parse_dcp_name(src.name)
         if step is None:
             raise BadInput("a .dcp source must be named step_NNNNNN.dcp", file=src, found=src.name)
-        gen = dcp_fmt.check_dcp(src.parent, step, deep=True)
+        gen = dcp_fmt.check_dcp(src.parent, step, deep=True, require_signature=require)
         if not gen.valid:
             raise CheckFailed(f"the source .dcp generation is not valid: {gen.reason}", file=src)
         doc = dcp_fmt.read_dcp_companion(src, gen.files[dcp_fmt.COMPANION_NAME])
-        rest = decode_tree(doc["state"])
+        rest = dcp_fmt.decode_state(doc, src)
         cfg = _gpt_config(rest.get("config"), config, src)
         model, opt = _build(cfg)
         dcp_fmt.load_shards(model, opt, src, no_dist=True)
@@ -284,7 +306,7 @@ def write(lo: Loaded, dest: Path, kind: str) -> None:
         rest["model"], rest["optimizer"] = {}, None
         world = int(((rest.get("extra") or {}).get("distributed") or {}).get("world_size", 1))
         dcp_fmt.commit_dcp(dest.parent, step, part, world_size=world,
-                           n_params=sum(p.numel() for p in lo.model.parameters()), state=rest)
+                           n_params=sum(p.numel() for p in lo.model.parameters()), state=rest, hmac_key=auth.load_key())
     else:
         st = _safetensors()
         tensors = {k: v.detach().contiguous() for k, v in lo.model.state_dict().items()}
@@ -405,7 +427,7 @@ def convert(src: str | Path, dest: str | Path, *, config: str | None = None) -> 
                            hint="convert never overwrites; choose another name or remove it")
     lo = load(src, config=config)
     write(lo, dest, dest_kind)
-    back = load(dest, config=config if config is not None else lo.config)
+    back = load(dest, config=config if config is not None else lo.config, _written_here=True)
     holds = HOLDS[dest_kind]
     diffs = compare(lo, back, holds)
     if diffs:

@@ -1,8 +1,8 @@
-"""A run folder of checkpoint generations, with the commit protocol of DESIGN §4.
+"""A run folder of checkpoint generations, with the commit protocol of docs/FORMAT.md.
 
 One generation = three files:
 
-    step_NNNNNN.bin          weights, m, v (ANDREA format, DESIGN §3.1)
+    step_NNNNNN.bin          weights, m, v (ANDREA format, docs/FORMAT.md)
     step_NNNNNN.json         the companion: everything else an exact resume needs
     step_NNNNNN.bin.sha256   the commit marker, written last: two sha256sum lines,
                              one for the .bin and one for the .json
@@ -30,7 +30,6 @@ writer opens the folder.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -56,15 +55,15 @@ from .fsio import (
     StagedFile,
     clean_temporaries,
     fsync_dir,
-    open_regular,
     ops,
-    read_exact_hashing,
+    read_small,
     sha256_file,
     sidecar_line,
     write_atomic,
 )
 from .lock import RunLock
 from .retention import DEFAULT_RETENTION, RetentionPolicy, plan_deletions
+from .state import validate_saved_state
 
 _MARKER_LINE = re.compile(r"^([0-9a-f]{64}) [ *]([^/\x00\n]+)$")
 _STEP_FILE = re.compile(r"^step_(\d{6,})\.(bin|json|bin\.sha256|bin\.hmac)$")
@@ -209,8 +208,8 @@ class CheckpointStore:
                 if d.sha256 != bin_sha:
                     raise IntegrityError("sha256 mismatch: the .bin changed after it was committed", file=b,
                                          expected=bin_sha, found=d.sha256, hint="bit rot or an edit; an older generation will be used")
-                with _malformed_companion(c):  # a deep check also proves the state decodes (load will not fail)
-                    companion_fmt.decode_tree(doc["state"])
+                with _malformed_companion(c):  # a deep check runs load's own validation (load will not fail)
+                    _validate_state(companion_fmt.decode_tree(doc["state"]), c)
         except RipresaError as exc:
             reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
             if exc.found is not None and not isinstance(exc.found, dict):
@@ -326,10 +325,7 @@ class CheckpointStore:
 
         if hashlib.sha256(raw).hexdigest() != comp_sha:
             raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=hashlib.sha256(raw).hexdigest())
-        try:
-            doc = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise IntegrityError("companion is not valid JSON", file=c, found=str(exc)[:200]) from exc
+        doc = companion_fmt.loads_bounded(raw, file=c)
         companion_fmt.validate_envelope(doc, c)
         rec = doc["bin"]
         if rec["name"] != b.name or rec["sha256"] != bin_sha or rec["step"] != step:
@@ -344,6 +340,7 @@ class CheckpointStore:
                                  found={"header step": contents.step, "size": rec["size"]})
         with _malformed_companion(c):
             state = companion_fmt.decode_tree(doc["state"])
+            _validate_state(state, c)  # the same check as check(deep=True) and inspect --deep
         return contents, state
 
 
@@ -365,20 +362,18 @@ def _malformed_companion(c: Path) -> Iterator[None]:
                              hint="it was not written by ripresa (or was edited); this generation cannot be trusted") from exc
 
 
+def _validate_state(state: Any, c: Path) -> None:
+    """:func:`~ripresa.state.validate_saved_state` for a training state.
+
+    A companion state that declares a ``format`` is a training state
+    (``TrainingState.snapshot``) and must pass the whole check; one without is
+    a plain state stored through the low-level API, which a resume refuses
+    anyway (:meth:`TrainingState.restore` runs the same check).
+    """
+    if isinstance(state, dict) and "format" in state:
+        validate_saved_state(state, where=c)
+
+
 def _read_companion_bytes(c: Path) -> bytes:
-    """The companion's bytes: a regular file (never a symlink, FIFO or folder), bounded in size."""
-    if c.is_symlink() or not c.is_file():
-        raise IntegrityError("companion missing or not a regular file", file=c)
-    fd = open_regular(c, "companion")
-    try:
-        size = os.fstat(fd).st_size
-        if size > companion_fmt.MAX_COMPANION_BYTES:
-            raise IntegrityError("companion is implausibly large", file=c,
-                                 expected=f"<= {companion_fmt.MAX_COMPANION_BYTES} bytes", found=size)
-        buf = bytearray(size)
-        read_exact_hashing(fd, [buf], None, path=c, what="companion")
-        if os.read(fd, 1):
-            raise IntegrityError("companion grew while it was read", file=c, hint="read a committed generation")
-    finally:
-        os.close(fd)
-    return bytes(buf)
+    """The companion's bytes: a regular file (never a symlink, FIFO or folder), bounded in size before reading."""
+    return read_small(c, "companion", companion_fmt.MAX_COMPANION_BYTES, error=IntegrityError)

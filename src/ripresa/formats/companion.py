@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError, SchemaError
-from ..fsio import require_regular_file
+from ..fsio import read_small
 
 FORMAT = "ripresa.companion"
 FORMAT_VERSION = 1
@@ -203,12 +203,13 @@ def dumps(companion: Mapping[str, Any]) -> bytes:
 
 
 def read_companion(path: str | Path) -> dict[str, Any]:
-    """Read and validate the companion's envelope; return the raw (encoded) document."""
-    p = require_regular_file(path, "companion")
-    size = p.stat().st_size
-    if size > MAX_COMPANION_BYTES:
-        raise IntegrityError("companion is implausibly large", file=p, expected=f"<= {MAX_COMPANION_BYTES} bytes", found=size)
-    doc = loads_bounded(p.read_bytes(), file=p)
+    """Read and validate the companion's envelope; return the raw (encoded) document.
+
+    Read with :func:`ripresa.fsio.read_small` (no symlink, no FIFO, size bounded
+    before anything is allocated) and parsed with :func:`loads_bounded`.
+    """
+    p = Path(path)
+    doc = loads_bounded(read_small(p, "companion", MAX_COMPANION_BYTES, error=IntegrityError), file=p)
     validate_envelope(doc, p)
     return doc
 

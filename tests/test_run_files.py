@@ -302,9 +302,10 @@ def test_export_and_fork_carry_the_signature(run_copy, tmp_path):
         assert res.returncode == 0, res.stdout + res.stderr
 
 
-HOSTILE_EXPORT_FILES = [".state.json", ".samples.json", "lineage.json", "config.json", ".loss.jsonl",
-                        "archive/pivot_000010/.state.json", "archive/pivot_000010", "archive",
-                        "step_000020.bin.hmac"]
+SLOW = pytest.mark.slow
+HOSTILE_EXPORT_FILES = [".state.json"] + [pytest.param(n, marks=SLOW) for n in (
+    ".samples.json", "lineage.json", "config.json", ".loss.jsonl", "archive/pivot_000010/.state.json",
+    "archive/pivot_000010", "archive", "step_000020.bin.hmac")]
 
 
 @pytest.mark.parametrize("name", HOSTILE_EXPORT_FILES)
@@ -332,7 +333,8 @@ def test_export_refuses_a_symlink_and_leaks_nothing(run_copy, tmp_path, name):
     assert not (dest / "MANIFEST.sha256").exists()
 
 
-@pytest.mark.parametrize("name", [".state.json", ".loss.jsonl", "lineage.json", "config.json"])
+@pytest.mark.parametrize("name", [".state.json"] + [pytest.param(n, marks=SLOW) for n in (
+    ".loss.jsonl", "lineage.json", "config.json", ".samples.json")])
 def test_export_refuses_a_fifo_without_hanging(run_copy, tmp_path, name):
     (run_copy / name).unlink()
     os.mkfifo(run_copy / name)
@@ -342,12 +344,13 @@ def test_export_refuses_a_fifo_without_hanging(run_copy, tmp_path, name):
     assert "FIFO" in res.stderr
 
 
-def test_export_verify_fails_on_a_bundle_holding_a_symlink(run_copy, tmp_path):
+@pytest.mark.parametrize("rel", ["metrics/state.json", pytest.param("MANIFEST.json", marks=SLOW)])
+def test_export_verify_fails_on_a_bundle_holding_a_symlink(run_copy, tmp_path, rel):
     from ripresa.export import export_run
 
     dest = tmp_path / "bundle"
     export_run(run_copy, dest, show_progress=False)
-    for rel in ("metrics/state.json", "MANIFEST.json"):
+    if True:
         d2 = tmp_path / f"b-{rel.replace('/', '_')}"
         shutil.copytree(dest, d2, symlinks=True)
         outside = tmp_path / f"outside-{rel.replace('/', '_')}"
@@ -360,8 +363,12 @@ def test_export_verify_fails_on_a_bundle_holding_a_symlink(run_copy, tmp_path):
         assert "symlink" in res.stderr
 
 
-@pytest.mark.parametrize("command", ["fork", "train"])
-@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+@pytest.mark.parametrize(("command", "kind"), [
+    ("fork", "fifo"),
+    pytest.param("train", "fifo", marks=SLOW),
+    pytest.param("fork", "symlink", marks=SLOW),
+    pytest.param("train", "symlink", marks=SLOW),
+])
 def test_fork_and_train_refuse_a_hostile_history_without_hanging(run_copy, tmp_path, command, kind):
     hist = run_copy / ".loss.jsonl"
     outside = tmp_path / "outside.jsonl"

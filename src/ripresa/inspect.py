@@ -597,9 +597,11 @@ def _state_summary(encoded: Any) -> dict[str, Any]:
     for key in ("progress", "versions", "data_identity"):
         if key in encoded:
             try:
-                out[key] = decode_tree(encoded[key])
+                decoded = decode_tree(encoded[key])
             except RipresaError:
-                out[key] = None
+                decoded = None
+            # renderers iterate these as dicts; JSON output needs finite floats and no tensors
+            out[key] = _jsonable(decoded) if isinstance(decoded, dict) else None
     if isinstance(encoded.get("code"), dict):
         out["code"] = _code_summary(encoded["code"])
     return out
@@ -669,6 +671,7 @@ def _inspect_bin(p: Path, given: str | Path, *, check_finite: bool, deep: bool) 
         "versions": None,
         "code": None,
         "data_identity": None,
+        "state_valid": None,
     }
     section["companion"] = cinfo
     record: dict[str, Any] | None = None
@@ -678,6 +681,12 @@ def _inspect_bin(p: Path, given: str | Path, *, check_finite: bool, deep: bool) 
             record = doc["bin"]
             cinfo["record"] = record
             cinfo.update(_state_summary(doc.get("state")))
+            if deep:  # the validation a resume runs (store.load): inspect only renders its result
+                from .store import _malformed_companion, _validate_state
+
+                with _malformed_companion(comp):
+                    _validate_state(companion_fmt.decode_tree(doc["state"]), comp)
+                cinfo["state_valid"] = True
         except RipresaError as exc:
             cinfo["error"] = _err_text(exc)
             v.fail(f"companion: {cinfo['error']}", exc.exit_code)
@@ -1215,18 +1224,18 @@ def _render_run(r: dict[str, Any], console: Any) -> None:
     if not r["generations"]:
         console.print(f"run folder {escape(r['folder'])}: [red]no generation[/] (no step_NNNNNN.bin, .json or .bin.sha256)")
     t = Table(title=f"run folder — {escape(r['folder'])}")
-    for col in ("step", "size", "status", "resume", "reason"):
+    for col in ("step", "kind", "size", "status", "resume", "reason"):
         t.add_column(col, justify="right" if col in ("step", "size") else "left")
     for g in r["generations"]:
         files = g["files"]
         status = "[green]valid[/]" if g["valid"] else "[red]INVALID[/]"
         if g["valid"] and not g["deep_checked"]:
             status += " [dim](not re-hashed)[/]"
-        missing = [k for k in ("bin", "companion", "marker") if not files[k]]
+        missing = [k for k, present in files.items() if not present]
         reason = g["reason"] or ""
         if missing and not g["valid"]:
             reason = f"missing {', '.join(missing)}; " + reason
-        t.add_row(str(g["step"]), _short_size(g["size"]), status,
+        t.add_row(str(g["step"]), escape(str(g.get("kind", "bin"))), _short_size(g["size"]), status,
                   "[bold]← resume uses this[/]" if g["resume"] else "", escape(reason))
     if r["generations"]:
         console.print(t)

@@ -1,7 +1,9 @@
 """The ``ripresa`` command line. The only place that turns errors into exit codes.
 
 Exit codes (every command): 0 success · 1 a check failed · 2 bad input or the
-work could not be completed. See :mod:`ripresa.errors`.
+work could not be completed. See :mod:`ripresa.errors` and docs/FAULTS.md.
+No traceback reaches a user: an exception no check anticipated is reported in
+one paragraph with exit 2 (``RIPRESA_DEBUG=1`` re-raises it).
 """
 
 from __future__ import annotations
@@ -388,25 +390,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unexpected(command: str, exc: BaseException) -> int:
+    """The last-resort report of an exception no check anticipated: one paragraph, exit 2, no traceback.
+
+    ``RIPRESA_DEBUG=1`` re-raises instead (the traceback is for developers).
+    """
+    import os
+
+    if os.environ.get("RIPRESA_DEBUG") == "1":
+        raise exc
+    text = str(exc).replace("\n", " ")[:300] if not isinstance(exc, RecursionError) else "nesting too deep"
+    print(f"ripresa {command}: error: the command could not complete: {type(exc).__name__}: {text}\n"
+          f"  hint:     this is a bug in ripresa or an input it does not recognise; please report it with the "
+          f"command line (RIPRESA_DEBUG=1 shows the traceback). No checkpoint was changed by this report.",
+          file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``ripresa`` and ``python -m ripresa``; returns the exit code."""
+    """Entry point of ``ripresa`` and ``python -m ripresa``; returns the exit code.
+
+    Every failure maps to exit 1 (a check failed: :class:`~ripresa.errors.CheckFailed`)
+    or 2 (bad input or work not completed); an unexpected exception gets a
+    one-paragraph report and exit 2, never a traceback (docs/FAULTS.md).
+    """
     raw = list(sys.argv[1:] if argv is None else argv)
     own, trainer = _split_command(raw)
-    if own[:1] == ["generate"]:  # its options are parsed by ripresa.ledger (one parser, one place)
-        from .ledger import main as ledger_main
-
-        return ledger_main(own[1:])
-    parser = build_parser()
-    args = parser.parse_args(own)
-    args.trainer = trainer
+    command = own[0] if own else "ripresa"
     try:
+        if own[:1] == ["generate"]:  # its options are parsed by ripresa.ledger (one parser, one place)
+            from .ledger import main as ledger_main
+
+            return ledger_main(own[1:])
+        parser = build_parser()
+        args = parser.parse_args(own)
+        args.trainer = trainer
+        command = args.command
         return _COMMANDS[args.command](args)
     except RipresaError as exc:
-        print(f"ripresa {args.command}: error: {exc}", file=sys.stderr)
+        print(f"ripresa {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"ripresa {args.command}: interrupted", file=sys.stderr)
+        print(f"ripresa {command}: interrupted", file=sys.stderr)
         return 2
+    except SystemExit:
+        raise  # argparse's --help / usage errors (exit 0 / 2)
+    except BrokenPipeError:  # e.g. `ripresa inspect ... | head`
+        return 2
+    except (Exception, RecursionError, MemoryError) as exc:  # noqa: BLE001 - the last resort, see _unexpected
+        return _unexpected(command, exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,7 +2,7 @@
 
 Every error carries four facts a user needs to act on it: the *file* involved,
 what was *expected*, what was *found*, and a *hint*. Only the CLI turns these
-into exit codes (DESIGN §9):
+into exit codes (docs/FAULTS.md):
 
 * ``0`` success;
 * ``1`` a check failed: integrity (hash, size, schema, unsafe content),

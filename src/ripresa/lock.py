@@ -314,7 +314,7 @@ def _examine(raw: bytes, path: Path) -> _Content:
         return _Content(None, False, "no complete first line" if raw else "an empty file")
     if not _PID_RE.fullmatch(first):
         if first.isdigit():
-            return _Content(None, False, f"a number of {len(first)} digits, far beyond any pid")
+            return _Content(None, False, f"a number of {len(first)} digits, beyond the largest pid of any system")
         return _Content(None, False, f"{first[:40]!r} on the first line, not a pid")
     pid = int(first)
     extra = None
@@ -336,8 +336,8 @@ def _examine(raw: bytes, path: Path) -> _Content:
     good_started = (
         isinstance(started, int | float)
         and not isinstance(started, bool)
+        and 0 <= started < 1e11  # compared first: math.isfinite(10**400) would overflow
         and math.isfinite(started)
-        and 0 <= started < 1e11
     )
     good_pidns = isinstance(pidns, int) and not isinstance(pidns, bool) and 0 < pidns < 1 << 64
     return _Content(
@@ -900,8 +900,10 @@ def signal_holder(
         finally:
             os.close(fd)
         content = _examine(raw, path)
-        # The holder writes LOCK right after locking: give a half-written file a moment.
-        if content.complete or (tries >= 2 and time.monotonic() >= deadline):
+        # The holder writes LOCK right after locking (and empties it before unlocking):
+        # give an empty or half-written file a moment; a finished one is judged at once.
+        finished = raw.strip() != b"" and raw.endswith(b"\n")
+        if content.complete or finished or (tries >= 2 and time.monotonic() >= deadline):
             break
         time.sleep(_POLL_S)
 

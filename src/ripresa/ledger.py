@@ -84,7 +84,6 @@ import hashlib
 import json
 import os
 import platform
-import stat
 import sys
 import time
 import warnings
@@ -100,7 +99,12 @@ from .fsio import (
     fsync_dir,
     is_temp_name,
     open_regular,
+    open_run_file,
     ops,
+    parse_json_bytes,
+    read_json_small,
+    read_small,
+    temp_name_pid,
     write_atomic,
 )
 
@@ -245,8 +249,8 @@ def scan_ledger(data: bytes, out: Path, items: Sequence[InputItem] | None = None
         for line_no, line in enumerate(data[:last_nl].split(b"\n"), start=1):
             try:
                 rec = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise _bad_record(out, line_no, "not a JSON object", repr(line[:120])) from exc
+            except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: deep nesting
+                raise _bad_record(out, line_no, "not a JSON object", repr(line[:120])) from None
             if not isinstance(rec, dict) or set(rec) != set(RECORD_KEYS):
                 found = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                 raise _bad_record(out, line_no, "not a ledger record", found)
@@ -301,23 +305,10 @@ class _LedgerFile:
     def __init__(self, out: Path) -> None:
         self.path = out
         existed = os.path.lexists(out)
-        flags = (os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
-                 | getattr(os, "O_NONBLOCK", 0))
-        try:
-            fd = os.open(out, flags, 0o644)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise BadInput("--out is a symlink", file=out, expected="a regular file (or nothing yet)",
-                               found="a symlink", hint="give the real path of the ledger") from exc
-            raise BadInput("cannot open the output ledger", file=out, expected="a writable file path",
-                           found=_describe_oserror(exc),
-                           hint="check that the folder exists and is writable") from exc
+        # no link followed, no FIFO waited on, a regular file or a typed error (docs/FAULTS.md)
+        fd = open_run_file(out, "the output ledger (--out)", mode="create_append")
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BadInput("--out is not a regular file", file=out, expected="a regular file (or nothing yet)",
-                               found="a folder" if stat.S_ISDIR(st.st_mode) else "a special file")
-            os.set_blocking(fd, True)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -394,9 +385,8 @@ def _clean_meta_temporaries(meta: Path) -> None:
     for entry in entries:
         if not entry.name.startswith(prefix) or not is_temp_name(entry.name):
             continue
-        try:
-            pid = int(entry.name[len(prefix):].split(".")[0])
-        except ValueError:
+        pid = temp_name_pid(entry.name)  # bounded digits: never an OverflowError
+        if pid is None:
             continue
         if pid != os.getpid() and _pid_alive(pid):
             continue
@@ -409,16 +399,8 @@ def _clean_meta_temporaries(meta: Path) -> None:
 def _read_meta(meta: Path) -> dict[str, Any] | None:
     if not os.path.lexists(meta):
         return None
-    fd = open_regular(meta, "ledger meta file")
-    try:
-        raw = _read_all(fd, meta, "ledger meta file", _META_MAX)
-    finally:
-        os.close(fd)
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise IntegrityError("ledger meta file is not valid JSON", file=meta, found=str(exc)[:200],
-                             hint="it is written atomically, so it was edited; write to a new --out file") from exc
+    raw = read_small(meta, "ledger meta file", _META_MAX, error=IntegrityError)  # no link, no FIFO, bounded
+    doc = parse_json_bytes(raw, meta, "ledger meta file", error=IntegrityError)
     if (not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("binding"), dict)):
         raise IntegrityError("not a ripresa ledger meta file", file=meta,
                              expected=f'{{"format": "{FORMAT}", "binding": {{...}}, ...}}',
@@ -459,15 +441,7 @@ class _Loaded:
 
 def _read_run_config(run: Path) -> dict[str, Any]:
     path = run / "config.json"
-    fd = open_regular(path, "run config")
-    try:
-        raw = _read_all(fd, path, "run config", _META_MAX)
-    finally:
-        os.close(fd)
-    try:
-        cfg = json.loads(raw)
-    except ValueError as exc:
-        raise BadInput("the run's config.json is not valid JSON", file=path, found=str(exc)[:200]) from exc
+    cfg = read_json_small(path, "the run's config.json", _META_MAX)  # no link, no FIFO, bounded
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
         raise BadInput("the run's config.json has no model section", file=path,
                        expected='{"model": {"n_layer": ..., ...}, ...}',
@@ -488,8 +462,10 @@ def _load_generation(run: Path, step: int | None, device: str) -> _Loaded:
                        found="nothing" if not run.exists() else "not a folder")
     cfg = _read_run_config(run)
     mconf = from_config_dict(cfg["model"])
-    model = GPT(mconf)
-    n = model.n_params()
+    # The parameter count is computed from the config (nothing allocated); the model is built only
+    # after a generation of exactly that many parameters has loaded, so a hostile config.json
+    # cannot make generate allocate more than the checkpoint's own size.
+    n = mconf.param_count()
     store = CheckpointStore(run, writer=False)
     on_disk = store.steps_on_disk()
     if step is not None:
@@ -519,6 +495,10 @@ def _load_generation(run: Path, step: int | None, device: str) -> _Loaded:
         raise BadInput("no valid generation in the run folder", file=run, expected="a committed, verified generation",
                        found=f"steps on disk: {on_disk or 'none'}", hint="train the run first")
     g, contents, companion = chosen
+    model = GPT(mconf)
+    if model.n_params() != n:  # pragma: no cover - param_count() is GPT's own arithmetic
+        raise IntegrityError("the model's parameter count differs from its config's", file=run / "config.json",
+                             expected=n, found=model.n_params())
     saved_model = ((companion.get("config") or {}).get("model")) if isinstance(companion, dict) else None
     if isinstance(saved_model, dict):
         shape = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -368,3 +369,99 @@ def test_lock_records_host_boot_and_namespace(tmp_path: Path) -> None:
         _, extra = _genuine(tmp_path)
     assert extra["hostname"] == socket.gethostname() and extra["pid"] == os.getpid()
     assert isinstance(extra["pidns"], int) and isinstance(extra["boot_id"], str)
+
+
+def test_fdinfo_and_proc_locks_name_the_real_holder(holder, procs) -> None:
+    # The two kernel records signal_holder trusts, read for a real holder and a bystander.
+    from ripresa.lock import _holds_lock, _proc_locks_holder
+
+    run, proc, log = holder
+    st = os.stat(run / LOCK_NAME)
+    sleeper = _sleeper(procs)
+    assert _proc_locks_holder(proc.pid, st.st_ino) is True
+    assert _proc_locks_holder(sleeper.pid, st.st_ino) is False
+    assert _holds_lock(proc.pid, (st.st_dev, st.st_ino))[0] is True
+    assert _holds_lock(sleeper.pid, (st.st_dev, st.st_ino))[0] is False
+
+
+# The holder as an unprivileged user that made itself non-dumpable: its
+# /proc/PID/fd is then root's, unreadable to the same user's `ripresa signal`,
+# which must fall back to /proc/locks (world-readable) to recognise it.
+NONDUMPABLE_HOLDER = """
+import ctypes, os, signal, sys, time
+from ripresa.lock import RunLock
+log = sys.argv[2]
+def on(sig, frame):
+    with open(log, "a") as f:
+        f.write(signal.Signals(sig).name + "\\n")
+signal.signal(signal.SIGUSR1, on)
+lock = RunLock(sys.argv[1]).acquire()
+ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+print("locked", os.getpid(), flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+NONDUMPABLE_SLEEPER = """
+import ctypes, os, time
+ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+print("sleeping", os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+NOBODY = 65534
+# setpriv, not Popen(user=...): the interpreter may live under a folder that
+# only root can traverse, which setpriv's exec (done before it drops nothing it
+# needs) still reaches; the child then runs with uid/gid 65534 and no capabilities.
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all"]
+
+
+def _nobody_can_run_python() -> bool:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return False
+    res = subprocess.run([*AS_NOBODY, sys.executable, "-c", "import ripresa.lock, os; print(os.geteuid())"],
+                         capture_output=True, text=True, env=ENV, timeout=60, cwd="/")
+    return res.returncode == 0 and res.stdout.strip() == str(NOBODY)
+
+
+@pytest.mark.skipif(not _nobody_can_run_python(), reason="needs root, setpriv, and an interpreter user 65534 can run")
+def test_unreadable_proc_fd_falls_back_to_the_kernel_lock_table(procs) -> None:
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ripresa-sig-"))
+    try:
+        os.chmod(base, 0o777)
+        run = base / "run"
+        run.mkdir()
+        os.chown(run, NOBODY, NOBODY)
+        log = base / "signals.txt"
+        proc = subprocess.Popen([*AS_NOBODY, sys.executable, "-c", NONDUMPABLE_HOLDER, str(run), str(log)],
+                                stdout=subprocess.PIPE, text=True, env=ENV, start_new_session=True, cwd=base)
+        procs.append(proc)
+        assert _line(proc) == f"locked {proc.pid}"  # setpriv execs: same pid
+        probe = subprocess.run([*AS_NOBODY, sys.executable, "-c", f"import os; os.listdir('/proc/{proc.pid}/fd')"],
+                               capture_output=True, text=True, env=ENV, timeout=60, cwd=base)
+        if probe.returncode == 0:
+            pytest.skip("this kernel lets the same user read a non-dumpable process's fds")
+        # A bystander of the same user, non-dumpable too: only /proc/locks can tell it is no holder.
+        sleeper = subprocess.Popen([*AS_NOBODY, sys.executable, "-c", NONDUMPABLE_SLEEPER], stdout=subprocess.PIPE,
+                                   text=True, env=ENV, start_new_session=True, cwd=base)
+        procs.append(sleeper)
+        assert _line(sleeper) == f"sleeping {sleeper.pid}"
+
+        def cli(action: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*AS_NOBODY, sys.executable, "-m", "ripresa", "signal", str(run), action],
+                                  capture_output=True, text=True, env=ENV, timeout=60, cwd=base)
+
+        res = cli("checkpoint")
+        assert res.returncode == 0 and f"sent SIGUSR1 to pid {proc.pid}" in res.stdout, res.stderr
+        assert _wait_received(log, 1) == ["SIGUSR1"]
+        _, extra = _genuine(run)
+        _forge(run, str(sleeper.pid), {**extra, "pid": sleeper.pid})
+        res = cli("stop")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert "not the trainer of this run" in res.stderr and "/proc/locks" in res.stderr
+        time.sleep(0.2)
+        assert sleeper.poll() is None and _received(log) == ["SIGUSR1"]
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False)

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BadInput, CheckFailed
-from .fsio import fsync_dir, write_atomic
-from .gpt.config import load_config_file
+from .fork import read_run_config
+from .fsio import fsync_dir, open_run_file, write_atomic
 from .gpt.train import SAMPLES_NAME, STATE_NAME
 from .history import HISTORY_NAME, History
 from .lock import NotRunning, RunLock, is_locked, signal_holder
@@ -107,9 +107,9 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
     """Perform the pivot (see the module doc); returns a report."""
     run = Path(run)
     cfg_path = run / "config.json"
-    if not cfg_path.is_file():
+    if not os.path.lexists(cfg_path):
         raise BadInput("not a ripresa train run folder", file=run, expected="config.json", found="nothing")
-    cfg = load_config_file(cfg_path)
+    cfg = read_run_config(cfg_path)  # no link, no FIFO, bounded (docs/FAULTS.md)
     if not caps and not floors:
         raise BadInput("a pivot needs a new policy", expected="--caps ARM=X and/or --floors ARM=Y")
     policy = new_policy(cfg, caps, floors)  # refused here, before anything is stopped
@@ -121,11 +121,19 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
             raise CheckFailed("the run has no valid generation to pivot from", file=run,
                               hint="train until a checkpoint exists (or send `ripresa signal RUN checkpoint`)")
         archive = run / "archive" / f"pivot_{step:06d}"
+        for folder in (run / "archive", archive):  # never move files through a link out of the run folder
+            if os.path.islink(folder) or (os.path.lexists(folder) and not folder.is_dir()):
+                raise BadInput("the run's archive is not a folder inside the run", file=folder,
+                               expected="a folder (or nothing yet)", found="a symlink" if os.path.islink(folder) else "a file",
+                               hint="ripresa never follows links inside a run folder; remove it")
+        for name in (SAMPLES_NAME, STATE_NAME):
+            if os.path.lexists(run / name):
+                os.close(open_run_file(run / name, f"the run's {name}"))  # a link or FIFO is refused, not archived
         archive.mkdir(parents=True, exist_ok=True)
         moved = []
         for name in (SAMPLES_NAME, STATE_NAME):
             src = run / name
-            if src.exists():
+            if os.path.lexists(src):
                 os.replace(src, archive / name)  # atomic within the folder's filesystem
                 moved.append(name)
         fsync_dir(archive)

@@ -20,16 +20,16 @@ through its Agg canvas only: no pyplot, no global backend switch.
 from __future__ import annotations
 
 import io
-import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import BadInput, MissingDependency
-from .fsio import write_atomic
-from .history import HISTORY_NAME, iter_lines
+from .fsio import read_json_small, write_atomic
+from .history import HISTORY_NAME, HistoryReader
 
 #: Smoothing of the EMA curves (weight of the past; ~50-step memory).
 EMA_ALPHA = 0.98
@@ -93,6 +93,8 @@ class RunHistory:
     events: list[Event] = field(default_factory=list)
     config_name: str | None = None
     skipped_lines: int = 0
+    #: lines longer than :data:`ripresa.history.MAX_LINE`, skipped (counted in ``skipped_lines`` too)
+    skipped_long_lines: int = 0
 
     def of_kind(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
@@ -135,7 +137,7 @@ def load_run(run_dir: str | Path) -> RunHistory:
                        found="nothing", hint="check the path")
     hist = p if p.is_file() else p / HISTORY_NAME
     folder = p.parent if p.is_file() else p
-    if not hist.is_file():
+    if not os.path.lexists(hist):
         found = sorted(x.name for x in p.iterdir())[:8] if p.is_dir() else "no such file"
         raise BadInput("run has no history", file=hist, expected=f"a {HISTORY_NAME} (written by ripresa train)",
                        found=found or "an empty folder", hint="is this a run folder? `ripresa train --run DIR` writes one")
@@ -144,7 +146,8 @@ def load_run(run_dir: str | Path) -> RunHistory:
     pending: list[Event] = []
     last_step = 0
     skipped = 0
-    for _no, obj in iter_lines(hist):
+    reader = HistoryReader(hist)  # streamed; a link or FIFO is refused; over-long/out-of-range lines skipped
+    for _no, obj in reader:
         if obj is None:
             skipped += 1
         elif "event" in obj:
@@ -170,16 +173,18 @@ def load_run(run_dir: str | Path) -> RunHistory:
                        hint="the run has not completed a step yet")
     config_name = None
     cfg = folder / "config.json"
-    if cfg.is_file():
+    if os.path.lexists(cfg):
         try:
-            config_name = json.loads(cfg.read_text()).get("name")
-        except (ValueError, OSError, AttributeError):
+            doc = read_json_small(cfg, "the run's config.json", 1 << 20)
+            name = doc.get("name") if isinstance(doc, dict) else None
+            config_name = name if isinstance(name, str) else None
+        except BadInput:
             config_name = None
     return RunHistory(
         name=folder.name or str(folder), folder=folder, history=hist, steps=steps,
         losses=[_as_float(canonical[s].get("loss")) for s in steps],
         arms=[(str(canonical[s]["arm"]) if canonical[s].get("arm") is not None else None) for s in steps],
-        events=events, config_name=config_name if isinstance(config_name, str) else None, skipped_lines=skipped,
+        events=events, config_name=config_name if isinstance(config_name, str) else None, skipped_lines=skipped, skipped_long_lines=reader.long_lines,
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from .errors import BadInput, IntegrityError
-from .fsio import write_atomic
+from .fsio import read_small, write_atomic
 from .state import Progress, TrainingState
 
 SCHEMA = "ripresa.trajectory/1"
@@ -110,10 +111,14 @@ class Trajectory:
         write_atomic(Path(path), [data])
 
 
+#: Largest ``summary.json`` read (bytes).
+SUMMARY_MAX = 256 << 20
+
+
 def read_trajectory(path: str | Path) -> dict[str, Any]:
     """Load and structurally check a ``summary.json``."""
     p = Path(path)
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise BadInput(
             "trajectory summary not found",
             file=p,
@@ -121,10 +126,12 @@ def read_trajectory(path: str | Path) -> dict[str, Any]:
             found="nothing",
             hint="the trainer must follow the verification contract (docs/VERIFY.md)",
         )
+    raw = read_small(p, "trajectory summary", SUMMARY_MAX, error=IntegrityError)  # no link, no FIFO, bounded
     try:
-        doc = json.loads(p.read_text(), parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[c])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError("summary.json is not valid JSON", file=p, found=str(exc)[:200]) from exc
+        doc = json.loads(raw.decode("utf-8"),
+                         parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[c])
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise IntegrityError("summary.json is not valid JSON", file=p, found=f"{type(exc).__name__}: {exc}"[:200]) from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise IntegrityError(
             "summary.json has an unknown schema", file=p, expected=SCHEMA,

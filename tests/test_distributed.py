@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ripresa.convert import compare, load
 from ripresa.data import DistributedEpochSampler
@@ -331,10 +332,9 @@ def test_distributed_epoch_sampler_refuses_other_batch_or_plain_state():
 
 
 def _fake_dcp(folder: Path, step: int) -> dcp_fmt.DcpGeneration:
+    """A real (tiny) DCP save committed as generation ``step`` (a deep check reads its .metadata)."""
     part = dcp_fmt.partial_path(folder, step)
-    part.mkdir(parents=True)
-    (part / ".metadata").write_bytes(b"meta")
-    (part / "__0_0.distcp").write_bytes(b"shard" * 10)
+    dcp_fmt.save_shards(torch.nn.Linear(1, 3, bias=False), None, part, no_dist=True)
     return dcp_fmt.commit_dcp(folder, step, part, world_size=1, n_params=3, state={"progress": {"step": step}})
 
 
@@ -344,7 +344,8 @@ def test_dcp_generations_validate_and_fall_back(tmp_path):
     assert [g.step for g in dcp_fmt.dcp_generations(tmp_path) if g.valid] == [2, 4, 6]
     res = subprocess.run(["sha256sum", "-c", "step_000006.dcp.sha256"], cwd=tmp_path, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
-    (tmp_path / "step_000006.dcp" / "__0_0.distcp").write_bytes(b"shard" * 9 + b"xxxxx")  # same size, new bytes
+    shard = tmp_path / "step_000006.dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-5] + b"xxxxx")  # same size, new bytes
     assert dcp_fmt.check_dcp(tmp_path, 6).valid and not dcp_fmt.check_dcp(tmp_path, 6, deep=True).valid
     (tmp_path / "step_000004.dcp.sha256").unlink()  # never committed
     with warnings.catch_warnings(record=True) as caught:

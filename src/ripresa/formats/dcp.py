@@ -28,10 +28,11 @@ Commit protocol (every rank, then rank 0):
    every file and writes the marker atomically, last.
 
 A reader trusts a ``.dcp`` generation only when the marker lists exactly the
-files of the folder, the companion's hash and the files' sizes match, the
-``.metadata`` passes the restricted reader of :mod:`ripresa.formats.dcp_safe`
-(nothing of it is ever unpickled freely), and — under require-signature —
-the signature matches (``deep`` re-hashes every file). ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256``
+files of the folder, the companion's hash and the files' sizes match, and —
+under require-signature — the signature matches; ``deep`` re-hashes every
+file and reads the ``.metadata`` through the restricted reader of
+:mod:`ripresa.formats.dcp_safe` (nothing of it is ever unpickled freely; a
+resume checks its candidate deeply before loading it). ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256``
 checks it by hand.
 """
 
@@ -230,9 +231,10 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
     Order: the marker; under ``require_signature`` (``None``: from
     ``RIPRESA_REQUIRE_SIGNATURE``) the signature over the marker's hashes,
     before anything else is parsed; the folder's files against the marker;
-    the companion (hash, fields); the ``.metadata`` through the restricted
-    reader (:func:`ripresa.formats.dcp_safe.read_metadata`); with ``deep``,
-    every file's sha256 and the decoded state. A missing key under
+    the companion (hash, fields); with ``deep``, every file's sha256, the
+    decoded state and the ``.metadata`` through the restricted reader
+    (:func:`ripresa.formats.dcp_safe.read_metadata`, the same check
+    :func:`load_shards` makes before DCP runs). A missing key under
     require-signature raises :class:`~ripresa.errors.BadInput`.
     """
     from .dcp_safe import read_metadata
@@ -277,7 +279,7 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
                     raise IntegrityError("sha256 mismatch: a .dcp file changed after it was committed", file=d / name,
                                          expected=want, found=got, hint="bit rot or an edit; an older generation will be used")
             decode_state(doc, d)  # a deep check proves the state decodes (the resume will not fail on it)
-        read_metadata(d)  # restricted unpickler; every storage entry inside the folder's shards
+            read_metadata(d)  # restricted unpickler; every storage entry inside the folder's shards
     except RipresaError as exc:
         reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
         if exc.found is not None and not isinstance(exc.found, dict):

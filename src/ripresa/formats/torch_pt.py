@@ -1,4 +1,4 @@
-"""The torch-native ``checkpoint.pt`` (DESIGN §3.2).
+"""The torch-native ``checkpoint.pt`` (docs/FORMAT.md).
 
 A dict of tensors and primitives that loads with
 ``torch.load(path, map_location="cpu", weights_only=True)`` and nothing else:
@@ -8,8 +8,11 @@ last. See ``docs/FORMAT.md`` for the schema.
 
 Writing: the pickle is streamed into a temporary sibling while it is hashed,
 ``fsync``'d, renamed, the folder ``fsync``'d, then the sidecar is written the
-same way. Loading: the sidecar, the hash, then the safe unpickler, then the
-schema — nothing is trusted before the step that checks it.
+same way. Loading: the sidecar, the hash, the zip directory
+(:func:`check_zip_directory`: stored members only, sizes within the file,
+a bounded member count, names inside one archive folder), then the safe
+unpickler, then the schema — nothing is trusted before the step that checks
+it, and nothing is inflated or allocated from a size the file declares.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from struct import error as struct_error
 from typing import Any
 
 import torch
@@ -123,14 +127,7 @@ def load_checkpoint(path: str | Path, *, require_signature: bool | None = None) 
     path = Path(path)
     refuse_unsigned(path, require_signature)
     digest = verify_against_sidecar(path)
-    if not zipfile.is_zipfile(path):
-        raise IntegrityError(
-            "checkpoint is not a torch zip archive",
-            file=path,
-            expected="a torch.save zip archive (end-of-central-directory record)",
-            found="no zip directory",
-            hint="the file is damaged or not a checkpoint.pt",
-        )
+    check_zip_directory(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -157,6 +154,70 @@ def refuse_unsigned(path: Path, require_signature: bool | None = None) -> None:
 
     if auth.require_signature_from_env() if require_signature is None else require_signature:
         raise auth.unsigned_error("a checkpoint.pt", path, "the torch-native format carries no HMAC signature")
+
+
+#: Most members a checkpoint.pt may have (torch writes one per storage plus ~6).
+MAX_ZIP_MEMBERS = 1_000_000
+
+
+def check_zip_directory(path: str | Path) -> None:
+    """Refuse, from the zip's directory and before ``torch.load``, a ``checkpoint.pt`` torch never writes.
+
+    ``torch.save`` stores every member uncompressed in one top folder. A
+    compressed (deflated) member, a member whose declared size exceeds the
+    file or whose data lies outside it, more than :data:`MAX_ZIP_MEMBERS`
+    members (counted from the end record, before the directory is parsed),
+    a name with ``..``, a backslash or a leading ``/``, or members in more
+    than one top folder: each is an :class:`IntegrityError`. A 1 MB file can
+    therefore never make the loader inflate or allocate gigabytes.
+    """
+    p = Path(path)
+
+    def bad(message: str, expected: Any, found: Any) -> IntegrityError:
+        return IntegrityError(message, file=p, expected=expected, found=found,
+                              hint="torch.save never writes this; the file was not written by ripresa and is not loaded")
+
+    try:
+        file_size = p.stat().st_size
+        with open(p, "rb") as f:
+            end = zipfile._EndRecData(f)  # the end record only: entry count and directory size, nothing allocated
+        if not end:
+            raise bad("checkpoint is not a torch zip archive", "a torch.save zip archive (end-of-central-directory record)",
+                      "no zip directory")
+        entries, cd_size = end[zipfile._ECD_ENTRIES_TOTAL], end[zipfile._ECD_SIZE]
+        if entries > MAX_ZIP_MEMBERS or cd_size > file_size:
+            raise bad("checkpoint's zip directory is implausibly large", f"<= {MAX_ZIP_MEMBERS} members within the file",
+                      f"{entries} members, a {cd_size}-byte directory in a {file_size}-byte file")
+        with zipfile.ZipFile(p) as z:
+            infos = z.infolist()
+    except IntegrityError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct_error, UnicodeDecodeError) as exc:
+        raise bad("checkpoint's zip directory cannot be read", "a torch.save zip archive",
+                  f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+    if not infos:
+        raise bad("checkpoint's zip archive is empty", "data.pkl and its storages", "no member")
+    tops = set()
+    total = 0
+    for info in infos:
+        name = info.filename
+        parts = name.split("/")
+        if name.startswith("/") or "\\" in name or ".." in parts or len(parts) < 2 or not parts[0]:
+            raise bad("checkpoint's zip member name is outside the archive's folder", "ARCHIVE/member", repr(name)[:120])
+        tops.add(parts[0])
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise bad("checkpoint's zip member is compressed", "stored (uncompressed) members, as torch.save writes",
+                      f"{name[:80]}: compression method {info.compress_type}")
+        if (info.file_size != info.compress_size or info.file_size > file_size
+                or info.header_offset + info.compress_size > file_size):
+            raise bad("checkpoint's zip member declares a size beyond the file",
+                      f"stored sizes within the {file_size}-byte file",
+                      f"{name[:80]}: {info.file_size} bytes declared, {info.compress_size} stored at {info.header_offset}")
+        total += info.compress_size
+    if len(tops) != 1:
+        raise bad("checkpoint's zip members are in more than one folder", "one archive folder", sorted(tops)[:5])
+    if total > file_size:
+        raise bad("checkpoint's zip members declare more bytes than the file holds", f"<= {file_size} bytes", total)
 
 
 def _unpickler_reason(exc: Exception) -> str:

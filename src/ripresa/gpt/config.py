@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput
-from .model import CONFIGS, TRAIN_DEFAULTS, from_config_dict
+from ..errors import BadInput, IntegrityError
+from ..fsio import read_small
+from .model import CONFIGS, TRAIN_DEFAULTS, GPTConfig, from_config_dict
 from .sources import BUILTIN_SOURCES
 
 #: Steps a named run trains for by default (the seed's ANDREA run: 200K steps).
@@ -51,14 +53,31 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: A config file is a few KiB; refuse anything larger before reading it.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_config_file(path: Path) -> dict[str, Any]:
+    """A .toml or .json config (a run's ``config.json``): bounded read, no symlink/FIFO, depth-bounded parse."""
+    from ..formats.companion import loads_bounded
+
+    if not os.path.lexists(path):
+        raise BadInput("config file not found", file=path, expected="a .toml or .json file", found="nothing")
+    data = read_small(path, "config file", MAX_CONFIG_BYTES)
     try:
-        raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise BadInput("config file not found", file=path, expected="a .toml or .json file", found="nothing") from exc
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise BadInput("config file is not valid TOML/JSON", file=path, found=str(exc)[:200]) from exc
+        if path.suffix == ".toml":
+            raw = tomllib.loads(data.decode("utf-8"))
+        else:
+            raw = loads_bounded(data, file=path, what="config file", max_depth=16)
+    except IntegrityError as exc:
+        raise BadInput(exc.message, file=path, expected=exc.expected, found=exc.found, hint=exc.hint) from None
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError) as exc:
+        raise BadInput("config file is not valid TOML/JSON", file=path, found=str(exc)[:200]) from None
+    if not isinstance(raw, dict):
+        raise BadInput("config file is not a table/object", file=path, found=type(raw).__name__)
     base = raw.pop("base", "tiny") if path.suffix == ".toml" else None
+    if base is not None and not isinstance(base, str):
+        raise BadInput("config 'base' must be a config name", file=path, expected=sorted(CONFIGS), found=repr(base)[:80])
     return _merge(named_config(base), raw) if base else raw
 
 
@@ -95,14 +114,33 @@ def resolve_config(config: str | None, sets: Sequence[str], run_dir: Path | None
         cfg = named_config("tiny")
     elif config in CONFIGS:
         cfg = named_config(config)
-    else:
-        cfg = load_config_file(Path(config))
+    else:  # a file the user names (a link to it is the user's choice): resolved; a run's own config.json is not
+        cfg = load_config_file(Path(config).resolve())
     cfg = apply_sets(cfg, sets)
     for spec in extra_sources:
         if spec not in cfg["data"]["sources"]:
             cfg["data"]["sources"].append(spec)
     validate(cfg)
     return cfg
+
+
+def model_for_generation(model_cfg: Any, n_params: int, *, file: str | Path | None = None) -> GPTConfig:
+    """The model shape of a config, checked against a generation's parameter count before anything is built.
+
+    The call site for export, convert, ledger/generate and train: ranges and
+    the :data:`~ripresa.gpt.model.MAX_PARAMS` cap are checked by
+    :class:`GPTConfig` (:class:`BadInput`), then the count computed
+    arithmetically must equal ``n_params`` (the ``.bin`` header's or a
+    companion's), else :class:`IntegrityError` — a config that disagrees with
+    the weights it is meant to load never allocates a model.
+    """
+    mconf = from_config_dict(model_cfg)
+    if mconf.param_count() != n_params:
+        raise IntegrityError("the config's model does not match the generation's parameter count", file=file,
+                             expected=f"{n_params:,} parameters (the generation's)",
+                             found=f"{mconf.param_count():,} parameters (the config's model shape)",
+                             hint="use the run's own config.json; the model is not built")
+    return mconf
 
 
 def validate(cfg: dict[str, Any]) -> None:

@@ -42,6 +42,14 @@ from ..errors import BadInput
 # ---- configuration -------------------------------------------------------------
 
 
+#: Upper bounds of a model shape read from a file (docs/FAULTS.md: bounds before allocations).
+#: A config beyond them is refused before anything is built.
+MAX_SHAPE = {"n_layer": 1024, "n_head": 1024, "n_embd": 65_536, "block_size": 1 << 20, "vocab_size": 1 << 20}
+#: Most parameters a GPTConfig may describe: 2**31 (8 GiB of float32 weights, a 24 GiB .bin),
+#: far above andrea-120m; counted arithmetically by :meth:`GPTConfig.param_count`.
+MAX_PARAMS = 2**31
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of a GPT. Frozen and validated: a config that builds is a valid one.
@@ -70,7 +78,10 @@ class GPTConfig:
             value = getattr(self, name)
             # bool is an int subclass: refuse True/False as a size.
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise BadInput(f"GPTConfig.{name} must be a positive int", expected="int >= 1", found=repr(value))
+                raise BadInput(f"GPTConfig.{name} must be a positive int", expected="int >= 1", found=repr(value)[:80])
+            if value > MAX_SHAPE[name]:
+                raise BadInput(f"GPTConfig.{name} is out of range", expected=f"1..{MAX_SHAPE[name]}", found=value,
+                               hint="the config was edited or is not an ANDREA config")
         if self.n_embd % self.n_head:
             raise BadInput(
                 "GPTConfig.n_embd must be a multiple of n_head",
@@ -91,6 +102,10 @@ class GPTConfig:
         if not isinstance(self.bias, bool):
             raise BadInput("GPTConfig.bias must be a bool", expected="true or false", found=repr(self.bias))
         object.__setattr__(self, "dropout", float(self.dropout))
+        if self.param_count() > MAX_PARAMS:
+            raise BadInput("GPTConfig describes too large a model", expected=f"at most {MAX_PARAMS:,} parameters",
+                           found=f"{self.param_count():,} parameters",
+                           hint="refused before anything is allocated; check n_layer, n_embd, block_size, vocab_size")
 
     @property
     def head_size(self) -> int:

@@ -465,3 +465,28 @@ def test_unreadable_proc_fd_falls_back_to_the_kernel_lock_table(procs) -> None:
         assert sleeper.poll() is None and _received(log) == ["SIGUSR1"]
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def test_torchrun_forwards_only_to_its_own_children(procs) -> None:
+    # The launcher's forwarding: a real child gets the signal; a live process that
+    # is not our child (a pid a reaped child may have left for reuse) does not.
+    from ripresa.torchrun import _forward, _send_to_child, children
+
+    child = subprocess.Popen(["sleep", "60"])
+    procs.append(child)
+    spawner = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    procs.append(spawner)
+    grandchild = int(_line(spawner))
+    try:
+        assert child.pid in children() and grandchild not in children()
+        _send_to_child(grandchild, signal.SIGTERM)
+        _send_to_child(0, signal.SIGTERM)
+        time.sleep(0.2)
+        assert pid_alive(grandchild)
+        previous = signal.getsignal(signal.SIGTERM)
+        _forward(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) == previous
+        assert child.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        os.kill(grandchild, signal.SIGKILL)

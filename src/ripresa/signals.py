@@ -1,4 +1,8 @@
-"""Signals as requests, handled at the next step boundary (DESIGN §6).
+"""Signals as requests, handled at the next step boundary.
+
+Who may send them from the command line (`ripresa signal`, `ripresa pivot`),
+and how that sender makes sure it signals this run's trainer and no other
+process: docs/FAULTS.md, "Signalling the trainer".
 
 | signal            | request                                                   |
 |-------------------|-----------------------------------------------------------|

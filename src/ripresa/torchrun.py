@@ -49,12 +49,44 @@ def children(pid: int | None = None) -> list[int]:
     return sorted(set(out))
 
 
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` from ``/proc/PID/stat``, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+        return int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _send_to_child(pid: int, signum: int) -> None:
+    """Signal ``pid`` only if it is still this process's child (a reaped child's pid may be reused)."""
+    if pid <= 0:
+        return
+    pidfd = None
+    opener = getattr(os, "pidfd_open", None)
+    if opener is not None and hasattr(signal, "pidfd_send_signal"):
+        try:
+            pidfd = opener(pid)  # pinned before the parent check below
+        except OSError:
+            pidfd = None
+    try:
+        if _parent_of(pid) != os.getpid():
+            return
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signum)
+        else:
+            os.kill(pid, signum)
+    except OSError:  # exited meanwhile, or not ours to signal: nothing to forward
+        pass
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
 def _forward(signum: int, frame: FrameType | None) -> None:
     for child in children():
-        try:
-            os.kill(child, signum)
-        except ProcessLookupError:
-            pass
+        _send_to_child(child, signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

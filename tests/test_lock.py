@@ -17,19 +17,17 @@ from pathlib import Path
 
 import pytest
 
-import ripresa
 from ripresa.errors import BadInput, LockHeld
-from ripresa.lock import LOCK_NAME, RunLock, read_lock_holder
+from ripresa.lock import LOCK_NAME, RunLock, pid_alive, read_lock_holder
 
-# Children load ripresa.lock without running the package's __init__ (which
-# imports torch, ~1.5 s a process): a bare package object pointing at the
-# sources is enough, since lock.py needs only ripresa.errors.
-PRELUDE = f"""
-import os, sys, time, types
-pkg = types.ModuleType("ripresa"); pkg.__path__ = [{os.path.dirname(ripresa.__file__)!r}]
-sys.modules["ripresa"] = pkg
+# Children import ripresa.lock directly: the package's __init__ imports its
+# public names lazily, so this loads neither torch nor anything but lock.py and
+# errors.py.
+PRELUDE = """
+import os, sys, time
 from ripresa.errors import LockHeld
 from ripresa.lock import RunLock, read_lock_holder
+assert "torch" not in sys.modules
 """
 
 HOLDER = (
@@ -342,3 +340,30 @@ def test_a_reader_probing_never_makes_a_writer_fail(tmp_path: Path, spawn) -> No
         with RunLock(tmp_path) as lock:
             assert lock.held
     assert prober.poll() is None  # the prober itself never failed either
+
+
+def test_pid_alive_never_addresses_a_group_and_never_raises() -> None:
+    # kill(0, ...) and kill(-N, ...) address process groups; huge and non-int pids
+    # used to raise OverflowError/TypeError. None of them may reach the kernel.
+    for pid in (0, -1, -os.getpgid(0), 2**22 + 1, 2**40, 2**70, "123", 1.0, True, None):
+        assert pid_alive(pid) is False
+    assert pid_alive(os.getpid()) is True
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert pid_alive(gone.pid) is False
+
+
+def test_lock_that_names_no_valid_pid_is_reported_not_raised(tmp_path: Path, spawn, monkeypatch) -> None:
+    monkeypatch.setattr("ripresa.lock._HOLDER_WAIT_S", 0.05)
+    holder = spawn(HOLDER, tmp_path)
+    assert _line(holder) == f"locked {holder.pid}"
+    genuine = (tmp_path / LOCK_NAME).read_bytes().split(b"\n")[1]
+    for first in (b"0", b"-1", str(2**40).encode(), b"9" * 50_000):
+        with open(tmp_path / LOCK_NAME, "r+b") as f:
+            f.truncate(0)
+            f.write(first + b"\n" + genuine + b"\n")
+        with pytest.raises(BadInput) as refused:
+            read_lock_holder(tmp_path, wait=0)
+        assert not isinstance(refused.value, LockHeld)
+        with pytest.raises(LockHeld):
+            RunLock(tmp_path).acquire()

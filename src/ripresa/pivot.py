@@ -1,10 +1,13 @@
-"""``ripresa pivot``: a policy change without retraining — the seed's sequence at step 112,619.
+"""``ripresa pivot``: a policy change of a run's data mixture without retraining.
 
 1. The new policy (floors and caps of the data mixture) is validated against
    the run's arms **before** anything is stopped.
 2. If a trainer holds the run: SIGUSR1 (a checkpoint, the audit point right
    before the change) and wait until it is committed; then SIGTERM (it saves
    the step it reached and exits 0) and wait until the run folder's lock is free.
+   Both signals go through :func:`ripresa.lock.signal_holder`, which checks
+   LOCK's pid against the kernel first (docs/FAULTS.md, "Signalling the
+   trainer"): a forged LOCK stops the pivot before anything is signalled.
 3. With the lock held by this command: ``.samples.json`` and ``.state.json``
    are moved into ``archive/pivot_NNNNNN/`` (NNNNNN = the newest valid
    generation, the pivot step); ``.loss.jsonl`` stays where it is and gets a

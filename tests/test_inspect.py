@@ -345,11 +345,10 @@ def test_run_folder_with_dcp_generations(tmp_path):
 
     for s in (2, 4):
         part = dcp_fmt.partial_path(tmp_path, s)
-        part.mkdir()
-        (part / ".metadata").write_bytes(b"meta")
-        (part / "__0_0.distcp").write_bytes(b"shard" * 10)
+        dcp_fmt.save_shards(torch.nn.Linear(1, 3, bias=False), None, part, no_dist=True)  # a real tiny DCP save
         assert dcp_fmt.commit_dcp(tmp_path, s, part, world_size=1, n_params=3, state={"progress": {"step": s}}).valid
-    (tmp_path / "step_000004.dcp" / "__0_0.distcp").write_bytes(b"x" * 50)  # damaged newest
+    shard = tmp_path / "step_000004.dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-5] + b"xxxxx")  # damaged newest (same size)
     res = ripresa_cli("inspect", tmp_path, "--json")
     report = json.loads(res.stdout)
     assert res.returncode == 0, res.stderr

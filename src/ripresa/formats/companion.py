@@ -109,14 +109,14 @@ def loads_bounded(raw: bytes | str, *, file: str | Path | None = None, what: str
     try:
         doc = json.loads(raw)
     except RecursionError as exc:
-        raise IntegrityError(f"{what} is nested too deeply", file=file, expected=f"<= {max_depth} levels",
+        raise IntegrityError(f"{what} is malformed: nested too deeply", file=file, expected=f"<= {max_depth} levels",
                              found="deeper than the parser's recursion limit",
                              hint="it was not written by ripresa; it is not used") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"{what} is not valid JSON", file=file, found=str(exc)[:200], hint="the file is damaged") from exc
     depth = tree_depth(doc)
     if depth > max_depth:
-        raise IntegrityError(f"{what} is nested too deeply", file=file, expected=f"<= {max_depth} levels",
+        raise IntegrityError(f"{what} is malformed: nested too deeply", file=file, expected=f"<= {max_depth} levels",
                              found=f"{depth} levels", hint="it was not written by ripresa; it is not used")
     return doc
 
@@ -136,7 +136,7 @@ def decode_tensor(obj: Mapping[str, Any], where: str = "companion") -> torch.Ten
     name = obj.get("__tensor__")
     dt = _DTYPES.get(name) if isinstance(name, str) else None
     if dt is None:
-        raise SchemaError(f"{where}: unknown tensor dtype", expected=sorted(_DTYPES), found=repr(name)[:80])
+        raise SchemaError(f"{where}: malformed tensor: unknown dtype", expected=sorted(_DTYPES), found=repr(name)[:80])
     shape, data = obj.get("shape"), obj.get("data")
     if not isinstance(shape, list) or not isinstance(data, list) or set(obj) != {"__tensor__", "shape", "data"}:
         raise SchemaError(f"{where}: malformed tensor", expected='{"__tensor__", "shape": [...], "data": [...]}',
@@ -152,7 +152,7 @@ def decode_tensor(obj: Mapping[str, Any], where: str = "companion") -> torch.Ten
     fits = _fits(dt)
     for x in data:
         if not fits(x):
-            raise SchemaError(f"{where}: tensor data does not fit its dtype", expected=str(dt).removeprefix("torch."),
+            raise SchemaError(f"{where}: malformed tensor: its data does not fit its dtype", expected=str(dt).removeprefix("torch."),
                               found=repr(x)[:80], hint="the companion was edited or not written by ripresa")
     try:
         return torch.tensor(data, dtype=dt).reshape(shape)

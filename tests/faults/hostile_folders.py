@@ -59,6 +59,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 REGRESSION = REPO / "examples" / "regression" / "train.py"
+#: The ripresa sources the commands run (another tree's ``src`` to fuzz an older version: the fuzzer's own check).
+SRC = Path(os.environ.get("RIPRESA_FUZZ_SRC", str(REPO / "src")))
 #: The run fixture's signing key (hex, 32 bytes).
 KEY = "5f" * 32
 #: A command slower than this hangs (seconds).
@@ -112,8 +114,8 @@ class Fixtures:
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RIPRESA_") or k == "RIPRESA_FUZZ_TIMEOUT"}
-    env.update(PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", COLUMNS="120", PYTHONPATH=str(REPO / "src"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RIPRESA_")}
+    env.update(PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", COLUMNS="120", PYTHONPATH=str(SRC))
     env.update(extra or {})
     return env
 
@@ -760,6 +762,31 @@ def _readers(kind: str, target: str) -> list[str]:
     return [n for n, c in COMMANDS[kind].items() if not c.lock and any(re.search(rx, target) for rx in c.reads)]
 
 
+#: (family, fixture, target, mutation, command): the reproduced classes of issue #10, run whatever the rotation picks.
+ISSUE_CASES = [
+    (F_SPECIAL, "run", ".loss.jsonl", "fifo", "train --run"),
+    (F_SPECIAL, "run", ".loss.jsonl", "fifo", "fork"),
+    (F_SPECIAL, "run", ".loss.jsonl", "symlink_private", "train --run"),
+    (F_SPECIAL, "run", ".loss.jsonl", "symlink_private", "export"),
+    (F_SPECIAL, "run", ".state.json", "symlink_private", "export"),
+    (F_SPECIAL, "run", "config.json", "symlink_private", "fork"),
+    (F_SPECIAL, "run", "step_000004.bin.hmac", "symlink_private", "export"),
+    (F_SPECIAL, "run", "step_000004.json", "symlink_private", "export"),
+    (F_SPECIAL, "run", "LOCK", "fifo", "train --run"),
+    (F_HUGE, "run", ".loss.jsonl", "sparse_line", "train --run"),
+    (F_HUGE, "run", ".loss.jsonl", "sparse_line", "plot"),
+    (F_HUGE, "ledger", "out.jsonl", "sparse_line", "generate"),
+    (F_HUGE, "run", "config.json", "huge", "train --run"),
+    (F_HUGE, "run", "step_000004.json", "huge_shape", "train --resume"),
+    (F_NEST, "run", "step_000004.json", "nest", "inspect bin --deep --json"),
+    (F_NEST, "ledger", "out.jsonl", "nest", "generate"),
+    (F_NEST, "bundle", "MANIFEST.json", "nest", "export --verify"),
+    (F_NEST, "dcp", "step_000004.dcp/ripresa.json", "nest", "inspect"),
+    (F_HUGE, "run", ".loss.jsonl", "huge", "plot"),
+    (F_HUGE, "run", "LOCK", "temp_names", "train --run"),
+]
+
+
 def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
     """The whole matrix: every fixture file x every mutation that applies, each run by up to ``per_case``
     of the commands that read it (rotating, so that every (mutation family, command) pair is covered)."""
@@ -799,6 +826,11 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
     add(F_HUGE, "run", "temp_names", "LOCK", 3)
     for t in ("step_000004.json", "step_000004.bin.hmac", "step_000004.bin.sha256"):  # signatures mean signatures
         cases.append(Case(F_SPECIAL, "run", "delete", t, "train --resume --require-signature", rng.randrange(1 << 30)))
+    # the classes of issue #10, always in the matrix whatever the rotation picked
+    have = {(c.fixture, c.target, c.mutation, c.command) for c in cases}
+    for fam, kind, target, mutation, command in ISSUE_CASES:
+        if (kind, target, mutation, command) not in have:
+            cases.append(Case(fam, kind, mutation, target, command, rng.randrange(1 << 30)))
     for c in COMMANDS["dcp"]:
         cases.append(Case(F_PICKLE, "dcp", "pickle_metadata", "step_000004.dcp/.metadata", c, rng.randrange(1 << 30)))
     for c in COMMANDS["planted"]:
@@ -820,6 +852,10 @@ def sample_cases(cases: list[Case], n: int = 22, seed: int = 10) -> list[Case]:
     must = [c for c in cases if c.family == F_PICKLE and c.command in ("convert", "train --run")]
     must += [c for c in cases if c.family == F_LOCK and c.mutation in ("lock_pid0", "lock_victim_other_host", "lock_pid2^40")
              and c.command == "signal"]
+    keys = [(k, t, m, c) for _, k, t, m, c in ISSUE_CASES]
+    must += [c for c in cases if (c.fixture, c.target, c.mutation, c.command) in
+             (keys[0], keys[2], keys[4], keys[11], keys[14])]
+    must += [c for c in cases if c.mutation == "delete" and c.command == "train --resume --require-signature"][:1]
     rest = [c for c in cases if c not in must]
     by_family: dict[str, list[Case]] = {}
     for c in rest:

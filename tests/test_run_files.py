@@ -393,7 +393,7 @@ def test_fork_and_train_refuse_a_hostile_history_without_hanging(run_copy, tmp_p
 
 def test_train_refuses_a_config_that_does_not_fit_its_checkpoints(run_copy):
     cfg = json.loads((run_copy / "config.json").read_text())
-    cfg["model"].update(n_layer=64, n_embd=4096, n_head=32)  # ~13 G parameters if it were ever built
+    cfg["model"].update(n_layer=48, n_embd=1024, n_head=16)  # ~600 M parameters (2.4 GB) if it were ever built
     (run_copy / "config.json").write_text(json.dumps(cfg))
     res = _cli("train", "--run", run_copy, *FAST, "--steps", "5", "--no-audit", env={"RIPRESA_HMAC_KEY": KEY})
     assert res.returncode == 2, res.stdout + res.stderr
@@ -406,6 +406,6 @@ def test_export_refuses_a_config_that_does_not_fit_the_bin_before_building(run_c
     from ripresa.export import _build_gpt
 
     cfg = json.loads((run_copy / "config.json").read_text())
-    big = dict(cfg["model"], n_layer=64, n_embd=4096, n_head=32)
+    big = dict(cfg["model"], n_layer=48, n_embd=1024, n_head=16)  # under the size cap, not the .bin's
     with pytest.raises(SchemaError, match="does not match the checkpoint"):
         _build_gpt(big, run_copy / "config.json", 136_960)

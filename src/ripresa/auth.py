@@ -242,29 +242,17 @@ def read_signature(path: Path) -> tuple[str, int, str]:
     hangs the reader), checked on the open descriptor, at most
     :data:`MAX_SIGNATURE` + 1 bytes read.
     """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
+    from .fsio import read_small
+
+    if not os.path.lexists(path):
         raise SignatureError(
             "generation is not signed",
             file=path,
             expected=f"a signature {path.name} (a key was configured when it was saved)",
             found="nothing",
             hint="--require-signature refuses unsigned generations; save with RIPRESA_HMAC_KEY set",
-        ) from None
-    except OSError as exc:
-        raise SignatureError("signature file cannot be opened", file=path, expected="a regular file",
-                             found=f"[errno {exc.errno} {errno.errorcode.get(exc.errno or 0, '?')}] {exc.strerror}",
-                             hint="a symlink or special file is never trusted") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SignatureError("signature file is not a regular file", file=path, expected="a regular file",
-                                 found="a folder, FIFO or device")
-        raw = os.read(fd, MAX_SIGNATURE + 1)
-    finally:
-        os.close(fd)
+        )
+    raw = read_small(path, "signature file", MAX_SIGNATURE, error=SignatureError)  # no link, no FIFO, bounded
     try:
         text = raw.decode("ascii") if len(raw) <= MAX_SIGNATURE else None
     except UnicodeDecodeError:

@@ -182,21 +182,10 @@ def _build_gpt(model_cfg: dict[str, Any], where: Path, n_params: int) -> Any:
     """The GPT of ``model_cfg``, built only once its parameter count (computed, nothing allocated)
     equals ``n_params`` (what the ``.bin`` / safetensors holds): a config cannot make the export
     allocate more than the checkpoint's own size."""
-    from .gpt.model import GPT, from_config_dict
+    from .gpt.config import model_for_generation
+    from .gpt.model import GPT
 
-    try:
-        conf = from_config_dict(model_cfg)
-        count = conf.param_count()
-    except (BadInput, TypeError, ValueError, OverflowError) as exc:
-        found = exc.message if isinstance(exc, BadInput) else f"{type(exc).__name__}: {exc}"[:200]
-        raise SchemaError("config.json's model section does not describe a GPT", file=where,
-                          expected="n_layer, n_head, n_embd, block_size, ...", found=found) from exc
-    if count != n_params:
-        raise SchemaError("config.json's model does not match the checkpoint", file=where,
-                          expected=f"a model of {n_params} parameters (the checkpoint's)",
-                          found=f"a model of {count} parameters",
-                          hint="config.json must be the one the run trained with; nothing was built")
-    return GPT(conf)
+    return GPT(model_for_generation(model_cfg, n_params, file=where))
 
 
 def _param_table(model: torch.nn.Module) -> list[dict[str, Any]]:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BadInput, IntegrityError, RipresaError, SaveFailed
+from .lock import pid_alive
 
 #: Read/write granularity for streaming (bytes). 8 MiB keeps syscalls few
 #: without a large private buffer.
@@ -384,18 +385,6 @@ def is_temp_name(name: str) -> bool:
     return temp_name_pid(name) is not None
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0 or pid > PID_MAX:  # 0 or -N would address a process group
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_temporaries(folder: Path, *, only_dead: bool = True) -> list[Path]:
     """Remove leftover temporary files of interrupted saves in ``folder``.
 
@@ -410,7 +399,7 @@ def clean_temporaries(folder: Path, *, only_dead: bool = True) -> list[Path]:
         pid = temp_name_pid(entry.name)
         if pid is None:
             continue
-        if only_dead and (pid == os.getpid() or _pid_alive(pid)):
+        if only_dead and (pid == os.getpid() or pid_alive(pid)):
             continue
         try:
             if entry.is_dir() and not entry.is_symlink():

@@ -144,7 +144,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 import socket
 import stat
 from collections.abc import Iterable
@@ -155,6 +154,8 @@ from typing import Any
 import numpy as np
 
 from .errors import BadInput, IntegrityError, RipresaError
+from .fsio import temp_name_pid
+from .lock import pid_alive
 
 SCHEMA = "ripresa.inspect"
 SCHEMA_VERSION = 1
@@ -162,8 +163,6 @@ SCHEMA_VERSION = 1
 #: Floats per streaming block of the statistics pass (4 MiB of float32; the
 #: float64 temporaries of one block are 8 MiB each).
 STAT_BLOCK = 1 << 20
-
-_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]{8}$")
 
 
 # ---- statistics --------------------------------------------------------------------
@@ -368,18 +367,6 @@ def error_report(path: str | Path, exc: RipresaError, *, check_finite: bool = Fa
     v = _Verdict()
     v.fail(_err_text(exc), exc.exit_code)
     return _finish(report, v)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
 
 
 # ---- entry point -------------------------------------------------------------------
@@ -942,7 +929,13 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
     gens: list[Any] = [store.check(step, deep=deep) for step in steps] + list(dcp_generations(p, deep=deep))
     gens.sort(key=lambda g: g.step)
     valid = [g for g in gens if g.valid]
-    resume = valid[-1] if valid else None
+    # The resume of a single-process or DDP run considers .bin generations only; an
+    # FSDP2 run's considers its .dcp ones first. A folder holding .bin generations is
+    # reported as the former (a .dcp planted beside them is never what it resumes).
+    valid_bins = [g for g in valid if getattr(g, "kind", "bin") == "bin"]
+    valid_dcps = [g for g in valid if getattr(g, "kind", "bin") == "dcp"]
+    resume = (valid_bins or valid_dcps or [None])[-1] if not steps else (valid_bins or [None])[-1]
+    mixed = bool(steps) and any(getattr(g, "kind", "bin") == "dcp" for g in gens)
     rows = []
     for g in gens:
         is_dcp = getattr(g, "kind", "bin") == "dcp"
@@ -976,15 +969,14 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
 
     temps = []
     for entry in sorted(os.scandir(p), key=lambda e: e.name):
-        m = _TEMP_RE.match(entry.name)
-        if not m:
+        pid = temp_name_pid(entry.name)  # bounded digits: never an OverflowError
+        if pid is None:
             continue
-        pid = int(m.group("pid"))
         try:
             tsize = entry.stat(follow_symlinks=False).st_size
         except OSError:
             tsize = None
-        temps.append({"name": entry.name, "size": tsize, "pid": pid, "writer_alive": _pid_alive(pid)})
+        temps.append({"name": entry.name, "size": tsize, "pid": pid, "writer_alive": pid_alive(pid)})
 
     finite: dict[str, Any] = {"checked": check_finite, "ok": None, "step": None, "regions": None}
     report["run"] = {
@@ -998,6 +990,9 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
 
     if not gens:
         v.fail(f"no generation in {p}: a resume would find nothing")
+    elif resume is None and mixed and valid_dcps:
+        v.fail(f"no valid .bin generation: a single-process or DDP resume would find nothing "
+               f"(an FSDP2 resume would use .dcp generation {valid_dcps[-1].step})")
     elif resume is None:
         v.fail(f"none of the {len(gens)} generation(s) is valid: a resume would find nothing")
     else:
@@ -1006,6 +1001,9 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
                 v.warn(f"generation {g.step} is invalid and a resume skips it: {g.reason}")
             elif not g.valid:
                 v.warn(f"older generation {g.step} is invalid: {g.reason}")
+    if mixed:
+        v.warn("this folder holds .bin and .dcp generations: a single-process or DDP resume considers only "
+               "the .bin ones, an FSDP2 resume prefers the .dcp ones (see docs/FORMAT.md)")
     if not deep and gens:
         v.warn("--no-deep: .bin files were not re-hashed; a flipped bit inside one goes unnoticed")
     for t in temps:

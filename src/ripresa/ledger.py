@@ -95,7 +95,6 @@ from typing import Any
 from .errors import BadInput, IntegrityError, LockHeld, RipresaError, SaveFailed
 from .fsio import (
     _describe_oserror,
-    _pid_alive,
     fsync_dir,
     is_temp_name,
     open_regular,
@@ -107,6 +106,7 @@ from .fsio import (
     temp_name_pid,
     write_atomic,
 )
+from .lock import pid_alive
 
 __all__ = [
     "FORMAT",
@@ -388,7 +388,7 @@ def _clean_meta_temporaries(meta: Path) -> None:
         pid = temp_name_pid(entry.name)  # bounded digits: never an OverflowError
         if pid is None:
             continue
-        if pid != os.getpid() and _pid_alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             continue
         try:
             os.unlink(entry.path)

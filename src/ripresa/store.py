@@ -101,13 +101,7 @@ def read_marker(marker: Path, bin_path: Path, companion: Path) -> tuple[str, str
     if not os.path.lexists(marker):
         raise IntegrityError("missing commit marker: the generation was never committed", file=marker,
                              expected=f"{marker.name} written last", found="nothing", hint="an older generation will be used")
-    if marker.is_symlink() or not marker.is_file():
-        raise IntegrityError("commit marker is not a regular file", file=marker, expected="a regular file", found="a symlink, folder or special file")
-    fd = os.open(marker, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        raw = os.read(fd, 4097)
-    finally:
-        os.close(fd)
+    raw = read_small(marker, "commit marker", 4096, error=IntegrityError)  # no link, no FIFO, bounded
     try:
         lines = raw.decode("ascii").splitlines()
     except UnicodeDecodeError:

@@ -196,7 +196,7 @@ def build() -> list[dict]:
         ("short_hex", f"{'a' * 63}  {b}\n@COMP_SHA@  {c}\n", "malformed commit marker"),
         ("uppercase_hex", f"@BIN_SHA_UPPER@  {b}\n@COMP_SHA@  {c}\n", "malformed commit marker"),
         ("empty", "", "malformed commit marker"),
-        ("huge", f"@BIN_SHA@  {b}\n@COMP_SHA@  {c}\n" + "#" * 5000, "malformed commit marker"),
+        ("huge", f"@BIN_SHA@  {b}\n@COMP_SHA@  {c}\n" + "#" * 5000, "commit marker is too large"),
         ("wrong_bin_hash", f"{'0' * 64}  {b}\n@COMP_SHA@  {c}\n", "disagree"),
     ):
         put(f"marker_{name}.bin.sha256", text.encode(), "marker", "IntegrityError", match)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, IntegrityError
+from ..errors import BadInput, IntegrityError, SchemaError
 from ..fsio import read_small
 from .model import CONFIGS, TRAIN_DEFAULTS, GPTConfig, from_config_dict
 from .sources import BUILTIN_SOURCES
@@ -136,7 +136,7 @@ def model_for_generation(model_cfg: Any, n_params: int, *, file: str | Path | No
     """
     mconf = from_config_dict(model_cfg)
     if mconf.param_count() != n_params:
-        raise IntegrityError("the config's model does not match the generation's parameter count", file=file,
+        raise SchemaError("the config's model does not match the checkpoint's parameter count", file=file,
                              expected=f"{n_params:,} parameters (the generation's)",
                              found=f"{mconf.param_count():,} parameters (the config's model shape)",
                              hint="use the run's own config.json; the model is not built")

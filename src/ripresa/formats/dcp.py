@@ -213,7 +213,12 @@ def decode_state(doc: dict[str, Any], folder: Path) -> dict[str, Any]:
     """The decoded companion state of a ``.dcp`` generation; a malformed tree is an IntegrityError."""
     p = Path(folder) / COMPANION_NAME
     try:
-        return companion_fmt.decode_tree(doc["state"])
+        state = companion_fmt.decode_tree(doc["state"])
+        if isinstance(state, dict) and "format" in state:  # the one structural check a resume also runs
+            from ..state import validate_saved_state
+
+            validate_saved_state(state, where=p)
+        return state
     except RipresaError:
         raise
     except (RecursionError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,

@@ -690,8 +690,9 @@ COMMANDS: dict[str, dict[str, Command]] = {
                 (r"checkpoint/",), (r"checkpoint/step_000004\.(bin|json|bin\.sha256)$",), (r"checkpoint/step_000004\.(bin|json)$",)),
     ]},
     "ledger": {c.name: c for c in [
+        # the ledger's own settings (else generate refuses it as another job's before reading it)
         Command("generate", (*RIP, "generate", "{RUN}", "--inputs", "{IN}", "--out", "{F}/out.jsonl", "--step", "4",
-                             "--max-new-tokens", "2", "--threads", "1", "--quiet"), (ANY,)),
+                             "--max-new-tokens", "3", "--threads", "1", "--quiet"), (ANY,)),
     ]},
     "dcp": {c.name: c for c in [
         Command("inspect", (*RIP, "inspect", "{F}"), (ANY,)),
@@ -1203,7 +1204,7 @@ def write_findings(outcomes: list[Outcome], path: Path = FINDINGS, *, title: str
              f"{sum(o.executed for o in outcomes)} executed, {sum(bool(o.skipped) for o in outcomes)} skipped",
              "",
              "Replay one: `.venv/bin/python -m pytest -q tests/test_hostile_folders.py -p no:cacheprovider "
-             "-k hostile_case` with `RIPRESA_FUZZ_CASE='ID'` (ID = fixture:target:mutation:command:seed)", ""]
+             "-k replay` with `RIPRESA_FUZZ_CASE='ID'` (ID = fixture:target:mutation:command:seed)", ""]
     for (fixture, command, kinds), os_ in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"## {fixture} / `{command}` — {kinds} ({len(os_)} cases)")
         for o in os_[:4]:

@@ -45,6 +45,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -1010,7 +1011,7 @@ def _held_lock(path: Path):
         yield False
         return
     try:
-        if not os.path.isfile(f"/proc/self/fd/{fd}") and not os.fstat(fd).st_mode & 0o100000:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             yield False
             return
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

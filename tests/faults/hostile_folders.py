@@ -93,7 +93,7 @@ WHAT = {
               "checkpoint.pt's data.pkl, markers recomputed: refused, canary never created",
     F_EXEC: "crafted-pickle cases whose payload ran (canary file created)",
     F_LOCK: "LOCK naming pid 0, -1, 1, 2**40, huge, dead, a live unrelated process (local and 'another host'), "
-            "with the lock held: `ripresa signal` refuses, nothing signalled",
+            "with the lock held: `ripresa signal` and `ripresa pivot` refuse, nothing signalled",
 }
 
 
@@ -682,6 +682,8 @@ COMMANDS: dict[str, dict[str, Command]] = {
                              "--max-new-tokens", "2", "--threads", "1", "--quiet"), (GEN4, r"config\.json$"), (GEN4_NOSIG,),
                 (GEN4_DATA, CONFIG)),
         Command("signal", (*RIP, "signal", "{F}", "checkpoint"), (r"LOCK$",), (r"LOCK$",), lock=True),
+        Command("pivot", (*RIP, "pivot", "{F}", "--caps", "stdlib-code=0.5", "--timeout", "5"), (r"LOCK$",), (r"LOCK$",),
+                lock=True),
     ]},
     "bundle": {c.name: c for c in [
         Command("export --verify", (*RIP, "export", "--verify", "{F}"), (ANY,), (ANY,), BUNDLE_PARSED),
@@ -842,6 +844,8 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
         cases.append(Case(F_HUGE, "pt", "deflate_pt", "checkpoint.pt", c, rng.randrange(1 << 30)))
     for v in LOCK_VARIANTS:
         cases.append(Case(F_LOCK, "run", f"lock_{v}", "LOCK", "signal", rng.randrange(1 << 30)))
+    for v in ("pid0", "pid2^40", "victim_local", "victim_other_host", "victim_bare"):
+        cases.append(Case(F_LOCK, "run", f"lock_{v}", "LOCK", "pivot", rng.randrange(1 << 30)))
     cases.append(Case(F_LOCK, "run", "lock_victim_local", "LOCK", "inspect --no-deep --json", rng.randrange(1 << 30)))
     cases.append(Case(F_LOCK, "run", "lock_pid2^40", "LOCK", "inspect", rng.randrange(1 << 30)))
     return cases
@@ -1065,7 +1069,7 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
         subst = {"{F}": str(folder), "{O}": str(od), "{RUN}": str(fx.run), "{IN}": str(fx.inputs)}
         argv = [subst.get(a, a) for a in cmd.argv]
         argv = [a.replace("{F}", str(folder)).replace("{O}", str(od)) for a in argv]
-        sandboxed = case.mutation.startswith("lock_") and "victim" not in case.mutation and cmd.name == "signal"
+        sandboxed = case.mutation.startswith("lock_") and "victim" not in case.mutation and cmd.lock
         if sandboxed:
             prefix = pid_sandbox()
             if prefix is None:

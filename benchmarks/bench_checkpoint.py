@@ -570,6 +570,15 @@ class Bench:
         self.step += 1
         return self.step
 
+    def companion(self, step: int) -> dict:
+        """The companion of generation ``step``: the optimizer's per-parameter steps are set to
+        ``step`` first, so the saved state is one instant (a store refuses optimizer state and
+        progress that disagree)."""
+        for st in self.opt.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"].fill_(step)
+        return companion_snapshot(self.state, ripresa.Progress(step=step))
+
     # ---- 1. durable saves ------------------------------------------------------------
     def save_raw(self) -> Callable[[], None]:
         path = self.scratch / "raw.bin"
@@ -588,8 +597,7 @@ class Bench:
         step = self.next_step()
 
         def run() -> None:
-            progress = ripresa.Progress(step=step)
-            self.store.save(step, bin_arrays(self.state), companion_snapshot(self.state, progress))
+            self.store.save(step, bin_arrays(self.state), self.companion(step))
 
         def cleanup() -> None:
             self.store.delete(step)
@@ -637,8 +645,7 @@ class Bench:
 
         def run() -> dict[str, float]:
             t0 = time.perf_counter()
-            progress = ripresa.Progress(step=step)
-            self.writer.save(step, bin_arrays(self.state), companion_snapshot(self.state, progress))
+            self.writer.save(step, bin_arrays(self.state), self.companion(step))
             t1 = time.perf_counter()
             self.writer.wait()
             t2 = time.perf_counter()
@@ -778,7 +785,7 @@ class Bench:
         # The async writer allocates its staging buffers at its first save; a
         # training loop pays that once, so it is paid here, outside the figures.
         step = self.next_step()
-        self.writer.save(step, bin_arrays(self.state), companion_snapshot(self.state, ripresa.Progress(step=step)))
+        self.writer.save(step, bin_arrays(self.state), self.companion(step))
         self.writer.wait()
         self.async_store.delete(step)
         self.copy_buffer = torch.empty(3 * self.n, dtype=torch.float32)
@@ -786,7 +793,7 @@ class Bench:
 
     def prepare_resume(self) -> None:
         step = self.next_step()
-        self.store.save(step, bin_arrays(self.state), companion_snapshot(self.state, ripresa.Progress(step=step)))
+        self.store.save(step, bin_arrays(self.state), self.companion(step))
         self.resume_step = step
 
 

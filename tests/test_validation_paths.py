@@ -203,6 +203,23 @@ def test_a_valid_run_passes_inspect_deep_and_resumes(tmp_path):
     assert resume(run)[0] == 6
 
 
+def test_a_loop_whose_step_numbers_are_not_optimizer_steps_still_resumes(tmp_path):
+    """The store's validation is structural: a loop that numbers its steps its own way (here: two
+    ``step_done`` per optimizer update, as with gradient accumulation counted per micro-batch) has
+    per-parameter optimizer steps != progress.step, and its committed generations must still verify
+    and resume — a generation its own writer committed is never refused for it (docs/FAULTS.md)."""
+    st, progress = _toy(), ripresa.Progress()
+    run = tmp_path / "run"
+    with CheckpointStore(run, retention=KeepLast(10)) as store:
+        _train(st, progress, 3)
+        progress.step *= 2  # 6 "steps" for 3 optimizer updates
+        store.save(progress.step, bin_arrays(st), companion_snapshot(st, progress))
+        assert store.check(6, deep=True).valid
+    code, out, err = run_cli("inspect", run)
+    assert code == 0, (out, err)
+    assert resume(run)[0] == 6
+
+
 def test_restore_refuses_a_scheduler_state_of_the_wrong_shape_with_a_typed_error(tmp_path):
     """What only the live objects can tell (a scheduler field of another type) is refused by restore with a
     SchemaError before any object changes — never a TypeError at the first step."""

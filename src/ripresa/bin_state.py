@@ -95,5 +95,5 @@ def join_state(state: TrainingState, contents: BinContents, companion: dict[str,
         )
     opt["state"] = new_state
     full["optimizer"] = opt
-    validate_checkpoint(full, contents.path)
+    validate_checkpoint(full, contents.path, one_instant=False)  # structure; see state.validate_saved_state
     return full

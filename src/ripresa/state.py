@@ -82,7 +82,11 @@ def validate_saved_state(state: Any, *, where: str | Path | None = None) -> None
     """
     file = where
     try:
-        validate_checkpoint(state, None if where is None else Path(where))
+        # Structure only: whether the optimizer's per-parameter steps equal progress.step
+        # depends on the loop (gradient accumulation, skipped fp16 steps, the user's
+        # numbering), and a generation its own writer committed must never be refused
+        # at resume for it. checkpoint.pt keeps that rule (docs/FORMAT.md).
+        validate_checkpoint(state, None if where is None else Path(where), one_instant=False)
     except SchemaError:
         raise
     except RipresaError as exc:  # pragma: no cover - validate_checkpoint raises SchemaError

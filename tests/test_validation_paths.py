@@ -220,6 +220,21 @@ def test_a_loop_whose_step_numbers_are_not_optimizer_steps_still_resumes(tmp_pat
     assert resume(run)[0] == 6
 
 
+def test_a_run_whose_committed_generations_all_fail_is_refused_not_restarted(tmp_path):
+    """Committed generations that all fail their checks are damage, not a new run: resume refuses
+    (exit 1 from the CLI) instead of training again from step 0 over them; an uncommitted leftover
+    alone (a kill during the first save) still starts a new run."""
+    run = make_run(tmp_path / "run", steps=(3, 6))
+    for step in (3, 6):  # the companions changed after their commit: each fails the shallow check
+        comp = run / f"step_{step:06d}.json"
+        comp.write_bytes(comp.read_bytes().replace(b'"step"', b'"stop"', 1))
+    with pytest.raises(IntegrityError, match="none of the 2 committed generation"):
+        resume(run)
+    leftover = make_run(tmp_path / "leftover", steps=(3,))
+    (leftover / "step_000003.bin.sha256").unlink()  # never committed
+    assert resume(leftover)[0] == 0
+
+
 def test_restore_refuses_a_scheduler_state_of_the_wrong_shape_with_a_typed_error(tmp_path):
     """What only the live objects can tell (a scheduler field of another type) is refused by restore with a
     SchemaError before any object changes — never a TypeError at the first step."""

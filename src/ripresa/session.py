@@ -225,6 +225,8 @@ class Checkpointer:
                 break
             if gen is None and last_error is not None:
                 raise last_error
+            if gen is None:
+                self._refuse_if_only_damaged()
         if gen is None:
             self.history.event("start", step=0, rng_restored=restore_rng)
             self._write_config()
@@ -279,6 +281,7 @@ class Checkpointer:
         kinds = self._kinds()
         store = self.store
         req, key = store.require_signature, store.hmac_key
+        self._skipped_committed: list[str] = []  # committed generations that failed a check (not uncommitted leftovers)
         if "dcp" not in kinds:
             ignored = dcp_fmt.dcp_steps_on_disk(self.run_dir)
             if ignored:
@@ -302,6 +305,8 @@ class Checkpointer:
                     msg = f"skipping {what} {step}: {g.reason}"
                     warnings.warn(msg, CheckpointWarning, stacklevel=3)
                     self.history.event("skipped_generation", reason=msg)
+                    if os.path.lexists(g.marker):
+                        self._skipped_committed.append(msg)
                     continue
                 if kind != kinds[0]:
                     msg = (f"resuming {_gen_path(g).name}, a {kind} generation written by another mode than this "
@@ -341,7 +346,26 @@ class Checkpointer:
         """(generation, store to load it from, foreign .bin) for ``from_path`` or the run folder."""
         if from_path is not None:
             return self._choose_path(from_path)
-        return next(iter(self._candidates()), None), self.store, None
+        gen = next(iter(self._candidates()), None)
+        if gen is None:
+            self._refuse_if_only_damaged()
+        return gen, self.store, None
+
+    def _refuse_if_only_damaged(self) -> None:
+        """No generation resumes, yet committed ones exist: refuse rather than start again at step 0.
+
+        Uncommitted leftovers (a kill during the first save) start a new run as
+        before; committed generations that all fail their checks are damage or
+        tampering, and silently training from scratch over them would lose the
+        run's work without anyone deciding it.
+        """
+        skipped = getattr(self, "_skipped_committed", [])
+        if skipped:
+            raise IntegrityError(f"none of the {len(skipped)} committed generation(s) in {self.run_dir} passes its checks",
+                                 file=self.run_dir, expected="at least one valid generation to resume",
+                                 found="; ".join(skipped[:3])[:600],
+                                 hint="`ripresa inspect RUN` shows why; to start over on purpose, use a new run "
+                                      "folder (or move the damaged generations aside)")
 
     def _read_dcp_rest(self, gen: dcp_fmt.DcpGeneration, n: int) -> dict[str, Any]:
         """The companion state of a ``.dcp`` generation (everything DCP does not hold)."""

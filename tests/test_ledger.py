@@ -506,3 +506,30 @@ def test_read_inputs_and_item_seed(tmp_path):
         read_inputs(p)
     assert item_seed(10, 1) == item_seed(10, 1) != item_seed(10, 2) != item_seed(20, 2)
     assert 0 <= item_seed(10, 1) < 2**63
+
+
+def test_a_sparse_gigabyte_ledger_line_is_refused_in_bounded_memory(tmp_path):
+    """A ledger whose last line is 1 GiB of zeros (4 KB on disk, sparse) is refused as a corrupt
+    record before it is held in memory: the child's peak RSS stays far below the line's size."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": 1}\n')
+    os.truncate(out, 1 << 30)
+    code = (
+        "import os, resource, sys\n"
+        "from pathlib import Path\n"
+        "from ripresa.errors import IntegrityError\n"
+        "from ripresa.ledger import _read_fd_all\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "try:\n"
+        "    _read_fd_all(fd, Path(sys.argv[1]))\n"
+        "    print('READ')\n"
+        "except IntegrityError as exc:\n"
+        "    print('REFUSED', exc.message)\n"
+        "print('GROWTH_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "REFUSED ledger line 2: line too long for a record" in res.stdout, res.stdout
+    growth_kib = int(res.stdout.split("GROWTH_KIB")[1])
+    assert growth_kib < 256 * 1024, res.stdout  # < 256 MiB for a 1 GiB line

@@ -131,6 +131,12 @@ SEED_RULE = "int.from_bytes(sha256(b'ripresa-ledger/v1 step=<step> id=<id>')[:8]
 _META_MAX = 1 << 20
 #: Largest inputs file read into memory (bytes).
 _INPUTS_MAX = 1 << 30
+#: Longest prompt (one input line, bytes) and longest ledger record (one line, bytes). A
+#: record holds its prompt JSON-escaped (at most 6 bytes per input byte) and a completion;
+#: reading stops at the first longer line, so a hostile ledger (a sparse 1 GiB line) never
+#: costs more memory than this.
+_PROMPT_MAX = 8 << 20
+_RECORD_MAX = 64 << 20
 
 ItemHook = Callable[[str, int], None]
 
@@ -193,6 +199,9 @@ def read_inputs(path: str | Path) -> tuple[list[InputItem], str]:
             raise BadInput("inputs file is not valid UTF-8", file=p, expected="one UTF-8 prompt per line",
                            found=f"line {i}, byte {exc.start}: {line[max(0, exc.start - 10):exc.start + 10]!r}",
                            hint="re-encode the file as UTF-8") from exc
+        if len(line) > _PROMPT_MAX:
+            raise BadInput("an input line is too long", file=p, expected=f"prompts of at most {_PROMPT_MAX} bytes",
+                           found=f"line {i}: {len(line)} bytes", hint="split or shorten the prompt")
         items.append(InputItem(i, text, hashlib.sha256(line).hexdigest()))
     if not items:
         raise BadInput("inputs file has no lines", file=p, expected="one prompt per line", found="an empty file")
@@ -285,8 +294,11 @@ def scan_ledger(data: bytes, out: Path, items: Sequence[InputItem] | None = None
 
 
 def _read_fd_all(fd: int, path: Path) -> bytes:
+    """The ledger's bytes, read in 1 MiB chunks; a line longer than :data:`_RECORD_MAX` stops the
+    read with an IntegrityError before it is held in memory (lines are records, see scan_ledger)."""
     chunks: list[bytes] = []
     offset = 0
+    line_start = 0  # offset where the current (unterminated) line began
     while True:
         try:
             chunk = os.pread(fd, 1 << 20, offset)
@@ -295,6 +307,13 @@ def _read_fd_all(fd: int, path: Path) -> bytes:
                            hint="check the disk and the file's permissions") from exc
         if not chunk:
             return b"".join(chunks)
+        nl = chunk.rfind(b"\n")
+        if nl != -1:
+            line_start = offset + nl + 1
+        if offset + len(chunk) - line_start > _RECORD_MAX:
+            line_no = sum(c.count(b"\n") for c in chunks) + chunk.count(b"\n") + 1
+            raise _bad_record(path, line_no, "line too long for a record",
+                              f"more than {_RECORD_MAX} bytes from offset {line_start}")
         chunks.append(chunk)
         offset += len(chunk)
 

@@ -261,6 +261,27 @@ def test_flipped_byte_in_the_destination_is_caught(bundle, tmp_path):
         verify_export(dest)
 
 
+@pytest.mark.parametrize("version", ["1e400", "-1", "2", "true", '"1"'])
+def test_a_manifest_of_an_unknown_version_is_refused_even_with_its_hash_recomputed(bundle, tmp_path, version):
+    """MANIFEST.sha256 holds a plain sha256: an attacker recomputes it. The manifest's own
+    format_version must still be the one this ripresa reads, else verify refuses (exit 1)."""
+    import hashlib
+
+    src, _ = bundle
+    dest = tmp_path / "copy"
+    shutil.copytree(src, dest)
+    doc = (dest / MANIFEST_JSON).read_text()
+    doc = doc.replace('"format_version": 1', f'"format_version": {version}', 1)
+    (dest / MANIFEST_JSON).write_text(doc)
+    lines = (dest / MANIFEST_SHA).read_text().splitlines()
+    digest = hashlib.sha256(doc.encode()).hexdigest()
+    (dest / MANIFEST_SHA).write_text("".join(
+        f"{digest}  {MANIFEST_JSON}\n" if line.endswith(MANIFEST_JSON) else line + "\n" for line in lines))
+    with pytest.raises(IntegrityError, match="format_version") as info:
+        verify_export(dest)
+    assert info.value.exit_code == 1
+
+
 def test_a_failed_reload_leaves_no_complete_looking_bundle(run_dir, tmp_path, monkeypatch):
     import ripresa.export as export_mod
 

@@ -762,11 +762,15 @@ def _read_manifest(dest: Path) -> dict[str, Any]:
         raise IntegrityError(f"sha256 mismatch: {MANIFEST_JSON} changed after the export", file=mjson,
                              expected=lines[MANIFEST_JSON], found=found_sha)
     manifest = parse_json_bytes(raw, mjson, MANIFEST_JSON, error=IntegrityError)
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT \
+            or type(version) is not int or version != EXPORT_FORMAT_VERSION \
             or manifest.get("kind") not in (RESUME, INFERENCE) or not isinstance(manifest.get("files"), list):
-        raise IntegrityError(f"{MANIFEST_JSON} is not a ripresa export manifest", file=mjson,
-                             expected=f"format '{EXPORT_FORMAT}', kind resume|inference, files [...]",
-                             found={k: manifest.get(k) for k in ("format", "kind")} if isinstance(manifest, dict) else type(manifest).__name__)
+        raise IntegrityError(f"{MANIFEST_JSON} is not a ripresa export manifest of a version this ripresa reads", file=mjson,
+                             expected=f"format '{EXPORT_FORMAT}', format_version {EXPORT_FORMAT_VERSION}, "
+                                      "kind resume|inference, files [...]",
+                             found={k: repr(manifest.get(k))[:40] for k in ("format", "format_version", "kind")}
+                             if isinstance(manifest, dict) else type(manifest).__name__)
     listed = {}
     for e in manifest["files"]:
         if not isinstance(e, dict) or not isinstance(e.get("size"), int) or not isinstance(e.get("sha256"), str):

@@ -48,12 +48,11 @@ def _run_and_check(cases: list[hf.Case], fx: hf.Fixtures, work: Path, *, workers
                      f"(findings: {hf.FINDINGS}):\n" + "\n".join(o.line()[:400] for o in bad[:40]) + "\n\n" + text[:3000])
 
 
-@pytest.mark.slow  # for now: the lead moves it into the default suite once the fixes of issue #10 are in
 def test_hostile_folders_sample(hostile_fixtures, tmp_path):
     """The default suite's sample of the matrix (or the whole matrix under RIPRESA_FAULTS_FULL=1)."""
     cases = hf.all_cases(hostile_fixtures)
     chosen = cases if FULL else hf.sample_cases(cases)
-    _run_and_check(chosen, hostile_fixtures, tmp_path, workers=2 if FULL else 1,
+    _run_and_check(chosen, hostile_fixtures, tmp_path, workers=2,
                    title="(full matrix)" if FULL else "(default-suite sample)")
 
 

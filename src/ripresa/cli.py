@@ -211,7 +211,7 @@ def _cmd_signal(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- pivot / fork
 def _add_pivot(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pivot", help="change the data-mixture policy of a run without retraining (the seed's pivot)")
+    p = sub.add_parser("pivot", help="change the data-mixture policy of a run without retraining (README: Pivot and fork)")
     p.add_argument("run", type=Path, help="run folder (running or stopped)")
     p.add_argument("--caps", nargs="+", default=[], metavar="ARM=X", help="new maximum shares")
     p.add_argument("--floors", nargs="+", default=[], metavar="ARM=Y", help="new minimum shares")

@@ -1,4 +1,4 @@
-"""Distributed runs: who writes what, and how every rank agrees (DESIGN §3.3, §6).
+"""Distributed runs: who writes what, and how every rank agrees (docs/FORMAT.md, sharded generations; docs/FAULTS.md, signals).
 
 A :class:`~ripresa.Checkpointer` opened inside an initialised process group
 (``torchrun``: DDP on gloo/nccl, or FSDP2 ``fully_shard``) coordinates its ranks
@@ -69,7 +69,7 @@ __all__ = [
 WORLD_CHANGE_NOTE = (
     "weights, m, v and shared state restored exactly; ranks below the saved world size restore their own "
     "random streams and data position, new ranks take rank 0's data position and objects with fresh "
-    "random streams derived from the seed and their rank, entries of ranks that no longer exist are dropped; "
+    "random streams derived from the run seed and their rank, entries of ranks that no longer exist are dropped; "
     "the global batch is now batch_size x world_size, so the data order and the trajectory differ from a "
     "run that kept the saved world size"
 )

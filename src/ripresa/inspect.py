@@ -2,7 +2,7 @@
 
 PATH may be
 
-* an ANDREA ``.bin`` (DESIGN §3.1): header (step, n_params), expected size
+* an ANDREA ``.bin`` (docs/FORMAT.md): header (step, n_params), expected size
   ``8 + 12 n`` against the actual size, the ``X.bin.sha256`` sidecar (a
   one-line ``sha256sum`` sidecar, or a run folder's two-line commit marker
   whose lines for the ``.bin`` *and* the companion are both checked), the
@@ -10,7 +10,7 @@ PATH may be
   the file) or, for a ``.bin`` without one, what a resume from it lacks
   (:func:`~ripresa.formats.andrea_bin.describe_missing`), and statistics of
   weights, m and v;
-* a ``checkpoint.pt`` (DESIGN §3.2): sidecar and hash, schema (through
+* a ``checkpoint.pt`` (docs/FORMAT.md): sidecar and hash, schema (through
   :func:`~ripresa.formats.torch_pt.load_checkpoint`), progress, versions,
   code and data identity, config, and statistics of the model's tensors and
   of the optimizer's m and v;
@@ -48,7 +48,7 @@ needs about 20 MiB, never a copy of a region. ``min``, ``max``, ``mean`` and
 ``std`` (population standard deviation, ``ddof=0``, merged over blocks with
 Chan's formula) are over the *finite* values; ``null`` when there is none.
 
-Exit codes (DESIGN §9)
+Exit codes (README: Exit codes)
 ----------------------
 * ``0`` everything inspected is valid. A ``.bin`` without sidecar or
   companion (written by another engine) is valid: it still loads, and what it

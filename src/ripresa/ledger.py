@@ -1,8 +1,8 @@
-"""Batch inference that survives a kill: the ledger of completed items (DESIGN §1).
+"""Batch inference that survives a kill: the ledger of completed items (README: Pictures, comparisons, bundles, batch inference).
 
 ``ripresa generate RUN --inputs FILE --out OUT.jsonl [--step N]`` completes
 every prompt of ``FILE`` (one per line) with the GPT of one generation of a
-run folder. It is the third kind of save of DESIGN §1 — neither a resume
+run folder. It is the third kind of save (README) — neither a resume
 checkpoint nor an inference export: what must survive a crash here is *which
 items are already done*, so that a restarted job neither skips nor repeats
 one. :func:`generate_batch` is the implementation; the CLI calls it.

@@ -26,13 +26,13 @@ Draws
     inverted through the cumulative probabilities in sorted arm order (so the
     order in which a config lists its sources does not change the draws).
 
-Saving (``.state.json``, DESIGN §5)
+Saving (``.state.json``, docs/FORMAT.md)
     :meth:`~BanditMixture.state_dict` is JSON primitives only and round-trips
     bit-exactly through ``json``. It does **not** hold the generator's state:
     register ``mixture.generator`` with :class:`ripresa.rng.RandomStreams`
     (``numpy={"mixture": generator}``), which saves it with the other streams.
 
-Restoring and the "zombie arm" lesson (DESIGN §7)
+Restoring and the "zombie arm" lesson (README: Pivot and fork)
     An arm in the saved state that is not a current source is a *zombie*: it
     is **not** carried in. It is dropped with a :class:`ZombieArmWarning` and
     recorded in :attr:`~BanditMixture.dropped_arms` so the trainer writes a

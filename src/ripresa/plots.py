@@ -1,6 +1,6 @@
 """Pictures and comparisons of a run's history (``ripresa plot``, ``ripresa compare``).
 
-Everything here reads ``.loss.jsonl`` (DESIGN §5) and nothing else: the
+Everything here reads ``.loss.jsonl`` (docs/FORMAT.md) and nothing else: the
 canonical line of each step is the last one written for it, event lines keep
 their order. Two pictures:
 
@@ -8,7 +8,7 @@ their order. Two pictures:
   EMA (bold), thin marks at checkpoints, labelled marks at resume / signal /
   pivot / fork / zombie-arm events (and failed checkpoints, fresh bandits), and
   a second panel with the rolling share of each data-mixture arm;
-* :func:`compare_runs` — the audit fork of DESIGN §7: two or more runs compared
+* :func:`compare_runs` — the audit fork (README): two or more runs compared
   from the fork point (or their largest common first step): final loss, EMA
   at the last common step, best loss, and which converges lower. The PNG
   overlays the EMA curves (raw loss faint).

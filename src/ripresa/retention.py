@@ -4,7 +4,7 @@ A policy never touches the disk. It looks at the list of steps that have a
 *valid* (committed, verified) generation and says which of them it keeps;
 :func:`plan_deletions` turns that into the list of steps the store may delete.
 The store applies it only after a new generation is durable and verified
-(DESIGN §4), so the policies can be tested exhaustively without a single file.
+(docs/FORMAT.md), so the policies can be tested exhaustively without a single file.
 
 Policies (frozen dataclasses, validated on construction):
 

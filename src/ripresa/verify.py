@@ -1,4 +1,4 @@
-"""The resume verification protocol (DESIGN §8).
+"""The resume verification protocol (docs/VERIFY.md).
 
 Four fresh processes run the same trainer:
 
@@ -377,7 +377,7 @@ def _fmt(v: Any) -> str:
 
 
 def render_verdict(verdict: Verdict, console=None) -> None:
-    """Print the seed's table: weight gap, final metric, gap, verdict per path."""
+    """Print the verdict table: weight gap, final metric, gap, verdict per path."""
     from rich.console import Console
     from rich.table import Table
 

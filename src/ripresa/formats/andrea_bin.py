@@ -1,4 +1,4 @@
-"""The ANDREA raw ``.bin`` checkpoint (DESIGN §3.1): exact, for interop.
+"""The ANDREA raw ``.bin`` checkpoint (docs/FORMAT.md): exact, for interop.
 
 Layout (all little-endian, nothing before, between or after)::
 
@@ -77,7 +77,7 @@ _SCAN_ELEMS = 1 << 20
 
 _NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.bin$")
 
-#: What a ``.bin`` never holds, whoever wrote it (DESIGN §2 minus weights/m/v).
+#: What a ``.bin`` never holds, whoever wrote it (a resume point's contents, docs/FORMAT.md, minus weights/m/v).
 BIN_LACKS: tuple[str, ...] = (
     "random generator states (Python, NumPy, torch CPU/CUDA, registered generators)",
     "data position (epoch, permutation or its seed, cursor)",
@@ -127,7 +127,7 @@ def parse_bin_name(name: str | os.PathLike[str]) -> int | None:
 
 
 def companion_path(path: str | os.PathLike[str]) -> Path:
-    """``.../step_000007.bin`` → ``.../step_000007.json`` (the companion, DESIGN §3.1)."""
+    """``.../step_000007.bin`` → ``.../step_000007.json`` (the companion, docs/FORMAT.md)."""
     p = Path(path)
     return p.with_name(p.stem + ".json")
 
@@ -454,7 +454,7 @@ def save_bin(
     *,
     sidecar: bool = True,
 ) -> Digest:
-    """Write ``path`` with the commit protocol of DESIGN §4; return its digest.
+    """Write ``path`` with the commit protocol of docs/FORMAT.md; return its digest.
 
     Temporary sibling → stream + sha256 → ``fsync`` → rename → ``fsync`` the
     folder → (if ``sidecar``) ``path.sha256``, the commit marker, last. A run

@@ -22,7 +22,7 @@ from ..fsio import read_small
 from .model import CONFIGS, TRAIN_DEFAULTS, GPTConfig, from_config_dict
 from .sources import BUILTIN_SOURCES
 
-#: Steps a named run trains for by default (the seed's ANDREA run: 200K steps).
+#: Steps a named run trains for by default (the ANDREA-120M run: 200K steps).
 MAX_STEPS = {"tiny": 2000, "andrea-12m": 200_000, "andrea-120m": 200_000}
 
 DEFAULT_PROMPTS = ["def ", "The ", "import ", "class Simple"]

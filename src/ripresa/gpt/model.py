@@ -7,12 +7,12 @@ GELU MLP, a final LayerNorm and a linear head to 256 logits.
 
 Parameter order is part of the on-disk format. The ANDREA ``.bin`` stores the
 weights flattened in ``model.parameters()`` order (see
-:mod:`ripresa.formats.andrea_bin`), and the seed fixes that order: token and
+:mod:`ripresa.formats.andrea_bin`), and the ANDREA format fixes that order: token and
 position embeddings, then per layer attention and MLP, then the output head.
 Modules are registered in exactly that order below, and the head is **not
 tied** to the token embedding: with a 256-byte vocabulary tying would save
 only ``256 * n_embd`` parameters (0.8 % of ANDREA-12M), while an untied head is
-a parameter of its own that ends the list, as the seed describes, and no
+a parameter of its own that ends the list, as the ANDREA format describes, and no
 parameter is shared (``state_dict()`` and ``parameters()`` list the same
 tensors, once each).
 
@@ -151,8 +151,8 @@ def from_config_dict(d: Mapping[str, Any]) -> GPTConfig:
 
 #: Named model shapes. Parameter counts (untied head, biases on):
 #:   tiny        136,960 — a smoke-test model that trains at many steps/s on 2 CPU cores
-#:   andrea-12m  12,815,232 — the seed's "ANDREA-12M (12.8M parametri)", .bin 153.8 MB
-#:   andrea-120m 121,675,008 — the seed's "ANDREA-120M (~120M)", .bin 1.46 GB
+#:   andrea-12m  12,815,232 — "ANDREA-12M (12.8M parameters)", .bin 153.8 MB
+#:   andrea-120m 121,675,008 — "ANDREA-120M (~120M)", .bin 1.46 GB
 CONFIGS: dict[str, GPTConfig] = {
     # dropout > 0 so that even the smoke test consumes the torch RNG during
     # training: a resume that forgets to restore it then diverges visibly.
@@ -172,7 +172,7 @@ class TrainDefaults:
         min_lr: floor of the cosine decay after warmup.
         warmup_steps: linear warmup length, in optimizer steps.
         weight_decay: AdamW decoupled decay on matrices and embeddings only.
-        betas: AdamW (beta1, beta2); the seed's m and v use 0.9 and 0.999.
+        betas: AdamW (beta1, beta2); the ANDREA .bin's m and v use 0.9 and 0.999.
         grad_clip: max global gradient norm (0 disables clipping).
     """
 
@@ -191,7 +191,7 @@ class TrainDefaults:
 
 
 #: Training defaults per config. The ANDREA learning rates stay well below
-#: 1e-3: the seed's v1 lost 27K steps to lr=0.001 being too aggressive.
+#: 1e-3: the ANDREA run's v1 lost 27K steps to lr=0.001 being too aggressive.
 TRAIN_DEFAULTS: dict[str, TrainDefaults] = {
     "tiny": TrainDefaults(batch_size=16, lr=3e-3, min_lr=3e-4, warmup_steps=10),
     "andrea-12m": TrainDefaults(batch_size=32, lr=6e-4, min_lr=6e-5, warmup_steps=1000),

@@ -455,7 +455,7 @@ class CropSampler:
         ``block_size``/``batch_size``, another set of arms or an arm whose bytes
         changed. ``strict=False`` is for a deliberate change of data: saved arms
         this sampler lacks are dropped (kept in :attr:`dropped_arms`, never
-        drawn again — the seed's "zombie arm"), new arms start at zero, and a
+        drawn again — the "zombie arm" lesson), new arms start at zero, and a
         changed arm keeps its counters.
         """
         for key in ("block_size", "batch_size", "arms"):

@@ -114,7 +114,7 @@ def lr_at(step: int, t: dict[str, Any]) -> float:
 
 
 class MixtureSlot:
-    """The bandit as a ``Stateful`` of the checkpoint, with the seed's two rules.
+    """The bandit as a ``Stateful`` of the checkpoint, with the ANDREA run's two rules.
 
     * A saved state of an earlier *phase* (a pivot happened) is not loaded:
       the bandit starts fresh under the new policy.

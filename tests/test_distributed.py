@@ -268,6 +268,26 @@ def test_fsdp_same_world_resume_is_bit_identical(tmp_path, text):
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
+@pytest.mark.slow
+def test_fsdp_signed_generations_save_resume_and_refuse_a_forged_newest(tmp_path, text):
+    """An FSDP2 run under RIPRESA_REQUIRE_SIGNATURE signs every .dcp generation and resumes from
+    them; a newest generation whose signature was removed is skipped for the older signed one."""
+    key = {"RIPRESA_HMAC_KEY": "k" * 32, "RIPRESA_REQUIRE_SIGNATURE": "1"}
+    run = tmp_path / "run"
+    p = torchrun("--run", run, "--shard", "fsdp", "--every", "4", "--steps", "8", *common(text), env=key)
+    out, err = finish(p)
+    assert p.returncode == 0, err[-3000:]
+    assert (run / "step_000004.dcp.hmac").is_file() and (run / "step_000008.dcp.hmac").is_file()
+    (run / "step_000008.dcp.hmac").unlink()  # the newest is now unsigned: refused under the requirement
+    p = torchrun("--run", run, "--shard", "fsdp", "--every", "4", "--steps", "4", *common(text), env=key)
+    out, err = finish(p)
+    assert p.returncode == 0, err[-3000:]
+    resumes = [e for e in read_history(run / ".loss.jsonl").events if e.get("event") == "resume"]
+    assert resumes and resumes[-1]["from_step"] == 4, resumes
+    assert (run / "step_000008.dcp.hmac").is_file()  # step 8 saved again, signed
+    assert dcp_fmt.check_dcp(run, 8, deep=True, require_signature=True, hmac_key=b"k" * 32).valid
+
+
 # ---------------------------------------------------------------------------------- no processes
 
 

@@ -57,11 +57,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ripresa  # noqa: E402
-from ripresa.async_save import AsyncCheckpointWriter  # noqa: E402
-from ripresa.bin_state import bin_arrays, companion_snapshot  # noqa: E402
 from ripresa.formats.andrea_bin import read_bin  # noqa: E402
-from ripresa.fsio import fsync_dir  # noqa: E402
-from ripresa.store import CheckpointStore, generation_paths  # noqa: E402
+from ripresa.formats.bin_state import bin_arrays, companion_snapshot  # noqa: E402
+from ripresa.io.fsio import fsync_dir  # noqa: E402
+from ripresa.store.async_save import AsyncCheckpointWriter  # noqa: E402
+from ripresa.store.store import CheckpointStore, generation_paths  # noqa: E402
 
 SCHEMA = "ripresa-bench-checkpoint/1"
 DEFAULT_PARAMS = 120_000_000  # ANDREA-120M

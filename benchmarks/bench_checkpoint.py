@@ -231,7 +231,7 @@ def machine_facts(scratch: Path) -> dict[str, Any]:
     dirty_src = _git("status", "--porcelain", "--", "src")
     # the code measured, file by file: src/ may differ from git_commit while others edit it
     sources = {}
-    for mod in ("fsio", "store", "async_save", "bin_state", "formats.andrea_bin"):
+    for mod in ("io.fsio", "store.store", "store.async_save", "formats.bin_state", "formats.andrea_bin"):
         path = Path(sys.modules[f"ripresa.{mod}"].__file__)
         sources[str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)] = (
             hashlib.sha256(path.read_bytes()).hexdigest())

@@ -38,6 +38,7 @@ test-faults: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py

@@ -57,11 +57,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ripresa  # noqa: E402
-from ripresa.async_save import AsyncCheckpointWriter  # noqa: E402
-from ripresa.bin_state import bin_arrays, companion_snapshot  # noqa: E402
 from ripresa.formats.andrea_bin import read_bin  # noqa: E402
-from ripresa.fsio import fsync_dir  # noqa: E402
-from ripresa.store import CheckpointStore, generation_paths  # noqa: E402
+from ripresa.formats.bin_state import bin_arrays, companion_snapshot  # noqa: E402
+from ripresa.io.fsio import fsync_dir  # noqa: E402
+from ripresa.store.async_save import AsyncCheckpointWriter  # noqa: E402
+from ripresa.store.store import CheckpointStore, generation_paths  # noqa: E402
 
 SCHEMA = "ripresa-bench-checkpoint/1"
 DEFAULT_PARAMS = 120_000_000  # ANDREA-120M
@@ -231,7 +231,7 @@ def machine_facts(scratch: Path) -> dict[str, Any]:
     dirty_src = _git("status", "--porcelain", "--", "src")
     # the code measured, file by file: src/ may differ from git_commit while others edit it
     sources = {}
-    for mod in ("fsio", "store", "async_save", "bin_state", "formats.andrea_bin"):
+    for mod in ("io.fsio", "store.store", "store.async_save", "formats.bin_state", "formats.andrea_bin"):
         path = Path(sys.modules[f"ripresa.{mod}"].__file__)
         sources[str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)] = (
             hashlib.sha256(path.read_bytes()).hexdigest())

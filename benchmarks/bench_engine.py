@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from ripresa.history import History, read_history  # noqa: E402
+from ripresa.store.history import History, read_history  # noqa: E402
 
 SETTINGS = {
     # steps, extra args: tiny runs its defaults; andrea-12m a short CPU-sized run.

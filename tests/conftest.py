@@ -64,7 +64,7 @@ def ripresa_train_proc(*args: str) -> subprocess.Popen:
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
     """Wait until the run's history has reached ``step`` (the child must stay alive)."""
-    from ripresa.history import read_history
+    from ripresa.store.history import read_history
 
     hist = run / ".loss.jsonl"
     t0 = time.time()
@@ -81,6 +81,6 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float =
 
 def valid_steps(run: Path) -> list[int]:
     """Steps of the committed, valid generations of a run folder."""
-    from ripresa.store import CheckpointStore
+    from ripresa.store.store import CheckpointStore
 
     return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]

@@ -34,7 +34,7 @@ from ripresa.formats.andrea_bin import (
     save_bin,
     write_bin,
 )
-from ripresa.fsio import StagedFile, read_sidecar, sidecar_path
+from ripresa.io.fsio import StagedFile, read_sidecar, sidecar_path
 
 FIXTURES = Path(__file__).parent / "fixtures" / "andrea"
 

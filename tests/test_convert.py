@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import ripresa.convert as convert_mod
+import ripresa.tools.convert as convert_mod
 from ripresa.cli import main
-from ripresa.convert import compare, convert, load
+from ripresa.engine.gpt.factory import GPT_FACTORY
+from ripresa.tools.convert import compare, convert, load
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +49,19 @@ def test_bin_to_dcp_to_bin_is_byte_identical(gen, tmp_path, capsys):
 
 
 def test_bin_to_pt_to_bin_and_plain_and_safetensors(gen, tmp_path, capsys):
-    r = convert(gen, tmp_path / "c.pt")
+    r = convert(gen, tmp_path / "c.pt", model_factory=GPT_FACTORY)
     assert r["verified"] and r["dest_kind"] == "pt" and r["compared"] == "full"
-    assert convert(tmp_path / "c.pt", tmp_path / "d" / "step_000004.bin")["verified"]
+    assert convert(tmp_path / "c.pt", tmp_path / "d" / "step_000004.bin", model_factory=GPT_FACTORY)["verified"]
     assert (tmp_path / "d" / "step_000004.bin").read_bytes() == gen.read_bytes()
-    assert compare(load(gen), load(tmp_path / "d" / "step_000004.bin"), "full") == []
+    assert compare(load(gen, model_factory=GPT_FACTORY), load(tmp_path / "d" / "step_000004.bin", model_factory=GPT_FACTORY), "full") == []
     # A plain .bin holds the generation's exact bytes (no companion), and converts back to plain.
-    assert convert(gen, tmp_path / "plain.bin")["compared"] == "moments"
+    assert convert(gen, tmp_path / "plain.bin", model_factory=GPT_FACTORY)["compared"] == "moments"
     assert (tmp_path / "plain.bin").read_bytes() == gen.read_bytes()
     assert cli(tmp_path / "plain.bin", tmp_path / "plain2.bin", "--config", "tiny", "--json") == 0
     assert json.loads(capsys.readouterr().out)["source_kind"] == "plain-bin"
     # Weights only.
-    assert convert(gen, tmp_path / "w.safetensors")["compared"] == "weights"
-    assert compare(load(gen), load(tmp_path / "w.safetensors"), "weights") == []
+    assert convert(gen, tmp_path / "w.safetensors", model_factory=GPT_FACTORY)["compared"] == "weights"
+    assert compare(load(gen, model_factory=GPT_FACTORY), load(tmp_path / "w.safetensors", model_factory=GPT_FACTORY), "weights") == []
 
 
 def test_refusals_and_integrity(gen, tmp_path, capsys):
@@ -84,7 +85,7 @@ def test_refusals_and_integrity(gen, tmp_path, capsys):
 
 
 def test_a_difference_after_writing_fails_the_command(gen, tmp_path, monkeypatch, capsys):
-    from ripresa.fsio import sha256_file, write_sidecar
+    from ripresa.io.fsio import sha256_file, write_sidecar
 
     real = convert_mod.write
     resign = {"on": False}

@@ -23,15 +23,15 @@ import pytest
 import torch
 
 import ripresa
-from ripresa import auth
 from ripresa.cli import main as cli_main
-from ripresa.distributed import check_distributed_record
+from ripresa.core.state import Progress
 from ripresa.errors import IntegrityError
 from ripresa.formats import dcp as dcp_fmt
 from ripresa.formats import dcp_safe
-from ripresa.history import read_history
-from ripresa.session import OtherModeWarning, rank_view
-from ripresa.state import Progress
+from ripresa.io import auth
+from ripresa.session.checkpointer import OtherModeWarning, rank_view
+from ripresa.session.distributed import check_distributed_record
+from ripresa.store.history import read_history
 
 KEY = b"ripresa-dcp-hostile-test-key-32b"
 

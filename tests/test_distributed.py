@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 import torch
 
-from ripresa.convert import compare, load
-from ripresa.data import DistributedEpochSampler
-from ripresa.distributed import DistContext, NullHistory, rank_generator, rank_seed
+from ripresa.core.data import DistributedEpochSampler
+from ripresa.engine.gpt.factory import GPT_FACTORY
 from ripresa.formats import dcp as dcp_fmt
 from ripresa.formats.andrea_bin import read_bin
-from ripresa.history import read_history
-from ripresa.store import CheckpointStore, CheckpointWarning
+from ripresa.session.distributed import DistContext, NullHistory, rank_generator, rank_seed
+from ripresa.store.history import read_history
+from ripresa.store.store import CheckpointStore, CheckpointWarning, latest_valid_any
+from ripresa.tools.convert import compare, load
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
@@ -109,7 +110,7 @@ def valid_dcps(run: Path) -> list[int]:
 
 def same_moments(a: Path, b: Path) -> list[str]:
     """Differences of weights, m, v (and step) between two checkpoints of any kind."""
-    return compare(load(a), load(b), "moments")
+    return compare(load(a, model_factory=GPT_FACTORY), load(b, model_factory=GPT_FACTORY), "moments")
 
 
 # ---------------------------------------------------------------------------------- DDP
@@ -263,7 +264,7 @@ def test_fsdp_same_world_resume_is_bit_identical(tmp_path, text):
         out, err = finish(p)
         assert p.returncode == 0, err[-3000:]
     a, b = tmp_path / "ref" / "step_000015.dcp", tmp_path / "run" / "step_000015.dcp"
-    assert compare(load(a), load(b), "moments") == []
+    assert compare(load(a, model_factory=GPT_FACTORY), load(b, model_factory=GPT_FACTORY), "moments") == []
     for name in ("__0_0.distcp", "__1_0.distcp"):  # .metadata holds a random save id
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
@@ -370,7 +371,7 @@ def test_dcp_generations_validate_and_fall_back(tmp_path):
     (tmp_path / "step_000004.dcp.sha256").unlink()  # never committed
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        gen = dcp_fmt.latest_valid_any(tmp_path, deep=True)
+        gen = latest_valid_any(tmp_path, deep=True)
     assert gen.step == 2 and gen.kind == "dcp"
     msgs = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
     assert "6" in msgs[0] and "sha256 mismatch" in msgs[0] and "missing commit marker" in msgs[1]

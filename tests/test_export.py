@@ -20,11 +20,18 @@ import pytest
 import torch
 from conftest import ripresa_cli, tree_digest
 
+from ripresa.engine.gpt.factory import GPT_FACTORY
+from ripresa.engine.gpt.model import GPT, from_config_dict
 from ripresa.errors import BadInput, IntegrityError, OutputExists
-from ripresa.export import MANIFEST_JSON, MANIFEST_SHA, export_run, render_export, verify_export
 from ripresa.formats.andrea_bin import read_bin
-from ripresa.gpt.model import GPT, from_config_dict
-from ripresa.store import CheckpointWarning
+from ripresa.store.store import CheckpointWarning
+from ripresa.tools.export import (
+    MANIFEST_JSON,
+    MANIFEST_SHA,
+    export_run,
+    render_export,
+    verify_export,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +57,7 @@ def bundle(run_dir, tmp_path_factory) -> tuple[Path, dict]:
     """One full export of the newest generation, shared by the read-only tests."""
     dest = tmp_path_factory.mktemp("bundle") / "export"
     before = tree_digest(run_dir)
-    report = export_run(run_dir, dest, show_progress=False)
+    report = export_run(run_dir, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert tree_digest(run_dir) == before, "an export must not change the run folder"
     return dest, report
 
@@ -132,7 +139,7 @@ def test_full_export_manifest_sha256sum_readme_and_reload(bundle, run_dir):
 
 def test_verify_export_and_render(bundle):
     dest, report = bundle
-    again = verify_export(dest)
+    again = verify_export(dest, model_factory=GPT_FACTORY)
     assert again["verified"] and again["unlisted"] == [] and again["reload"]["forward"] == "ok"
     assert again["reload"]["probe_loss"] == report["verification"]["reload"]["probe_loss"]
     from rich.console import Console
@@ -165,12 +172,12 @@ def test_numpy_snippet_in_readme_reads_the_same_weights(bundle, run_dir, monkeyp
 
 
 def test_export_of_an_older_step_copies_that_generation(run_dir, tmp_path, monkeypatch):
-    import ripresa.export as export_mod
+    import ripresa.tools.export as export_mod
 
     monkeypatch.setattr(export_mod, "PROGRESS_MIN_BYTES", 0)  # draw the byte progress bars (on stderr)
     dest = tmp_path / "older"
     dest.mkdir()  # an existing empty folder is accepted
-    report = export_run(run_dir, dest, step=10, show_progress=True)
+    report = export_run(run_dir, dest, model_factory=GPT_FACTORY, step=10, show_progress=True)
     assert report["step"] == 10 and report["verified"]
     names = sorted(p.name for p in (dest / "checkpoint").iterdir())
     assert names == ["step_000010.bin", "step_000010.bin.sha256", "step_000010.json"]
@@ -179,7 +186,7 @@ def test_export_of_an_older_step_copies_that_generation(run_dir, tmp_path, monke
     manifest = json.loads((dest / MANIFEST_JSON).read_text())
     assert manifest["step"] == 10 and manifest["generation"]["bin"] == "checkpoint/step_000010.bin"
     assert "step_000010.bin" in (dest / "README.md").read_text()
-    assert verify_export(dest)["reload"]["step"] == 10
+    assert verify_export(dest, model_factory=GPT_FACTORY)["reload"]["step"] == 10
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -191,26 +198,26 @@ def test_non_empty_destination_is_refused_and_untouched(run_dir, tmp_path):
     (dest / "notes.txt").write_text("mine\n")
     before = tree_digest(dest)
     with pytest.raises(OutputExists) as info:
-        export_run(run_dir, dest, show_progress=False)
+        export_run(run_dir, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert info.value.exit_code == 2 and info.value.file == str(dest)
     assert tree_digest(dest) == before and sorted(os.listdir(dest)) == ["notes.txt"]
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     with pytest.raises(OutputExists):
-        export_run(run_dir, a_file, show_progress=False)
+        export_run(run_dir, a_file, model_factory=GPT_FACTORY, show_progress=False)
     assert a_file.read_text() == "x"
 
 
 def test_absent_step_is_refused_with_exit_2(run_dir, tmp_path):
     dest = tmp_path / "absent"
     with pytest.raises(BadInput) as info:
-        export_run(run_dir, dest, step=15, show_progress=False)
+        export_run(run_dir, dest, model_factory=GPT_FACTORY, step=15, show_progress=False)
     assert info.value.exit_code == 2 and "15" in info.value.message
     assert "10" in str(info.value.expected) and "20" in str(info.value.expected)
     assert not dest.exists()
     with pytest.raises(BadInput):
-        export_run(tmp_path / "no-such-run", dest, show_progress=False)
+        export_run(tmp_path / "no-such-run", dest, model_factory=GPT_FACTORY, show_progress=False)
 
 
 def test_damaged_source_generation_is_refused_before_any_copy(run_dir, tmp_path):
@@ -220,13 +227,13 @@ def test_damaged_source_generation_is_refused_before_any_copy(run_dir, tmp_path)
     _flip_byte(run / "step_000020.bin")
     dest = tmp_path / "dest"
     with pytest.raises(IntegrityError) as info:
-        export_run(run, dest, step=20, show_progress=False)
+        export_run(run, dest, model_factory=GPT_FACTORY, step=20, show_progress=False)
     assert info.value.exit_code == 1 and "sha256" in str(info.value)
     assert not dest.exists(), "nothing may be written before the source is verified"
 
     # without --step the damaged newest generation is skipped, loudly, for the previous valid one
     with pytest.warns(CheckpointWarning, match="skipping generation 20"):
-        report = export_run(run, dest, show_progress=False)
+        report = export_run(run, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert report["step"] == 10 and report["source"]["skipped"][0]["step"] == 20
     assert not list(dest.rglob("step_000020*"))
 
@@ -240,7 +247,7 @@ def test_flipped_byte_in_the_destination_is_caught(bundle, tmp_path):
                     if e["path"] == "checkpoint/step_000020.bin")
     _flip_byte(target, 4096)
     with pytest.raises(IntegrityError) as info:
-        verify_export(dest)
+        verify_export(dest, model_factory=GPT_FACTORY)
     err = info.value
     assert err.exit_code == 1
     assert err.file == str(target) and err.expected == expected
@@ -255,10 +262,10 @@ def test_flipped_byte_in_the_destination_is_caught(bundle, tmp_path):
     shutil.copytree(src, dest)
     (dest / "config.json").write_text((dest / "config.json").read_text().replace('"n_layer": 2', '"n_layer": 3'))
     with pytest.raises(IntegrityError, match="config.json|size mismatch"):
-        verify_export(dest)
+        verify_export(dest, model_factory=GPT_FACTORY)
     (dest / MANIFEST_SHA).unlink()
     with pytest.raises(IntegrityError, match="not a complete export"):
-        verify_export(dest)
+        verify_export(dest, model_factory=GPT_FACTORY)
 
 
 @pytest.mark.parametrize("version", ["1e400", "-1", "2", "true", '"1"'])
@@ -278,12 +285,12 @@ def test_a_manifest_of_an_unknown_version_is_refused_even_with_its_hash_recomput
     (dest / MANIFEST_SHA).write_text("".join(
         f"{digest}  {MANIFEST_JSON}\n" if line.endswith(MANIFEST_JSON) else line + "\n" for line in lines))
     with pytest.raises(IntegrityError, match="format_version") as info:
-        verify_export(dest)
+        verify_export(dest, model_factory=GPT_FACTORY)
     assert info.value.exit_code == 1
 
 
 def test_a_failed_reload_leaves_no_complete_looking_bundle(run_dir, tmp_path, monkeypatch):
-    import ripresa.export as export_mod
+    import ripresa.tools.export as export_mod
 
     def broken(model, where):
         raise IntegrityError("the reloaded model gives non-finite logits", file=where)
@@ -291,11 +298,11 @@ def test_a_failed_reload_leaves_no_complete_looking_bundle(run_dir, tmp_path, mo
     monkeypatch.setattr(export_mod, "_probe_forward", broken)
     dest = tmp_path / "dest"
     with pytest.raises(IntegrityError) as info:
-        export_run(run_dir, dest, show_progress=False)
+        export_run(run_dir, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert MANIFEST_SHA in (info.value.hint or "")
     assert not (dest / MANIFEST_SHA).exists()
     with pytest.raises(IntegrityError, match="not a complete export"):
-        verify_export(dest)
+        verify_export(dest, model_factory=GPT_FACTORY)
 
 
 # ----------------------------------------------------------------------------- inference export
@@ -306,7 +313,7 @@ def test_inference_export_loads_with_safetensors_and_generates(run_dir, tmp_path
     from safetensors.torch import load_file
 
     dest = tmp_path / "inference"
-    report = export_run(run_dir, dest, inference=True, show_progress=False)
+    report = export_run(run_dir, dest, model_factory=GPT_FACTORY, inference=True, show_progress=False)
     assert report["kind"] == "inference" and report["verified"] and report["step"] == 20
     reload = report["verification"]["reload"]
     assert reload["bit_identical_to_source"] is True and len(reload["sample"]["completion"]) > 0
@@ -337,7 +344,7 @@ def test_inference_export_loads_with_safetensors_and_generates(run_dir, tmp_path
         assert subprocess.run(["sha256sum", "-c", MANIFEST_SHA], cwd=dest, capture_output=True).returncode == 0
 
     with pytest.raises(OutputExists):  # the destination is now full
-        export_run(run_dir, dest, inference=True, show_progress=False)
+        export_run(run_dir, dest, model_factory=GPT_FACTORY, inference=True, show_progress=False)
 
 
 # ----------------------------------------------------------------------------- the proof of resume
@@ -380,25 +387,25 @@ def test_training_resumes_from_the_bundle_following_its_readme(bundle, run_dir, 
 
 
 def test_pivoted_and_forked_runs_export_archive_lineage_and_notes(run_dir, tmp_path):
-    from ripresa.fork import fork
-    from ripresa.pivot import pivot
+    from ripresa.engine.fork import fork
+    from ripresa.engine.pivot import pivot
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     pivot(run, caps=["stdlib-code=0.5"])  # moves .state.json into archive/pivot_000020/, edits config.json
     dest = tmp_path / "pivoted"
-    report = export_run(run, dest, show_progress=False)
+    report = export_run(run, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert (dest / "metrics/archive/pivot_000020/state.json").read_bytes() == \
         (run / "archive/pivot_000020/.state.json").read_bytes()
     assert not (dest / "metrics/state.json").exists()
     assert (dest / "config.json").read_bytes() == (run / "config.json").read_bytes()
     assert any("differs from the config this generation was saved with" in n for n in report["notes"])
-    assert verify_export(dest)["verified"]
+    assert verify_export(dest, model_factory=GPT_FACTORY)["verified"]
 
     child = tmp_path / "child"
     fork(run_dir, 10, child)
     dest = tmp_path / "forked"
-    report = export_run(child, dest, show_progress=False)
+    report = export_run(child, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert report["step"] == 10
     assert (dest / "lineage.json").read_bytes() == (child / "lineage.json").read_bytes()
     assert "lineage.json" in (dest / "README.md").read_text()
@@ -422,7 +429,7 @@ def test_a_run_of_another_training_script_exports_without_a_forward_pass(tmp_pat
         ckpt.step_done(step, loss=float(loss.detach()))
     ckpt.close()
     dest = tmp_path / "dest"
-    report = export_run(run, dest, show_progress=False)
+    report = export_run(run, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert report["verified"] and report["step"] == 10
     assert report["verification"]["reload"]["forward"].startswith("skipped")
     assert not (dest / "parameters.json").exists()

@@ -37,11 +37,11 @@ from faults.common import (
 )
 
 import ripresa
-from ripresa import auth
 from ripresa.cli import main as cli_main
 from ripresa.errors import BadInput, IntegrityError
-from ripresa.history import read_history
-from ripresa.store import CheckpointStore, generation_paths
+from ripresa.io import auth
+from ripresa.store.history import read_history
+from ripresa.store.store import CheckpointStore, generation_paths
 
 N = 500
 OTHER_KEY = b"another-key-that-is-long-enough!"
@@ -238,7 +238,7 @@ def test_signature_format_and_constant_time_compare(tmp_path, monkeypatch):
     assert quiet_store(folder, require_signature=True, hmac_key=KEY).check(2).valid
     assert calls
     # commit order: the signature is durable before the marker is written
-    from ripresa import fsio
+    from ripresa.io import fsio
 
     events = []
     fsio.ops.hook = lambda op, path: events.append((op, os.path.basename(path)))

@@ -33,8 +33,8 @@ from faults.common import (
 )
 
 from ripresa.errors import LockHeld, RipresaError
-from ripresa.retention import KeepLast
-from ripresa.store import CheckpointStore
+from ripresa.store.retention import KeepLast
+from ripresa.store.store import CheckpointStore
 
 N = 2000
 WRITERS = 4

@@ -44,12 +44,12 @@ from faults.common import (
 )
 
 import ripresa
-from ripresa import fsio
 from ripresa.errors import SaveFailed
 from ripresa.formats.andrea_bin import read_bin
-from ripresa.history import read_history
-from ripresa.retention import KeepLast
-from ripresa.store import CheckpointStore
+from ripresa.io import fsio
+from ripresa.store.history import read_history
+from ripresa.store.retention import KeepLast
+from ripresa.store.store import CheckpointStore
 
 N = 20_000  # a 240 KB .bin: 59 pages of 4 KiB
 PAGE = 4096

@@ -48,12 +48,12 @@ from faults.common import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ripresa import fsio
 from ripresa.errors import IntegrityError, RipresaError, SchemaError
 from ripresa.formats import companion as companion_fmt
 from ripresa.formats.andrea_bin import read_bin, read_header
 from ripresa.formats.torch_pt import load_checkpoint
-from ripresa.store import CheckpointStore, generation_paths
+from ripresa.io import fsio
+from ripresa.store.store import CheckpointStore, generation_paths
 
 HOSTILE = Path(__file__).resolve().parent / "fixtures" / "hostile"
 MANIFEST = json.loads((HOSTILE / "manifest.json").read_text())

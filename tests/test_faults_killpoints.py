@@ -48,12 +48,12 @@ from faults.common import (
     tiny_pt_state,
 )
 
-from ripresa import fsio
 from ripresa.errors import RipresaError
 from ripresa.formats.torch_pt import load_checkpoint, save_checkpoint
-from ripresa.history import History, read_history
-from ripresa.retention import KeepLast
-from ripresa.store import CheckpointStore
+from ripresa.io import fsio
+from ripresa.store.history import History, read_history
+from ripresa.store.retention import KeepLast
+from ripresa.store.store import CheckpointStore
 
 N = 3000  # params: a 36 KB .bin, four writes (header, weights, m, v)
 #: A .bin whose regions are >= 1 MiB each: fsio hashes them in its helper thread while they are written.
@@ -371,7 +371,7 @@ def test_sigkill_during_history_appends(tmp_path):
 SCRIPT = """
 import sys
 from pathlib import Path
-from ripresa.fsio import write_atomic
+from ripresa.io.fsio import write_atomic
 out = Path(sys.argv[1])
 write_atomic(out / "a.json", [b"A" * 5000])
 write_atomic(out / "b.json", [b"B" * 3000, b"b" * 3000])

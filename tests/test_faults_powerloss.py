@@ -36,12 +36,12 @@ from faults.common import (
 )
 from faults.powerloss import Replay, materialise, snapshot
 
-from ripresa import fsio
 from ripresa.errors import RipresaError
 from ripresa.formats.torch_pt import load_checkpoint, save_checkpoint
-from ripresa.history import History, read_history
-from ripresa.retention import KeepLast
-from ripresa.store import CheckpointStore
+from ripresa.io import fsio
+from ripresa.store.history import History, read_history
+from ripresa.store.retention import KeepLast
+from ripresa.store.store import CheckpointStore
 
 N = 3000
 FIXED_MODES = ("synced", "all", "meta-first", "data-first")

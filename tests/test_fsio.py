@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ripresa import fsio
 from ripresa.errors import BadInput, IntegrityError, SaveFailed
-from ripresa.fsio import (
+from ripresa.io import fsio
+from ripresa.io.fsio import (
     SIDECAR_MAX,
     Digest,
     StagedFile,

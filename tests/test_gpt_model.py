@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ripresa import BadInput
-from ripresa.gpt import CONFIGS, GPT, TRAIN_DEFAULTS, builtin_source, from_config_dict
-from ripresa.gpt.sources import CropSampler
+from ripresa.engine.gpt import CONFIGS, GPT, TRAIN_DEFAULTS, builtin_source, from_config_dict
+from ripresa.engine.gpt.sources import CropSampler
 
 TINY = CONFIGS["tiny"]
 

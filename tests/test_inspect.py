@@ -20,11 +20,11 @@ import pytest
 import torch
 from conftest import ripresa_cli
 
-from ripresa import inspect as insp
 from ripresa.errors import BadInput
 from ripresa.formats.andrea_bin import BinArrays, describe_missing
-from ripresa.retention import KeepLast
-from ripresa.store import CheckpointStore, generation_paths
+from ripresa.store.retention import KeepLast
+from ripresa.store.store import CheckpointStore, generation_paths
+from ripresa.tools import inspect as insp
 
 TOP_KEYS = {
     "schema", "schema_version", "path", "kind", "ok", "exit_code", "problems", "warnings", "notes",
@@ -130,7 +130,7 @@ def test_valid_bin_cli_json_has_documented_keys_and_exit_0(tmp_path):
     res, doc = cli_json(run / "step_000004.bin")
     assert res.returncode == 0, res.stderr
     assert set(doc) == TOP_KEYS and doc["kind"] == "bin" and doc["ok"] is True
-    assert doc["schema"] == "ripresa.inspect" and doc["schema_version"] == 1
+    assert doc["schema"] == "ripresa.tools.inspect" and doc["schema_version"] == 1
     assert doc["checkpoint"] is None and doc["run"] is None
     assert set(doc["bin"]) == BIN_KEYS
     assert set(doc["bin"]["regions"]) == {"weights", "m", "v"}

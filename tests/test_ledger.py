@@ -1,9 +1,9 @@
 """The batch-inference ledger (DESIGN §1): real runs, real SIGKILLs, exactly once.
 
 A tiny run folder is trained once (two generations, steps 10 and 20). The
-reference ledger is written by a ``python -m ripresa.ledger`` process. The
+reference ledger is written by a ``python -m ripresa.engine.ledger`` process. The
 killed jobs are real processes too, forked by a small fork server ("zygote")
-that has imported torch once: each child runs ``ripresa.ledger.main`` with one
+that has imported torch once: each child runs ``ripresa.engine.ledger.main`` with one
 torch thread, opens and locks the ledger itself, and is killed with a real
 SIGKILL — only the 1-2 s of torch start-up per kill is saved, which keeps 20+
 kills inside the time budget on a busy 2-core box. The test knobs ``--sleep``
@@ -69,13 +69,13 @@ def inputs(tmp_path_factory) -> Path:
 
 
 def child_argv(run: Path, inputs: Path, out: Path, *extra: str) -> list[str]:
-    return [PY, "-m", "ripresa.ledger", str(run), "--inputs", str(inputs), "--out", str(out),
+    return [PY, "-m", "ripresa.engine.ledger", str(run), "--inputs", str(inputs), "--out", str(out),
             "--max-new-tokens", TOKENS, "--threads", "1", "--quiet", *extra]
 
 
 def run_main(capsys, run: Path, inputs: Path, out: Path, *extra: str) -> tuple[int, str, str]:
     """The same entry point in this process (no torch start-up): (exit code, stdout, stderr)."""
-    from ripresa.ledger import main
+    from ripresa.engine.ledger import main
 
     code = main([str(a) for a in child_argv(run, inputs, out, *extra)[3:]])
     captured = capsys.readouterr()
@@ -111,8 +111,8 @@ ZYGOTE = r"""
 import json, os, sys
 import torch
 torch.set_num_threads(1)
-import ripresa.ledger
-from ripresa import fsio
+import ripresa.engine.ledger
+from ripresa.io import fsio
 for line in sys.stdin:
     cmd = json.loads(line)
     sys.stdout.flush()
@@ -127,7 +127,7 @@ for line in sys.stdin:
                 os.close(f)
             os.environ.update(cmd["env"])
             fsio._install_env_kill_hook()  # RIPRESA_CRASH_AT, as a fresh process reads it at import
-            code = ripresa.ledger.main(cmd["argv"])
+            code = ripresa.engine.ledger.main(cmd["argv"])
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
@@ -186,7 +186,7 @@ class Child:
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
-    """``spawn(run, inputs, out, *extra, env=...) -> Child``: a forked ``ripresa.ledger.main``."""
+    """``spawn(run, inputs, out, *extra, env=...) -> Child``: a forked ``ripresa.engine.ledger.main``."""
     folder = tmp_path_factory.mktemp("zygote")
     proc = subprocess.Popen([PY, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             env=ENV, text=True, bufsize=1)
@@ -373,7 +373,7 @@ def test_changed_inputs_refused_exit_2(run_dir, inputs, reference, tmp_path, in_
 
 
 def test_changed_step_and_settings_refused(run_dir, inputs, reference, tmp_path, in_process_torch):
-    from ripresa.ledger import generate_batch
+    from ripresa.engine.ledger import generate_batch
 
     ref_out, ref = reference
     out = copy_ledger(ref_out, tmp_path / "out.jsonl")  # bound to step 20 (the latest)
@@ -409,7 +409,7 @@ def test_changed_step_and_settings_refused(run_dir, inputs, reference, tmp_path,
 
 
 def test_concurrent_second_writer_refused(run_dir, inputs, reference, tmp_path, in_process_torch, zygote):
-    from ripresa.ledger import generate_batch
+    from ripresa.engine.ledger import generate_batch
 
     _, ref = reference
     out = tmp_path / "out.jsonl"
@@ -432,7 +432,7 @@ def test_concurrent_second_writer_refused(run_dir, inputs, reference, tmp_path, 
 
 
 def test_duplicate_id_is_an_integrity_error(run_dir, inputs, reference, tmp_path, in_process_torch):
-    from ripresa.ledger import generate_batch
+    from ripresa.engine.ledger import generate_batch
 
     ref_out, _ = reference
     out = copy_ledger(ref_out, tmp_path / "out.jsonl")
@@ -459,8 +459,8 @@ def test_duplicate_id_is_an_integrity_error(run_dir, inputs, reference, tmp_path
 def test_failed_fsync_removes_its_record(run_dir, inputs, reference, tmp_path, in_process_torch):
     """A record whose fsync failed is taken out again (its durability is unknown) and the
     job stops; the next start redoes exactly that item."""
-    from ripresa import fsio
-    from ripresa.ledger import generate_batch
+    from ripresa.engine.ledger import generate_batch
+    from ripresa.io import fsio
 
     _, ref = reference
     out = tmp_path / "out.jsonl"
@@ -490,7 +490,7 @@ def test_failed_fsync_removes_its_record(run_dir, inputs, reference, tmp_path, i
 
 
 def test_read_inputs_and_item_seed(tmp_path):
-    from ripresa.ledger import item_seed, read_inputs
+    from ripresa.engine.ledger import item_seed, read_inputs
 
     p = tmp_path / "in.txt"
     p.write_bytes(b"a\r\n\nb\xc3\xa8")
@@ -518,7 +518,7 @@ def test_a_sparse_gigabyte_ledger_line_is_refused_in_bounded_memory(tmp_path):
         "import os, resource, sys\n"
         "from pathlib import Path\n"
         "from ripresa.errors import IntegrityError\n"
-        "from ripresa.ledger import _read_fd_all\n"
+        "from ripresa.engine.ledger import _read_fd_all\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
         "try:\n"

@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 
 from ripresa.errors import BadInput, LockHeld
-from ripresa.lock import LOCK_NAME, RunLock, pid_alive, read_lock_holder
+from ripresa.io.lock import LOCK_NAME, RunLock, pid_alive, read_lock_holder
 
-# Children import ripresa.lock directly: the package's __init__ imports its
+# Children import ripresa.io.lock directly: the package's __init__ imports its
 # public names lazily, so this loads neither torch nor anything but lock.py and
 # errors.py.
 PRELUDE = """
 import os, sys, time
 from ripresa.errors import LockHeld
-from ripresa.lock import RunLock, read_lock_holder
+from ripresa.io.lock import RunLock, read_lock_holder
 assert "torch" not in sys.modules
 """
 
@@ -293,7 +293,7 @@ def test_missing_folder_and_missing_lock_file(tmp_path: Path) -> None:
 
 
 def test_held_lock_without_a_pid_is_reported(tmp_path: Path, spawn, monkeypatch) -> None:
-    monkeypatch.setattr("ripresa.lock._HOLDER_WAIT_S", 0.05)
+    monkeypatch.setattr("ripresa.io.lock._HOLDER_WAIT_S", 0.05)
     holder = spawn(HOLDER, tmp_path)
     assert _line(holder) == f"locked {holder.pid}"
     (tmp_path / LOCK_NAME).write_text("garbage")  # something rewrote the holder's content
@@ -354,7 +354,7 @@ def test_pid_alive_never_addresses_a_group_and_never_raises() -> None:
 
 
 def test_lock_that_names_no_valid_pid_is_reported_not_raised(tmp_path: Path, spawn, monkeypatch) -> None:
-    monkeypatch.setattr("ripresa.lock._HOLDER_WAIT_S", 0.05)
+    monkeypatch.setattr("ripresa.io.lock._HOLDER_WAIT_S", 0.05)
     holder = spawn(HOLDER, tmp_path)
     assert _line(holder) == f"locked {holder.pid}"
     genuine = (tmp_path / LOCK_NAME).read_bytes().split(b"\n")[1]

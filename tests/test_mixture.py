@@ -14,8 +14,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ripresa.errors import BadInput, SchemaError
-from ripresa.mixture import (
+from ripresa.engine.mixture import (
     SUM_TOL,
     BanditMixture,
     MixturePolicy,
@@ -24,6 +23,7 @@ from ripresa.mixture import (
     parse_policy_args,
     project_to_box,
 )
+from ripresa.errors import BadInput, SchemaError
 
 ARMS = ["code", "web", "books"]
 

@@ -10,9 +10,9 @@ import numpy as np
 from conftest import ripresa_cli, ripresa_train_proc, wait_for_step
 
 from ripresa.formats.andrea_bin import read_bin
-from ripresa.history import read_history
-from ripresa.lock import read_lock_holder
-from ripresa.store import CheckpointStore
+from ripresa.io.lock import read_lock_holder
+from ripresa.store.history import read_history
+from ripresa.store.store import CheckpointStore
 
 FAST = ["--quiet", "--threads", "1", "--set", "train.batch_size=4"]
 

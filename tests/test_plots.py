@@ -17,9 +17,9 @@ import pytest
 from matplotlib.image import imread
 from rich.console import Console
 
-from ripresa import plots
+from ripresa.engine import plots
 from ripresa.errors import BadInput
-from ripresa.history import HISTORY_NAME, History, read_history
+from ripresa.store.history import HISTORY_NAME, History, read_history
 
 FAST = ["--config", "tiny", "--quiet", "--threads", "1", "--no-audit", "--set", "train.batch_size=4"]
 HI = ["--set", "train.lr=0.01"]

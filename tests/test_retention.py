@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ripresa.errors import BadInput
-from ripresa.retention import (
+from ripresa.store.retention import (
     DEFAULT_RETENTION,
     KeepAny,
     KeepEvery,

@@ -1,7 +1,7 @@
 """Hostile run folders: one way to open a file (issue #10, classes 4, 5, 6).
 
 Every file of a run folder, bundle or ledger is opened through
-:func:`ripresa.fsio.open_run_file` / :func:`ripresa.fsio.read_small`:
+:func:`ripresa.io.fsio.open_run_file` / :func:`ripresa.io.fsio.read_small`:
 symlinks are refused, FIFOs never block, sizes are bounded before any
 allocation (``docs/FAULTS.md``).
 """
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ripresa import fsio
+from ripresa.engine.gpt.factory import GPT_FACTORY
 from ripresa.errors import BadInput, IntegrityError
+from ripresa.io import fsio
 
 MODES = ("read", "append", "create_append")
 
@@ -127,7 +128,7 @@ def test_temp_name_of_a_dead_writer_is_cleaned(tmp_path):
 
 @pytest.mark.parametrize("kind", ["symlink", "dangling", "fifo", "folder", "socket"])
 def test_history_writer_refuses_what_is_not_a_regular_file(tmp_path, kind):
-    from ripresa.history import History
+    from ripresa.store.history import History
 
     run = tmp_path / "run"
     run.mkdir()
@@ -141,7 +142,7 @@ def test_history_writer_refuses_what_is_not_a_regular_file(tmp_path, kind):
 
 
 def test_history_torn_line_repair_reads_the_file_it_appends_to(tmp_path):
-    from ripresa.history import History, read_history
+    from ripresa.store.history import History, read_history
 
     p = tmp_path / ".loss.jsonl"
     p.write_bytes(b'{"step":1,"loss":2.0}\n{"step":2,"lo')
@@ -155,7 +156,7 @@ def test_history_torn_line_repair_reads_the_file_it_appends_to(tmp_path):
 
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "folder"])
 def test_history_readers_refuse_links_and_fifos(tmp_path, kind):
-    from ripresa.history import iter_lines, read_history
+    from ripresa.store.history import iter_lines, read_history
 
     p = tmp_path / ".loss.jsonl"
     _make(kind, p, tmp_path / "outside.jsonl")
@@ -166,7 +167,7 @@ def test_history_readers_refuse_links_and_fifos(tmp_path, kind):
 
 
 def test_history_reader_skips_and_counts_long_and_out_of_range_lines(tmp_path):
-    from ripresa.history import MAX_LINE, HistoryReader, read_history
+    from ripresa.store.history import MAX_LINE, HistoryReader, read_history
 
     p = tmp_path / ".loss.jsonl"
     lines = [
@@ -195,7 +196,7 @@ def test_history_reader_skips_and_counts_long_and_out_of_range_lines(tmp_path):
 
 def test_history_reader_small_line_limit_streams(tmp_path):
     """The limit holds across read chunks: a line straddling many chunks is skipped, the next one read."""
-    from ripresa.history import HistoryReader
+    from ripresa.store.history import HistoryReader
 
     p = tmp_path / ".loss.jsonl"
     p.write_bytes(b'{"step":1}\n' + b"z" * (3 << 20) + b'\n{"step":2}\n')
@@ -207,7 +208,7 @@ def test_history_reader_small_line_limit_streams(tmp_path):
 
 _RSS_CHILD = r"""
 import resource, sys
-from ripresa.history import read_history
+from ripresa.store.history import read_history
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 view = read_history(sys.argv[1])
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -287,9 +288,9 @@ def _no_traceback(res) -> None:
 
 
 def test_export_and_fork_carry_the_signature(run_copy, tmp_path):
-    from ripresa.export import export_run
+    from ripresa.tools.export import export_run
 
-    report = export_run(run_copy, tmp_path / "bundle", show_progress=False)
+    report = export_run(run_copy, tmp_path / "bundle", model_factory=GPT_FACTORY, show_progress=False)
     sig = "checkpoint/step_000020.bin.hmac"
     assert sig in {f["path"] for f in report["files"]}
     assert (tmp_path / "bundle" / sig).read_bytes() == (run_copy / "step_000020.bin.hmac").read_bytes()
@@ -310,7 +311,7 @@ HOSTILE_EXPORT_FILES = [".state.json"] + [pytest.param(n, marks=SLOW) for n in (
 
 @pytest.mark.parametrize("name", HOSTILE_EXPORT_FILES)
 def test_export_refuses_a_symlink_and_leaks_nothing(run_copy, tmp_path, name):
-    from ripresa.export import export_run
+    from ripresa.tools.export import export_run
 
     private = tmp_path / "private"
     private.mkdir()
@@ -327,7 +328,7 @@ def test_export_refuses_a_symlink_and_leaks_nothing(run_copy, tmp_path, name):
         os.symlink(private / "secret.txt", target)
     dest = tmp_path / "bundle"
     with pytest.raises((BadInput, IntegrityError)) as info:
-        export_run(run_copy, dest, show_progress=False)
+        export_run(run_copy, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert "symlink" in (str(info.value.found) + info.value.message)
     _no_secret_under(dest)
     assert not (dest / "MANIFEST.sha256").exists()
@@ -346,10 +347,10 @@ def test_export_refuses_a_fifo_without_hanging(run_copy, tmp_path, name):
 
 @pytest.mark.parametrize("rel", ["metrics/state.json", pytest.param("MANIFEST.json", marks=SLOW)])
 def test_export_verify_fails_on_a_bundle_holding_a_symlink(run_copy, tmp_path, rel):
-    from ripresa.export import export_run
+    from ripresa.tools.export import export_run
 
     dest = tmp_path / "bundle"
-    export_run(run_copy, dest, show_progress=False)
+    export_run(run_copy, dest, model_factory=GPT_FACTORY, show_progress=False)
     if True:
         d2 = tmp_path / f"b-{rel.replace('/', '_')}"
         shutil.copytree(dest, d2, symlinks=True)
@@ -403,9 +404,9 @@ def test_train_refuses_a_config_that_does_not_fit_its_checkpoints(run_copy):
 
 def test_export_refuses_a_config_that_does_not_fit_the_bin_before_building(run_copy, tmp_path):
     from ripresa.errors import SchemaError
-    from ripresa.export import _build_gpt
+    from ripresa.tools.export import _build_model
 
     cfg = json.loads((run_copy / "config.json").read_text())
     big = dict(cfg["model"], n_layer=48, n_embd=1024, n_head=16)  # under the size cap, not the .bin's
     with pytest.raises(SchemaError, match="does not match the checkpoint"):
-        _build_gpt(big, run_copy / "config.json", 136_960)
+        _build_model(GPT_FACTORY, big, run_copy / "config.json", 136_960)

@@ -14,7 +14,7 @@ import pytest
 from conftest import EXAMPLES, popen, valid_steps, wait_for_step
 
 from ripresa.formats.andrea_bin import read_bin
-from ripresa.history import History, read_history
+from ripresa.store.history import History, read_history
 
 LOOP = EXAMPLES / "loop" / "train.py"
 

@@ -28,7 +28,7 @@ import pytest
 
 import ripresa
 from ripresa.errors import BadInput
-from ripresa.lock import (
+from ripresa.io.lock import (
     LOCK_NAME,
     NotRunning,
     RunLock,
@@ -44,7 +44,7 @@ ENV = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
 # every SIGUSR1/SIGTERM it gets into a file instead of acting on it.
 HOLDER = """
 import os, signal, sys, time
-from ripresa.lock import RunLock
+from ripresa.io.lock import RunLock
 log = sys.argv[2]
 def on(sig, frame):
     with open(log, "a") as f:
@@ -322,7 +322,7 @@ def test_read_lock_holder_never_raises_anything_but_badinput(holder) -> None:
 
 
 def test_pivot_stop_trainer_refuses_a_forged_lock(holder, procs) -> None:
-    from ripresa.pivot import stop_trainer
+    from ripresa.engine.pivot import stop_trainer
 
     run, proc, log = holder
     sleeper = _sleeper(procs)
@@ -349,7 +349,7 @@ def test_signal_never_imports_torch(tmp_path: Path) -> None:
                          capture_output=True, text=True, env=ENV, timeout=60)
     assert res.returncode == 2
     imported = [line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")]
-    assert "ripresa.lock" in imported and not [m for m in imported if m.split(".")[0] == "torch"]
+    assert "ripresa.io.lock" in imported and not [m for m in imported if m.split(".")[0] == "torch"]
 
 
 def test_every_public_name_still_imports() -> None:
@@ -373,7 +373,7 @@ def test_lock_records_host_boot_and_namespace(tmp_path: Path) -> None:
 
 def test_fdinfo_and_proc_locks_name_the_real_holder(holder, procs) -> None:
     # The two kernel records signal_holder trusts, read for a real holder and a bystander.
-    from ripresa.lock import _holds_lock, _proc_locks_holder
+    from ripresa.io.lock import _holds_lock, _proc_locks_holder
 
     run, proc, log = holder
     st = os.stat(run / LOCK_NAME)
@@ -389,7 +389,7 @@ def test_fdinfo_and_proc_locks_name_the_real_holder(holder, procs) -> None:
 # which must fall back to /proc/locks (world-readable) to recognise it.
 NONDUMPABLE_HOLDER = """
 import ctypes, os, signal, sys, time
-from ripresa.lock import RunLock
+from ripresa.io.lock import RunLock
 log = sys.argv[2]
 def on(sig, frame):
     with open(log, "a") as f:
@@ -419,7 +419,7 @@ AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-group
 def _nobody_can_run_python() -> bool:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         return False
-    res = subprocess.run([*AS_NOBODY, sys.executable, "-c", "import ripresa.lock, os; print(os.geteuid())"],
+    res = subprocess.run([*AS_NOBODY, sys.executable, "-c", "import ripresa.io.lock, os; print(os.geteuid())"],
                          capture_output=True, text=True, env=ENV, timeout=60, cwd="/")
     return res.returncode == 0 and res.stdout.strip() == str(NOBODY)
 
@@ -470,7 +470,7 @@ def test_unreadable_proc_fd_falls_back_to_the_kernel_lock_table(procs) -> None:
 def test_torchrun_forwards_only_to_its_own_children(procs) -> None:
     # The launcher's forwarding: a real child gets the signal; a live process that
     # is not our child (a pid a reaped child may have left for reuse) does not.
-    from ripresa.torchrun import _forward, _send_to_child, children
+    from ripresa.session.torchrun import _forward, _send_to_child, children
 
     child = subprocess.Popen(["sleep", "60"])
     procs.append(child)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ripresa import BadInput, IdentityMismatch, RandomStreams, SchemaError
-from ripresa.gpt import sources as S
-from ripresa.gpt.sources import (
+from ripresa.engine.gpt import sources as S
+from ripresa.engine.gpt.sources import (
     BUILTIN_SOURCES,
     DEFAULT_MAX_BYTES,
     CropSampler,

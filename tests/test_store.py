@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import ripresa
-from ripresa import fsio
-from ripresa.async_save import AsyncCheckpointWriter
-from ripresa.bin_state import bin_arrays, companion_snapshot, join_state
 from ripresa.formats.andrea_bin import BinArrays
-from ripresa.retention import KeepLast
-from ripresa.store import CheckpointStore, CheckpointWarning, generation_paths
+from ripresa.formats.bin_state import bin_arrays, companion_snapshot, join_state
+from ripresa.io import fsio
+from ripresa.store.async_save import AsyncCheckpointWriter
+from ripresa.store.retention import KeepLast
+from ripresa.store.store import CheckpointStore, CheckpointWarning, generation_paths
 
 
 def arrays_for(step: int, n: int) -> BinArrays:
@@ -120,7 +120,7 @@ def test_retention_keeps_last_n_and_never_the_newest_valid(tmp_path):
 
 def test_second_writer_is_refused(tmp_path):
     code = (
-        "import sys, time; from ripresa.store import CheckpointStore;"
+        "import sys, time; from ripresa.store.store import CheckpointStore;"
         "s = CheckpointStore(sys.argv[1]); print('locked', flush=True); time.sleep(30)"
     )
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

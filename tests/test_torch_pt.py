@@ -18,7 +18,7 @@ from conftest import TRAIN, train, tree_digest
 
 import ripresa
 from ripresa.formats.torch_pt import load_checkpoint, save_checkpoint
-from ripresa.fsio import sidecar_path
+from ripresa.io.fsio import sidecar_path
 
 
 def _copy_run(src, dst):
@@ -44,7 +44,7 @@ def test_no_temporary_file_is_left_and_sidecar_is_last(tmp_path, interrupted_run
     ck = load_checkpoint(interrupted_run / "checkpoint.pt")
     out = tmp_path / "c.pt"
     events = []
-    from ripresa import fsio
+    from ripresa.io import fsio
 
     fsio.ops.hook = lambda op, path: events.append((op, os.path.basename(path)))
     try:
@@ -114,7 +114,7 @@ def test_wrong_hash(tmp_path, interrupted_run):
 
 
 def _rehash(path):
-    ripresa.fsio.write_sidecar(path, ripresa.fsio.sha256_file(path))
+    ripresa.io.fsio.write_sidecar(path, ripresa.io.fsio.sha256_file(path))
 
 
 def test_wrong_schema_with_valid_hash(tmp_path, interrupted_run):

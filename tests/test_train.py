@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from conftest import ripresa_cli, ripresa_train_proc, valid_steps, wait_for_step
 
+from ripresa.engine.gpt.model import CONFIGS
 from ripresa.formats.andrea_bin import read_bin
-from ripresa.gpt.model import CONFIGS
-from ripresa.history import read_history
+from ripresa.store.history import read_history
 
 FAST = ["--config", "tiny", "--quiet", "--set", "train.batch_size=4", "--threads", "1"]
 
@@ -171,7 +171,7 @@ def test_bin_size_formula_for_every_config(name):
     """8 + 12·n: tiny is checked on disk above; the big ones by their exact parameter count."""
     import torch
 
-    from ripresa.gpt.model import GPT
+    from ripresa.engine.gpt.model import GPT
 
     with torch.device("meta"):
         model = GPT(CONFIGS[name])

@@ -3,7 +3,7 @@ accepts; what it refuses, a resume refuses with a typed error (or skips for an o
 checked before anything is allocated, and no traceback reaches a user.
 
 Every hostile companion here is *hash-consistent*: its commit marker is recomputed, so only the structural
-validation (ripresa.state.validate_saved_state, shared by store.check(deep=True), store.load and inspect)
+validation (ripresa.core.state.validate_saved_state, shared by store.check(deep=True), store.load and inspect)
 stands between it and a resume.
 """
 
@@ -25,11 +25,11 @@ import pytest
 import torch
 
 import ripresa
-from ripresa.bin_state import bin_arrays, companion_snapshot
 from ripresa.cli import main as cli_main
 from ripresa.errors import BadInput, IntegrityError, RipresaError
-from ripresa.retention import KeepLast
-from ripresa.store import CheckpointStore
+from ripresa.formats.bin_state import bin_arrays, companion_snapshot
+from ripresa.store.retention import KeepLast
+from ripresa.store.store import CheckpointStore
 
 
 def _toy(seed=0):
@@ -244,7 +244,7 @@ def test_restore_refuses_a_scheduler_state_of_the_wrong_shape_with_a_typed_error
     before = [p.detach().clone() for p in st.model.parameters()]
     reader = CheckpointStore(run, writer=False)
     contents, comp = reader.load(3)
-    from ripresa.bin_state import join_state
+    from ripresa.formats.bin_state import join_state
 
     with pytest.raises(ripresa.SchemaError, match="scheduler"):
         st.restore(join_state(st, contents, comp))
@@ -367,7 +367,7 @@ def test_zip_bomb_checkpoint_pt_is_refused_from_its_directory_without_inflating(
 HUGE = r"""
 import json, resource, sys
 from ripresa.errors import BadInput
-from ripresa.gpt.model import GPT, from_config_dict
+from ripresa.engine.gpt.model import GPT, from_config_dict
 try:
     GPT(from_config_dict(json.loads(sys.argv[1])))
 except BadInput as exc:
@@ -389,8 +389,8 @@ def test_a_config_describing_a_huge_model_is_refused_before_allocation(shape):
 
 
 def test_model_for_generation_refuses_a_config_that_disagrees_with_the_weights():
-    from ripresa.gpt.config import model_for_generation
-    from ripresa.gpt.model import CONFIGS
+    from ripresa.engine.gpt.config import model_for_generation
+    from ripresa.engine.gpt.model import CONFIGS
 
     tiny = CONFIGS["tiny"].to_dict()
     assert model_for_generation(tiny, CONFIGS["tiny"].param_count()).n_embd == tiny["n_embd"]

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ripresa.history import HISTORY_NAME, History, read_history
-from ripresa.plots import compare_runs, plot_run
+from ripresa.store.history import HISTORY_NAME, History, read_history
+from ripresa.engine.plots import compare_runs, plot_run
 
 HERE = Path(__file__).resolve().parent
 FAST = ["--config", "tiny", "--quiet", "--threads", "1", "--no-audit", "--set", "train.batch_size=8"]

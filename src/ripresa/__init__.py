@@ -4,19 +4,19 @@
 activation checkpointing (recomputing activations in backward to save memory).
 """
 
-__version__ = "0.1.0"
-
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
 
 # Public names, imported on first use (PEP 562): `import ripresa.cli` and
 # `ripresa signal RUN stop` never import torch; `from ripresa import X` and
 # `ripresa.X` work for every name in __all__ as before.
 _LAZY: dict[str, str] = {
-    "AsyncCheckpointWriter": "async_save",
-    "StagingBuffers": "async_save",
-    "EpochSampler": "data",
+    "AsyncCheckpointWriter": "store.async_save",
+    "StagingBuffers": "store.async_save",
+    "EpochSampler": "core.data",
     "BadInput": "errors",
     "CheckFailed": "errors",
     "IdentityMismatch": "errors",
@@ -31,31 +31,32 @@ _LAZY: dict[str, str] = {
     "Checkpoint": "formats.torch_pt",
     "load_checkpoint": "formats.torch_pt",
     "save_checkpoint": "formats.torch_pt",
-    "History": "history",
-    "read_history": "history",
-    "RunLock": "lock",
-    "read_lock_holder": "lock",
-    "DEFAULT_RETENTION": "retention",
-    "KeepEvery": "retention",
-    "KeepLast": "retention",
-    "KeepSteps": "retention",
-    "parse_retention": "retention",
-    "RandomStreams": "rng",
-    "Checkpointer": "session",
-    "ForeignCheckpointWarning": "session",
-    "Progress": "state",
-    "Stateful": "state",
-    "TrainingState": "state",
-    "CheckpointStore": "store",
-    "CheckpointWarning": "store",
-    "Generation": "store",
-    "Trajectory": "trajectory",
-    "read_trajectory": "trajectory",
+    "History": "store.history",
+    "read_history": "store.history",
+    "RunLock": "io.lock",
+    "read_lock_holder": "io.lock",
+    "DEFAULT_RETENTION": "store.retention",
+    "KeepEvery": "store.retention",
+    "KeepLast": "store.retention",
+    "KeepSteps": "store.retention",
+    "parse_retention": "store.retention",
+    "RandomStreams": "core.rng",
+    "Checkpointer": "session.checkpointer",
+    "ForeignCheckpointWarning": "session.checkpointer",
+    "Progress": "core.state",
+    "Stateful": "core.state",
+    "TrainingState": "core.state",
+    "CheckpointStore": "store.store",
+    "CheckpointWarning": "store.store",
+    "Generation": "store.store",
+    "Trajectory": "verify.trajectory",
+    "read_trajectory": "verify.trajectory",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
-    from .async_save import AsyncCheckpointWriter, StagingBuffers
-    from .data import EpochSampler
+    from .core.data import EpochSampler
+    from .core.rng import RandomStreams
+    from .core.state import Progress, Stateful, TrainingState
     from .errors import (
         BadInput,
         CheckFailed,
@@ -70,20 +71,19 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
         VerificationFailed,
     )
     from .formats.torch_pt import Checkpoint, load_checkpoint, save_checkpoint
-    from .history import History, read_history
-    from .lock import RunLock, read_lock_holder
-    from .retention import DEFAULT_RETENTION, KeepEvery, KeepLast, KeepSteps, parse_retention
-    from .rng import RandomStreams
-    from .session import Checkpointer, ForeignCheckpointWarning
-    from .state import Progress, Stateful, TrainingState
-    from .store import CheckpointStore, CheckpointWarning, Generation
-    from .trajectory import Trajectory, read_trajectory
+    from .io.lock import RunLock, read_lock_holder
+    from .session.checkpointer import Checkpointer, ForeignCheckpointWarning
+    from .store.async_save import AsyncCheckpointWriter, StagingBuffers
+    from .store.history import History, read_history
+    from .store.retention import DEFAULT_RETENTION, KeepEvery, KeepLast, KeepSteps, parse_retention
+    from .store.store import CheckpointStore, CheckpointWarning, Generation
+    from .verify.trajectory import Trajectory, read_trajectory
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        # `import ripresa; ripresa.fsio.X`: a submodule, as the former eager imports allowed.
+        # `import ripresa; ripresa.io.fsio.X`: a submodule, as the former eager imports allowed.
         if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
             return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
 from .errors import BadInput, RipresaError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -49,7 +49,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import reference_exercise_command, render_verdict, verify_resume
+    from .verify.verify import reference_exercise_command, render_verdict, verify_resume
 
     command = args.trainer or reference_exercise_command()
     verdict = verify_resume(command, output=args.output, steps=args.steps, cut=args.cut, atol=args.tolerance, rtol=args.rtol)
@@ -71,7 +71,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .engine.demo import run_demo
 
     out = args.output or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     return run_demo(out)
@@ -89,7 +89,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         usage="ripresa inspect PATH [--json] [--check-finite] [--deep | --no-deep]",
     )
     p.add_argument("path", type=Path, help="a .bin, a checkpoint.pt or a run folder")
-    p.add_argument("--json", action="store_true", help="print one JSON document (keys: see ripresa.inspect) instead of tables")
+    p.add_argument("--json", action="store_true", help="print one JSON document (keys: see ripresa.tools.inspect) instead of tables")
     p.add_argument("--check-finite", action="store_true", help="fail (exit 1) on NaN/Inf in weights, m, v or any floating tensor")
     p.add_argument(
         "--deep",
@@ -104,10 +104,11 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect import error_report, inspect_path, render_report
+    from .tools.inspect import error_report, inspect_path, render_report
 
     if args.require_signature:
-        from .auth import check_generation_file, require_from_cli
+        from .io.auth import require_from_cli
+        from .store.store import check_generation_file
 
         require_from_cli("ripresa inspect --require-signature")
         if not args.path.is_dir():
@@ -165,12 +166,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .gpt.train import TrainArgs, run
+    from .engine.gpt.train import TrainArgs, run
 
     if args.steps is not None and args.steps < 0:
         raise BadInput("--steps must be >= 0", found=args.steps)
     if args.require_signature:
-        from .auth import require_from_cli
+        from .io.auth import require_from_cli
 
         require_from_cli("ripresa train --require-signature")
     return run(TrainArgs(
@@ -201,7 +202,7 @@ def _add_signal(sub: argparse._SubParsersAction) -> None:
 def _cmd_signal(args: argparse.Namespace) -> int:
     import signal as _signal
 
-    from .lock import signal_holder
+    from .io.lock import signal_holder
 
     sig = _signal.SIGUSR1 if args.action == "checkpoint" else _signal.SIGTERM
     holder = signal_holder(args.run, sig)
@@ -221,7 +222,7 @@ def _add_pivot(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_pivot(args: argparse.Namespace) -> int:
-    from .pivot import pivot
+    from .engine.pivot import pivot
 
     r = pivot(args.run, caps=args.caps, floors=args.floors, restart=args.restart, timeout=args.timeout)
     print(f"pivot at step {r['step']} (phase {r['phase']}): archived {r['archived'] or 'nothing'} into {r['archive']}")
@@ -243,7 +244,7 @@ def _add_fork(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_fork(args: argparse.Namespace) -> int:
-    from .fork import fork
+    from .engine.fork import fork
 
     r = fork(args.run, args.step, args.into, args.sets)
     print(f"forked {args.run} at step {r['step']} into {r['into']} (bin sha256 {r['bin_sha256'][:16]}…, overrides {r['overrides']})")
@@ -260,7 +261,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .plots import plot_run
+    from .engine.plots import plot_run
 
     print(f"wrote {plot_run(args.run, args.png)}")
     return 0
@@ -275,7 +276,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .plots import compare_runs, render_comparison
+    from .engine.plots import compare_runs, render_comparison
 
     result = compare_runs(args.runs, args.png)
     if args.json:
@@ -300,7 +301,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .ledger import main as ledger_main
+    from .engine.ledger import main as ledger_main
 
     return ledger_main(args.rest)
 
@@ -318,14 +319,15 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_run, render_export, verify_export
+    from .engine.gpt.factory import GPT_FACTORY
+    from .tools.export import export_run, render_export, verify_export
 
     if args.verify is not None:
-        report = verify_export(args.verify, show_progress=not args.json)
+        report = verify_export(args.verify, model_factory=GPT_FACTORY, show_progress=not args.json)
     else:
         if args.run is None or args.to is None:
             raise BadInput("ripresa export needs RUN and --to DEST", expected="ripresa export RUN --to DEST [--step N] [--inference]")
-        report = export_run(args.run, args.to, step=args.step, inference=args.inference, show_progress=not args.json)
+        report = export_run(args.run, args.to, model_factory=GPT_FACTORY, step=args.step, inference=args.inference, show_progress=not args.json)
     if args.json:
         import json
 
@@ -353,9 +355,10 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from .engine.gpt.factory import GPT_FACTORY
+    from .tools.convert import convert
 
-    r = convert(args.src, args.dest, config=args.config)
+    r = convert(args.src, args.dest, model_factory=GPT_FACTORY, config=args.config)
     if args.json:
         import json
 
@@ -418,8 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, trainer = _split_command(raw)
     command = own[0] if own else "ripresa"
     try:
-        if own[:1] == ["generate"]:  # its options are parsed by ripresa.ledger (one parser, one place)
-            from .ledger import main as ledger_main
+        if own[:1] == ["generate"]:  # its options are parsed by ripresa.engine.ledger (one parser, one place)
+            from .engine.ledger import main as ledger_main
 
             return ledger_main(own[1:])
         parser = build_parser()

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ripresa import fsio
 from ripresa.formats.andrea_bin import BinArrays
-from ripresa.store import CheckpointStore, CheckpointWarning
+from ripresa.io import fsio
+from ripresa.store.store import CheckpointStore, CheckpointWarning
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ Families:
 * ``bin``        — ANDREA ``.bin`` files read with :func:`ripresa.formats.andrea_bin.read_bin`;
 * ``pt``         — ``checkpoint.pt`` files (each with a *matching* ``.sha256``:
   the attacker can write both) read with :func:`ripresa.load_checkpoint`;
-* ``sidecar``    — ``.sha256`` sidecars for ``target.bin`` (:func:`ripresa.fsio.verify_against_sidecar`);
+* ``sidecar``    — ``.sha256`` sidecars for ``target.bin`` (:func:`ripresa.io.fsio.verify_against_sidecar`);
 * ``marker``     — two-line generation markers (placeholders ``@BIN_SHA@``, ``@COMP_SHA@``);
 * ``companion``  — generation companions (placeholders ``@BIN_SHA@``, ``@BIN_SIZE@``, ``@N@``;
   the test rewrites the marker to match, so only the intended defect remains).

@@ -1,6 +1,6 @@
 """What a power cut can leave on disk, replayed from recorded file operations (ALICE-style).
 
-:class:`Replay` consumes the :class:`ripresa.fsio.RecordedOp` records of a
+:class:`Replay` consumes the :class:`ripresa.io.fsio.RecordedOp` records of a
 save (``fsio.ops.recorder``) on top of a *baseline* (the folder's files before
 the save, all durable) and tracks, in a deliberately weak persistence model:
 
@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripresa.fsio import RecordedOp
+from ripresa.io.fsio import RecordedOp
 
 SECTOR = 512
 

@@ -10,11 +10,11 @@ Layout (all little-endian, nothing before, between or after)::
     total size      8 + 12 * n_params bytes, exactly
 
 The file has no magic and no checksum. ripresa keeps integrity *beside* it
-(``step_NNNNNN.bin.sha256``, written through :mod:`ripresa.fsio`) and never
+(``step_NNNNNN.bin.sha256``, written through :mod:`ripresa.io.fsio`) and never
 inside it, so a ``.bin`` written by ripresa is byte-for-byte what the ANDREA
 engine writes and reads.
 
-Writing streams per-parameter tensors straight into a :class:`~ripresa.fsio.StagedFile`
+Writing streams per-parameter tensors straight into a :class:`~ripresa.io.fsio.StagedFile`
 (which hashes in the same pass): no second full copy of the model is ever
 concatenated in memory. Reading validates the header and the size *before*
 allocating anything, so a damaged or hostile header cannot make ripresa
@@ -43,7 +43,7 @@ import numpy.typing as npt
 import torch
 
 from ..errors import BadInput, IntegrityError, SaveFailed, SchemaError
-from ..fsio import (
+from ..io.fsio import (
     CHUNK,
     Digest,
     StagedFile,
@@ -155,7 +155,7 @@ class BinHeader:
 def _open_regular(path: Path) -> tuple[int, int]:
     """Open ``path`` read-only; return ``(fd, size)``. Refuses non-regular files.
 
-    :func:`ripresa.fsio.open_regular` opens without blocking and checks the
+    :func:`ripresa.io.fsio.open_regular` opens without blocking and checks the
     open descriptor, so a FIFO never hangs the reader and what is read is
     exactly what was checked.
     """
@@ -529,7 +529,7 @@ def read_bin(
     Nothing is allocated before the header and the size are validated. The
     file is read *once*: with ``expected_sha256`` the regions are read
     straight into their preallocated arrays and hashed in the same pass
-    (:func:`ripresa.fsio.read_exact_hashing`), and the digest is compared
+    (:func:`ripresa.io.fsio.read_exact_hashing`), and the digest is compared
     before the arrays are returned (a mismatch is an
     :class:`~ripresa.errors.IntegrityError` naming the file, the expected and
     the found hash; the arrays are dropped). With ``mmap`` the mapped memory
@@ -542,7 +542,7 @@ def read_bin(
             :class:`~ripresa.errors.SchemaError` (exit 1).
         check_finite: reject NaN/Inf, naming the region and first bad index.
         expected_sha256: lowercase hex the file must hash to (e.g. from
-            :func:`ripresa.fsio.read_sidecar` or the companion).
+            :func:`ripresa.io.fsio.read_sidecar` or the companion).
         mmap: map the file copy-on-write instead of reading it (no
             allocation; the arrays are writable but never write back). The
             map is of the descriptor that was checked, not of the path.

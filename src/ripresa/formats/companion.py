@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError, SchemaError
-from ..fsio import read_small
+from ..io.fsio import read_small
 
 FORMAT = "ripresa.companion"
 FORMAT_VERSION = 1
@@ -205,7 +205,7 @@ def dumps(companion: Mapping[str, Any]) -> bytes:
 def read_companion(path: str | Path) -> dict[str, Any]:
     """Read and validate the companion's envelope; return the raw (encoded) document.
 
-    Read with :func:`ripresa.fsio.read_small` (no symlink, no FIFO, size bounded
+    Read with :func:`ripresa.io.fsio.read_small` (no symlink, no FIFO, size bounded
     before anything is allocated) and parsed with :func:`loads_bounded`.
     """
     p = Path(path)

@@ -7,7 +7,7 @@ One generation of an FSDP2 run::
         __R_0.distcp              the shards of rank R (one file per rank)
         ripresa.json              the companion: everything DCP does not hold
     step_NNNNNN.dcp.hmac          with an HMAC key: the signature, written right
-                                  before the marker (:func:`ripresa.auth.dcp_message`)
+                                  before the marker (:func:`ripresa.io.auth.dcp_message`)
     step_NNNNNN.dcp.sha256        the commit marker, written last: one
                                   ``sha256sum`` line per file of the folder
 
@@ -48,9 +48,16 @@ from typing import Any
 
 import torch
 
-from .. import auth
 from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed, SchemaError
-from ..fsio import fsync_dir, parse_json_bytes, read_small, sha256_file, sidecar_line, write_atomic
+from ..io import auth
+from ..io.fsio import (
+    fsync_dir,
+    parse_json_bytes,
+    read_small,
+    sha256_file,
+    sidecar_line,
+    write_atomic,
+)
 from . import companion as companion_fmt
 
 FORMAT = "ripresa.dcp"
@@ -167,13 +174,13 @@ def read_dcp_companion(folder: Path, expected_sha256: str | None = None) -> dict
     One bounded read (no symlink, no FIFO, at most :data:`MAX_COMPANION_BYTES`),
     then every field checked before it is used: ``step``, ``world_size`` (and
     ``state.extra.distributed`` against it, see
-    :func:`ripresa.distributed.check_distributed_record`), ``n_params``,
+    :func:`ripresa.core.schema.check_distributed_record`), ``n_params``,
     ``files``. Deep nesting, malformed fields and wrong types are all an
     :class:`~ripresa.errors.IntegrityError`.
     """
     import hashlib
 
-    from ..distributed import MAX_WORLD_SIZE, check_distributed_record
+    from ..core.schema import MAX_WORLD_SIZE, check_distributed_record
 
     p = Path(folder) / COMPANION_NAME
     raw = read_small(p, "companion", MAX_COMPANION_BYTES, error=IntegrityError)
@@ -215,7 +222,7 @@ def decode_state(doc: dict[str, Any], folder: Path) -> dict[str, Any]:
     try:
         state = companion_fmt.decode_tree(doc["state"])
         if isinstance(state, dict) and "format" in state:  # the one structural check a resume also runs
-            from ..state import validate_saved_state
+            from ..core.state import validate_saved_state
 
             validate_saved_state(state, where=p)
         return state
@@ -301,44 +308,6 @@ def dcp_generations(folder: Path, *, deep: bool = False) -> list[DcpGeneration]:
 KINDS = ("bin", "dcp")
 
 
-def latest_valid_of(folder: Path, kinds: tuple[str, ...], *, deep: bool = False, warn: bool = True,
-                    store: Any = None) -> Any:
-    """The newest valid generation among ``kinds`` (``"bin"``, ``"dcp"``), or None.
-
-    The caller passes the kinds it may resume: a single-process session only
-    ``("bin",)`` (the ``.dcp`` folders of its run folder are never read), a
-    sharded one ``("dcp", "bin")``. Each newer generation of those kinds that
-    fails its check is skipped with a :class:`~ripresa.store.CheckpointWarning`
-    naming it and the reason. ``store`` (a :class:`~ripresa.store.CheckpointStore`
-    of ``folder``) checks the ``.bin`` ones; a reader is opened if None.
-    """
-    from ..store import CheckpointStore, CheckpointWarning
-
-    unknown = set(kinds) - set(KINDS)
-    if unknown:
-        raise ValueError(f"unknown generation kinds {sorted(unknown)}")
-    if "bin" in kinds and store is None:
-        store = CheckpointStore(folder, writer=False)
-    bins = set(store.steps_on_disk()) if "bin" in kinds else set()
-    dcps = set(dcp_steps_on_disk(Path(folder))) if "dcp" in kinds else set()
-    for step in sorted(bins | dcps, reverse=True):
-        for kind in kinds:
-            if (kind == "dcp" and step not in dcps) or (kind == "bin" and step not in bins):
-                continue
-            g = check_dcp(Path(folder), step, deep=deep) if kind == "dcp" else store.check(step, deep=deep)
-            if g.valid:
-                return g
-            if warn:
-                what = "generation" if kind == "bin" else ".dcp generation"
-                warnings.warn(f"skipping {what} {step}: {g.reason}", CheckpointWarning, stacklevel=2)
-    return None
-
-
-def latest_valid_any(folder: Path, *, deep: bool = False, warn: bool = True) -> Any:
-    """The newest valid generation of either kind (``inspect``'s view of a mixed folder)."""
-    return latest_valid_of(folder, ("dcp", "bin"), deep=deep, warn=warn)
-
-
 # ---- writing ----------------------------------------------------------------------
 
 
@@ -376,7 +345,7 @@ def commit_dcp(folder: Path, step: int, partial: Path, *, world_size: int, n_par
     """Rank 0, after every rank wrote its shards into ``partial``: companion, rename, signature, marker (last).
 
     With ``hmac_key`` the signature ``step_NNNNNN.dcp.hmac`` (every file's
-    sha256, :func:`ripresa.auth.dcp_message`) is durable before the marker.
+    sha256, :func:`ripresa.io.auth.dcp_message`) is durable before the marker.
     """
     folder = Path(folder)
     final, marker = dcp_paths(folder, step)

@@ -118,7 +118,7 @@ def read_metadata(folder: str | os.PathLike[str]) -> Metadata:
     pickle, and metadata that names files or byte ranges the folder does not
     have.
     """
-    from ..fsio import read_small
+    from ..io.fsio import read_small
 
     d = Path(folder)
     p = d / ".metadata"

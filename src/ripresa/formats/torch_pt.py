@@ -18,7 +18,6 @@ it, and nothing is inflated or allocated from a size the file declares.
 from __future__ import annotations
 
 import pickle
-import re
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,8 +27,9 @@ from typing import Any
 
 import torch
 
+from ..core.schema import validate_checkpoint
 from ..errors import IntegrityError, SchemaError
-from ..fsio import (
+from ..io.fsio import (
     Digest,
     StagedFile,
     clean_temporaries,
@@ -37,11 +37,6 @@ from ..fsio import (
     verify_against_sidecar,
     write_sidecar,
 )
-
-FORMAT = "ripresa.checkpoint"
-FORMAT_VERSION = 1
-
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 #: Leaf types allowed anywhere in a checkpoint (what ``weights_only`` can load
 #: without extra globals, minus anything that could smuggle code).
@@ -149,8 +144,8 @@ def load_checkpoint(path: str | Path, *, require_signature: bool | None = None) 
 
 
 def refuse_unsigned(path: Path, require_signature: bool | None = None) -> None:
-    """Raise :class:`~ripresa.auth.SignatureError` when signatures are required: ``checkpoint.pt`` has none."""
-    from .. import auth
+    """Raise :class:`~ripresa.io.auth.SignatureError` when signatures are required: ``checkpoint.pt`` has none."""
+    from ..io import auth
 
     if auth.require_signature_from_env() if require_signature is None else require_signature:
         raise auth.unsigned_error("a checkpoint.pt", path, "the torch-native format carries no HMAC signature")
@@ -226,96 +221,3 @@ def _unpickler_reason(exc: Exception) -> str:
         if "WeightsUnpickler error" in line:
             return line.strip()[:300]
     return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-
-
-def _need(state: Mapping[str, Any], key: str, types: type | tuple[type, ...], path: Path | None, where: str = "") -> Any:
-    if key not in state:
-        raise SchemaError(
-            f"checkpoint lacks '{where}{key}'",
-            file=path,
-            expected=f"a key '{where}{key}'",
-            found=f"keys {sorted(map(str, state))}",
-            hint="the checkpoint is incomplete; missing state is never defaulted",
-        )
-    v = state[key]
-    if not isinstance(v, types) or (isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
-        names = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
-        raise SchemaError(
-            f"checkpoint '{where}{key}' has the wrong type", file=path, expected=names, found=type(v).__name__
-        )
-    return v
-
-
-def validate_checkpoint(state: Any, path: Path | None = None, *, one_instant: bool = True) -> None:
-    """Check the structure of a checkpoint dict (see docs/FORMAT.md)."""
-    if not isinstance(state, dict):
-        raise SchemaError("checkpoint is not a dict", file=path, expected="dict", found=type(state).__name__)
-    fmt = _need(state, "format", str, path)
-    if fmt != FORMAT:
-        raise SchemaError("not a ripresa checkpoint", file=path, expected=FORMAT, found=fmt)
-    ver = _need(state, "format_version", int, path)
-    if ver != FORMAT_VERSION:
-        raise SchemaError(
-            "unsupported checkpoint format version",
-            file=path,
-            expected=FORMAT_VERSION,
-            found=ver,
-            hint="written by a newer ripresa; upgrade" if ver > FORMAT_VERSION else "written by an older ripresa",
-        )
-    progress = _need(state, "progress", dict, path)
-    for k in ("step", "epoch", "samples_seen", "tokens_seen"):
-        v = _need(progress, k, int, path, "progress.")
-        if v < 0 and k != "epoch":
-            raise SchemaError(f"progress.{k} is negative", file=path, expected=">= 0", found=v)
-    model = _need(state, "model", dict, path)
-    for k, t in model.items():
-        if not isinstance(k, str) or not isinstance(t, torch.Tensor):
-            raise SchemaError("model state must map names to tensors", file=path, found=f"{k!r}: {type(t).__name__}")
-    for key in ("optimizer", "scheduler", "scaler", "data"):
-        _need(state, key, (dict, type(None)), path)
-    opt = state["optimizer"]
-    if opt is not None:
-        _need(opt, "state", dict, path, "optimizer.")
-        _need(opt, "param_groups", list, path, "optimizer.")
-    for key in ("objects", "rng", "config", "versions", "code", "data_identity", "extra"):
-        _need(state, key, dict, path)
-    _need(state, "lineage", list, path)
-    for name, h in state["data_identity"].items():
-        if not isinstance(h, str) or not _HEX64.match(h):
-            raise SchemaError(f"data_identity.{name} is not a sha256", file=path, expected="64 lowercase hex", found=repr(h)[:80])
-    code = state["code"]
-    h = code.get("files_sha256")
-    if h is not None and (not isinstance(h, str) or not _HEX64.match(h)):
-        raise SchemaError("code.files_sha256 is not a sha256", file=path, found=repr(h)[:80])
-    if one_instant:  # checkpoint.pt's contract; a generation's companion is checked structurally only
-        _check_progress_consistency(state, path)
-
-
-def _check_progress_consistency(state: Mapping[str, Any], path: Path | None) -> None:
-    """Optimizer per-parameter steps must agree with ``progress.step``.
-
-    Each optimizer step increments the per-parameter ``step`` of every
-    parameter that had a gradient, so none may exceed the steps completed;
-    without a GradScaler (which skips steps on overflow) the largest must equal
-    it. A mismatch means the checkpoint mixes two instants.
-    """
-    opt = state.get("optimizer")
-    if not opt:
-        return
-    steps = []
-    for s in opt["state"].values():
-        if isinstance(s, dict) and "step" in s:
-            v = s["step"]
-            steps.append(float(v.item() if isinstance(v, torch.Tensor) else v))
-    if not steps:
-        return
-    step = state["progress"]["step"]
-    top = max(steps)
-    if top > step or (state.get("scaler") is None and top != step):
-        raise SchemaError(
-            "optimizer state and progress describe different instants",
-            file=path,
-            expected=f"per-parameter optimizer step {'<=' if state.get('scaler') else '=='} progress.step = {step}",
-            found=f"max per-parameter step {top:g}",
-            hint="a checkpoint must be taken at a step boundary, after a complete optimizer update",
-        )

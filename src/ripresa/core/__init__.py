@@ -1,0 +1,1 @@
+"""Core: what a training state is (state, RNG streams, data order, identity, structural schema)."""

@@ -1,0 +1,355 @@
+"""Complete training-state capture and restore (docs/FORMAT.md, docs/VERIFY.md).
+
+:class:`TrainingState` holds references to the live objects of a run — model,
+optimizer, scheduler, GradScaler, data position, random streams, any
+``Stateful`` user object — plus the run's config, code and data identity.
+:meth:`TrainingState.snapshot` captures all of it at one instant (a step
+boundary) as ``weights_only``-safe primitives; :meth:`TrainingState.restore`
+puts it back in the order that keeps it exact:
+
+    model → scheduler → optimizer → scaler → data position → user objects →
+    random streams (last, immediately before the next step)
+
+The scheduler must have been *constructed* before ``optimizer.load_state_dict``
+(constructing a scheduler rewrites the LRs); build all objects first, then call
+``restore``. Everything is validated before anything is changed, so a refused
+checkpoint leaves the live objects as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import IdentityMismatch, RipresaError, SchemaError
+from .identity import COMPARED_VERSIONS, code_identity, versions
+from .identity import data_identity as compute_data_identity
+from .rng import RandomStreams
+from .schema import _UNEXPECTED, FORMAT, FORMAT_VERSION, validate_saved_state  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:  # annotation only (excluded from the layer contract)
+    from ..formats.torch_pt import Checkpoint
+
+#: Optimizer state entries that an ANDREA .bin carries (m and v).
+BIN_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """The protocol of ``torch.distributed.checkpoint.stateful.Stateful``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Progress:
+    """How far a run is: optimizer steps completed, epoch, samples and tokens seen."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_seen: int = 0
+    tokens_seen: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: int(v) for k, v in asdict(self).items()}
+
+
+def _like(saved: Any, live: Any, where: str, depth: int = 0) -> str | None:
+    """Where ``saved`` does not have the shape of ``live`` (keys, list lengths, leaf kinds); None if alike."""
+    if live is None or saved is None or depth > 16:
+        return None
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping) or set(map(str, saved)) != set(map(str, live)):
+            return f"{where}: keys {sorted(map(str, saved))[:8] if isinstance(saved, Mapping) else type(saved).__name__}"
+        for k, v in live.items():
+            if k in saved:
+                bad = _like(saved[k], v, f"{where}.{k}", depth + 1)
+                if bad:
+                    return bad
+        return None
+    if isinstance(live, list | tuple):
+        if not isinstance(saved, list | tuple) or len(saved) != len(live):
+            return f"{where}: {type(saved).__name__} of {len(saved) if isinstance(saved, list | tuple) else '?'}"
+        for i, (a, b) in enumerate(zip(saved, live, strict=True)):
+            bad = _like(a, b, f"{where}[{i}]", depth + 1)
+            if bad:
+                return bad
+        return None
+    if isinstance(live, bool) or isinstance(saved, bool):
+        return None if isinstance(live, bool) and isinstance(saved, bool) else f"{where}: {type(saved).__name__}"
+    if isinstance(live, int | float):
+        ok = isinstance(saved, int | float) or (isinstance(saved, torch.Tensor) and saved.numel() == 1)
+        return None if ok else f"{where}: {type(saved).__name__}"
+    if isinstance(live, torch.Tensor):
+        ok = isinstance(saved, torch.Tensor) and saved.shape == live.shape or isinstance(saved, int | float)
+        return None if ok else f"{where}: {type(saved).__name__}"
+    if isinstance(live, str):
+        return None if isinstance(saved, str) else f"{where}: {type(saved).__name__}"
+    return None
+
+
+def _tensor_tree_clone(obj: Any) -> Any:
+    """Deep copy with tensors detached, cloned and moved to CPU (a true snapshot)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: _tensor_tree_clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_tensor_tree_clone(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_tensor_tree_clone(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class TrainingState:
+    """Everything that determines the next updates of a run.
+
+    Args:
+        model: the ``nn.Module`` (parameters and buffers).
+        optimizer: its optimizer (Adam/AdamW moments and per-parameter step).
+        scheduler: LR scheduler, constructed *before* any optimizer load.
+        scaler: ``torch.amp.GradScaler`` for mixed precision, if used.
+        data: the data position, e.g. :class:`~ripresa.EpochSampler`, or any
+            ``Stateful`` loader (torchdata's ``StatefulDataLoader`` included).
+        rng: the run's :class:`~ripresa.RandomStreams` (globals always included).
+        objects: named user objects following the ``Stateful`` protocol.
+        config: the resolved config (JSON-like primitives).
+        code_files: the training code files whose sha256 is the code identity.
+        data_sources: ``name -> path or bytes`` hashed into the data identity.
+        data_identity: ``name -> sha256`` already computed by the caller.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        scaler: Any | None = None,
+        data: Stateful | None = None,
+        rng: RandomStreams | None = None,
+        objects: Mapping[str, Stateful] | None = None,
+        config: Mapping[str, Any] | None = None,
+        code_files: Iterable[str | Path] = (),
+        data_sources: Mapping[str, str | Path | bytes] | None = None,
+        data_identity: Mapping[str, str] | None = None,
+        device: str | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.data = data
+        self.rng = rng if rng is not None else RandomStreams()
+        self.objects = dict(objects or {})
+        for name, obj in self.objects.items():
+            if not isinstance(obj, Stateful):
+                raise TypeError(f"object {name!r} lacks state_dict()/load_state_dict()")
+        self.config = dict(config or {})
+        self.code = code_identity(code_files)
+        self.data_identity = {**compute_data_identity(data_sources or {}), **dict(data_identity or {})}
+        self.versions = versions(device)
+        #: changes accepted at resumes (versions/code/data), carried forward.
+        self.lineage: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ capture
+    def snapshot(
+        self, progress: Progress, extra: Mapping[str, Any] | None = None, *, include_parameters: bool = True
+    ) -> dict[str, Any]:
+        """Capture the complete state *now* (call at a step boundary).
+
+        Tensors are copied to CPU, so training may go on while it is written.
+        With ``include_parameters=False`` the model's parameters and the
+        optimizer's ``exp_avg``/``exp_avg_sq`` are left out (they travel in an
+        ANDREA ``.bin``, copied once into staging buffers); buffers, per-parameter
+        steps and everything else are kept.
+        """
+        sched = self.scheduler.state_dict() if self.scheduler is not None else None
+        model_sd = self.model.state_dict(keep_vars=True)
+        opt_sd = self.optimizer.state_dict() if self.optimizer is not None else None
+        if not include_parameters:
+            model_sd = {k: v for k, v in model_sd.items() if not isinstance(v, torch.nn.Parameter)}
+            if opt_sd is not None:
+                opt_sd = dict(opt_sd)
+                opt_sd["state"] = {
+                    i: {k: v for k, v in s.items() if k not in BIN_MOMENTS} for i, s in opt_sd["state"].items()
+                }
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "progress": progress.as_dict(),
+            "model": _tensor_tree_clone(model_sd),
+            "optimizer": _tensor_tree_clone(opt_sd) if opt_sd is not None else None,
+            "scheduler": _tensor_tree_clone(sched) if sched is not None else None,
+            "scaler": _tensor_tree_clone(self.scaler.state_dict()) if self.scaler is not None else None,
+            "data": _tensor_tree_clone(self.data.state_dict()) if self.data is not None else None,
+            "objects": {n: _tensor_tree_clone(o.state_dict()) for n, o in self.objects.items()},
+            "rng": self.rng.state_dict(),
+            "config": copy.deepcopy(self.config),
+            "versions": dict(self.versions),
+            "code": copy.deepcopy(self.code),
+            "data_identity": dict(self.data_identity),
+            "lineage": copy.deepcopy(self.lineage),
+            "extra": _tensor_tree_clone(dict(extra or {})),
+        }
+
+    # ------------------------------------------------------------------ restore
+    def identity_changes(self, state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """What differs between the checkpoint's identity and this process's."""
+        changes: dict[str, dict[str, Any]] = {}
+        saved_v = state.get("versions", {})
+        for k in COMPARED_VERSIONS:
+            if saved_v.get(k) != self.versions.get(k):
+                changes[f"versions.{k}"] = {"saved": saved_v.get(k), "now": self.versions.get(k)}
+        saved_code = state.get("code", {}).get("files_sha256")
+        if saved_code != self.code.get("files_sha256"):
+            changes["code.files_sha256"] = {
+                "saved": saved_code,
+                "now": self.code.get("files_sha256"),
+                "files_saved": state.get("code", {}).get("files"),
+                "files_now": self.code.get("files"),
+            }
+        if dict(state.get("data_identity", {})) != self.data_identity:
+            changes["data_identity"] = {"saved": state.get("data_identity"), "now": self.data_identity}
+        return changes
+
+    def check_structure(self, state: Mapping[str, Any], source: Path | None = None) -> None:
+        """Refuse a checkpoint whose structure does not fit the live objects."""
+        mine = self.model.state_dict()
+        saved = state["model"]
+        missing, unexpected = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+        if missing or unexpected:
+            raise SchemaError(
+                "model state does not match the model",
+                file=source,
+                expected=f"keys of the live model (missing from checkpoint: {missing[:5]})",
+                found=f"unexpected keys: {unexpected[:5]}",
+                hint="build the same architecture as the run that saved (see the checkpoint's config)",
+            )
+        for k, t in mine.items():
+            s = saved[k]
+            if tuple(s.shape) != tuple(t.shape) or s.dtype != t.dtype:
+                raise SchemaError(
+                    f"model tensor '{k}' differs", file=source,
+                    expected=f"{tuple(t.shape)} {t.dtype}", found=f"{tuple(s.shape)} {s.dtype}",
+                )
+        for key, obj in (("optimizer", self.optimizer), ("scheduler", self.scheduler), ("scaler", self.scaler), ("data", self.data)):
+            has_saved, has_live = state.get(key) is not None, obj is not None
+            if has_saved != has_live:
+                raise SchemaError(
+                    f"{key} state {'present in the checkpoint but no ' + key + ' was given' if has_saved else 'missing from the checkpoint'}",
+                    file=source,
+                    expected=f"{key} {'given' if has_saved else 'state'}",
+                    found="none",
+                    hint="missing or unused state is an error, never silently defaulted",
+                )
+        if self.optimizer is not None:
+            groups_saved = state["optimizer"]["param_groups"]
+            groups_live = self.optimizer.state_dict()["param_groups"]
+            if [len(g["params"]) for g in groups_saved] != [len(g["params"]) for g in groups_live]:
+                raise SchemaError(
+                    "optimizer parameter groups differ", file=source,
+                    expected=[len(g["params"]) for g in groups_live], found=[len(g["params"]) for g in groups_saved],
+                )
+            for i, (gs, gl) in enumerate(zip(groups_saved, groups_live, strict=True)):
+                bad = _like({k: v for k, v in gs.items() if k != "params"}, {k: v for k, v in gl.items() if k != "params"},
+                            f"optimizer.param_groups[{i}]")
+                if bad:
+                    raise SchemaError("optimizer hyper-parameters do not fit the optimizer", file=source,
+                                      expected=sorted(k for k in gl if k != "params"), found=bad,
+                                      hint="build the same optimizer as the run that saved")
+        for key, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if obj is not None:
+                bad = _like(state[key], obj.state_dict(), key)
+                if bad:
+                    raise SchemaError(f"{key} state does not fit the live {key}", file=source, found=bad,
+                                      hint=f"build the same {key} as the run that saved")
+        if set(state["objects"]) != set(self.objects):
+            raise SchemaError(
+                "user objects differ from the checkpoint's", file=source,
+                expected=sorted(state["objects"]), found=sorted(self.objects),
+                hint="register the same Stateful objects as the run that saved",
+            )
+        self.rng.check_compatible(state["rng"])
+
+    def restore(
+        self,
+        checkpoint: Checkpoint | Mapping[str, Any],
+        *,
+        restore_rng: bool = True,
+        allow_version_change: bool = False,
+        allow_code_change: bool = False,
+        allow_data_change: bool = False,
+    ) -> Progress:
+        """Restore everything, random streams last; return the saved progress.
+
+        ``restore_rng=False`` deliberately omits the random streams (the
+        verifier's negative case). A difference in versions, code or data is
+        refused unless allowed, and an allowed one is recorded in the lineage
+        carried by every later checkpoint.
+        """
+        # A loaded Checkpoint (formats/torch_pt, a layer above) is recognised by its fields.
+        loaded = not isinstance(checkpoint, Mapping) and hasattr(checkpoint, "state") and hasattr(checkpoint, "path")
+        source = checkpoint.path if loaded else None
+        state = checkpoint.state if loaded else checkpoint
+        try:
+            return self._restore(state, source, restore_rng=restore_rng, allow_version_change=allow_version_change,
+                                 allow_code_change=allow_code_change, allow_data_change=allow_data_change)
+        except RipresaError:
+            raise
+        except _UNEXPECTED as exc:
+            # Every check ran before any change; this is a state the live objects still refused.
+            raise SchemaError("the saved state could not be restored into the live objects", file=source,
+                              found=f"{type(exc).__name__}: {str(exc)[:200]}",
+                              hint="the checkpoint does not fit this run (or was edited); build the same objects as "
+                              "the run that saved, or resume from another generation") from exc
+
+    def _restore(self, state: Mapping[str, Any], source: Path | None, *, restore_rng: bool, allow_version_change: bool,
+                 allow_code_change: bool, allow_data_change: bool) -> Progress:
+        validate_saved_state(state, where=source)
+        self.check_structure(state, source)
+        changes = self.identity_changes(state)
+        refused = {
+            k: v
+            for k, v in changes.items()
+            if (k.startswith("versions.") and not allow_version_change)
+            or (k.startswith("code.") and not allow_code_change)
+            or (k == "data_identity" and not allow_data_change)
+        }
+        if refused:
+            flags = sorted(
+                {"--allow-version-change" if k.startswith("versions.") else "--allow-code-change" if k.startswith("code.") else "--allow-data-change" for k in refused}
+            )
+            raise IdentityMismatch(
+                "the checkpoint was written by different versions, code or data",
+                file=source,
+                expected={k: v["saved"] for k, v in refused.items()},
+                found={k: v["now"] for k, v in refused.items()},
+                hint=f"an exact resume needs the same; to accept the change knowingly pass {' '.join(flags)} (it is recorded)",
+            )
+        self.lineage = list(state.get("lineage", []))
+        if changes:
+            self.lineage.append({"at_step": int(state["progress"]["step"]), "accepted_changes": changes})
+
+        # The order of the module doc. The scheduler was constructed by the caller
+        # before this call, so optimizer.load_state_dict's LRs are final.
+        self.model.load_state_dict(state["model"], strict=True)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        if self.data is not None:
+            self.data.load_state_dict(state["data"])
+        for name, obj in self.objects.items():
+            obj.load_state_dict(state["objects"][name])
+        if restore_rng:
+            self.rng.load_state_dict(state["rng"])
+        return Progress(**{k: int(v) for k, v in state["progress"].items()})

@@ -1,0 +1,1 @@
+"""The ANDREA application: GPT engine, mixture, pivot, fork, ledger, plots, demo."""

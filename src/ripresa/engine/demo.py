@@ -1,0 +1,108 @@
+"""``make demo``: the whole cycle, as a new user would see it.
+
+1. The resume proof on the 33-parameter reference exercise (``ripresa verify``).
+2. The ANDREA engine on the ``tiny`` config, in a real child process:
+   checkpoints every 100 steps with a sample audit each, a SIGUSR1 (checkpoint
+   and continue), a SIGTERM (checkpoint and exit 0), then a resume from the
+   step it stopped at — and where every file is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..store.history import read_history
+from ..store.store import CheckpointStore
+from ..verify.verify import reference_exercise_command, render_verdict, verify_resume
+
+
+def _train_cmd(run: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ripresa", "train", "--run", str(run), "--config", "tiny", "--threads", "1", "--quiet", *extra]
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the trainer exited early with {proc.returncode}")
+        hist = run / ".loss.jsonl"
+        if hist.exists():
+            steps = read_history(hist).steps
+            if steps and max(steps) >= step:
+                return max(steps)
+        time.sleep(0.05)
+    raise RuntimeError("the trainer did not make progress")
+
+
+def _valid(run: Path) -> list[int]:
+    return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]
+
+
+def run_demo(out: Path, console: Console | None = None) -> int:
+    console = console or Console()
+    t_all = time.perf_counter()
+    console.rule("[bold]1/2 · proving a resume exact on the 33-parameter reference exercise")
+    verdict = verify_resume(reference_exercise_command(), output=out / "verify", steps=10, cut=5)
+    render_verdict(verdict, console)
+    if not verdict.passed:
+        return verdict.exit_code
+
+    console.rule("[bold]2/2 · the ANDREA engine (tiny): checkpoints, sample audits, SIGUSR1, SIGTERM, resume")
+    run = out / "gpt"
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    log = open(out / "train.log", "wb")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(_train_cmd(run, "--steps", "400", "--every", "100"), stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        at = _wait_for_step(run, 150, proc)
+        proc.send_signal(__import__("signal").SIGUSR1)
+        console.print(f"· step {at}: sent SIGUSR1 (checkpoint and continue)")
+        t1 = time.time()
+        while not [s for s in _valid(run) if s % 100] and time.time() - t1 < 60:
+            time.sleep(0.05)
+        extra = [s for s in _valid(run) if s % 100]
+        console.print(f"  → generation step_{extra[0]:06d}.bin committed while training went on" if extra else "  → (no extra generation seen)")
+        at = _wait_for_step(run, 250, proc)
+        proc.send_signal(__import__("signal").SIGTERM)
+        console.print(f"· step {at}: sent SIGTERM (checkpoint and exit)")
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    stopped = max(read_history(run / ".loss.jsonl").steps)
+    console.print(f"  → exit code {rc}; last step {stopped}; generations {_valid(run)}")
+    res = subprocess.run(_train_cmd(run, "--steps", "50", "--every", "100"), capture_output=True, text=True, env=env)
+    first = next((line for line in res.stdout.splitlines() if line.startswith("resumed")), res.stdout.strip()[:200])
+    console.print(f"· started again on the same folder: {first}")
+    if res.returncode != 0 or rc != 0:
+        console.print(f"[red]the engine failed[/] (exit {rc}, {res.returncode}):\n{res.stderr[-2000:]}")
+        return 2
+    view = read_history(run / ".loss.jsonl")
+    table = Table(title=f"history of {run} (.loss.jsonl: {len(view.steps)} steps, {len(view.events)} events)")
+    table.add_column("event")
+    table.add_column("step", justify="right")
+    table.add_column("detail")
+    for e in view.events:
+        detail = {k: v for k, v in e.items() if k not in ("event", "time", "step", "from_step", "lineage")}
+        table.add_row(e["event"], str(e.get("step", e.get("from_step", ""))), json.dumps(detail)[:90])
+    console.print(table)
+    samples = json.loads((run / ".samples.json").read_text())
+    last = samples["audits"][-1]
+    console.print(f"sample audit at step {last['step']}: {last['samples'][0]['prompt']!r} → {last['samples'][0]['completion'][:60]!r}")
+    console.print(
+        f"\n[bold]files[/] ({time.perf_counter() - t_all:.0f} s in all, engine {time.perf_counter() - t0:.0f} s):\n"
+        f"  {out / 'verify'}/verification.json   the resume proof\n"
+        f"  {run}/step_NNNNNN.bin (+ .json companion, .bin.sha256 marker)   generations {_valid(run)}\n"
+        f"  {run}/.loss.jsonl   append-only history · .samples.json   audits · .state.json   bandit · config.json\n"
+        f"  try: ripresa inspect {run}"
+    )
+    return 0

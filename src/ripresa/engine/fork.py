@@ -1,0 +1,153 @@
+"""``ripresa fork``: an audit fork — a hash-verified copy of one generation into a new run.
+
+The new run folder gets generation N (and nothing later), copied and
+re-hashed against the parent's commit marker; the parent's history up to N;
+the parent's config with the overrides applied (``--set``); a ``lineage.json``
+(parent run, step, hashes, overrides); and a ``fork`` event. Two forks of the
+same step start from identical weights, m and v. ``ripresa train --run DIR``
+then continues it under its own settings; ``ripresa compare`` tells which
+converges lower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from ..errors import BadInput, IntegrityError, OutputExists, RipresaError
+from ..io import auth
+from ..io.fsio import (
+    CHUNK,
+    StagedFile,
+    fsync_dir,
+    open_run_file,
+    read_json_small,
+    read_small,
+    sidecar_line,
+    write_atomic,
+)
+from ..store.history import HISTORY_NAME, History, iter_lines
+from ..store.store import CheckpointStore, generation_paths
+from .gpt.config import apply_sets, validate
+
+#: Largest run ``config.json`` read (bytes).
+CONFIG_MAX = 1 << 20
+
+
+def _copy_verified(src: Path, dst: Path, expected_sha256: str) -> None:
+    """Copy ``src`` (opened with :func:`~ripresa.io.fsio.open_run_file`: no symlink, no FIFO) and check its sha256."""
+    fd = open_run_file(src, "parent generation file", error=IntegrityError)
+    try:
+        with StagedFile(dst) as out:
+            while chunk := os.read(fd, CHUNK):
+                out.write(chunk)
+            digest = out.finish()
+            if digest.sha256 != expected_sha256:
+                raise IntegrityError("copy does not match the parent's commit marker", file=src,
+                                     expected=expected_sha256, found=digest.sha256,
+                                     hint="the parent changed during the fork")
+            out.publish()
+    finally:
+        os.close(fd)
+
+
+def _read_signature(parent_bin: Path, step: int) -> bytes | None:
+    """The bytes of the parent generation's ``.bin.hmac`` (validated form), or ``None`` if it has none.
+
+    Copied unchanged with the generation, so a fork of a signed run stays
+    signed (``docs/FORMAT.md``). A symlink, FIFO, malformed line or a line for
+    another step is refused (:class:`~ripresa.errors.IntegrityError`).
+    """
+    sig = auth.signature_path(parent_bin)
+    if not os.path.lexists(sig):
+        return None
+    raw = read_small(sig, "generation signature", auth.MAX_SIGNATURE, error=IntegrityError)
+    _, sig_step, _ = auth.read_signature(sig)
+    if sig_step != step:
+        raise IntegrityError("the generation's signature names another step", file=sig, expected=step,
+                             found=sig_step, hint="the signature was moved or forged; this generation cannot be trusted")
+    return raw
+
+
+def read_run_config(path: Path, *, error: type[RipresaError] = BadInput) -> dict[str, Any]:
+    """A run folder's ``config.json``: :func:`~ripresa.io.fsio.read_json_small`, a JSON object, bounded."""
+    cfg = read_json_small(path, "run config (config.json)", CONFIG_MAX, error=error)
+    if not isinstance(cfg, dict):
+        raise error("run config is not a JSON object", file=path, expected="a JSON object",
+                    found=type(cfg).__name__, hint="the run's config.json is damaged")
+    return cfg
+
+
+def _history_up_to(parent: Path, step: int) -> list[dict[str, Any]]:
+    """Lines of the parent's history that belong to steps <= ``step`` (in order).
+
+    Streamed (:class:`~ripresa.store.history.HistoryReader`): a symlinked or FIFO
+    history is refused, an over-long or out-of-range line skipped.
+    """
+    keep: list[dict[str, Any]] = []
+    hist = parent / HISTORY_NAME
+    if not os.path.lexists(hist):
+        return keep
+    for _, obj in iter_lines(hist):
+        if obj is None:
+            continue
+        at = obj.get("step", obj.get("from_step"))
+        if isinstance(at, int) and not isinstance(at, bool) and at <= step:
+            keep.append(obj)
+    return keep
+
+
+def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[str, Any]:
+    parent, into = Path(parent), Path(into)
+    if into.exists() and (not into.is_dir() or any(into.iterdir())):
+        raise OutputExists("fork destination is not empty", file=into, expected="a new or empty folder",
+                           hint="choose a new --into folder")
+    store = CheckpointStore(parent, writer=False)
+    if step not in store.steps_on_disk():
+        raise BadInput(f"the parent has no generation {step}", file=parent,
+                       expected=[g.step for g in store.generations() if g.valid], found=step)
+    gen = store.check(step, deep=True)
+    if not gen.valid:
+        raise IntegrityError(f"generation {step} of the parent is not valid: {gen.reason}", file=gen.bin)
+    cfg = read_run_config(parent / "config.json")
+    cfg = apply_sets(cfg, sets)
+    if any(s.startswith("mixture.") for s in sets):
+        cfg["mixture"]["phase"] = int(cfg["mixture"].get("phase", 0)) + 1  # a new policy: fresh bandit
+    validate(cfg)
+    b, c, mk = generation_paths(parent, step)
+    signature = _read_signature(b, step)
+    history_lines = _history_up_to(parent, step)  # refuses a FIFO or symlinked history before anything is written
+    into.mkdir(parents=True, exist_ok=True)
+    nb, nc, nmk = generation_paths(into, step)
+    assert gen.bin_sha256 and gen.companion_sha256
+    _copy_verified(b, nb, gen.bin_sha256)
+    _copy_verified(c, nc, gen.companion_sha256)
+    if signature is not None:  # written before the marker, as a save does
+        write_atomic(auth.signature_path(nb), [signature], sync_dir=False)
+    fsync_dir(into)
+    write_atomic(nmk, [sidecar_line(gen.bin_sha256, nb.name), sidecar_line(gen.companion_sha256, nc.name)])
+    lineage = {
+        "parent_run": str(parent.resolve()), "step": step, "bin": nb.name, "bin_sha256": gen.bin_sha256,
+        "companion_sha256": gen.companion_sha256, "signed": signature is not None,
+        "overrides": list(sets), "created": time.time(),
+        "ripresa": __version__,
+    }
+    write_atomic(into / "lineage.json", [json.dumps(lineage, indent=2).encode() + b"\n"])
+    write_atomic(into / "config.json", [json.dumps(cfg, indent=2).encode() + b"\n"])
+    history = History(into / HISTORY_NAME)
+    for obj in history_lines:
+        history.append(obj)
+    history.event("fork", step=step, parent_step=step, parent_run=str(parent.resolve()), bin_sha256=gen.bin_sha256,
+                  overrides=list(sets))
+    history.sync()
+    history.close()
+    check = CheckpointStore(into, writer=False).check(step, deep=True)
+    if not check.valid:
+        raise IntegrityError(f"the forked generation does not verify: {check.reason}", file=into)
+    return {"into": str(into), "step": step, "bin_sha256": gen.bin_sha256, "overrides": list(sets),
+            "command": f"ripresa train --run {into}"}

@@ -1,0 +1,556 @@
+"""``ripresa train``: the ANDREA byte-level GPT, trained through the public Checkpointer.
+
+Reads top to bottom: resolve the config → build data sources, bandit mixture,
+model, AdamW, schedule → describe the state → open the run folder (resume) →
+train, with a checkpoint every ``--every`` steps (asynchronous), a sample
+audit at the same cadence, SIGTERM/SIGUSR1 handled at step boundaries, and one
+history line per step.
+
+Two ways to name the run folder:
+
+* ``--run runs/NAME`` — a long run: resumes from the newest valid generation
+  if there is one (and says so); ``--fresh`` refuses a non-empty folder.
+* ``--output DIR`` — the ``ripresa verify`` contract: ``DIR`` must not exist,
+  ``--steps N`` counts the steps of this process, ``--resume step_NNNNNN.bin``
+  starts from another folder's generation, ``--omit-rng-restore`` is the
+  negative case; a generation is saved at the end and ``summary.json`` is
+  written.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the same command trains on
+every rank: DDP by default (gloo on CPU, nccl on CUDA), FSDP2
+(``fully_shard`` of each block and of the model) with ``--shard fsdp``.
+``train.batch_size`` is per rank (the global batch is ``batch_size x world
+size``); every rank draws its crops from its own stream, ``PCG64(seed)``
+jumped ``rank`` times, saved per rank; all ranks pick the same arm (one shared
+bandit, updated with the mean loss over the ranks); the history logs that mean
+loss. Rank 0 holds the lock and writes the history, ``config.json``,
+``.samples.json`` and ``.state.json``; DDP generations are ``.bin`` files
+written by rank 0, FSDP2 generations ``step_NNNNNN.dcp`` folders written by
+all ranks (see :mod:`ripresa.session.distributed`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# Imported here, before any seeding or restore, on purpose: importing rich draws
+# from Python's global `random` (rich.style seeds an id counter with
+# getrandbits). Imported lazily after a restore, that draw shifted the restored
+# stream — the resume verifier caught it (next_draws.python at the end).
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ...core.rng import RandomStreams
+from ...core.state import TrainingState
+from ...errors import BadInput, OutputExists
+from ...formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, parse_bin_name
+from ...io.fsio import open_run_file, read_json_small, write_atomic
+from ...session.checkpointer import Checkpointer
+from ...session.distributed import (
+    DistContext,
+    init_from_env,
+    rank_generator,
+    rank_seed,
+    torchrun_env,
+)
+from ...store.history import HISTORY_NAME
+from ...verify.trajectory import Trajectory
+from ..mixture import BanditMixture, MixturePolicy, ZombieArmWarning
+from .config import resolve_config
+from .model import GPT, from_config_dict
+from .sources import TextSource, source_from_spec
+
+SAMPLES_NAME = ".samples.json"
+STATE_NAME = ".state.json"
+
+
+@dataclass
+class TrainArgs:
+    """What ``ripresa train`` was asked (see ``ripresa train --help``)."""
+
+    run: Path | None = None
+    output: Path | None = None
+    config: str | None = None
+    sets: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+    steps: int | None = None
+    every: int | None = None
+    device: str = "auto"
+    fresh: bool = False
+    resume: Path | None = None
+    omit_rng_restore: bool = False
+    audit: bool = True
+    asynchronous: bool = True
+    quiet: bool = False
+    threads: int | None = None
+    allow_version_change: bool = False
+    allow_code_change: bool = False
+    allow_data_change: bool = False
+    shard: str = "ddp"
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise BadInput("--device cuda but CUDA is not available", expected="a CUDA device", found="CPU only",
+                       hint="use --device auto or cpu")
+    if choice not in ("cpu", "cuda"):
+        raise BadInput("unknown --device", expected="auto, cpu or cuda", found=choice)
+    return torch.device(choice)
+
+
+def lr_at(step: int, t: dict[str, Any]) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine to ``min_lr`` at ``max_steps``."""
+    lr, min_lr, warm, total = t["lr"], t["min_lr"], t["warmup_steps"], max(1, t["max_steps"])
+    if step < warm:
+        return lr * (step + 1) / warm
+    frac = min(1.0, (step - warm) / max(1, total - warm))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (lr - min_lr)
+
+
+class MixtureSlot:
+    """The bandit as a ``Stateful`` of the checkpoint, with the ANDREA run's two rules.
+
+    * A saved state of an earlier *phase* (a pivot happened) is not loaded:
+      the bandit starts fresh under the new policy.
+    * Arms of the saved state whose source no longer exists are zombie arms:
+      dropped with a warning (and a history event written by the trainer).
+    """
+
+    def __init__(self, mixture: BanditMixture) -> None:
+        self.mixture = mixture
+        self.skipped_for_pivot: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.mixture.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state.get("phase", 0)) != self.mixture.phase:
+            self.skipped_for_pivot = int(state.get("phase", 0))
+            return
+        self.mixture.load_state_dict(state)
+
+
+class SamplerSlot:
+    """The crop sampler as a ``Stateful``; non-strict only when arms were dropped on purpose."""
+
+    def __init__(self, sampler: Any, strict: bool) -> None:
+        self.sampler, self.strict = sampler, strict
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state, strict=self.strict)
+
+
+def load_arms(specs: list[str], history_notes: list[dict[str, Any]]) -> dict[str, TextSource]:
+    """Build every configured source; a user source whose path vanished is a zombie arm."""
+    arms: dict[str, TextSource] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if sep and not os.path.exists(path):
+            msg = f"data source '{name}' ({path}) no longer exists: its arm is dropped (zombie arm)"
+            warnings.warn(msg, ZombieArmWarning, stacklevel=2)
+            history_notes.append({"event": "zombie_arm", "arm": name, "path": path, "reason": "source missing"})
+            continue
+        src = source_from_spec(spec)
+        arms[src.name] = src
+    if not arms:
+        raise BadInput("no data source is available", expected="at least one", found=specs)
+    return arms
+
+
+#: Largest ``.samples.json`` read back at a resume (bytes).
+SAMPLES_MAX = 64 << 20
+#: Files of a run folder that ``train --run`` reads or appends to.
+RUN_FILES = ("config.json", HISTORY_NAME, SAMPLES_NAME, STATE_NAME, "lineage.json")
+
+
+def check_run_files(run_dir: Path) -> None:
+    """Refuse a run folder whose own files are links or special files, before anything reads them.
+
+    Each of :data:`RUN_FILES` that exists is opened with
+    :func:`~ripresa.io.fsio.open_run_file`: a symlink (never followed out of the
+    folder), a FIFO (never waited on), a socket, device or folder in its place
+    is a :class:`~ripresa.errors.BadInput` (exit 2) (``docs/FAULTS.md``).
+    """
+    for name in RUN_FILES:
+        path = run_dir / name
+        if os.path.lexists(path):
+            os.close(open_run_file(path, f"the run's {name}"))
+
+
+def check_model_fits_run(run_dir: Path, param_count: int) -> None:
+    """Refuse a config whose model has another parameter count than every ``.bin`` of the run.
+
+    Computed from the config (nothing allocated) and compared with the size of
+    the run's generations, so a hostile ``config.json`` cannot make a resume
+    build a model of gigabytes before the checkpoint's check refuses it.
+    """
+    sizes = {}
+    try:
+        entries = list(os.scandir(run_dir))
+    except OSError:
+        return
+    for entry in entries:
+        step = parse_bin_name(entry.name)
+        if step is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        sizes[step] = st.st_size
+    if not sizes:
+        return
+    want = HEADER_SIZE + BYTES_PER_PARAM * param_count
+    if want not in sizes.values():
+        newest = max(sizes)
+        raise BadInput("the config's model does not match the run's checkpoints", file=run_dir / "config.json",
+                       expected=f"a model whose {param_count} parameters fill a .bin of {want} bytes",
+                       found=f"step {newest}: a .bin of {sizes[newest]} bytes",
+                       hint="resume with the config the run was trained with (a --set of model.* needs a new run); "
+                            "nothing was built")
+
+
+def read_samples(run_dir: Path, phase: int) -> dict[str, Any]:
+    """The run's ``.samples.json`` (bounded, no link, no FIFO); a fresh one if it is missing or malformed."""
+    fresh: dict[str, Any] = {"phase": phase, "audits": []}
+    path = run_dir / SAMPLES_NAME
+    if not os.path.lexists(path):
+        return fresh
+    os.close(open_run_file(path, f"the run's {SAMPLES_NAME}"))  # a link or FIFO is refused, not replaced
+    try:
+        doc = read_json_small(path, f"the run's {SAMPLES_NAME}", SAMPLES_MAX)
+    except BadInput:
+        return {**fresh, "note": f"previous {SAMPLES_NAME} was unreadable"}
+    audits = doc.get("audits") if isinstance(doc, dict) else None
+    if not isinstance(audits, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("step"), int) and not isinstance(a.get("step"), bool)
+            for a in audits):
+        return {**fresh, "note": f"previous {SAMPLES_NAME} was malformed"}
+    return doc
+
+
+def write_samples(run_dir: Path, doc: dict[str, Any]) -> None:
+    write_atomic(run_dir / SAMPLES_NAME, [json.dumps(doc, indent=1).encode() + b"\n"])
+
+
+def run(args: TrainArgs) -> int:
+    """Train; returns the exit code (0: done or stopped by a signal with a checkpoint)."""
+    if (args.run is None) == (args.output is None):
+        raise BadInput("give exactly one of --run or --output", expected="--run DIR or --output DIR")
+    if args.shard not in ("ddp", "fsdp"):
+        raise BadInput("unknown --shard", expected="ddp or fsdp", found=args.shard)
+    env = torchrun_env()
+    if args.shard == "fsdp" and env is None:
+        raise BadInput("--shard fsdp needs a process group", expected="a launch by torchrun",
+                       hint="torchrun --standalone --nproc_per_node=N -m ripresa train --shard fsdp ...")
+    device = pick_device(args.device)
+    created_group = False
+    if env is not None:
+        import torch.distributed as tdist
+
+        was = tdist.is_available() and tdist.is_initialized()
+        if init_from_env(device.type, need_group=args.shard == "fsdp"):
+            created_group = not was
+            if device.type == "cuda":
+                device = torch.device("cuda", env["local_rank"])
+    ok = False
+    try:
+        code = _run(args, device)
+        ok = True
+        return code
+    finally:
+        if created_group:
+            import gc
+
+            import torch.distributed as tdist
+
+            if ok:
+                tdist.barrier()  # no rank tears the group down while another still uses it
+            gc.collect()  # the DDP wrapper (a reference cycle) goes before its process group
+            tdist.destroy_process_group()
+
+
+def _run(args: TrainArgs, device: torch.device) -> int:
+    import torch.distributed as tdist
+
+    group = tdist.is_available() and tdist.is_initialized()
+    rank = tdist.get_rank() if group else 0
+    world = tdist.get_world_size() if group else 1
+    if args.output is not None and os.path.lexists(args.output):
+        raise OutputExists("output folder already exists", file=args.output, expected="a new folder",
+                           found="an existing path", hint="--output never reuses a folder; use --run to resume one")
+    run_dir = args.run if args.run is not None else args.output
+    assert run_dir is not None
+    if args.fresh and run_dir.exists() and any(run_dir.iterdir()):
+        raise BadInput("--fresh refuses a run folder that is not empty", file=run_dir,
+                       hint="choose a new --run folder, or drop --fresh to resume this one")
+    if args.run is not None and os.path.lexists(run_dir):
+        check_run_files(run_dir)
+    if group:
+        tdist.barrier()  # every rank has looked at the folder before rank 0 creates anything in it
+    cfg = resolve_config(args.config, args.sets, run_dir if args.output is None else None, args.sources)
+    if args.every is not None:
+        cfg["train"]["every"] = args.every
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t = cfg["train"]
+
+    # ---- data: the arms and the bandit that mixes them -------------------------
+    notes: list[dict[str, Any]] = []
+    arms = load_arms(list(cfg["data"]["sources"]), notes)
+    dropped = {n["arm"] for n in notes}
+    policy = MixturePolicy.from_dict({k: {a: v for a, v in cfg["mixture"].get(k, {}).items() if a not in dropped}
+                                      for k in ("floors", "caps")})
+    seed = int(t["seed"])
+    # Seed every global stream, even those this engine does not draw from: an
+    # unseeded one differs between processes, and the verifier compares them all.
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # crop offsets: rank r draws from PCG64(seed) jumped r times (rank 0: the single-process stream)
+    data_gen = rank_generator(seed, rank) if group else np.random.Generator(np.random.PCG64(seed))
+    mix_gen = np.random.Generator(np.random.PCG64(seed + 1))  # the bandit's arm draws
+    from .sources import CropSampler
+
+    mconf = from_config_dict(cfg["model"])
+    if args.run is not None:
+        check_model_fits_run(run_dir, mconf.param_count())
+    sampler = CropSampler(arms, mconf.block_size, t["batch_size"], data_gen)
+    mixture = BanditMixture(list(arms), policy, mix_gen, phase=int(cfg["mixture"].get("phase", 0)))
+
+    # ---- model, optimizer, schedule, mixed precision ----------------------------
+    model = GPT(mconf).to(device)
+    forward = model  # what the training step calls: the model, or its DDP wrapper
+    if group:
+        if rank > 0:
+            # Every rank built the same initial weights (same seed); from here on
+            # each rank's global streams (dropout masks) are its own.
+            random.seed(rank_seed(seed, rank))
+            np.random.seed(rank_seed(seed, rank) % 2**32)
+            torch.manual_seed(rank_seed(seed, rank))
+        if args.shard == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (world,))
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        elif world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = model.configure_optimizer(lr_at(0, t), t["weight_decay"], tuple(t["betas"]), device.type)
+    # The LR schedule is a pure function of (step, config) — `lr_at` — applied
+    # before every step, so it has no state of its own to save: the optimizer's
+    # param groups (saved) hold the LR in use, and a fork that overrides
+    # train.lr or the schedule takes effect at its first step.
+    amp_dtype = None
+    scaler = None
+    if device.type == "cuda":
+        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if amp_dtype == torch.float16:
+            scaler = torch.amp.GradScaler("cuda")
+
+    # ---- the state ripresa saves, and the session over the run folder ------------
+    mixture_slot = MixtureSlot(mixture)
+    state = TrainingState(
+        model=model, optimizer=optimizer, scaler=scaler,
+        data=SamplerSlot(sampler, strict=not dropped),
+        rng=RandomStreams(numpy={"data": data_gen, "mixture": mix_gen}),
+        objects={"mixture": mixture_slot}, config=cfg,
+        code_files=[Path(__file__), Path(__file__).with_name("model.py"), Path(__file__).with_name("sources.py")],
+        data_identity=sampler.data_identity(), device=str(device),
+    )
+    audit_cfg = cfg["audit"]
+    samples_doc: dict[str, Any] = {"phase": mixture.phase, "audits": []}
+    if args.run is not None:
+        samples_doc = read_samples(run_dir, mixture.phase)
+
+    def audit(step: int) -> None:
+        if not (args.audit and audit_cfg.get("enabled", True)):
+            return
+        if rank != 0 and args.shard != "fsdp":
+            return  # a replicated model: rank 0 samples alone (a sharded forward needs every rank)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # its own stream, never the training one
+        prompts = list(audit_cfg["prompts"])
+        out = []
+        for prompt in prompts:
+            idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                y = model.generate(idx, audit_cfg["max_new_tokens"], generator=gen,
+                                   temperature=audit_cfg["temperature"], top_k=audit_cfg["top_k"])
+            out.append({"prompt": prompt, "completion": bytes(y[0, idx.size(1):].tolist()).decode("utf-8", "replace")})
+        samples_doc["audits"] = [a for a in samples_doc["audits"] if a["step"] < step] + [{"step": step, "samples": out}]
+        if rank == 0:
+            write_samples(run_dir, samples_doc)
+
+    ckpt = Checkpointer(
+        run_dir, state, every=t["every"], asynchronous=args.asynchronous,
+        on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
+        allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
+        allow_data_change=args.allow_data_change or bool(dropped),
+    )
+    try:
+        for note in notes:
+            ckpt.history.append(note)
+        start = ckpt.resume(from_path=args.resume, restore_rng=not args.omit_rng_restore)
+        dist_ctx: DistContext | None = ckpt.dist
+        if dist_ctx is not None and ckpt.world_change is not None:
+            # A rank the saved run did not have starts fresh streams; the bandit's
+            # stream is shared by all ranks, so every rank takes rank 0's.
+            mix_gen.bit_generator.state = dist_ctx.broadcast(mix_gen.bit_generator.state)
+        for z in mixture.dropped_arms:
+            ckpt.history.event("zombie_arm", arm=z["arm"], pulls=z.get("pulls"), ema_reward=z.get("ema_reward"),
+                               reason="bandit state names a source this run does not have")
+        if mixture_slot.skipped_for_pivot is not None:
+            ckpt.history.event("bandit_fresh", reason="pivot", saved_phase=mixture_slot.skipped_for_pivot,
+                               phase=mixture.phase, policy=policy.to_dict())
+        say = print if rank == 0 else (lambda *a, **k: None)  # --quiet only hides the progress bar
+        if start:
+            origin = ckpt.resumed_from
+            say(f"resumed {run_dir} at step {start} ({_gen_name(origin) if origin else args.resume})")
+        n_params = sum(p.numel() for p in model.parameters())
+        goal = start + args.steps if args.steps is not None else t["max_steps"]
+        where = f"{device}" if not group else f"{world} rank(s) on {device.type} ({args.shard}, {tdist.get_backend()})"
+        say(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {where}, steps {start}→{goal}, "
+            f"checkpoint every {t['every']} → {run_dir}")
+        traj = None
+        if args.output is not None:
+            eval_loss = evaluate(model, sampler, device, amp_dtype)  # every rank: a sharded forward is collective
+            # summary.json (the verify contract) observes full parameters: rank 0 of a replicated
+            # model; a sharded (FSDP2) run writes none.
+            if rank == 0 and not (group and args.shard == "fsdp"):
+                traj = Trajectory(state, resumed_from=str(args.resume) if args.resume else None,
+                                  rng_restored=not args.omit_rng_restore)
+                traj.start(ckpt.progress, {"loss": eval_loss})
+        apply_hyperparameters(optimizer, t, start)
+        stopped = train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, ckpt,
+                             start, goal, t, traj, args.quiet or rank != 0, model=model)
+        gen = None
+        if args.output is not None and not stopped:
+            gen = ckpt.save_now("final")
+        last = ckpt.progress.step
+        if args.output is not None:
+            eval_loss = evaluate(model, sampler, device, amp_dtype)
+            if traj is not None:
+                traj.finish(ckpt.progress, {"loss": eval_loss})
+                traj.saved(_gen_name(gen) if gen is not None else f"step_{last:06d}.bin")
+                traj.write(run_dir / "summary.json")
+    except BaseException:
+        ckpt.abort()  # no collective on an error path: another rank may be gone
+        raise
+    ckpt.close(final_save=False)
+    say(f"{'stopped by signal' if stopped else 'done'} at step {last}; checkpoints, .loss.jsonl, "
+        f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
+    return 0
+
+
+def _gen_name(gen: Any) -> str:
+    """``step_NNNNNN.bin`` or ``step_NNNNNN.dcp`` of a generation."""
+    path = getattr(gen, "bin", None) if not hasattr(gen, "kind") else gen.path
+    return path.name if path is not None else str(gen)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, sampler: Any, device: torch.device, amp_dtype: torch.dtype | None) -> float:
+    """Mean loss over a fixed batch of each arm (own generator, eval mode): the run's evaluation output."""
+    gen = np.random.Generator(np.random.PCG64(20260924))
+    was = model.training
+    model.eval()
+    losses = []
+    T = sampler.block_size
+    for src in sampler.sources.values():
+        offs = gen.integers(0, len(src) - T, size=4, dtype=np.int64)
+        buf = torch.from_numpy(src.data[offs[:, None] + np.arange(T + 1)].astype(np.int64)).to(device)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            _, loss = model(buf[:, :-1], buf[:, 1:])
+        losses.append(float(loss.item()))
+    model.train(was)
+    return float(sum(losses) / len(losses))
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, t: dict[str, Any], step: int) -> None:
+    """Set the config's hyper-parameters on the (possibly restored) param groups.
+
+    For an exact resume these are the values already restored (a no-op); for
+    a fork or a pivot with overrides, the new values apply from the next step.
+    Group 0 decays, group 1 (biases, LayerNorms) does not.
+    """
+    for i, g in enumerate(optimizer.param_groups):
+        g["lr"] = lr_at(step, t)
+        g["weight_decay"] = float(t["weight_decay"]) if i == 0 else 0.0
+        g["betas"] = (float(t["betas"][0]), float(t["betas"][1]))
+
+
+def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, ckpt, start, goal, t, traj, quiet,
+               model=None) -> bool:
+    """Steps ``start+1 .. goal``; returns True when stopped by a signal.
+
+    ``forward`` is what the step calls (the model, or its DDP wrapper);
+    ``model`` the module whose parameters are clipped (default: ``forward``).
+    """
+    model = forward if model is None else model
+    dist_ctx = ckpt.dist
+    world = dist_ctx.world_size if dist_ctx is not None else 1
+    tokens_per_step = t["batch_size"] * sampler.block_size * world
+    columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+               TextColumn("{task.fields[rate]} steps/s"), TextColumn("next ckpt {task.fields[next]}"), TimeElapsedColumn()]
+    last_t, last_step = time.perf_counter(), start
+    rate = 0.0
+    with Progress(*columns, disable=quiet, transient=False) as bar:
+        task = bar.add_task("train", total=goal, completed=start, loss="—", rate="—", next="—")
+        for step in range(start + 1, goal + 1):
+            arm = mixture.choose()
+            x, y, offsets = sampler.batch(arm)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            lr = lr_at(step - 1, t)  # the LR of this update (pure function of the step)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                _, loss = forward(x, y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            else:
+                loss.backward()
+            if t["grad_clip"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            loss_value = float(loss.item())
+            if dist_ctx is not None:
+                loss_value = dist_ctx.mean(loss_value)  # the bandit is shared: every rank updates it alike
+            mixture.update(arm, loss_value)
+            if traj is not None:
+                traj.step(step, rows=offsets, lr=lr, loss=loss_value, arm=arm)
+            stop = ckpt.step_done(step, loss=loss_value, lr=lr, arm=arm, tokens=tokens_per_step)
+            now = time.perf_counter()
+            if now - last_t >= 0.5 or stop or step == goal:
+                rate = (step - last_step) / (now - last_t) if now > last_t else 0.0
+                last_t, last_step = now, step
+                nxt = ckpt.steps_to_next_checkpoint()
+                eta = f"{nxt / rate:.0f}s" if nxt is not None and rate > 0 else "—"
+                bar.update(task, completed=step, loss=f"{loss_value:.4f}", rate=f"{rate:.1f}", next=eta)
+            if stop:
+                return True
+    return False

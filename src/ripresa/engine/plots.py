@@ -1,0 +1,588 @@
+"""Pictures and comparisons of a run's history (``ripresa plot``, ``ripresa compare``).
+
+Everything here reads ``.loss.jsonl`` (docs/FORMAT.md) and nothing else: the
+canonical line of each step is the last one written for it, event lines keep
+their order. Two pictures:
+
+* :func:`plot_run` — one PNG of a run: the loss of every step (light) and its
+  EMA (bold), thin marks at checkpoints, labelled marks at resume / signal /
+  pivot / fork / zombie-arm events (and failed checkpoints, fresh bandits), and
+  a second panel with the rolling share of each data-mixture arm;
+* :func:`compare_runs` — the audit fork (README): two or more runs compared
+  from the fork point (or their largest common first step): final loss, EMA
+  at the last common step, best loss, and which converges lower. The PNG
+  overlays the EMA curves (raw loss faint).
+
+matplotlib (the ``plots`` extra) is imported only when a picture is drawn, and
+through its Agg canvas only: no pyplot, no global backend switch.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInput, MissingDependency
+from ..io.fsio import read_json_small, write_atomic
+from ..store.history import HISTORY_NAME, HistoryReader
+
+#: Smoothing of the EMA curves (weight of the past; ~50-step memory).
+EMA_ALPHA = 0.98
+
+#: Event kinds drawn as labelled marks, with (colour, line style, line width).
+EVENT_STYLE: dict[str, tuple[str, str, float]] = {
+    "resume": ("#2ca02c", "--", 1.6),
+    "signal": ("#ff7f0e", "-.", 1.6),
+    "pivot": ("#9467bd", "-", 2.2),
+    "fork": ("#8c564b", "-", 2.0),
+    "zombie_arm": ("#e377c2", ":", 2.0),
+    "bandit_fresh": ("#bcbd22", ":", 1.6),
+    "checkpoint_failed": ("#d62728", "--", 1.6),
+}
+MARKED_EVENTS = tuple(EVENT_STYLE)
+CHECKPOINT_COLOUR = "#b5b5b5"
+RAW_COLOUR = "#9ecae1"
+EMA_COLOUR = "#08519c"
+RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#e377c2")
+ARM_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+               "#9c755f", "#bab0ac")
+MAX_LABELS_PER_KIND = 8  # beyond this a kind is drawn as marks and counted in the legend only
+DENSE_CHECKPOINTS = 80  # beyond this checkpoints are short ticks at the bottom, not full-height lines
+FIG_SIZE = (12.0, 7.2)
+DPI = 100
+
+#: What the last :func:`plot_run` drew (for tests and for the CLI's summary line).
+last_plot_info: dict[str, Any] = {}
+
+# Keys that place an event on the step axis, in order of preference.
+_STEP_KEYS = {"resume": ("from_step", "step"), "fork": ("parent_step", "step", "from_step")}
+_DEFAULT_STEP_KEYS = ("step", "at_step", "from_step", "parent_step")
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Event:
+    kind: str
+    step: int  # where it sits on the step axis
+    record: dict[str, Any]
+    logged_before: int = 0  # the last step line written before this event
+
+    @property
+    def redone(self) -> int:
+        """For a resume: steps the dead process had logged past the checkpoint, run again now."""
+        return max(0, self.logged_before - self.step) if self.kind == "resume" else 0
+
+
+@dataclass
+class RunHistory:
+    """One run's history, ready to draw: canonical steps in order, positioned events."""
+
+    name: str
+    folder: Path
+    history: Path
+    steps: list[int]
+    losses: list[float]  # NaN where a step line has no finite loss
+    arms: list[str | None]
+    events: list[Event] = field(default_factory=list)
+    config_name: str | None = None
+    skipped_lines: int = 0
+    #: lines longer than :data:`ripresa.store.history.MAX_LINE`, skipped (counted in ``skipped_lines`` too)
+    skipped_long_lines: int = 0
+
+    def of_kind(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+    def fork_step(self) -> int | None:
+        """``parent_step`` of the last ``fork`` event, if this run is a fork."""
+        for e in reversed(self.of_kind("fork")):
+            p = e.record.get("parent_step")
+            if isinstance(p, int) and not isinstance(p, bool):
+                return p
+        return None
+
+
+def _as_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return math.nan
+    f = float(v)
+    return f if math.isfinite(f) else math.nan
+
+
+def _event_step(kind: str, rec: dict[str, Any]) -> int | None:
+    for key in _STEP_KEYS.get(kind, _DEFAULT_STEP_KEYS):
+        v = rec.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def load_run(run_dir: str | Path) -> RunHistory:
+    """Read a run folder's ``.loss.jsonl`` (or that file itself); :class:`BadInput` if there is none.
+
+    Events that carry no step (``zombie_arm``, ``bandit_fresh``, a ``pivot``
+    without one) are written when a process starts, right before its first
+    step: they are placed at the step before the next step line (or at the
+    last step when nothing follows).
+    """
+    p = Path(run_dir)
+    if not p.exists():
+        raise BadInput("run folder not found", file=p, expected="a run folder written by ripresa train",
+                       found="nothing", hint="check the path")
+    hist = p if p.is_file() else p / HISTORY_NAME
+    folder = p.parent if p.is_file() else p
+    if not os.path.lexists(hist):
+        found = sorted(x.name for x in p.iterdir())[:8] if p.is_dir() else "no such file"
+        raise BadInput("run has no history", file=hist, expected=f"a {HISTORY_NAME} (written by ripresa train)",
+                       found=found or "an empty folder", hint="is this a run folder? `ripresa train --run DIR` writes one")
+    canonical: dict[int, dict[str, Any]] = {}
+    events: list[Event] = []
+    pending: list[Event] = []
+    last_step = 0
+    skipped = 0
+    reader = HistoryReader(hist)  # streamed; a link or FIFO is refused; over-long/out-of-range lines skipped
+    for _no, obj in reader:
+        if obj is None:
+            skipped += 1
+        elif "event" in obj:
+            kind = str(obj["event"])
+            at = _event_step(kind, obj)
+            ev = Event(kind, at if at is not None else last_step, obj, logged_before=last_step)
+            events.append(ev)
+            if at is None:
+                pending.append(ev)
+        elif isinstance(obj.get("step"), int) and not isinstance(obj.get("step"), bool):
+            s = obj["step"]
+            canonical[s] = obj  # the last line written for a step is canonical
+            for ev in pending:
+                ev.step = max(0, s - 1)
+            pending.clear()
+            last_step = s
+        else:
+            skipped += 1
+    steps = sorted(canonical)
+    if not steps:
+        raise BadInput("history has no step lines", file=hist, expected="one line per optimizer step",
+                       found=f"{len(events)} event line(s), {skipped} unreadable line(s)",
+                       hint="the run has not completed a step yet")
+    config_name = None
+    cfg = folder / "config.json"
+    if os.path.lexists(cfg):
+        try:
+            doc = read_json_small(cfg, "the run's config.json", 1 << 20)
+            name = doc.get("name") if isinstance(doc, dict) else None
+            config_name = name if isinstance(name, str) else None
+        except BadInput:
+            config_name = None
+    return RunHistory(
+        name=folder.name or str(folder), folder=folder, history=hist, steps=steps,
+        losses=[_as_float(canonical[s].get("loss")) for s in steps],
+        arms=[(str(canonical[s]["arm"]) if canonical[s].get("arm") is not None else None) for s in steps],
+        events=events, config_name=config_name if isinstance(config_name, str) else None, skipped_lines=skipped, skipped_long_lines=reader.long_lines,
+    )
+
+
+# ---- numbers --------------------------------------------------------------------------------------
+
+
+def ema_series(losses: Iterable[float], alpha: float = EMA_ALPHA) -> list[float]:
+    """Bias-corrected exponential moving average of ``losses``.
+
+    ``m_t = alpha*m_{t-1} + (1-alpha)*x_t`` and ``w_t = alpha*w_{t-1} + (1-alpha)``
+    from ``m = w = 0``; the value is ``m_t / w_t`` — a weighted mean of the values
+    seen so far (weights ``alpha**age``), so the first value is ``x_0`` itself and
+    a short series is not dragged towards its start. ``alpha = 0`` is the raw
+    series. A non-finite value (a diverged step) leaves the EMA where it was;
+    before the first finite value it is NaN.
+    """
+    a = float(alpha)
+    if not 0.0 <= a < 1.0:
+        raise BadInput("EMA alpha out of range", expected="0 <= alpha < 1", found=alpha,
+                       hint="0.98 averages over ~50 steps")
+    out: list[float] = []
+    m = w = 0.0
+    for x in losses:
+        x = _as_float(x)
+        if not math.isnan(x):
+            m = a * m + (1.0 - a) * x
+            w = a * w + (1.0 - a)
+        out.append(m / w if w > 0 else math.nan)
+    return out
+
+
+def rolling_arm_shares(arms: Sequence[str | None], window: int) -> dict[str, list[float]]:
+    """Share of each arm among the last ``window`` steps (trailing), per step."""
+    names = sorted({a if a is not None else "(none)" for a in arms})
+    counts = dict.fromkeys(names, 0)
+    shares: dict[str, list[float]] = {n: [] for n in names}
+    labels = [a if a is not None else "(none)" for a in arms]
+    for i, a in enumerate(labels):
+        counts[a] += 1
+        if i >= window:
+            counts[labels[i - window]] -= 1
+        n = min(i + 1, window)
+        for k in names:
+            shares[k].append(counts[k] / n)
+    return shares
+
+
+def _finite(xs: Iterable[float]) -> list[float]:
+    return [x for x in xs if isinstance(x, float) and math.isfinite(x)]
+
+
+def _json_float(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+# ---- drawing helpers ------------------------------------------------------------------------------
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise MissingDependency("drawing a plot needs matplotlib", expected="matplotlib >= 3.8", found="not installed",
+                                hint="pip install 'ripresa[plots]'") from exc
+    return Figure, FigureCanvasAgg
+
+
+def _save_png(fig: Any, canvas_cls: Any, out: Path) -> Path:
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise BadInput("cannot write the PNG: its folder does not exist", file=out, expected="an existing folder",
+                       found="nothing", hint="create the folder first or choose another --png")
+    canvas_cls(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, facecolor="white", pil_kwargs={"optimize": True})
+    write_atomic(out, [buf.getvalue()])
+    return out
+
+
+def _loss_limits(values: Sequence[float], ema: Sequence[float], headroom: float) -> tuple[float, float] | None:
+    raw = sorted(_finite(values))
+    if not raw:
+        return None
+    lo = min(raw[0], min(_finite(ema), default=raw[0]))
+    # A few wild steps (a spike, a diverged arm) must not flatten the whole curve.
+    hi = max(raw[min(len(raw) - 1, int(0.995 * (len(raw) - 1)))], max(_finite(ema), default=raw[-1]))
+    span = (hi - lo) or max(abs(hi), 1.0) * 0.1
+    return lo - 0.04 * span, hi + (0.04 + headroom) * span
+
+
+def _event_label(ev: Event) -> str:
+    r = ev.record
+    if ev.kind == "resume":
+        redo = f", {ev.redone} steps redone" if ev.redone else ""
+        return f"resume ← {ev.step}" + (" (foreign)" if r.get("foreign") else "") + redo
+    if ev.kind == "signal":
+        sigs = r.get("signals") or []
+        name = "+".join(str(s) for s in sigs) if isinstance(sigs, list) and sigs else "signal"
+        action = r.get("action")
+        return f"{name} @{ev.step}" + (f" → {action}" if action else "")
+    if ev.kind == "pivot":
+        return f"pivot @{ev.step}"
+    if ev.kind == "fork":
+        return f"fork of {ev.step}"
+    if ev.kind == "zombie_arm":
+        return f"zombie arm {r.get('arm', '?')}"
+    if ev.kind == "bandit_fresh":
+        return "fresh bandit"
+    if ev.kind == "checkpoint_failed":
+        return f"checkpoint failed @{ev.step}"
+    return ev.kind
+
+
+def _place_labels(items: list[tuple[float, str]], x0: float, x1: float, tiers: int) -> list[tuple[int, bool] | None]:
+    """A (tier, to-the-left) per label so that labels do not overlap, or None where none fits.
+
+    Widths are estimated (8-point bold text on a ~900-pixel-wide panel); a label
+    that would run past the right edge is written to the left of its mark.
+    """
+    span = (x1 - x0) or 1.0
+    taken: list[list[tuple[float, float]]] = [[] for _ in range(tiers)]
+    out: list[tuple[int, bool] | None] = []
+    for x, text in items:
+        at = (x - x0) / span
+        width = 0.0075 * (len(text) + 1) + 0.004
+        sides = [s for s in (False, True) if (at - width >= 0.0 if s else at + width <= 1.0)] or [at + width > 1.0]
+        spot = None
+        for tier in range(tiers):
+            for left_side in sides:
+                lo, hi = (at - width, at) if left_side else (at, at + width)
+                if all(hi <= a or lo >= b for a, b in taken[tier]):
+                    spot = (tier, left_side, lo, hi)
+                    break
+            if spot:
+                break
+        if spot is None:
+            out.append(None)
+            continue
+        taken[spot[0]].append((spot[2], spot[3]))
+        out.append((spot[0], spot[1]))
+    return out
+
+
+def ema_alpha_for(n_steps: int) -> float:
+    """The EMA of ``ripresa plot``: :data:`EMA_ALPHA` (~50 steps), longer for long runs (~n/200 steps)."""
+    return max(EMA_ALPHA, 1.0 - 1.0 / max(50.0, n_steps / 200.0))
+
+
+# ---- ripresa plot ---------------------------------------------------------------------------------
+
+
+def plot_run(run_dir: Path, png: Path | None = None) -> Path:
+    """Draw one run's history to ``png`` (default ``RUN/plot.png``); return the path.
+
+    Top panel: loss per step (light), its EMA (bold), thin grey marks at
+    checkpoints, coloured labelled marks at resume / signal / pivot / fork /
+    zombie-arm / failed-checkpoint / fresh-bandit events. Bottom panel: rolling
+    share of each data-mixture arm (from each step's ``arm``). What was drawn is
+    left in :data:`last_plot_info`.
+    """
+    run = load_run(run_dir)
+    out = Path(png) if png is not None else run.folder / "plot.png"
+    Figure, Canvas = _matplotlib()
+
+    steps, losses = run.steps, run.losses
+    alpha = ema_alpha_for(len(steps))
+    ema = ema_series(losses, alpha)
+    first, last = steps[0], steps[-1]
+    marked = [e for e in run.events if e.kind in EVENT_STYLE]
+    checkpoints = sorted({e.step for e in run.of_kind("checkpoint")})
+
+    fig = Figure(figsize=FIG_SIZE, dpi=DPI, layout="constrained")
+    grid = fig.add_gridspec(2, 1, height_ratios=(3.0, 1.35))
+    ax = fig.add_subplot(grid[0])
+    ax_arm = fig.add_subplot(grid[1], sharex=ax)
+
+    # Loss and EMA.
+    ax.plot(steps, losses, color=RAW_COLOUR, lw=0.9, label="loss (per step)", zorder=2)
+    ax.plot(steps, ema, color=EMA_COLOUR, lw=2.4, label=f"EMA (α={alpha:g})", zorder=3)
+    tiers = 4
+    limits = _loss_limits(losses, ema, headroom=0.06 * tiers if marked else 0.0)
+    if limits:
+        ax.set_ylim(*limits)
+    pad = max(1, round((last - first) * 0.01))
+    ax.set_xlim(min(first, *(e.step for e in marked)) - pad if marked else first - pad, last + pad)
+    x0, x1 = ax.get_xlim()
+
+    # Checkpoints: thin marks, one legend entry.
+    if len(checkpoints) > DENSE_CHECKPOINTS:  # full-height lines would grey out the panel
+        ax.vlines(checkpoints, 0, 0.03, transform=ax.get_xaxis_transform(), colors=CHECKPOINT_COLOUR, lw=0.5,
+                  zorder=1, label=f"checkpoint ({len(checkpoints)}, ticks)")
+    elif checkpoints:
+        ax.vlines(checkpoints, 0, 1, transform=ax.get_xaxis_transform(), colors=CHECKPOINT_COLOUR, lw=0.7,
+                  zorder=1, label=f"checkpoint ({len(checkpoints)})")
+    # Events: coloured marks on both panels, labels on the loss panel.
+    drawn: dict[str, int] = {}
+    labels: list[str] = []
+    label_items: list[tuple[Event, str]] = []
+    for kind, (colour, style, width) in EVENT_STYLE.items():
+        evs = [e for e in marked if e.kind == kind]
+        if not evs:
+            continue
+        xs = [e.step for e in evs]
+        drawn[kind] = len(evs)
+        for axis, lab in ((ax, f"{kind.replace('_', ' ')} ({len(evs)})"), (ax_arm, None)):
+            axis.vlines(xs, 0, 1, transform=axis.get_xaxis_transform(), colors=colour, linestyles=style,
+                        lw=width, zorder=4, label=lab)
+        redone = [e for e in evs if e.redone]  # steps a crash cost: logged by the dead process, run again
+        for i, e in enumerate(redone):
+            ax.axvspan(e.step, e.logged_before, color=colour, alpha=0.08, lw=0, zorder=0,
+                       label=f"steps redone after a crash ({sum(r.redone for r in redone)})" if i == 0 else None)
+        if len(evs) <= MAX_LABELS_PER_KIND:
+            label_items += [(e, _event_label(e)) for e in evs]
+    label_items.sort(key=lambda it: it[0].step)
+    placed = _place_labels([(e.step, t) for e, t in label_items], x0, x1, tiers)
+    for (ev, text), where in zip(label_items, placed, strict=True):
+        if where is None:
+            continue  # no room: the mark and the legend's count still show it
+        tier, to_left = where
+        ax.annotate(text, xy=(ev.step, 1.0), xycoords=ax.get_xaxis_transform(),
+                    xytext=(-3 if to_left else 3, -4 - 13 * tier), textcoords="offset points",
+                    ha="right" if to_left else "left", va="top", fontsize=8, color=EVENT_STYLE[ev.kind][0],
+                    fontweight="bold", zorder=5,
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
+        labels.append(text)
+    ax.set_ylabel("loss")
+    ax.grid(True, axis="y", color="#e6e6e6", lw=0.6)
+    ax.tick_params(labelbottom=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8.5, frameon=False)
+
+    # Arm shares.
+    window = max(5, min(200, len(steps) // 15))
+    have_arms = any(a is not None for a in run.arms)
+    arm_names: list[str] = []
+    if have_arms:
+        shares = rolling_arm_shares(run.arms, window)
+        arm_names = list(shares)
+        colours = [ARM_COLOURS[i % len(ARM_COLOURS)] for i in range(len(arm_names))]
+        ax_arm.stackplot(steps, [shares[a] for a in arm_names], labels=arm_names, colors=colours, alpha=0.9,
+                         lw=0, zorder=2)
+        ax_arm.set_ylim(0, 1)
+        ax_arm.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8.5, frameon=False,
+                      title="arm", title_fontsize=8.5)
+    else:
+        ax_arm.text(0.5, 0.5, "no 'arm' field in this history", transform=ax_arm.transAxes, ha="center",
+                    va="center", color="#777777")
+        ax_arm.set_ylim(0, 1)
+    ax_arm.set_ylabel(f"arm share\n(last {window} steps)")
+    ax_arm.set_xlabel("step")
+
+    last_loss = next((x for x in reversed(losses) if math.isfinite(x)), math.nan)
+    last_ema = next((x for x in reversed(ema) if math.isfinite(x)), math.nan)
+    what = f" ({run.config_name})" if run.config_name else ""
+    fig.suptitle(f"{run.name}{what} — steps {first}–{last} ({len(steps)} logged) · last loss {last_loss:.4f}"
+                 f" · EMA {last_ema:.4f}", fontsize=13, fontweight="bold")
+    _save_png(fig, Canvas, out)
+
+    last_plot_info.clear()
+    last_plot_info.update({
+        "path": str(out), "run": run.name, "steps": len(steps), "first_step": first, "last_step": last,
+        "events": {"checkpoint": len(checkpoints), **{k: drawn.get(k, 0) for k in MARKED_EVENTS}},
+        "labels": labels, "redone": sum(e.redone for e in run.of_kind("resume")), "arms": arm_names, "arm_window": window,
+        "last_loss": _json_float(last_loss), "last_ema": _json_float(last_ema), "ema_alpha": alpha,
+        "skipped_lines": run.skipped_lines,
+    })
+    return out
+
+
+# ---- ripresa compare ------------------------------------------------------------------------------
+
+
+def compare_runs(runs: Sequence[Path], png: Path | None = None, *, ema: float = EMA_ALPHA) -> dict:
+    """Compare runs from their fork point; say which converges lower.
+
+    The comparison starts at ``from_step``: the largest ``parent_step`` of the
+    runs' ``fork`` events, or, without a fork, the largest first step. The
+    runs' EMAs start there, and they are compared at the last step every run
+    has logged (``last_common_step``). Per run: ``final_loss`` (raw loss at
+    that step), ``ema_loss`` (EMA there), ``best_loss``/``best_step`` (lowest
+    loss in the compared range), ``steps`` compared, the run's own
+    ``last_step`` and ``last_loss``. ``winner``: the run with the lowest
+    finite EMA (``None`` when none is finite). JSON-able.
+    """
+    if len(runs) < 2:
+        raise BadInput("compare needs at least two runs", expected="RUN_A RUN_B [...]", found=[str(r) for r in runs])
+    ema_series([], ema)  # validates alpha before any work
+    loaded = [load_run(r) for r in runs]
+    names = [r.name for r in loaded]
+    if len(set(names)) < len(names):
+        names = [str(r.folder) for r in loaded]
+    forks = [r.fork_step() for r in loaded]
+    starts = [f if f is not None else r.steps[0] for r, f in zip(loaded, forks, strict=True)]
+    from_step = max(starts)
+    common = set.intersection(*({s for s in r.steps if s >= from_step} for r in loaded))
+    if not common:
+        raise BadInput("the runs have no steps in common", expected=f"steps logged by every run from step {from_step}",
+                       found="; ".join(f"{n}: {r.steps[0]}–{r.steps[-1]}" for n, r in zip(names, loaded, strict=True)),
+                       hint="compare runs forked from the same checkpoint, or runs that cover the same steps")
+    last_common = max(common)
+
+    rows: list[dict[str, Any]] = []
+    curves: list[tuple[list[int], list[float], list[float]]] = []
+    for name, r, fork in zip(names, loaded, forks, strict=True):
+        idx = [i for i, s in enumerate(r.steps) if s >= from_step]
+        st = [r.steps[i] for i in idx]
+        ls = [r.losses[i] for i in idx]
+        em = ema_series(ls, ema)
+        at = st.index(last_common)
+        upto = [(s, x) for s, x in zip(st[: at + 1], ls[: at + 1], strict=True) if math.isfinite(x)]
+        best_step, best = min(upto, key=lambda sx: sx[1]) if upto else (None, math.nan)
+        last_loss = next((x for x in reversed(ls) if math.isfinite(x)), math.nan)
+        rows.append({
+            "run": name, "path": str(r.folder), "fork_step": fork, "first_step": st[0], "last_step": st[-1],
+            "steps": at + 1, "final_loss": _json_float(ls[at]), "ema_loss": _json_float(em[at]),
+            "best_loss": _json_float(best), "best_step": best_step, "last_loss": _json_float(last_loss),
+            "non_finite_steps": sum(1 for x in ls[: at + 1] if not math.isfinite(x)),
+        })
+        curves.append((st, ls, em))
+    ranked = sorted((row for row in rows if row["ema_loss"] is not None), key=lambda row: row["ema_loss"])
+    margin = ranked[1]["ema_loss"] - ranked[0]["ema_loss"] if len(ranked) > 1 else None
+    tie = margin == 0.0  # identical EMAs: neither converges lower
+    winner = ranked[0]["run"] if ranked and not tie else None
+    for row in rows:
+        row["winner"] = row["run"] == winner
+        row["ema_gap"] = (row["ema_loss"] - ranked[0]["ema_loss"]) if ranked and row["ema_loss"] is not None else None
+    result: dict[str, Any] = {
+        "runs": rows, "winner": winner, "tie": tie, "margin": margin, "from_step": from_step,
+        "forked": any(f is not None for f in forks), "last_common_step": last_common, "common_steps": len(common),
+        "ema_alpha": float(ema), "png": None,
+    }
+    if png is not None:
+        result["png"] = str(_draw_comparison(result, curves, Path(png)))
+    return result
+
+
+def _draw_comparison(result: dict[str, Any], curves: list[tuple[list[int], list[float], list[float]]],
+                     out: Path) -> Path:
+    Figure, Canvas = _matplotlib()
+    fig = Figure(figsize=(12.0, 6.4), dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    from_step, last_common = result["from_step"], result["last_common_step"]
+    all_raw: list[float] = []
+    all_ema: list[float] = []
+    for i, (row, (st, ls, em)) in enumerate(zip(result["runs"], curves, strict=True)):
+        colour = RUN_COLOURS[i % len(RUN_COLOURS)]
+        ax.plot(st, ls, color=colour, lw=0.8, alpha=0.22, zorder=2)
+        ema_txt = f"{row['ema_loss']:.4f}" if row["ema_loss"] is not None else "n/a"
+        tag = "  ◀ lower" if row["winner"] else ""
+        ax.plot(st, em, color=colour, lw=2.4, zorder=3, label=f"{row['run']}: EMA {ema_txt}{tag}")
+        all_raw += ls
+        all_ema += em
+    limits = _loss_limits(all_raw, all_ema, headroom=0.05)
+    if limits:
+        ax.set_ylim(*limits)
+    what = f"fork @{from_step}" if result["forked"] else f"from {from_step}"
+    ax.axvline(from_step, color="#555555", lw=1.2, ls="--", zorder=1, label=what)
+    ax.axvline(last_common, color="#999999", lw=1.0, ls=":", zorder=1, label=f"last common step {last_common}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss (EMA α={result['ema_alpha']}, raw faint)")
+    ax.grid(True, color="#ececec", lw=0.6)
+    ax.legend(loc="upper right", fontsize=9.5, framealpha=0.9)
+    names = " vs ".join(row["run"] for row in result["runs"])
+    verdict = (f"{result['winner']} converges lower" if result["winner"] is not None
+               else "a tie" if result.get("tie") else "no finite EMA to compare")
+    fig.suptitle(f"{names} — {what}, EMA at step {last_common}: {verdict}", fontsize=13, fontweight="bold")
+    return _save_png(fig, Canvas, out)
+
+
+def render_comparison(result: dict[str, Any], console: Any) -> None:
+    """Print :func:`compare_runs`'s result as a rich table and a one-line verdict."""
+    from rich.table import Table
+
+    def num(x: float | None) -> str:
+        return "—" if x is None else f"{x:.4f}"
+
+    forked = result.get("forked")
+    title = (f"compare from {'fork at ' if forked else ''}step {result['from_step']} "
+             f"to last common step {result['last_common_step']} (EMA α={result['ema_alpha']})")
+    table = Table(title=title, title_justify="left")
+    for col, just in (("run", "left"), ("steps", "right"), ("range", "right"), ("final loss", "right"),
+                      ("EMA loss", "right"), ("Δ EMA", "right"), ("best loss (step)", "right"),
+                      ("last loss", "right")):
+        table.add_column(col, justify=just)
+    for row in result["runs"]:
+        gap = row.get("ema_gap")
+        best = f"{num(row['best_loss'])} ({row['best_step']})" if row["best_step"] is not None else "—"
+        name = f"[bold green]{row['run']} ★[/]" if row.get("winner") else row["run"]
+        table.add_row(name, str(row["steps"]), f"{row['first_step']}–{row['last_step']}", num(row["final_loss"]),
+                      num(row["ema_loss"]), "—" if gap is None else f"+{gap:.4f}", best, num(row["last_loss"]))
+    console.print(table)
+    if result.get("tie"):
+        console.print(f"[yellow]a tie: the runs have the same EMA loss at step {result['last_common_step']}[/]")
+    elif result["winner"] is None:
+        console.print("[yellow]no run has a finite EMA loss: nothing converges[/]")
+    else:
+        margin = result.get("margin")
+        by = f" by {margin:.4f}" if margin is not None else ""
+        console.print(f"[bold]{result['winner']}[/] converges lower (EMA at step {result['last_common_step']}{by})")
+    if result.get("png"):
+        console.print(f"plot: {result['png']}")

@@ -1,0 +1,1 @@
+"""I/O primitives: crash-safe file operations, run locks, HMAC signatures. Imports only errors."""

@@ -1,0 +1,1 @@
+"""Training-loop side: the Checkpointer, signal requests, torchrun/distributed helpers."""

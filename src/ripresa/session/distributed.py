@@ -1,0 +1,273 @@
+"""Distributed runs: who writes what, and how every rank agrees (docs/FORMAT.md, sharded generations; docs/FAULTS.md, signals).
+
+A :class:`~ripresa.Checkpointer` opened inside an initialised process group
+(``torchrun``: DDP on gloo/nccl, or FSDP2 ``fully_shard``) coordinates its ranks
+through a :class:`DistContext`:
+
+* **Agreement at every step boundary.** Each rank contributes two flags (a
+  stop signal — SIGTERM/SIGINT — and a checkpoint signal — SIGUSR1 — received
+  since the last step) to one ``all_reduce(MAX)`` of a ``[2, world]`` int
+  tensor. A signal delivered to *any* rank therefore makes *every* rank save
+  the same step, then all stop or all continue.
+* **Who writes what.** DDP: the model is replicated, so rank 0 writes the
+  ``.bin`` and its companion; the other ranks send it their random-generator
+  states, data position and ``Stateful`` objects (``gather_object``), which the
+  companion stores as ``extra.distributed.ranks[r]``. FSDP2: every rank writes
+  its shards with ``torch.distributed.checkpoint`` into a partial folder; after
+  a barrier rank 0 adds the companion, renames the folder to
+  ``step_NNNNNN.dcp`` and writes the commit marker last
+  (:mod:`ripresa.formats.dcp`). Either way a generation counts only once every
+  rank has delivered its part: a rank that dies before that leaves no marker,
+  and the previous generation stays the newest valid one.
+* **One lock, one history.** Only rank 0 takes the run folder's writer lock
+  and appends to ``.loss.jsonl``; the other ranks open the folder read-only
+  and get a :class:`NullHistory`.
+
+World-size changes (resharding): weights, m and v (and every other shared
+state) are restored exactly on any number of ranks. Per-rank state follows the
+rank: rank ``r`` restores entry ``r`` when the saved run had that rank; a rank
+beyond the saved world size restores rank 0's data position and objects (a
+:class:`~ripresa.core.data.DistributedEpochSampler` position is global, so this is
+exact) but keeps the random streams its process seeded — derive them from the
+seed and the rank (:func:`rank_generator`, :func:`rank_seed`) so that no two
+ranks draw the same numbers. Entries of ranks that no longer exist are
+dropped. The resume records a ``world_size_change`` history event. The
+trajectory is exact only for the same world size: the global batch is the
+per-rank batch times the world size, and the per-rank random streams differ.
+
+Fault injection for the tests: ``RIPRESA_DIST_FAULT=POINT:RANK:STEP`` kills
+rank ``RANK`` with SIGKILL at the named point of the save of step ``STEP``
+(points: ``before_gather``, ``after_shards``), in the first attempt of a
+``torchrun --max-restarts`` group only (``TORCHELASTIC_RESTART_COUNT`` = 0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core.schema import MAX_WORLD_SIZE, check_distributed_record  # noqa: F401 (re-exported)
+from ..errors import BadInput
+
+__all__ = [
+    "DistContext",
+    "NullHistory",
+    "fault_point",
+    "init_from_env",
+    "is_sharded",
+    "rank_generator",
+    "rank_seed",
+    "torchrun_env",
+    "WORLD_CHANGE_NOTE",
+]
+
+#: What a world-size change does to the data order, written into the history event.
+WORLD_CHANGE_NOTE = (
+    "weights, m, v and shared state restored exactly; ranks below the saved world size restore their own "
+    "random streams and data position, new ranks take rank 0's data position and objects with fresh "
+    "random streams derived from the run seed and their rank, entries of ranks that no longer exist are dropped; "
+    "the global batch is now batch_size x world_size, so the data order and the trajectory differ from a "
+    "run that kept the saved world size"
+)
+
+
+def torchrun_env() -> dict[str, int] | None:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as set by ``torchrun``, or None outside it."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    try:
+        return {
+            "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"]),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        }
+    except ValueError as exc:
+        raise BadInput("RANK/WORLD_SIZE/LOCAL_RANK are not integers", found=str(exc)) from None
+
+
+def init_from_env(device_type: str, *, need_group: bool = False) -> bool:
+    """Initialise the default process group from ``torchrun``'s environment.
+
+    Returns True when a group is (now) initialised. Outside ``torchrun`` (no
+    ``RANK``/``WORLD_SIZE``), or with ``WORLD_SIZE=1`` unless ``need_group``
+    (FSDP2 needs a group even on one rank), nothing is initialised: a single
+    process never creates a process group. Backend: nccl on CUDA, gloo on CPU.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    env = torchrun_env()
+    if env is None or (env["world_size"] <= 1 and not need_group):
+        return False
+    if not dist.is_available():
+        raise BadInput("torch.distributed is not available in this torch build", hint="install a torch with distributed support")
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise BadInput("RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not",
+                       expected="launch with torchrun", found={k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")})
+    kwargs: dict[str, Any] = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun hosts the store and keeps it across `--max-restarts` attempts; a
+        # restarted group that rendezvoused under the same keys read the dead
+        # group's addresses (gloo "connectFullMesh ... Connection refused").
+        # A prefix per attempt gives every attempt its own keys.
+        from datetime import timedelta
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env["world_size"],
+                             is_master=False, timeout=timedelta(minutes=30))
+        kwargs = {"store": dist.PrefixStore(f"ripresa/attempt_{attempt}", base), "rank": env["rank"],
+                  "world_size": env["world_size"]}
+    if device_type == "cuda":
+        torch.cuda.set_device(env["local_rank"])
+        dist.init_process_group("nccl", device_id=torch.device("cuda", env["local_rank"]), **kwargs)
+    else:
+        dist.init_process_group("gloo", **kwargs)
+    return True
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when the model's parameters are DTensors (FSDP2 ``fully_shard``)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """A seed for rank ``rank`` derived from the run's ``seed`` (rank 0 keeps ``seed``)."""
+    if rank == 0:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed), int(rank)]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def rank_generator(seed: int, rank: int) -> np.random.Generator:
+    """A PCG64 stream for rank ``rank``: ``PCG64(seed)`` jumped ``rank`` times.
+
+    Rank 0's stream is exactly ``PCG64(seed)`` (the single-process stream);
+    each jump advances by ~2^127 draws, so ranks never overlap.
+    """
+    return np.random.Generator(np.random.PCG64(int(seed)).jumped(int(rank)))
+
+
+def fault_point(point: str, step: int, rank: int) -> None:
+    """Kill this process with SIGKILL when ``RIPRESA_DIST_FAULT`` names this point (tests only)."""
+    spec = os.environ.get("RIPRESA_DIST_FAULT")
+    if not spec:
+        return
+    try:
+        p, r, s = spec.split(":")
+        hit = p == point and int(r) == rank and int(s) == step
+    except ValueError:
+        return
+    if hit and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NullHistory:
+    """The history of a rank other than 0: it writes nothing (rank 0 writes ``.loss.jsonl``)."""
+
+    repaired_torn_line = False
+
+    def append(self, record: dict[str, Any]) -> None:
+        pass
+
+    def step(self, step: int, **metrics: Any) -> None:
+        pass
+
+    def event(self, name: str, **fields: Any) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class DistContext:
+    """The process group as the Checkpointer sees it."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    sharded: bool
+
+    @classmethod
+    def detect(cls, model: torch.nn.Module | None = None) -> DistContext | None:
+        """The context of an initialised group, or None (a single process).
+
+        A group of one rank with a replicated model is treated as a single
+        process (its files are byte-compatible with one); with a sharded
+        (FSDP2) model it is distributed, since the state lives in DTensors.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        sharded = model is not None and is_sharded(model)
+        world = dist.get_world_size()
+        if world <= 1 and not sharded:
+            return None
+        backend = str(dist.get_backend())
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return cls(rank=dist.get_rank(), world_size=world, backend=backend, device=device, sharded=sharded)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- collectives (main thread only, same order on every rank) ---------------------
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def agree(self, stop: bool, checkpoint: bool) -> tuple[list[int], list[int]]:
+        """All-reduce (MAX) this rank's two flags; return the ranks that asked to stop / to checkpoint."""
+        import torch.distributed as dist
+
+        t = torch.zeros(2, self.world_size, dtype=torch.int32, device=self.device)
+        t[0, self.rank] = int(bool(stop))
+        t[1, self.rank] = int(bool(checkpoint))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flags = t.cpu()
+        return ([r for r in range(self.world_size) if flags[0, r]], [r for r in range(self.world_size) if flags[1, r]])
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over the ranks (float64 sum / world size)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item()) / self.world_size
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (pickled; small objects only)."""
+        import torch.distributed as dist
+
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, device=self.device if self.backend == "nccl" else None)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (a list indexed by rank); None elsewhere."""
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "backend": self.backend, "shard": "fsdp" if self.sharded else "ddp"}

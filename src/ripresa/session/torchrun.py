@@ -1,0 +1,107 @@
+"""``python -m ripresa.torchrun``: ``torchrun`` that passes SIGUSR1 (and SIGTERM, SIGINT) on to every rank.
+
+Same arguments as ``torchrun``; two differences:
+
+* **Signals.** Stock ``torchrun`` does not handle SIGUSR1 (its default action
+  kills the launcher and orphans the ranks), and on SIGTERM/SIGINT it forwards
+  the signal, waits ``--shutdown-timeout`` seconds (30) for the ranks and then
+  SIGKILLs them and exits non-zero. Here the launcher forwards SIGTERM, SIGINT
+  and SIGUSR1 to every rank and keeps supervising: the ranks agree on a step,
+  save it, and then all continue (SIGUSR1) or all exit 0 (SIGTERM/SIGINT), so
+  the launcher exits 0 too — a requested stop is a success, and
+  ``--max-restarts`` does not restart it. A second SIGTERM only sets the
+  ranks' flag again; it never aborts their save.
+* **Options.** Abbreviated options are not accepted, so a trainer option
+  such as ``--run`` is never mistaken for torchrun's ``--run-path``.
+
+Example::
+
+    python -m ripresa.torchrun --standalone --nproc_per_node=2 -m ripresa train --run runs/ddp
+    kill -USR1 <launcher pid>      # every rank saves the same step and continues
+    kill -TERM <launcher pid>      # every rank saves the same step; all exit 0
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def children(pid: int | None = None) -> list[int]:
+    """Pids of the direct children of ``pid`` (default: this process), from ``/proc``."""
+    pid = os.getpid() if pid is None else pid
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return sorted(set(out))
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` from ``/proc/PID/stat``, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+        return int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _send_to_child(pid: int, signum: int) -> None:
+    """Signal ``pid`` only if it is still this process's child (a reaped child's pid may be reused)."""
+    if pid <= 0:
+        return
+    pidfd = None
+    opener = getattr(os, "pidfd_open", None)
+    if opener is not None and hasattr(signal, "pidfd_send_signal"):
+        try:
+            pidfd = opener(pid)  # pinned before the parent check below
+        except OSError:
+            pidfd = None
+    try:
+        if _parent_of(pid) != os.getpid():
+            return
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signum)
+        else:
+            os.kill(pid, signum)
+    except OSError:  # exited meanwhile, or not ours to signal: nothing to forward
+        pass
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _forward(signum: int, frame: FrameType | None) -> None:
+    for child in children():
+        _send_to_child(child, signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed import run as trun
+
+    parser = trun.get_args_parser()
+    parser.allow_abbrev = False
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    # torchrun keeps SIGHUP/SIGQUIT (tear the group down); the three below are ours to forward.
+    args.signals_to_handle = "SIGHUP,SIGQUIT"
+    for sig in FORWARDED:
+        signal.signal(sig, _forward)
+    trun.run(args)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

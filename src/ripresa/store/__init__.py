@@ -1,0 +1,1 @@
+"""Storage: run folders of generations (CheckpointStore), retention, async writes, history."""

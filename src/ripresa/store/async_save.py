@@ -1,0 +1,136 @@
+"""Asynchronous saves: a short copy at the step boundary, the rest in the background.
+
+At the step boundary, weights, m and v are copied into preallocated staging
+buffers (pinned host memory on CUDA, so the device-to-host copy is a DMA);
+that copy is the only stall the training loop sees. A background thread then
+streams, hashes, ``fsync``s and commits the generation through the
+:class:`~ripresa.store.store.CheckpointStore` while training goes on.
+
+* At most one save is in flight. A new request first waits for the previous
+  one (the staging buffers are reused, so they must be free); requests are
+  never interleaved. At a 100-step cadence a save normally finishes long
+  before the next one is due, so this wait is zero in practice.
+* A background failure is kept and raised at the next :meth:`poll`,
+  :meth:`save` or :meth:`wait`, as :class:`~ripresa.errors.SaveFailed`
+  naming the step; the previous generation is untouched.
+* The writer thread is not a daemon: a process that exits (SIGTERM path)
+  first lets the in-flight save complete. Call :meth:`wait` explicitly on
+  the exit path to surface its result.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..errors import RipresaError, SaveFailed
+from ..formats.andrea_bin import BinArrays
+from .store import CheckpointStore, Generation
+
+
+class StagingBuffers:
+    """One preallocated float32 buffer of 3·n elements: weights | m | v."""
+
+    def __init__(self, n_params: int, *, pin_memory: bool | None = None) -> None:
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.n_params = int(n_params)
+        self.flat = torch.empty(3 * self.n_params, dtype=torch.float32, pin_memory=pin_memory)
+
+    def capture(self, arrays: BinArrays) -> BinArrays:
+        """Copy the live regions into the buffers; return views of the copies."""
+        n = arrays.n_params
+        if n != self.n_params:
+            raise SaveFailed("the model changed size since the staging buffers were allocated",
+                             expected=self.n_params, found=n)
+        any_cuda = False
+        for r, region in enumerate((arrays.weights, arrays.m, arrays.v)):
+            off = r * n
+            for chunk in region:
+                t = chunk if isinstance(chunk, torch.Tensor) else torch.from_numpy(chunk)
+                k = t.numel()
+                dst = self.flat[off : off + k].view(t.shape)
+                any_cuda |= t.device.type == "cuda"
+                dst.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+                off += k
+        if any_cuda:
+            torch.cuda.synchronize()
+        return BinArrays((self.flat[:n],), (self.flat[n : 2 * n],), (self.flat[2 * n :],))
+
+
+class AsyncCheckpointWriter:
+    """Background writer over a :class:`CheckpointStore`; one save in flight at most."""
+
+    def __init__(self, store: CheckpointStore, *, pin_memory: bool | None = None) -> None:
+        self.store = store
+        self.pin_memory = pin_memory
+        self.buffers: StagingBuffers | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._error_step: int | None = None
+        self._result: Generation | None = None
+        self.last_stall_s = 0.0  # seconds the caller was blocked by the last save() (wait + copy)
+        self.last_write_s = 0.0  # seconds the last background write took
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, step: int, arrays: BinArrays, companion_state: dict[str, Any]) -> None:
+        """Stage ``arrays`` now and commit generation ``step`` in the background."""
+        t0 = time.perf_counter()
+        self.wait()
+        if self.buffers is None or self.buffers.n_params != arrays.n_params:
+            self.buffers = StagingBuffers(arrays.n_params, pin_memory=self.pin_memory)
+        staged = self.buffers.capture(arrays)
+        self._thread = threading.Thread(
+            target=self._run, args=(step, staged, companion_state), name=f"ripresa-save-{step}", daemon=False
+        )
+        self._thread.start()
+        self.last_stall_s = time.perf_counter() - t0
+
+    def _run(self, step: int, staged: BinArrays, companion_state: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._result = self.store.save(step, staged, companion_state)
+        except BaseException as exc:  # kept and raised in the training thread
+            self._error, self._error_step = exc, step
+        finally:
+            self.last_write_s = time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """Raise the failure of a finished background save, if any (cheap; call each step)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread.join()
+            self._thread = None
+            self._raise_pending()
+
+    def wait(self) -> Generation | None:
+        """Block until the in-flight save (if any) is committed; return it or raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_pending()
+        result, self._result = self._result, None
+        return result
+
+    def _raise_pending(self) -> None:
+        if self._error is None:
+            return
+        exc, step = self._error, self._error_step
+        self._error = self._error_step = None
+        if isinstance(exc, RipresaError):
+            raise SaveFailed(
+                f"background save of step {step} failed: {exc.message}",
+                file=exc.file, expected=exc.expected, found=exc.found,
+                hint=(exc.hint or "") + "; the previous generation is intact",
+            ) from exc
+        raise SaveFailed(f"background save of step {step} failed: {type(exc).__name__}: {exc}",
+                         hint="the previous generation is intact") from exc
+
+    def close(self) -> Generation | None:
+        """Finish the in-flight save (the exit path)."""
+        return self.wait()

@@ -1,0 +1,329 @@
+"""Retention: which saved generations to keep — pure policies over step numbers.
+
+A policy never touches the disk. It looks at the list of steps that have a
+*valid* (committed, verified) generation and says which of them it keeps;
+:func:`plan_deletions` turns that into the list of steps the store may delete.
+The store applies it only after a new generation is durable and verified
+(docs/FORMAT.md), so the policies can be tested exhaustively without a single file.
+
+Policies (frozen dataclasses, validated on construction):
+
+* :class:`KeepLast` — the ``n`` newest steps;
+* :class:`KeepEvery` — every step divisible by ``k`` (milestones);
+* :class:`KeepSteps` — named "major" steps, e.g. the step before a pivot;
+* :class:`KeepAny` — the union of several policies: a step is kept if *any*
+  of them keeps it. ``KeepLast(3) | KeepEvery(1000)`` builds one.
+
+Two guarantees hold whatever the policy says: the newest valid step is never
+deleted, and neither is a *protected* step (a generation being written, or one
+a fork is copying from). A policy that keeps nothing therefore still leaves
+the run resumable.
+
+The same policies have a one-line text form for the CLI and ``config.json``::
+
+    last=3                      keep the 3 newest
+    last=3,every=1000           ... and every 1000th step
+    last=2,steps=500+1200       ... and steps 500 and 1200
+
+Terms are joined by commas and combined by union; :attr:`RetentionPolicy.spec`
+writes that form back, and :func:`parse_retention` reads it.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadInput
+
+__all__ = [
+    "DEFAULT_RETENTION",
+    "KeepAny",
+    "KeepEvery",
+    "KeepLast",
+    "KeepSteps",
+    "RetentionPolicy",
+    "parse_retention",
+    "plan_deletions",
+]
+
+_SPEC_GRAMMAR = "comma-separated terms: last=N, every=K, steps=S1+S2+... (N, K >= 1; steps >= 0)"
+_SPEC_EXAMPLE = "e.g. 'last=3', 'last=3,every=1000' or 'last=2,steps=500+1200'"
+
+
+def _as_step(value: object, what: str) -> int:
+    """``value`` as a non-negative int step; bools and non-integers are refused."""
+    if isinstance(value, bool):
+        raise BadInput(
+            f"{what} must be an integer step, not a bool", expected="int >= 0", found=repr(value)
+        )
+    try:
+        step = operator.index(value)  # accepts int and numpy integers, refuses 3.0 and "3"
+    except TypeError:
+        raise BadInput(
+            f"{what} must be an integer step", expected="int >= 0", found=repr(value)
+        ) from None
+    if step < 0:
+        raise BadInput(f"{what} must not be negative", expected="int >= 0", found=step)
+    return step
+
+
+def _as_steps(steps: Iterable[object], what: str) -> set[int]:
+    return {_as_step(s, what) for s in steps}
+
+
+def _as_count(value: object, what: str, hint: str) -> int:
+    if isinstance(value, bool):
+        raise BadInput(
+            f"{what} must be an integer, not a bool",
+            expected="int >= 1",
+            found=repr(value),
+            hint=hint,
+        )
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise BadInput(
+            f"{what} must be an integer", expected="int >= 1", found=repr(value), hint=hint
+        ) from None
+    if n < 1:
+        raise BadInput(f"{what} must be at least 1", expected="int >= 1", found=n, hint=hint)
+    return n
+
+
+class RetentionPolicy(ABC):
+    """A pure rule that picks, from a list of steps, the ones to keep."""
+
+    @abstractmethod
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        """The subset of ``steps`` this policy keeps (order and duplicates ignored)."""
+
+    @property
+    @abstractmethod
+    def spec(self) -> str:
+        """The one-line text form, readable back by :func:`parse_retention`."""
+
+    def __or__(self, other: RetentionPolicy) -> KeepAny:
+        """``a | b`` keeps a step if ``a`` or ``b`` keeps it."""
+        if not isinstance(other, RetentionPolicy):
+            return NotImplemented
+        return KeepAny((self, other))
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+@dataclass(frozen=True)
+class KeepLast(RetentionPolicy):
+    """Keep the ``n`` newest steps (``n >= 1``)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        n = _as_count(self.n, "KeepLast.n", "keep at least the newest step: KeepLast(1)")
+        object.__setattr__(self, "n", n)
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return set(sorted(_as_steps(steps, "step"))[-self.n :])
+
+    @property
+    def spec(self) -> str:
+        return f"last={self.n}"
+
+
+@dataclass(frozen=True)
+class KeepEvery(RetentionPolicy):
+    """Keep every step divisible by ``k`` (``k >= 1``; step 0 counts as divisible)."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        k = _as_count(self.k, "KeepEvery.k", "KeepEvery(1) keeps every step")
+        object.__setattr__(self, "k", k)
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return {s for s in _as_steps(steps, "step") if s % self.k == 0}
+
+    @property
+    def spec(self) -> str:
+        return f"every={self.k}"
+
+
+@dataclass(frozen=True)
+class KeepSteps(RetentionPolicy):
+    """Keep named "major" steps (a non-empty set of steps >= 0).
+
+    Any iterable of ints is accepted and stored as a ``frozenset``. A named
+    step that has no generation is simply not in the answer.
+    """
+
+    steps: frozenset[int]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, str | bytes) or not isinstance(self.steps, Iterable):
+            raise BadInput(
+                "KeepSteps.steps must be a collection of steps",
+                expected="a set of ints >= 0",
+                found=repr(self.steps),
+                hint="KeepSteps({500, 1200})",
+            )
+        steps = frozenset(_as_steps(self.steps, "KeepSteps step"))
+        if not steps:
+            raise BadInput(
+                "KeepSteps needs at least one step",
+                expected="a non-empty set of ints >= 0",
+                found="an empty set",
+                hint="leave the policy out instead of naming no step",
+            )
+        object.__setattr__(self, "steps", steps)
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return _as_steps(steps, "step") & self.steps
+
+    @property
+    def spec(self) -> str:
+        return "steps=" + "+".join(str(s) for s in sorted(self.steps))
+
+
+@dataclass(frozen=True)
+class KeepAny(RetentionPolicy):
+    """Union of policies: a step is kept if any of ``policies`` keeps it.
+
+    Nested unions are flattened, so ``(a | b) | c == KeepAny((a, b, c))``.
+    """
+
+    policies: tuple[RetentionPolicy, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policies, RetentionPolicy) or not isinstance(self.policies, Iterable):
+            raise BadInput(
+                "KeepAny.policies must be a collection of policies",
+                expected="a tuple of retention policies",
+                found=repr(self.policies),
+                hint="KeepAny((KeepLast(3), KeepEvery(1000))) or KeepLast(3) | KeepEvery(1000)",
+            )
+        flat: list[RetentionPolicy] = []
+        for p in self.policies:
+            if isinstance(p, KeepAny):
+                flat.extend(p.policies)
+            elif isinstance(p, RetentionPolicy):
+                flat.append(p)
+            else:
+                raise BadInput(
+                    "KeepAny.policies holds something that is not a retention policy",
+                    expected="KeepLast, KeepEvery, KeepSteps or KeepAny",
+                    found=repr(p),
+                )
+        if not flat:
+            raise BadInput(
+                "KeepAny needs at least one policy",
+                expected="one or more retention policies",
+                found="none",
+                hint=f"the default is {DEFAULT_RETENTION.spec!r}",
+            )
+        object.__setattr__(self, "policies", tuple(flat))
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        clean = sorted(_as_steps(steps, "step"))
+        kept: set[int] = set()
+        for p in self.policies:
+            kept |= p.keep(clean)
+        return kept
+
+    @property
+    def spec(self) -> str:
+        return ",".join(p.spec for p in self.policies)
+
+
+#: Keep the three newest generations: one to resume from, two to fall back on
+#: if the newest turns out unreadable.
+DEFAULT_RETENTION: RetentionPolicy = KeepLast(3)
+
+
+def plan_deletions(
+    steps: Iterable[int],
+    policy: RetentionPolicy,
+    *,
+    newest_valid: int | None,
+    protected: Iterable[int] = (),
+) -> list[int]:
+    """The steps whose generations may be deleted, sorted ascending.
+
+    ``steps`` are the steps that have a valid generation; invalid or unknown
+    generations are simply left out by the caller (this function never deletes
+    what it is not shown). A step is deleted when ``policy`` does not keep it,
+    except:
+
+    * ``newest_valid`` — the generation a resume would use — is never deleted,
+      whatever the policy says; nor is the largest of ``steps`` (the two are
+      the same for a well-formed call; keeping both errs on the safe side);
+    * ``protected`` steps (a generation being written, one a fork reads) are
+      never deleted.
+
+    Applying the result and calling again with the remaining steps deletes
+    nothing more.
+    """
+    valid = _as_steps(steps, "step")
+    keep_always = _as_steps(protected, "protected step")
+    if newest_valid is not None:
+        keep_always.add(_as_step(newest_valid, "newest_valid"))
+    if valid:
+        keep_always.add(max(valid))
+    kept = policy.keep(sorted(valid))
+    return sorted(valid - kept - keep_always)
+
+
+_TERM_RE = re.compile(r"^\s*(?P<key>[A-Za-z_]+)\s*=\s*(?P<value>.*?)\s*$")
+_INT_RE = re.compile(r"^[0-9]+$")
+
+
+def parse_retention(spec: str, *, source: str | Path | None = None) -> RetentionPolicy:
+    """Read a retention spec such as ``"last=3,every=1000,steps=500+1200"``.
+
+    Terms are comma-separated and combined by union (a repeated key adds one
+    more policy). One term gives that policy itself; several give a
+    :class:`KeepAny`. ``source`` names where the spec came from (a config file,
+    ``--keep``) for the error message. Raises :class:`BadInput` on a bad spec.
+    """
+
+    def bad(message: str, found: object) -> BadInput:
+        return BadInput(
+            message, file=source, expected=_SPEC_GRAMMAR, found=found, hint=_SPEC_EXAMPLE
+        )
+
+    if not isinstance(spec, str):
+        raise bad("a retention spec must be text", repr(spec))
+    if not spec.strip():
+        raise bad("the retention spec is empty", repr(spec))
+
+    def number(term: str, text: str, *, at_least: int) -> int:
+        if not _INT_RE.match(text):
+            raise bad(f"in retention term {term!r}: {text!r} is not a whole number", repr(spec))
+        n = int(text)
+        if n < at_least:
+            raise bad(f"in retention term {term!r}: {n} is below {at_least}", repr(spec))
+        return n
+
+    policies: list[RetentionPolicy] = []
+    for raw in spec.split(","):
+        term = raw.strip()
+        m = _TERM_RE.match(raw)
+        if not term or m is None:
+            raise bad(f"retention term {term!r} is not of the form key=value", repr(spec))
+        key, value = m["key"].lower(), m["value"]
+        if key == "last":
+            policies.append(KeepLast(number(term, value, at_least=1)))
+        elif key == "every":
+            policies.append(KeepEvery(number(term, value, at_least=1)))
+        elif key == "steps":
+            parts = value.split("+")
+            policies.append(
+                KeepSteps(frozenset(number(term, p.strip(), at_least=0) for p in parts))
+            )
+        else:
+            raise bad(f"unknown retention key {key!r} in term {term!r}", repr(spec))
+    return policies[0] if len(policies) == 1 else KeepAny(tuple(policies))

@@ -1,0 +1,439 @@
+"""A run folder of checkpoint generations, with the commit protocol of docs/FORMAT.md.
+
+One generation = three files:
+
+    step_NNNNNN.bin          weights, m, v (ANDREA format, docs/FORMAT.md)
+    step_NNNNNN.json         the companion: everything else an exact resume needs
+    step_NNNNNN.bin.sha256   the commit marker, written last: two sha256sum lines,
+                             one for the .bin and one for the .json
+                             (``sha256sum -c step_NNNNNN.bin.sha256`` checks both)
+
+Save: the ``.bin`` is streamed to a temporary sibling while hashed, then the
+companion (which records the ``.bin``'s sha256 and size); both are ``fsync``'d,
+renamed, the folder is ``fsync``'d, then the marker is written the same way.
+Only after the new generation is durable and re-checked does retention delete
+older ones — never the newest valid one, marker first (so a half-deleted
+generation reads as uncommitted, never as valid).
+
+With an HMAC key configured (``RIPRESA_HMAC_KEY`` / ``RIPRESA_HMAC_KEY_FILE``,
+see :mod:`ripresa.io.auth`), a fourth file ``step_NNNNNN.bin.hmac`` signs the
+generation; it is written right before the marker. A store with
+``require_signature`` (or ``RIPRESA_REQUIRE_SIGNATURE=1``) treats an unsigned
+or mis-signed generation as invalid.
+
+A reader trusts only committed generations: :meth:`CheckpointStore.latest_valid`
+skips a damaged newest generation with a warning that names the file and the
+reason, and returns the previous valid one. One writer per folder, enforced by
+:class:`~ripresa.io.lock.RunLock`; leftover temporary files are removed when the
+writer opens the folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.state import validate_saved_state
+from ..errors import BadInput, IntegrityError, RipresaError
+from ..formats import companion as companion_fmt
+from ..formats.andrea_bin import (
+    BinArrays,
+    BinContents,
+    bin_name,
+    parse_bin_name,
+    read_bin,
+    read_header,
+    write_bin,
+)
+from ..io import auth
+from ..io.fsio import (
+    StagedFile,
+    clean_temporaries,
+    fsync_dir,
+    ops,
+    read_small,
+    sha256_file,
+    sidecar_line,
+    write_atomic,
+)
+from ..io.lock import RunLock
+from .retention import DEFAULT_RETENTION, RetentionPolicy, plan_deletions
+
+_MARKER_LINE = re.compile(r"^([0-9a-f]{64}) [ *]([^/\x00\n]+)$")
+_STEP_FILE = re.compile(r"^step_(\d{6,})\.(bin|json|bin\.sha256|bin\.hmac)$")
+
+
+class CheckpointWarning(UserWarning):
+    """A generation was skipped (damaged or uncommitted) in favour of an older one."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation of a run folder and whether it can be trusted."""
+
+    step: int
+    bin: Path
+    companion: Path
+    marker: Path
+    valid: bool
+    reason: str | None = None
+    size: int | None = None
+    bin_sha256: str | None = None
+    companion_sha256: str | None = None
+    deep_checked: bool = False
+    signature_verified: bool = False
+
+
+def generation_paths(folder: Path, step: int) -> tuple[Path, Path, Path]:
+    """(.bin, companion .json, marker) of ``step`` in ``folder``."""
+    b = folder / bin_name(step)
+    return b, b.with_suffix(".json"), b.with_name(b.name + ".sha256")
+
+
+def read_marker(marker: Path, bin_path: Path, companion: Path) -> tuple[str, str]:
+    """Parse a two-line marker; return (bin sha256, companion sha256)."""
+    if not os.path.lexists(marker):
+        raise IntegrityError("missing commit marker: the generation was never committed", file=marker,
+                             expected=f"{marker.name} written last", found="nothing", hint="an older generation will be used")
+    raw = read_small(marker, "commit marker", 4096, error=IntegrityError)  # no link, no FIFO, bounded
+    try:
+        lines = raw.decode("ascii").splitlines()
+    except UnicodeDecodeError:
+        lines = []
+    parsed = [_MARKER_LINE.match(line) for line in lines]
+    if len(raw) > 4096 or len(lines) != 2 or not all(parsed):
+        raise IntegrityError("malformed commit marker", file=marker,
+                             expected=f"two lines '<sha256>  {bin_path.name}' and '<sha256>  {companion.name}'",
+                             found=repr(raw[:160]), hint="the marker is damaged; this generation cannot be trusted")
+    names = {m.group(2): m.group(1) for m in parsed if m}
+    if set(names) != {bin_path.name, companion.name}:
+        raise IntegrityError("commit marker names other files", file=marker,
+                             expected=[bin_path.name, companion.name], found=sorted(names),
+                             hint="a marker only vouches for its own generation")
+    return names[bin_path.name], names[companion.name]
+
+
+class CheckpointStore:
+    """Generations of a run folder: save (commit protocol + retention), list, verify, load.
+
+    Args:
+        folder: the run folder (created for a writer).
+        retention: which generations to keep (applied after each durable save).
+        writer: take the folder's writer lock and clean leftover temporaries.
+            Readers (``ripresa inspect``) pass ``writer=False``.
+        require_signature: treat unsigned or mis-signed generations as invalid
+            (``None``: from ``RIPRESA_REQUIRE_SIGNATURE``). Needs a key.
+        hmac_key: the key that signs saves and verifies signatures (``None``:
+            from ``RIPRESA_HMAC_KEY`` / ``RIPRESA_HMAC_KEY_FILE``; a writer
+            with a key signs every generation it saves).
+    """
+
+    def __init__(self, folder: str | Path, *, retention: RetentionPolicy = DEFAULT_RETENTION, writer: bool = True,
+                 require_signature: bool | None = None, hmac_key: bytes | None = None) -> None:
+        self.folder = Path(folder)
+        self.retention = retention
+        self.lock: RunLock | None = None
+        self.removed_temporaries: list[Path] = []
+        self.require_signature = auth.require_signature_from_env() if require_signature is None else bool(require_signature)
+        # A writer loads the key now (a misconfigured key fails at start, not at the
+        # first save); a reader only when it must verify.
+        self.hmac_key = hmac_key if hmac_key is not None else (
+            auth.load_key() if writer or self.require_signature else None)
+        if self.require_signature and self.hmac_key is None:
+            raise auth.missing_key_error("require_signature (RIPRESA_REQUIRE_SIGNATURE)")
+        if writer:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.lock = RunLock(self.folder).acquire()
+            self.removed_temporaries = clean_temporaries(self.folder, only_dead=False)
+        elif not self.folder.is_dir():
+            raise BadInput("run folder not found", file=self.folder, expected="an existing run folder", found="nothing")
+
+    # ----------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- listing
+    def steps_on_disk(self) -> list[int]:
+        """Steps that have any generation file (committed or not), ascending."""
+        steps = set()
+        for entry in os.scandir(self.folder):
+            m = _STEP_FILE.match(entry.name)
+            if m and (m.group(2) != "bin" or parse_bin_name(entry.name) is not None):
+                steps.add(int(m.group(1)))
+        return sorted(steps)
+
+    def check(self, step: int, *, deep: bool = False) -> Generation:
+        """Validate one generation; ``deep`` re-hashes the whole ``.bin``."""
+        b, c, mk = generation_paths(self.folder, step)
+        try:
+            bin_sha, comp_sha = read_marker(mk, b, c)
+            if self.require_signature:  # authenticate before parsing anything else
+                self._verify_signature(step, bin_sha, comp_sha)
+            header = read_header(b)
+            if header.step != step:
+                raise IntegrityError("the .bin's header names another step", file=b, expected=step, found=header.step)
+            comp_digest = sha256_file(c)
+            if comp_digest.sha256 != comp_sha:
+                raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=comp_digest.sha256,
+                                     hint="the companion changed after the commit")
+            with _malformed_companion(c):
+                doc = companion_fmt.read_companion(c)
+            rec = doc["bin"]
+            if rec["name"] != b.name or rec["sha256"] != bin_sha or rec["size"] != header.file_size or rec["step"] != step:
+                raise IntegrityError("companion and .bin disagree", file=c,
+                                     expected={"name": b.name, "sha256": bin_sha, "size": header.file_size, "step": step},
+                                     found={k: rec.get(k) for k in ("name", "sha256", "size", "step")})
+            if deep:
+                d = sha256_file(b)
+                if d.sha256 != bin_sha:
+                    raise IntegrityError("sha256 mismatch: the .bin changed after it was committed", file=b,
+                                         expected=bin_sha, found=d.sha256, hint="bit rot or an edit; an older generation will be used")
+                with _malformed_companion(c):  # a deep check runs load's own validation (load will not fail)
+                    _validate_state(companion_fmt.decode_tree(doc["state"]), c)
+        except RipresaError as exc:
+            reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
+            if exc.found is not None and not isinstance(exc.found, dict):
+                reason += f": found {str(exc.found)[:120]}"
+            return Generation(step, b, c, mk, valid=False, reason=reason)
+        return Generation(step, b, c, mk, valid=True, size=header.file_size, bin_sha256=bin_sha,
+                          companion_sha256=comp_sha, deep_checked=deep, signature_verified=self.require_signature)
+
+    def _verify_signature(self, step: int, bin_sha: str, comp_sha: str) -> None:
+        """Raise :class:`~ripresa.io.auth.SignatureError` unless generation ``step`` is signed with our key."""
+        b, c, _ = generation_paths(self.folder, step)
+        assert self.hmac_key is not None
+        auth.verify(self.hmac_key, auth.signature_path(b), step, b.name, bin_sha, c.name, comp_sha)
+
+    def generations(self, *, deep: bool = False) -> list[Generation]:
+        """Every generation on disk, ascending, each with its validity."""
+        return [self.check(s, deep=deep) for s in self.steps_on_disk()]
+
+    def latest_valid(self, *, deep: bool = True, warn: bool = True) -> Generation | None:
+        """The newest committed, verified generation; warn about each newer one skipped."""
+        for step in reversed(self.steps_on_disk()):
+            g = self.check(step, deep=deep)
+            if g.valid:
+                return g
+            if warn:
+                warnings.warn(f"skipping generation {step}: {g.reason}", CheckpointWarning, stacklevel=2)
+        return None
+
+    # ----------------------------------------------------------------- saving
+    def save(self, step: int, arrays: BinArrays, companion_state: dict[str, Any]) -> Generation:
+        """Write generation ``step`` durably, then apply retention. Synchronous.
+
+        ``arrays`` are the ``.bin``'s regions (views or staging buffers);
+        ``companion_state`` is ``TrainingState.snapshot(include_parameters=False)``.
+        On any failure the temporaries are removed, the error is raised, and
+        every earlier generation is untouched.
+        """
+        self._require_writer()
+        b, c, mk = generation_paths(self.folder, step)
+        encoded_state = companion_fmt.encode_tree(companion_state)
+        sig = auth.signature_path(b)
+        if os.path.lexists(mk) or os.path.lexists(sig):
+            # Re-saving a step: uncommit the old generation first, so no reader
+            # ever pairs the old marker (or signature) with new files.
+            for old in (mk, sig):
+                if os.path.lexists(old):
+                    ops.unlink(old)
+            fsync_dir(self.folder)
+        with StagedFile(b) as fb:
+            header = write_bin(fb, step, *arrays)
+            bin_digest = fb.finish()
+            doc = {
+                "format": companion_fmt.FORMAT,
+                "format_version": companion_fmt.FORMAT_VERSION,
+                "bin": {"name": b.name, "sha256": bin_digest.sha256, "size": bin_digest.size,
+                        "step": header.step, "n_params": header.n_params},
+                "state": encoded_state,
+            }
+            with StagedFile(c) as fc:
+                fc.write(companion_fmt.dumps(doc))
+                comp_digest = fc.finish()
+                fb.publish()
+                fc.publish()
+        fsync_dir(self.folder)
+        if self.hmac_key is not None:  # the signature is durable before the marker commits the generation
+            write_atomic(sig, [auth.signature_line(self.hmac_key, step, b.name, bin_digest.sha256, c.name,
+                                                   comp_digest.sha256)])
+        write_atomic(mk, [sidecar_line(bin_digest, b.name), sidecar_line(comp_digest, c.name)])
+        gen = self.check(step, deep=False)  # re-read marker, header, companion: durable and consistent
+        if not gen.valid:
+            raise IntegrityError(f"generation {step} failed its check right after the save", file=b, found=gen.reason)
+        self.apply_retention(newest_valid=step)
+        return gen
+
+    def apply_retention(self, *, newest_valid: int, protected: tuple[int, ...] = ()) -> list[int]:
+        """Delete generations the policy drops (never ``newest_valid``); return their steps."""
+        self._require_writer()
+        valid = [g.step for g in self.generations() if g.valid]
+        doomed = plan_deletions(valid, self.retention, newest_valid=newest_valid, protected=protected)
+        for step in doomed:
+            self.delete(step)
+        if doomed:
+            fsync_dir(self.folder)
+        return doomed
+
+    def delete(self, step: int) -> None:
+        """Remove a generation, marker first (it reads as uncommitted if interrupted)."""
+        self._require_writer()
+        b, c, mk = generation_paths(self.folder, step)
+        for p in (mk, auth.signature_path(b), b, c):
+            try:
+                ops.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    def _require_writer(self) -> None:
+        if self.lock is None:
+            raise BadInput("this store was opened read-only", file=self.folder, hint="open with writer=True")
+
+    # ----------------------------------------------------------------- loading
+    def load(self, step: int, *, expected_n: int | None = None, check_finite: bool = False) -> tuple[BinContents, dict[str, Any]]:
+        """Read and verify generation ``step``: (.bin contents, decoded companion state).
+
+        The ``.bin`` is hashed while it is read (one pass) and compared with the
+        marker; the companion's hash too. Raises on any mismatch.
+        """
+        b, c, mk = generation_paths(self.folder, step)
+        bin_sha, comp_sha = read_marker(mk, b, c)
+        if self.require_signature:
+            self._verify_signature(step, bin_sha, comp_sha)
+        raw = _read_companion_bytes(c)
+        import hashlib
+
+        if hashlib.sha256(raw).hexdigest() != comp_sha:
+            raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=hashlib.sha256(raw).hexdigest())
+        doc = companion_fmt.loads_bounded(raw, file=c)
+        companion_fmt.validate_envelope(doc, c)
+        rec = doc["bin"]
+        if rec["name"] != b.name or rec["sha256"] != bin_sha or rec["step"] != step:
+            # the same cross-check as check(): a companion only describes its own .bin
+            raise IntegrityError("companion and .bin disagree", file=c,
+                                 expected={"name": b.name, "sha256": bin_sha, "step": step},
+                                 found={k: rec.get(k) for k in ("name", "sha256", "step")})
+        contents = read_bin(b, expected_n=expected_n, check_finite=check_finite, expected_sha256=bin_sha)
+        if contents.step != step or rec["size"] != contents.header.file_size:
+            raise IntegrityError("companion and .bin disagree", file=c,
+                                 expected={"step": step, "size": contents.header.file_size},
+                                 found={"header step": contents.step, "size": rec["size"]})
+        with _malformed_companion(c):
+            state = companion_fmt.decode_tree(doc["state"])
+            _validate_state(state, c)  # the same check as check(deep=True) and inspect --deep
+        return contents, state
+
+
+#: What parsing or decoding a hostile companion can raise besides ripresa's own errors.
+_MALFORMED = (RecursionError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError)
+
+
+@contextmanager
+def _malformed_companion(c: Path) -> Iterator[None]:
+    """Turn a parser's crash on a hostile companion (deep nesting, bad tagged nodes) into an IntegrityError."""
+    try:
+        yield
+    except RipresaError:
+        raise
+    except _MALFORMED as exc:
+        raise IntegrityError("companion is malformed: its state cannot be decoded", file=c,
+                             expected="a ripresa companion (tagged tensors, tuples, dicts)",
+                             found=f"{type(exc).__name__}: {str(exc)[:160]}",
+                             hint="it was not written by ripresa (or was edited); this generation cannot be trusted") from exc
+
+
+def _validate_state(state: Any, c: Path) -> None:
+    """:func:`~ripresa.core.state.validate_saved_state` for a training state.
+
+    A companion state that declares a ``format`` is a training state
+    (``TrainingState.snapshot``) and must pass the whole check; one without is
+    a plain state stored through the low-level API, which a resume refuses
+    anyway (:meth:`TrainingState.restore` runs the same check).
+    """
+    if isinstance(state, dict) and "format" in state:
+        validate_saved_state(state, where=c)
+
+
+def _read_companion_bytes(c: Path) -> bytes:
+    """The companion's bytes: a regular file (never a symlink, FIFO or folder), bounded in size before reading."""
+    return read_small(c, "companion", companion_fmt.MAX_COMPANION_BYTES, error=IntegrityError)
+
+
+# ---- either kind of generation; signature checks of one file ----------------------------
+
+
+def latest_valid_of(folder: Path, kinds: tuple[str, ...], *, deep: bool = False, warn: bool = True,
+                    store: Any = None) -> Any:
+    """The newest valid generation among ``kinds`` (``"bin"``, ``"dcp"``), or None.
+
+    The caller passes the kinds it may resume: a single-process session only
+    ``("bin",)`` (the ``.dcp`` folders of its run folder are never read), a
+    sharded one ``("dcp", "bin")``. Each newer generation of those kinds that
+    fails its check is skipped with a :class:`CheckpointWarning`
+    naming it and the reason. ``store`` (a :class:`CheckpointStore`
+    of ``folder``) checks the ``.bin`` ones; a reader is opened if None.
+    """
+    from ..formats import dcp as dcp_fmt  # torch.distributed.checkpoint: only when asked
+
+    unknown = set(kinds) - set(dcp_fmt.KINDS)
+    if unknown:
+        raise ValueError(f"unknown generation kinds {sorted(unknown)}")
+    if "bin" in kinds and store is None:
+        store = CheckpointStore(folder, writer=False)
+    bins = set(store.steps_on_disk()) if "bin" in kinds else set()
+    dcps = set(dcp_fmt.dcp_steps_on_disk(Path(folder))) if "dcp" in kinds else set()
+    for step in sorted(bins | dcps, reverse=True):
+        for kind in kinds:
+            if (kind == "dcp" and step not in dcps) or (kind == "bin" and step not in bins):
+                continue
+            g = dcp_fmt.check_dcp(Path(folder), step, deep=deep) if kind == "dcp" else store.check(step, deep=deep)
+            if g.valid:
+                return g
+            if warn:
+                what = "generation" if kind == "bin" else ".dcp generation"
+                warnings.warn(f"skipping {what} {step}: {g.reason}", CheckpointWarning, stacklevel=2)
+    return None
+
+
+def latest_valid_any(folder: Path, *, deep: bool = False, warn: bool = True) -> Any:
+    """The newest valid generation of either kind (``inspect``'s view of a mixed folder)."""
+    return latest_valid_of(folder, ("dcp", "bin"), deep=deep, warn=warn)
+
+
+def check_generation_file(path: str | os.PathLike[str]) -> None:
+    """Verify the signature of the generation whose ``.bin`` (or companion) is ``path``.
+
+    For ``ripresa inspect --require-signature FILE``. Raises
+    :class:`~ripresa.io.auth.SignatureError` (exit 1) for an unsigned, mis-signed or invalid
+    generation and :class:`~ripresa.errors.BadInput` (exit 2) for a path that
+    is not a generation's file.
+    """
+    p = Path(path)
+    name = p.name[: -len(".json")] + ".bin" if p.name.endswith(".json") else p.name
+    step = parse_bin_name(name)
+    if step is None:
+        raise BadInput(
+            "--require-signature checks a run folder or a generation's step_NNNNNN.bin",
+            file=p,
+            expected="a run folder or step_NNNNNN.bin",
+            found=p.name,
+            hint="checkpoint.pt files are not signed; sign generations of a run folder",
+        )
+    gen = CheckpointStore(p.parent, writer=False, require_signature=True).check(step, deep=True)
+    if not gen.valid:
+        raise auth.SignatureError(f"generation {step} is not trusted under --require-signature: {gen.reason}",
+                             file=p, hint="an unsigned, mis-signed or damaged generation is never trusted")

@@ -1,0 +1,1 @@
+"""Tools on checkpoints (inspect, convert, export); they take a model factory, never the engine."""

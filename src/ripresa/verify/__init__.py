@@ -1,0 +1,1 @@
+"""Verification: exact-resume verdicts, tree comparison, loss trajectories."""

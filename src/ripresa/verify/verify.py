@@ -1,0 +1,437 @@
+"""The resume verification protocol (docs/VERIFY.md).
+
+Four fresh processes run the same trainer:
+
+=====================  ==========================================  ===========
+path                   run                                         folder
+=====================  ==========================================  ===========
+continuous             ``--steps N`` from the initial state        continuous/
+interrupted            ``--steps K``, save, stop                   interrupted/
+full resume            ``--steps N-K --resume interrupted/...``    resume/
+resume without RNG     the same plus ``--omit-rng-restore``        resume-without-rng/
+=====================  ==========================================  ===========
+
+Compared after the cut, step by step and at the end: the ids of the rows
+consumed, the learning rates, the losses, the parameters, the optimizer state,
+the scheduler state, the progress, the data position, the next draw of every
+random stream, the next LR and the final evaluation. The state the resumed
+process holds right after its restore is also compared with the state the
+interrupted process saved, so a fault is named where it first appears.
+
+The verdict passes only when the full resume agrees within the tolerance
+**and** the negative case diverges. Exit codes: 0 pass, 1 a comparison
+failed, 2 the verification could not be completed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.identity import versions
+from ..errors import BadInput, OutputExists
+from ..io.fsio import write_atomic
+from .compare import Comparison, compare_trees
+from .trajectory import read_trajectory
+
+PATHS = ("continuous", "interrupted", "resume", "resume-without-rng")
+#: Parts of a state block, in the order a divergence is looked for.
+STATE_PARTS = ("progress", "data", "parameters", "optimizer", "scheduler", "scaler", "objects", "next_lr", "next_draws")
+STEP_PARTS = ("rows", "lr", "loss")
+
+
+@dataclass
+class CheckResult:
+    """One named check (e.g. ``parameters``) of one path against the reference."""
+
+    name: str
+    max_abs_gap: float = 0.0
+    compared: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def add(self, where: str, cmp: Comparison) -> None:
+        self.max_abs_gap = max(self.max_abs_gap, cmp.max_abs_gap)
+        self.compared += cmp.compared
+        self.problems.extend(f"{where}: {d.describe()}" for d in cmp.differences)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "passed": self.passed,
+            "max_abs_gap": self.max_abs_gap,
+            "values_compared": self.compared,
+            "first_problem": self.problems[0] if self.problems else None,
+            "problems": self.problems[:20],
+            "problem_count": len(self.problems),
+        }
+
+
+@dataclass
+class PathComparison:
+    """All checks of one resumed path (full resume or negative) against the references."""
+
+    checks: dict[str, CheckResult]
+    first_divergence: str | None
+
+    @property
+    def agrees(self) -> bool:
+        return all(c.passed for c in self.checks.values())
+
+
+def _check(checks: dict[str, CheckResult], name: str) -> CheckResult:
+    if name not in checks:
+        checks[name] = CheckResult(name)
+    return checks[name]
+
+
+def compare_resumed(
+    continuous: dict[str, Any], interrupted: dict[str, Any], resumed: dict[str, Any], *, atol: float, rtol: float = 0.0
+) -> PathComparison:
+    """Compare a resumed path with the interrupted (at the cut) and continuous (after) paths."""
+    checks: dict[str, CheckResult] = {}
+    first: str | None = None
+
+    def note(check: str, where: str, cmp: Comparison) -> None:
+        nonlocal first
+        _check(checks, check).add(where, cmp)
+        if first is None and cmp.differences:
+            first = f"{check} {where}: {cmp.differences[0].describe()}"
+
+    # 1. At the cut: what the resumed process holds before its first step must
+    #    be what the interrupted process saved.
+    for part in STATE_PARTS:
+        note(part, "at the cut", compare_trees(interrupted["final"].get(part), resumed["start"].get(part), atol=atol, rtol=rtol, path=part))
+    # 2. Step by step after the cut.
+    cont_steps = {s["step"]: s for s in continuous["steps"]}
+    for s in resumed["steps"]:
+        ref = cont_steps.get(s["step"])
+        if ref is None:
+            note("progress", f"step {s['step']}", Comparison(differences=[_extra_step(s["step"])]))
+            continue
+        for part in STEP_PARTS:
+            note(part, f"step {s['step']}", compare_trees(ref.get(part), s.get(part), atol=atol, rtol=rtol, path=part))
+    after_cut = [k for k in cont_steps if k > resumed["start"]["progress"]["step"]]
+    ran = {s["step"] for s in resumed["steps"]}
+    missing = [k for k in after_cut if k not in ran]
+    if missing:
+        note("progress", "steps", Comparison(differences=[_missing_steps(missing)]))
+    # 3. At the end.
+    for part in (*STATE_PARTS, "evaluation"):
+        note(part, "at the end", compare_trees(continuous["final"].get(part), resumed["final"].get(part), atol=atol, rtol=rtol, path=part))
+    return PathComparison(checks, first)
+
+
+def _extra_step(step: int):
+    from .compare import Difference
+
+    return Difference(f"step {step}", "structure", "absent from the continuous run", "present")
+
+
+def _missing_steps(steps: list[int]):
+    from .compare import Difference
+
+    return Difference("steps", "structure", f"continuous ran {steps[:5]}", "resumed run did not")
+
+
+def compare_prefix(continuous: dict[str, Any], interrupted: dict[str, Any], *, atol: float) -> CheckResult:
+    """Before the cut the interrupted run must repeat the continuous one (determinism)."""
+    res = CheckResult("determinism before the cut")
+    cont = {s["step"]: s for s in continuous["steps"]}
+    for s in interrupted["steps"]:
+        ref = cont.get(s["step"])
+        if ref is None:
+            res.problems.append(f"step {s['step']} absent from the continuous run")
+            continue
+        for part in STEP_PARTS:
+            res.add(f"step {s['step']}", compare_trees(ref.get(part), s.get(part), atol=atol, path=part))
+    return res
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class PathRun:
+    name: str
+    argv: list[str]
+    output: Path
+    log: Path
+    returncode: int | None = None
+    seconds: float = 0.0
+
+
+def _launch(run: PathRun) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    logf = open(run.log, "wb")
+    proc = subprocess.Popen(run.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    proc._ripresa_log = logf  # type: ignore[attr-defined]
+    proc._ripresa_t0 = time.perf_counter()  # type: ignore[attr-defined]
+    return proc
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, progress_cb=None) -> dict[str, PathRun]:
+    """Run the four paths, two at a time (continuous ∥ interrupted, then resume ∥ negative)."""
+    runs = {
+        "continuous": PathRun("continuous", [*command, "--steps", str(steps), "--output", str(output / "continuous")], output / "continuous", output / "continuous.log"),
+        "interrupted": PathRun("interrupted", [*command, "--steps", str(cut), "--output", str(output / "interrupted")], output / "interrupted", output / "interrupted.log"),
+    }
+    for wave in (("continuous", "interrupted"), ("resume", "resume-without-rng")):
+        if wave[0] == "resume":
+            ckpt = saved_checkpoint(output / "interrupted")
+            resume_argv = [*command, "--steps", str(steps - cut), "--resume", str(ckpt)]
+            runs["resume"] = PathRun("resume", [*resume_argv, "--output", str(output / "resume")], output / "resume", output / "resume.log")
+            runs["resume-without-rng"] = PathRun(
+                "resume-without-rng", [*resume_argv, "--omit-rng-restore", "--output", str(output / "resume-without-rng")],
+                output / "resume-without-rng", output / "resume-without-rng.log",
+            )
+        procs = {name: _launch(runs[name]) for name in wave}
+        for name, proc in procs.items():
+            rc = proc.wait()
+            proc._ripresa_log.close()  # type: ignore[attr-defined]
+            runs[name].returncode = rc
+            runs[name].seconds = time.perf_counter() - proc._ripresa_t0  # type: ignore[attr-defined]
+            if progress_cb:
+                progress_cb(name, rc)
+        for name in wave:
+            r = runs[name]
+            # A resumed path that failed after writing its trajectory (e.g. its
+            # save refused an inconsistent state) is still compared: the
+            # failure becomes a failed check, not an incomplete verification.
+            resumed_with_summary = name in ("resume", "resume-without-rng") and (r.output / "summary.json").is_file()
+            if r.returncode != 0 and not resumed_with_summary:
+                raise BadInput(
+                    f"the {name} path failed (exit {r.returncode}); the verification could not be completed",
+                    file=r.log,
+                    expected="exit code 0",
+                    found=f"exit code {r.returncode}; last lines:\n{_tail(r.log)}",
+                    hint="run the command by hand: " + " ".join(r.argv),
+                )
+    return runs
+
+
+def saved_checkpoint(folder: Path) -> Path:
+    """The checkpoint the interrupted path saved: ``summary.json``'s ``checkpoint``
+    (relative to the folder), else ``checkpoint.pt``."""
+    try:
+        name = json.loads((folder / "summary.json").read_text()).get("checkpoint")
+    except (OSError, ValueError):
+        name = None
+    return folder / name if name else folder / "checkpoint.pt"
+
+
+@dataclass
+class Verdict:
+    """The outcome of the protocol, as written to ``verification.json``."""
+
+    report: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.report["all_checks_passed"])
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+
+def _eval_key(block: dict[str, Any]) -> str | None:
+    ev = block.get("evaluation") or {}
+    for k, v in ev.items():
+        if isinstance(v, int | float):
+            return k
+    return None
+
+
+def _summary_row(cont: dict[str, Any], other: dict[str, Any], cmp: PathComparison) -> dict[str, Any]:
+    key = _eval_key(cont["final"])
+    row: dict[str, Any] = {
+        "max_weight_gap": cmp.checks["parameters"].max_abs_gap if "parameters" in cmp.checks else None,
+        "eval_metric": key,
+        "final_eval": other["final"]["evaluation"].get(key) if key else None,
+        "eval_gap": None,
+        "agrees": cmp.agrees,
+        "first_divergence": cmp.first_divergence,
+    }
+    if key is not None:
+        a, b = cont["final"]["evaluation"][key], other["final"]["evaluation"].get(key)
+        if isinstance(b, int | float):
+            row["eval_gap"] = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+    return row
+
+
+def verify_resume(
+    command: Sequence[str],
+    *,
+    output: str | Path,
+    steps: int = 10,
+    cut: int = 5,
+    atol: float = 1e-12,
+    rtol: float = 0.0,
+    show_progress: bool = True,
+) -> Verdict:
+    """Run the protocol for ``command`` into the new folder ``output``; write ``verification.json``."""
+    output = Path(output)
+    if not 0 < cut < steps:
+        raise BadInput("the cut must fall strictly inside the run", expected=f"0 < cut < steps = {steps}", found=f"cut = {cut}")
+    if atol < 0 or rtol < 0 or not math.isfinite(atol):
+        raise BadInput("tolerances must be finite and non-negative", found=f"atol={atol}, rtol={rtol}")
+    if os.path.lexists(output):
+        raise OutputExists(
+            "the verification output folder already exists",
+            file=output,
+            expected="a folder that does not exist yet",
+            found="an existing path",
+            hint="choose a new folder: a verification never overwrites an earlier one",
+        )
+    if not command:
+        raise BadInput("no trainer command given", hint="ripresa verify ... -- python train.py")
+    output.mkdir(parents=True)
+    t0 = time.perf_counter()
+    runs = _run_with_progress(command, steps=steps, cut=cut, output=output, show=show_progress)
+    docs = {name: read_trajectory(r.output / "summary.json") for name, r in runs.items()}
+    prefix = compare_prefix(docs["continuous"], docs["interrupted"], atol=atol)
+    positive = compare_resumed(docs["continuous"], docs["interrupted"], docs["resume"], atol=atol, rtol=rtol)
+    negative = compare_resumed(docs["continuous"], docs["interrupted"], docs["resume-without-rng"], atol=atol, rtol=rtol)
+    for name, cmp in (("resume", positive), ("resume-without-rng", negative)):
+        rc = runs[name].returncode
+        if rc != 0:
+            last = _tail(runs[name].log, 4).replace("\n", " | ")
+            cmp.checks["process"] = CheckResult("process", problems=[f"exited with code {rc}: {last}"])
+            if cmp.first_divergence is None:
+                cmp.first_divergence = f"process: exited with code {rc}: {last}"
+    positive_ok = prefix.passed and positive.agrees
+    negative_diverged = not negative.agrees
+    report = {
+        "all_checks_passed": positive_ok and negative_diverged,
+        "positive": positive_ok,
+        "negative_divergence_detected": negative_diverged,
+        "tolerance": {"absolute": atol, "relative": rtol},
+        "steps": steps,
+        "cut": cut,
+        "command": list(command),
+        "determinism_before_cut": prefix.as_dict(),
+        "checks": {
+            "resume": [c.as_dict() for c in positive.checks.values()],
+            "resume-without-rng": [c.as_dict() for c in negative.checks.values()],
+        },
+        "first_divergence": {"resume": positive.first_divergence, "resume-without-rng": negative.first_divergence},
+        "table": {
+            "resume": _summary_row(docs["continuous"], docs["resume"], positive),
+            "resume-without-rng": _summary_row(docs["continuous"], docs["resume-without-rng"], negative),
+            "continuous_final_eval": docs["continuous"]["final"]["evaluation"],
+        },
+        "paths": {
+            name: {"argv": r.argv, "returncode": r.returncode, "seconds": round(r.seconds, 3), "output": str(r.output), "log": str(r.log)}
+            for name, r in runs.items()
+        },
+        "seconds": round(time.perf_counter() - t0, 3),
+        "versions": versions(),
+    }
+    write_atomic(output / "verification.json", [json.dumps(report, indent=2, default=str).encode()])
+    return Verdict(report)
+
+
+def _run_with_progress(command, *, steps, cut, output, show) -> dict[str, PathRun]:
+    if not show:
+        return run_paths(command, steps=steps, cut=cut, output=output)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("[bold]verify[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} paths"),
+                  TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("continuous ∥ interrupted", total=len(PATHS))
+
+        def cb(name: str, rc: int) -> None:
+            nxt = "resume ∥ resume-without-rng" if name in ("continuous", "interrupted") else "comparing"
+            bar.update(task, advance=1, description=f"{name} done (exit {rc}) → {nxt}")
+
+        return run_paths(command, steps=steps, cut=cut, output=output, progress_cb=cb)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return "0" if v == 0 else repr(v)
+    return str(v)
+
+
+def render_verdict(verdict: Verdict, console=None) -> None:
+    """Print the verdict table: weight gap, final metric, gap, verdict per path."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    r = verdict.report
+    t = r["table"]
+    metric = t["resume"]["eval_metric"] or "evaluation"
+    tol = r["tolerance"]["absolute"]
+    table = Table(title=f"resume verification — {r['steps']} steps, cut at {r['cut']}, tolerance abs {tol:g} rel {r['tolerance']['relative']:g}")
+    table.add_column("comparison")
+    table.add_column("full resume", justify="right")
+    table.add_column("resume without RNG", justify="right")
+    table.add_row("max weight gap", _fmt(t["resume"]["max_weight_gap"]), _fmt(t["resume-without-rng"]["max_weight_gap"]))
+    table.add_row(f"final {metric}", _fmt(t["resume"]["final_eval"]), _fmt(t["resume-without-rng"]["final_eval"]))
+    table.add_row(f"{metric} gap vs continuous", _fmt(t["resume"]["eval_gap"]), _fmt(t["resume-without-rng"]["eval_gap"]))
+    table.add_row(
+        "verdict",
+        f"agrees within {tol:g}" if t["resume"]["agrees"] else "[red]DIVERGES[/]",
+        "divergence detected" if not t["resume-without-rng"]["agrees"] else "[red]no divergence (check is blind)[/]",
+    )
+    console.print(table)
+    checks = Table(title="checks after the cut (max absolute gap)")
+    checks.add_column("check")
+    checks.add_column("full resume", justify="right")
+    checks.add_column("without RNG", justify="right")
+    neg = {c["name"]: c for c in r["checks"]["resume-without-rng"]}
+    for c in r["checks"]["resume"]:
+        n = neg.get(c["name"], {})
+        checks.add_row(
+            c["name"],
+            ("ok " if c["passed"] else "[red]FAIL[/] ") + _fmt(c["max_abs_gap"]),
+            ("same " if n.get("passed") else "differs ") + _fmt(n.get("max_abs_gap")),
+        )
+    console.print(checks)
+    if not r["determinism_before_cut"]["passed"]:
+        console.print(f"[red]the trainer is not deterministic before the cut:[/] {r['determinism_before_cut']['first_problem']}")
+    if not t["resume"]["agrees"]:
+        console.print(f"[red]first divergence of the full resume:[/] {r['first_divergence']['resume']}")
+    console.print(
+        f"all_checks_passed: {str(r['all_checks_passed']).lower()}  positive: {str(r['positive']).lower()}  "
+        f"negative_divergence_detected: {str(r['negative_divergence_detected']).lower()}"
+    )
+
+
+def reference_exercise_command() -> list[str]:
+    """The command of the 33-parameter reference exercise (from the source tree)."""
+    here = Path(__file__).resolve()
+    for root in here.parents:
+        cand = root / "examples" / "regression" / "train.py"
+        if cand.is_file():
+            return [sys.executable, "-B", str(cand)]
+    raise BadInput(
+        "the reference exercise examples/regression/train.py was not found",
+        expected="a ripresa source checkout (examples/ beside src/)",
+        found=f"ripresa installed at {here.parent}",
+        hint="pass the trainer explicitly: ripresa verify --output DIR -- python path/to/train.py",
+    )

@@ -422,7 +422,7 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
 
     from .dcp_safe import SafeFileSystemReader, SafeLoadPlanner, unwrap
 
-    reader = SafeFileSystemReader(path)
+    reader = SafeFileSystemReader(path)  # .metadata through the restricted (allowlist) Unpickler
     reader.read_metadata()  # refuses a hostile .metadata with its own error, before DCP runs
     ctx = _quiet_dcp()
     try:

@@ -203,7 +203,7 @@ def _check_slice(raw: bytes, where: str, path: Path) -> None:
                                  f"{info.file_size} bytes", hint="the shard was crafted or damaged")
 
 
-class SafeFileSystemReader(FileSystemReader):
+class SafeFileSystemReader(FileSystemReader):  # read_metadata: restricted allowlist Unpickler
     """DCP's ``FileSystemReader`` with a restricted, checked ``read_metadata`` and bounded item reads."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

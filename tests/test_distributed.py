@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.ripresa_faults import fault_env
 
 from ripresa.core.data import DistributedEpochSampler
 from ripresa.engine.gpt.factory import GPT_FACTORY
@@ -181,7 +182,7 @@ def test_fsdp_rank_killed_mid_save_keeps_previous_then_restart_resumes_and_resha
     restore weights, m and v exactly."""
     run = tmp_path / "run"
     proc = torchrun("--run", run, "--shard", "fsdp", "--every", "4", "--set", "train.max_steps=12", *common(text),
-                    extra=("--max-restarts=1",), env={"RIPRESA_DIST_FAULT": "after_shards:1:8"})
+                    extra=("--max-restarts=1",), env=fault_env(dist_fault="after_shards:1:8"))
     out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
     assert valid_dcps(run) == [4, 8, 12] and valid_bins(run) == []
@@ -223,7 +224,7 @@ def test_ddp_1_to_2_and_rank_killed_before_handing_over(tmp_path, text):
     assert two.returncode == 0, err[-3000:]
     assert same_moments(tmp_path / "one" / "step_000005.bin", tmp_path / "two" / "step_000005.bin") == []
     run = tmp_path / "run"
-    proc = torchrun("--run", run, "--every", "3", "--steps", "9", *common(text), env={"RIPRESA_DIST_FAULT": "before_gather:1:6"})
+    proc = torchrun("--run", run, "--every", "3", "--steps", "9", *common(text), env=fault_env(dist_fault="before_gather:1:6"))
     out, err = finish(proc)
     assert proc.returncode != 0
     assert valid_bins(run) == [3]

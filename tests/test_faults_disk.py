@@ -42,6 +42,7 @@ from faults.common import (
     reset_ops,
     temporaries,
 )
+from support.ripresa_faults import fault_env
 
 import ripresa
 from ripresa.errors import SaveFailed
@@ -392,7 +393,7 @@ def test_example_loop_survives_eio_at_fsync_end_to_end(tmp_path):
                         capture_output=True, text=True, timeout=600, env=env)
     r2 = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", str(steps), "--every", str(every)],
                         capture_output=True, text=True, timeout=600,
-                        env=dict(env, RIPRESA_FAIL_AT="fsync:1-2:EIO@.bin.tmp"))
+                        env=dict(env, **fault_env(fail_at="fsync:1-2:EIO@.bin.tmp")))
     assert r1.returncode == 0, r1.stderr
     events = read_history(run / ".loss.jsonl").events
     failed = [e["step"] for e in events if e["event"] == "checkpoint_failed"]

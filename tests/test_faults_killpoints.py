@@ -1,8 +1,8 @@
 """Fault matrix, family 1: SIGKILL at every system-call boundary and at byte offsets.
 
 A real process (a fork of the test process, so no interpreter start per case)
-saves with ``fsio.install_crash_hook`` — the same code ``RIPRESA_CRASH_AT``
-runs — and is killed with SIGKILL *before* and *after* each operation of the
+saves with ``install_crash_hook`` (``tests/support/ripresa_faults.py``) — the
+same code ``RIPRESA_CRASH_AT`` runs — and is killed with SIGKILL *before* and *after* each operation of the
 save protocol (open, each write, each fsync, each rename, each folder fsync,
 each retention unlink), or once exactly N bytes of one file are on disk.
 Then a reader must find a committed generation, bitwise equal to what was
@@ -47,6 +47,7 @@ from faults.common import (
     temporaries,
     tiny_pt_state,
 )
+from support.ripresa_faults import fault_env, install_crash_hook, install_fail_hook
 
 from ripresa.errors import RipresaError
 from ripresa.formats.torch_pt import load_checkpoint, save_checkpoint
@@ -171,7 +172,7 @@ def test_sigkill_at_every_boundary_and_byte_offset_of_a_generation_save(tmp_path
         shutil.copytree(base, folder)
 
         def child(folder=folder, spec=spec):
-            fsio.install_crash_hook(spec)
+            install_crash_hook(spec)
             _save3(folder, signed, n)
 
         code = in_child(child)
@@ -233,7 +234,7 @@ def test_sigkill_at_every_boundary_of_a_checkpoint_pt_save(tmp_path):
         folder.mkdir()
 
         def child(folder=folder, spec=spec):
-            fsio.install_crash_hook(spec)
+            install_crash_hook(spec)
             _save_pt(folder)
 
         code = in_child(child)
@@ -284,7 +285,7 @@ def test_sigkill_at_every_boundary_of_a_sidecar_rewrite(tmp_path):
         (folder / ".state.json").write_bytes(old)
 
         def child(folder=folder, spec=spec):
-            fsio.install_crash_hook(spec)
+            install_crash_hook(spec)
             fsio.write_atomic(folder / ".state.json", [new[:1000], new[1000:]])
 
         code = in_child(child)
@@ -388,7 +389,7 @@ print("done")
 def test_ripresa_crash_at_kills_a_real_process(tmp_path, spec, a, b):
     """``RIPRESA_CRASH_AT`` in a fresh interpreter: exit by SIGKILL, exactly the files expected."""
     res = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, RIPRESA_CRASH_AT=spec))
+                         env=dict(os.environ, **fault_env(crash_at=spec)))
     assert res.returncode == KILLED, res.stderr
     assert "done" not in res.stdout
     assert ((tmp_path / "a.json").read_bytes() if (tmp_path / "a.json").exists() else None) == a
@@ -398,14 +399,82 @@ def test_ripresa_crash_at_kills_a_real_process(tmp_path, spec, a, b):
         assert tmp_file.stat().st_size == 6500 - 5000  # killed in the middle of the first 3000-byte write
 
 
+UNHARMED = """
+import sys
+from pathlib import Path
+import numpy as np
+from ripresa.formats.andrea_bin import BinArrays
+from ripresa.io.fsio import write_atomic
+from ripresa.session.distributed import fault_point
+from ripresa.store.store import CheckpointStore
+out = Path(sys.argv[1])
+write_atomic(out / "a.json", [b"A" * 5000])
+w = np.arange(3000, dtype=np.float32)
+store = CheckpointStore(out / "run")
+fault_point("after_shards", 2, 0)
+store.save(2, BinArrays((w,), (w + 1,), (w + 2,)), {"progress": {"step": 2}})
+store.close()
+print("done")
+"""
+
+
+def test_inherited_fault_variables_without_the_support_path_do_nothing(tmp_path):
+    """A process that inherits the fault variables but not ``tests/support`` on its path saves unharmed:
+    ripresa itself never reads them (a real interpreter, a real ``write_atomic`` and ``CheckpointStore.save``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(RIPRESA_CRASH_AT="fsync:1", RIPRESA_FAIL_AT="any:1+", RIPRESA_DIST_FAULT="after_shards:0:2")
+    res = subprocess.run([sys.executable, "-c", UNHARMED, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "done" in res.stdout
+    assert (tmp_path / "a.json").read_bytes() == b"A" * 5000
+    assert [g.step for g in CheckpointStore(tmp_path / "run", writer=False).generations() if g.valid] == [2]
+    # the same crash variable *with* the support path: the hook fires at the first fsync
+    (tmp_path / "x").mkdir()
+    env = {k: v for k, v in env.items() if k not in ("RIPRESA_FAIL_AT", "RIPRESA_DIST_FAULT")}
+    res = subprocess.run([sys.executable, "-c", UNHARMED, str(tmp_path / "x")], capture_output=True, text=True,
+                         timeout=300, env=dict(env, **fault_env(crash_at="fsync:1")))
+    assert res.returncode == KILLED, res.stderr
+    assert "done" not in res.stdout and not (tmp_path / "x" / "a.json").exists()
+
+
+def test_production_code_reads_no_fault_variable():
+    """The injectors' variables appear nowhere in ``src/`` (they are test support, docs/FAULTS.md)."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    hits = [f"{p}: {name}" for p in src.rglob("*.py") for name in ("RIPRESA_CRASH_AT", "RIPRESA_FAIL_AT", "RIPRESA_DIST_FAULT")
+            if name in p.read_text()]
+    assert hits == []
+
+
+def test_fail_at_and_dist_fault_fire_in_a_real_process(tmp_path):
+    """``RIPRESA_FAIL_AT`` and ``RIPRESA_DIST_FAULT`` through ``sitecustomize``: the first ``fsync`` fails
+    (the save refuses, nothing is published), and the named distributed point kills the process
+    (but not in a restarted torchrun attempt); an invalid value stops the child with exit 2."""
+    fail = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **fault_env(fail_at="fsync:1:EIO@a.json")))
+    assert fail.returncode == 1 and "EIO" in fail.stderr and "done" not in fail.stdout, fail.stderr
+    assert not (tmp_path / "a.json").exists() and list(tmp_path.iterdir()) == []
+    point = "from ripresa.session.distributed import fault_point; fault_point('before_gather', 6, 1); print('alive')"
+    dead = subprocess.run([sys.executable, "-c", point], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **fault_env(dist_fault="before_gather:1:6")))
+    assert dead.returncode == KILLED and "alive" not in dead.stdout, dead.stderr
+    for spec, restart in (("before_gather:0:6", "0"), ("after_shards:1:6", "0"), ("before_gather:1:6", "1")):
+        alive = subprocess.run([sys.executable, "-c", point], capture_output=True, text=True, timeout=120,
+                               env=dict(os.environ, TORCHELASTIC_RESTART_COUNT=restart, **fault_env(dist_fault=spec)))
+        assert alive.returncode == 0 and "alive" in alive.stdout, (spec, restart, alive.stderr)
+    bad = subprocess.run([sys.executable, "-c", "print('ran')"], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, **fault_env(crash_at="fsync:0")))
+    assert bad.returncode == 2 and "ran" not in bad.stdout and "RIPRESA_CRASH_AT" in bad.stderr, bad.stderr
+
+
 def test_crash_spec_is_validated():
     for bad in ("nope:1", "write:0", "bytes:-1", "after:nope:1", "fsync:x", "bytes:x"):
         with pytest.raises(RipresaError, match="RIPRESA_CRASH_AT"):
-            fsio.install_crash_hook(bad)
+            install_crash_hook(bad)
         reset_ops()
     for bad in ("fsync", "fsync:0", "fsync:2-1", "fsync:1:ENOTANERRNO", "disk:1"):
         with pytest.raises(RipresaError, match="RIPRESA_FAIL_AT"):
-            fsio.install_fail_hook(bad)
+            install_fail_hook(bad)
         reset_ops()
 
 
@@ -426,7 +495,7 @@ def test_loop_killed_at_protocol_boundaries_resumes_bit_exactly(tmp_path):
     for spec in ("after:rename:4", "fsync:5", "bytes:20000@.bin.tmp", "after:write:9", "fsync_dir:6", "after:rename:12"):
         run = tmp_path / spec.replace(":", "_").replace("@", "_")
         killed = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", str(steps), "--every", str(every)],
-                                capture_output=True, text=True, timeout=600, env=dict(env, RIPRESA_CRASH_AT=spec))
+                                capture_output=True, text=True, timeout=600, env=dict(env, **fault_env(crash_at=spec)))
         done = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", str(steps), "--every", str(every)],
                               capture_output=True, text=True, timeout=600, env=env)
         a = quiet_store(ref).load(steps)[0]

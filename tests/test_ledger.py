@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.ripresa_faults import fault_env
 
 from ripresa.errors import BadInput, IntegrityError, LockHeld, SaveFailed
 
@@ -112,7 +113,7 @@ import json, os, sys
 import torch
 torch.set_num_threads(1)
 import ripresa.engine.ledger
-from ripresa.io import fsio
+from ripresa_faults import install_from_env
 for line in sys.stdin:
     cmd = json.loads(line)
     sys.stdout.flush()
@@ -126,7 +127,7 @@ for line in sys.stdin:
                 os.dup2(f, fd)
                 os.close(f)
             os.environ.update(cmd["env"])
-            fsio._install_env_kill_hook()  # RIPRESA_CRASH_AT, as a fresh process reads it at import
+            install_from_env()  # RIPRESA_CRASH_AT, as sitecustomize reads it in a fresh process
             code = ripresa.engine.ledger.main(cmd["argv"])
             sys.stdout.flush()
             sys.stderr.flush()
@@ -189,7 +190,7 @@ def zygote(tmp_path_factory):
     """``spawn(run, inputs, out, *extra, env=...) -> Child``: a forked ``ripresa.engine.ledger.main``."""
     folder = tmp_path_factory.mktemp("zygote")
     proc = subprocess.Popen([PY, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=ENV, text=True, bufsize=1)
+                            env=dict(ENV, **fault_env()), text=True, bufsize=1)
     count = [0]
 
     def spawn(run: Path, inputs: Path, out: Path, *extra: str, env: dict | None = None) -> Child:
@@ -300,14 +301,14 @@ def test_crash_at_exact_boundaries(run_dir, inputs, reference, tmp_path, zygote)
     meta = tmp_path / "out.jsonl.meta.json"
 
     # 1. killed before the meta file is published: no meta, an empty ledger, a temporary left
-    child = zygote(run_dir, inputs, out, "--trace", str(trace), env={"RIPRESA_CRASH_AT": "rename:1"})
+    child = zygote(run_dir, inputs, out, "--trace", str(trace), env=fault_env(crash_at="rename:1"))
     assert child.wait() == -signal.SIGKILL, child.err()
     assert not meta.exists() and out.read_bytes() == b""
     assert any(p.name.startswith(".out.jsonl.meta.json.tmp.") for p in tmp_path.iterdir())
 
     # 2. fresh again; fsync #1 is the meta's, #2 record 1's, #3 record 2's: killed after
     #    record 2 was written, before its fsync — it is in the file, so it counts as done
-    child = zygote(run_dir, inputs, out, "--trace", str(trace), env={"RIPRESA_CRASH_AT": "fsync:3"})
+    child = zygote(run_dir, inputs, out, "--trace", str(trace), env=fault_env(crash_at="fsync:3"))
     assert child.wait() == -signal.SIGKILL, child.err()
     assert meta.is_file()
     assert not any(".tmp." in p.name for p in tmp_path.iterdir()), "the dead writer's temporary is cleaned"
@@ -316,7 +317,7 @@ def test_crash_at_exact_boundaries(run_dir, inputs, reference, tmp_path, zygote)
 
     # 3. resumed (no meta write): write #1 is record 3, write #2 record 4 — killed after
     #    item 4 was generated, before its record was written
-    child = zygote(run_dir, inputs, out, "--trace", str(trace), env={"RIPRESA_CRASH_AT": "write:2"})
+    child = zygote(run_dir, inputs, out, "--trace", str(trace), env=fault_env(crash_at="write:2"))
     assert child.wait() == -signal.SIGKILL, child.err()
     assert "2/40 already done" in child.err()
     assert trace_ids(trace, mark) == [3, 4]

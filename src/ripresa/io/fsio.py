@@ -16,14 +16,16 @@ same pass, so a checkpoint is read *and* verified with one read of the disk.
 
 All system calls of a save go through :data:`ops`, an instance of :class:`FileOps`, so
 that tests can inject faults (``OSError`` at the n-th ``write``/``fsync``/
-``rename``) or record the operations of a save, without mocking any class of
-the library. ``ops.recorder`` (off by default) receives every operation with,
+``rename``, SIGKILL before or after an operation or in the middle of a
+write's bytes) or record the operations of a save, without mocking any class
+of the library. ``ops.recorder`` (off by default) receives every operation with,
 for a write, its file offset and a copy of its bytes: the fault matrix replays
 those records to materialise what a power cut could leave on the disk
-(``docs/FAULTS.md``). Two environment variables drive faults in real
-processes: ``RIPRESA_CRASH_AT`` (SIGKILL at an exact system-call boundary or
-byte offset, see :func:`install_crash_hook`) and ``RIPRESA_FAIL_AT``
-(an ``OSError`` such as EIO at chosen operations, see :func:`install_fail_hook`).
+(``docs/FAULTS.md``). This module only offers the hook points; it never
+decides to crash or fail, and reads no environment variable to do so. The
+injectors that do are test support (``tests/support/ripresa_faults.py``),
+switched on in a child process by the ``sitecustomize.py`` next to it, which
+the tests put on the child's ``PYTHONPATH`` (docs/FAULTS.md, section 1).
 """
 
 from __future__ import annotations
@@ -198,165 +200,6 @@ class FileOps:
 
 #: The process-wide file-operation layer. Tests replace ``ops.hook``.
 ops = FileOps()
-
-
-_OPS = ("open", "write", "fsync", "rename", "fsync_dir", "unlink", "any")
-
-
-def _kill_self() -> None:
-    os.kill(os.getpid(), 9)
-
-
-def _parse_target(text: str) -> tuple[str, str | None]:
-    """``"3@.json"`` → ``("3", ".json")``."""
-    target, _, where = text.partition("@")
-    return target, (where or None)
-
-
-def install_crash_hook(spec: str, *, kill: Callable[[], None] = _kill_self) -> None:
-    """Crash this process at one point of its file operations (``RIPRESA_CRASH_AT``).
-
-    ``spec`` (all forms take an optional ``@TEXT`` suffix: count only
-    operations whose path contains ``TEXT``, e.g. ``@.json`` or
-    ``@step_000002``):
-
-    * ``op:N`` — SIGKILL right *before* the N-th ``op`` (``open``, ``write``,
-      ``fsync``, ``rename``, ``fsync_dir``, ``unlink``, or ``any``);
-    * ``after:op:N`` — SIGKILL right *after* the N-th ``op`` completed;
-    * ``bytes:N`` — SIGKILL once writes have put exactly N bytes on disk (a
-      write is cut there, so the kill can land in the middle of a write's
-      buffer: a torn write).
-
-    ``kill`` replaces the SIGKILL (tests). Used at import from the
-    environment and by forked test children directly.
-    """
-    raw = spec.strip()
-    try:
-        if raw.startswith("bytes:"):
-            count, where = _parse_target(raw[len("bytes:"):])
-            budget = int(count)
-            if budget < 0:
-                raise ValueError
-            if where is None:
-                ops.byte_budget = budget
-                ops.on_budget_spent = kill
-                return
-            seen = {"bytes": 0}
-
-            def before_write(name: str, path: str) -> None:
-                if name == "write" and where in path:
-                    # only this file's writes are cut: arm the budget for this call
-                    ops.byte_budget = budget - seen["bytes"]
-                    ops.on_budget_spent = kill
-                elif ops.on_budget_spent is kill:
-                    ops.byte_budget = None
-
-            def after_write(name: str, path: str) -> None:
-                if name == "write" and where in path and ops.byte_budget is not None:
-                    seen["bytes"] = budget - ops.byte_budget
-
-            ops.hook, ops.after_hook = before_write, after_write
-            return
-        when = "before"
-        rest = raw
-        if raw.startswith("after:"):
-            when, rest = "after", raw[len("after:"):]
-        op, _, n = rest.partition(":")
-        count, where = _parse_target(n or "1")
-        target = int(count)
-        if op not in _OPS or target < 1:
-            raise ValueError
-    except ValueError:
-        raise BadInput(
-            "invalid RIPRESA_CRASH_AT",
-            expected="op:N, after:op:N or bytes:N (op: " + ", ".join(_OPS) + "), optionally @TEXT",
-            found=spec,
-        ) from None
-    counts = {"n": 0}
-
-    def hook(name: str, path: str) -> None:
-        if op != "any" and name != op:
-            return
-        if where is not None and where not in path:
-            return
-        counts["n"] += 1
-        if counts["n"] == target:
-            kill()
-
-    if when == "before":
-        ops.hook = hook
-    else:
-        ops.after_hook = hook
-
-
-def install_fail_hook(spec: str) -> None:
-    """Make chosen operations fail with an ``OSError`` (``RIPRESA_FAIL_AT``).
-
-    ``spec``: ``op:N[-M|+][:ERRNO][@TEXT]`` — the N-th ``op`` (through the
-    M-th, or every one from the N-th on with ``+``) raises
-    ``OSError(ERRNO)`` *before* it runs; ``ERRNO`` is a name such as ``EIO``
-    (the default), ``ENOSPC`` or ``EFBIG``; ``@TEXT`` counts only operations
-    whose path contains ``TEXT``. Example: ``fsync:1-2:EIO@step_`` fails the
-    fsync of the first generation's first two files. A real process so
-    meets a failing disk without any mocking.
-    """
-    try:
-        body, _, where = spec.strip().partition("@")
-        parts = body.split(":")
-        op, rng = parts[0], parts[1]
-        code = getattr(errno, parts[2]) if len(parts) > 2 else errno.EIO
-        if len(parts) > 3 or op not in _OPS:
-            raise ValueError
-        if rng.endswith("+"):
-            first, last = int(rng[:-1]), None
-        elif "-" in rng:
-            a, b = rng.split("-")
-            first, last = int(a), int(b)
-        else:
-            first = last = int(rng)
-        if first < 1 or (last is not None and last < first):
-            raise ValueError
-    except (ValueError, IndexError, AttributeError):
-        raise BadInput(
-            "invalid RIPRESA_FAIL_AT",
-            expected="op:N[-M|+][:ERRNO][@TEXT], e.g. fsync:1:EIO",
-            found=spec,
-        ) from None
-    counts = {"n": 0}
-    previous = ops.hook
-
-    def hook(name: str, path: str) -> None:
-        if previous is not None:
-            previous(name, path)
-        if op != "any" and name != op:
-            return
-        if where and where not in path:
-            return
-        counts["n"] += 1
-        if counts["n"] >= first and (last is None or counts["n"] <= last):
-            raise OSError(code, os.strerror(code), path)
-
-    ops.hook = hook
-
-
-def _install_env_kill_hook() -> None:
-    """Install the fault hooks named by ``RIPRESA_CRASH_AT`` and ``RIPRESA_FAIL_AT``.
-
-    ``RIPRESA_CRASH_AT=op:N`` kills this process with SIGKILL right before
-    the N-th call of ``op`` (``write``, ``fsync``, ``rename``, ``fsync_dir``,
-    ``open``, ``unlink``, or ``any``); see :func:`install_crash_hook` for
-    ``after:op:N``, ``bytes:N`` and ``@TEXT``. Used by the crash tests to stop
-    a real process at an exact system-call boundary of the save protocol.
-    """
-    spec = os.environ.get("RIPRESA_CRASH_AT")
-    if spec:
-        install_crash_hook(spec)
-    fail = os.environ.get("RIPRESA_FAIL_AT")
-    if fail:
-        install_fail_hook(fail)
-
-
-_install_env_kill_hook()
 
 
 def temp_name_for(final: Path) -> Path:

@@ -35,16 +35,16 @@ dropped. The resume records a ``world_size_change`` history event. The
 trajectory is exact only for the same world size: the global batch is the
 per-rank batch times the world size, and the per-rank random streams differ.
 
-Fault injection for the tests: ``RIPRESA_DIST_FAULT=POINT:RANK:STEP`` kills
-rank ``RANK`` with SIGKILL at the named point of the save of step ``STEP``
-(points: ``before_gather``, ``after_shards``), in the first attempt of a
-``torchrun --max-restarts`` group only (``TORCHELASTIC_RESTART_COUNT`` = 0).
+Fault injection: the save calls :func:`fault_point` at named points
+(``before_gather``, ``after_shards``), which calls :data:`fault_hook` when one
+is set. Production never sets it; the tests' injector
+(``tests/support/ripresa_faults.py``, docs/FAULTS.md) kills one rank there.
 """
 
 from __future__ import annotations
 
 import os
-import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,18 +156,17 @@ def rank_generator(seed: int, rank: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(int(seed)).jumped(int(rank)))
 
 
+#: Called as ``fault_hook(point, step, rank)`` by :func:`fault_point`; None (the
+#: default) does nothing. A hook point for the tests' fault injector: it may
+#: kill the process there to simulate a rank dying at that point of a save.
+fault_hook: Callable[[str, int, int], None] | None = None
+
+
 def fault_point(point: str, step: int, rank: int) -> None:
-    """Kill this process with SIGKILL when ``RIPRESA_DIST_FAULT`` names this point (tests only)."""
-    spec = os.environ.get("RIPRESA_DIST_FAULT")
-    if not spec:
-        return
-    try:
-        p, r, s = spec.split(":")
-        hit = p == point and int(r) == rank and int(s) == step
-    except ValueError:
-        return
-    if hit and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
+    """A named point of a distributed save (``before_gather``, ``after_shards``): calls :data:`fault_hook` if set."""
+    hook = fault_hook
+    if hook is not None:
+        hook(point, step, rank)
 
 
 class NullHistory:

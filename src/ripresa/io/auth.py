@@ -242,7 +242,7 @@ def read_signature(path: Path) -> tuple[str, int, str]:
     hangs the reader), checked on the open descriptor, at most
     :data:`MAX_SIGNATURE` + 1 bytes read.
     """
-    from .fsio import read_small
+    from .fsio import match_ascii, read_small
 
     if not os.path.lexists(path):
         raise SignatureError(
@@ -253,11 +253,7 @@ def read_signature(path: Path) -> tuple[str, int, str]:
             hint="--require-signature refuses unsigned generations; save with RIPRESA_HMAC_KEY set",
         )
     raw = read_small(path, "signature file", MAX_SIGNATURE, error=SignatureError)  # no link, no FIFO, bounded
-    try:
-        text = raw.decode("ascii") if len(raw) <= MAX_SIGNATURE else None
-    except UnicodeDecodeError:
-        text = None
-    m = _LINE_RE.match(text) if text is not None else None
+    m = match_ascii(_LINE_RE, raw)  # read_small refused anything over MAX_SIGNATURE bytes
     if m is None:
         raise SignatureError(
             "malformed signature file",

@@ -30,6 +30,7 @@ the tests put on the child's ``PYTHONPATH`` (docs/FAULTS.md, section 1).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -388,10 +389,8 @@ class StagedFile:
         """Close and remove the temporary file (idempotent)."""
         self._drain_hashes(ignore_errors=True)
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = None
         if not self._published:
             try:
@@ -555,53 +554,26 @@ def _open_checked(
     return fd, st
 
 
-def _open_error(path: Path, what: str, refused: _Refused) -> BadInput:
-    """The :class:`BadInput` for a refused open of ``path``."""
-    if refused.kind == "missing":
-        return BadInput(
-            f"{what} not found",
-            file=path,
-            expected="an existing file",
-            found="nothing at this path",
-            hint="check the path; `ripresa inspect RUN` lists the valid generations",
-        )
-    if refused.kind == "folder":
-        return BadInput(
-            f"{what} is a folder",
-            file=path,
-            expected="a regular file",
-            found="a folder",
-            hint=_FOLDER_HINT,
-        )
-    if refused.kind in ("special", "symlink"):
-        return BadInput(
-            f"{what} is not a regular file",
-            file=path,
-            expected="a regular file",
-            found=refused.found,
-            hint="ripresa never reads from special files",
-        )
-    if refused.kind == "unreadable":
-        return BadInput(
-            f"{what} is not readable",
-            file=path,
-            expected="read permission",
-            found=refused.found,
-            hint="check the file's permissions and owner",
-        )
-    return BadInput(
-        f"{what} could not be opened",
-        file=path,
-        expected="a readable regular file",
-        found=refused.found,
-        hint="check the disk and the path",
-    )
-
-
 _FOLDER_HINT = (
     "give the path of a file inside the folder (e.g. RUN/checkpoint.pt); "
     "`ripresa inspect RUN` lists a run folder's generations"
 )
+
+#: For each kind of refused open: what is wrong with the file, what was expected, the hint.
+_OPEN_ERRORS = {
+    "missing": ("not found", "an existing file", "check the path; `ripresa inspect RUN` lists the valid generations"),
+    "folder": ("is a folder", "a regular file", _FOLDER_HINT),
+    "special": ("is not a regular file", "a regular file", "ripresa never reads from special files"),
+    "symlink": ("is not a regular file", "a regular file", "ripresa never reads from special files"),
+    "unreadable": ("is not readable", "read permission", "check the file's permissions and owner"),
+}
+_OPEN_FAILED = ("could not be opened", "a readable regular file", "check the disk and the path")
+
+
+def _open_error(path: Path, what: str, refused: _Refused) -> BadInput:
+    """The :class:`BadInput` for a refused open of ``path``."""
+    problem, expected, hint = _OPEN_ERRORS.get(refused.kind, _OPEN_FAILED)
+    return BadInput(f"{what} {problem}", file=path, expected=expected, found=refused.found, hint=hint)
 
 
 def open_regular(path: str | Path, what: str = "checkpoint") -> int:
@@ -698,13 +670,7 @@ def read_small(
         except OSError as exc:  # pragma: no cover - fstat of an open fd
             raise _read_error(p, what, exc, "a readable file") from exc
         if size > limit:
-            raise error(
-                f"{what} is too large",
-                file=p,
-                expected=f"at most {limit} bytes",
-                found=f"{size} bytes",
-                hint="this is not a file ripresa wrote; remove or replace it",
-            )
+            raise _too_large(error, p, what, limit, f"{size} bytes", "this is not a file ripresa wrote; remove or replace it")
         chunks: list[bytes] = []
         got_total = 0
         while got_total <= limit:
@@ -719,14 +685,13 @@ def read_small(
     finally:
         os.close(fd)
     if got_total > limit:
-        raise error(
-            f"{what} is too large",
-            file=p,
-            expected=f"at most {limit} bytes",
-            found=f"more than {limit} bytes (it grew while read)",
-            hint="another process is writing this file",
-        )
+        raise _too_large(error, p, what, limit, f"more than {limit} bytes (it grew while read)",
+                         "another process is writing this file")
     return b"".join(chunks)
+
+
+def _too_large(error: type[RipresaError], path: Path, what: str, limit: int, found: str, hint: str) -> RipresaError:
+    return error(f"{what} is too large", file=path, expected=f"at most {limit} bytes", found=found, hint=hint)
 
 
 def parse_json_bytes(
@@ -920,6 +885,17 @@ def drop_page_cache(path: str | Path) -> bool:
         os.close(fd)
 
 
+def match_ascii(pattern: re.Pattern[str], raw: bytes | bytearray) -> re.Match[str] | None:
+    """``pattern.fullmatch`` of ``raw`` read as ASCII: None when it does not match or is not ASCII.
+
+    How a one-line file (a sha256 sidecar, an HMAC signature) is parsed.
+    """
+    try:
+        return pattern.fullmatch(raw.decode("ascii"))
+    except UnicodeDecodeError:
+        return None
+
+
 def read_sidecar(path: str | Path) -> str:
     """Read and validate ``path.sha256``; return the expected sha256 (hex).
 
@@ -974,11 +950,7 @@ def read_sidecar(path: str | Path) -> str:
             found=f"more than {SIDECAR_MAX} bytes, starting {bytes(raw[:60])!r}",
             hint="the commit marker is damaged; this generation cannot be trusted",
         )
-    try:
-        text: str | None = raw.decode("ascii")
-    except UnicodeDecodeError:
-        text = None
-    m = _SHA_LINE_RE.fullmatch(text) if text is not None else None
+    m = match_ascii(_SHA_LINE_RE, raw)
     if m is None:
         raise IntegrityError(
             "malformed sha256 sidecar",

@@ -84,9 +84,9 @@ keep the run locked; a process that daemonizes must therefore take the lock
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
-import functools
 import json
 import math
 import os
@@ -97,10 +97,20 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput, LockHeld
+from .liveness import (
+    _boot_id,
+    _holds_lock,
+    _pid_max,
+    _pidfd_open,
+    _pidns,
+    _proc_locks_holder,  # noqa: F401 (re-exported: tests check it through this module)
+    pid_alive,
+)
 
 __all__ = [
     "LOCK_NAME",
@@ -127,14 +137,9 @@ _POLL_S = 0.01
 _HOLDER_WAIT_S = 0.5
 #: Largest ``LOCK`` content read (bytes); the real content is a few hundred.
 _MAX_CONTENT = 1 << 20
-#: Linux's hard limit on pids (``PID_MAX_LIMIT`` on 64-bit); used where
-#: ``/proc/sys/kernel/pid_max`` cannot be read.
-_PID_MAX_LIMIT = 1 << 22
 #: A pid on LOCK's first line has at most this many digits before it is even
 #: converted (a megabyte of digits must not reach ``int()``).
 _PID_RE = re.compile(rb"-?[0-9]{1,20}")
-#: Most lines of ``/proc/locks`` read when looking for the holder.
-_MAX_PROC_LOCKS_LINES = 1 << 20
 
 #: The hint of every refusal to signal: it fits a ``ripresa train`` run as well
 #: as a program that uses :class:`ripresa.Checkpointer` (both hold RUN/LOCK).
@@ -159,10 +164,8 @@ def _after_fork_in_child() -> None:
     _guard = threading.Lock()  # the parent's may have been held by another thread
     for lock in _held.values():
         if lock._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(lock._fd)
-            except OSError:
-                pass
             lock._fd = None
             lock._info = None
     _held.clear()
@@ -222,58 +225,6 @@ class LockInfo:
             command = " ".join(self.argv)
             text += f" ({command[:200]}{'...' if len(command) > 200 else ''})"
         return text
-
-
-@functools.lru_cache(maxsize=1)
-def _pid_max() -> int:
-    """The largest pid this kernel hands out (``/proc/sys/kernel/pid_max``, else ``2**22``)."""
-    try:
-        with open("/proc/sys/kernel/pid_max", "rb") as f:
-            value = int(f.read(32).strip())
-    except (OSError, ValueError):
-        return _PID_MAX_LIMIT
-    return value if 1 < value <= _PID_MAX_LIMIT else _PID_MAX_LIMIT
-
-
-@functools.lru_cache(maxsize=1)
-def _boot_id() -> str | None:
-    """This kernel's boot id (changes at every boot, differs between machines)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            text = f.read(128).decode("ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return text or None
-
-
-def _pidns() -> int | None:
-    """Inode of this process's pid namespace (``/proc/self/ns/pid``), or None without /proc."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def pid_alive(pid: object) -> bool:
-    """True if a process with this pid exists on this host (in this pid namespace).
-
-    Never raises and never signals anything: ``pid`` that is not an ``int``,
-    is ``<= 0`` (``kill(0, ...)``/``kill(-N, ...)`` address process groups) or
-    is above the kernel's ``pid_max`` is reported dead without asking the
-    kernel. A live process of another user counts as alive. The one pid
-    liveness test of ripresa (temporary-file owners, ledger writers, LOCK).
-    """
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid > _pid_max():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    except (OSError, OverflowError, ValueError):
-        return False
-    return True
 
 
 _pid_alive = pid_alive  # the former private name, for callers not yet switched
@@ -645,6 +596,57 @@ def _read_holder_content(path: Path, *, wait: float) -> LockInfo | None:
         time.sleep(_POLL_S)
 
 
+@dataclass(frozen=True)
+class _Look:
+    """One look at a run folder's lock: free, held by this process (``mine``), or held and ``raw`` read."""
+
+    free: bool
+    mine: LockInfo | None = None
+    key: tuple[int, int] | None = None
+    raw: bytes = b""
+
+
+def _look(path: Path) -> _Look:
+    """Probe the lock of ``path`` (a shared ``flock`` on our own descriptor) and read ``LOCK`` if it is held.
+
+    The probe is granted only if nobody holds the exclusive lock, and closing
+    our descriptor never affects the holder. A missing ``LOCK`` is free.
+    """
+    try:
+        fd = _open_lock(path, write=False)
+    except FileNotFoundError:
+        return _Look(free=True)
+    try:
+        key = _key(fd)
+        with _guard:
+            mine = _held.get(key)
+            if mine is not None:  # held by this process: no probe needed
+                return _Look(free=False, mine=mine._info or LockInfo(os.getpid(), path), key=key)
+            if _try_flock(fd, path, fcntl.LOCK_SH):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return _Look(free=True, key=key)
+        return _Look(free=False, key=key, raw=_read_fd(fd))
+    finally:
+        os.close(fd)
+
+
+def _wait_for_holder(path: Path, wait: float, written: Callable[[bytes], bool]) -> _Look:
+    """Look at the lock until it is free, held by this process, or ``LOCK`` is ``written`` (up to ``wait`` s).
+
+    The holder writes ``LOCK`` right after locking and empties it before
+    unlocking, so an empty or half-written file gets a moment; at least two
+    looks are taken, even with ``wait=0``. Returns the last look.
+    """
+    deadline = time.monotonic() + wait
+    tries = 0
+    while True:
+        tries += 1
+        look = _look(path)
+        if look.free or look.mine is not None or written(look.raw) or (tries >= 2 and time.monotonic() >= deadline):
+            return look
+        time.sleep(_POLL_S)
+
+
 def read_lock_holder(folder: str | os.PathLike[str], *, wait: float = 1.0) -> LockInfo | None:
     """Who holds the run folder's writer lock, or ``None`` if nobody does.
 
@@ -658,44 +660,27 @@ def read_lock_holder(folder: str | os.PathLike[str], *, wait: float = 1.0) -> Lo
     folder = Path(folder)
     _require_folder(folder)
     path = folder / LOCK_NAME
-    deadline = time.monotonic() + wait
-    tries = 0
-    while True:
-        tries += 1
-        try:
-            fd = _open_lock(path, write=False)
-        except FileNotFoundError:
-            return None
-        try:
-            with _guard:
-                mine = _held.get(_key(fd))
-                if mine is not None:  # held by this process: no probe needed
-                    return mine._info or LockInfo(os.getpid(), path)
-                # A shared lock on our own descriptor: granted only if nobody
-                # holds the exclusive one. Closing it never affects the holder.
-                if _try_flock(fd, path, fcntl.LOCK_SH):
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    return None
-            raw = _read_fd(fd)
-        finally:
-            os.close(fd)
+
+    def named(raw: bytes) -> bool:
         info = _parse(raw, path, complete=True)
-        if info is not None and (not info.is_local or pid_alive(info.pid)):
-            return info
-        # At least two looks, even with wait=0: an empty LOCK may be a holder
-        # between locking and writing, or between emptying and unlocking.
-        if tries >= 2 and time.monotonic() >= deadline:
-            info = _parse(raw, path, complete=False)
-            if info is not None:
-                return info
-            raise BadInput(
-                "the run folder is locked, but LOCK does not name the holder",
-                file=path,
-                expected="the holder's pid on the first line of LOCK",
-                found=repr(raw[:80]) if raw else "an empty file",
-                hint="another program holds the lock; find it with `fuser` or `lsof` on LOCK",
-            )
-        time.sleep(_POLL_S)
+        return info is not None and (not info.is_local or pid_alive(info.pid))
+
+    look = _wait_for_holder(path, wait, named)
+    if look.free or look.mine is not None:
+        return look.mine
+    info = _parse(look.raw, path, complete=True)
+    if info is not None and (not info.is_local or pid_alive(info.pid)):
+        return info
+    info = _parse(look.raw, path, complete=False)
+    if info is not None:
+        return info
+    raise BadInput(
+        "the run folder is locked, but LOCK does not name the holder",
+        file=path,
+        expected="the holder's pid on the first line of LOCK",
+        found=repr(look.raw[:80]) if look.raw else "an empty file",
+        hint="another program holds the lock; find it with `fuser` or `lsof` on LOCK",
+    )
 
 
 def is_locked(folder: str | os.PathLike[str]) -> bool:
@@ -740,120 +725,6 @@ def _refuse(message: str, info: LockInfo | None, path: Path, found: str, expecte
     return BadInput(message, file=path, expected=expected, found=found, hint=_SIGNAL_HINT)
 
 
-def _fd_holds_flock(fdinfo: bytes) -> bool | None:
-    """From ``/proc/PID/fdinfo/N``: True if it shows an exclusive FLOCK, False if other locks, None if no lock lines."""
-    seen = None
-    for line in fdinfo.splitlines():
-        if not line.startswith(b"lock:"):
-            continue
-        fields = line.split()
-        if b"->" in fields:  # a waiter, not a holder
-            seen = seen or False
-            continue
-        if b"FLOCK" in fields and b"WRITE" in fields:
-            return True
-        seen = False
-    return seen
-
-
-def _proc_locks_holder(pid: int, ino: int) -> bool | None:
-    """From ``/proc/locks``: does ``pid`` hold an exclusive FLOCK on inode ``ino``? None if unreadable.
-
-    ``/proc/locks`` is readable by every user; its lines read
-    ``1: FLOCK  ADVISORY  WRITE 12345 fe:00:2146372 0 EOF`` (waiters have a
-    ``->``). The inode is compared without the device: overlay filesystems
-    report the upper layer's device there, and a pid holding an exclusive
-    flock on another file with the same inode number is not a realistic
-    confusion.
-    """
-    want_pid, want_ino = str(pid).encode(), str(ino).encode()
-    try:
-        with open("/proc/locks", "rb") as f:
-            for n, line in enumerate(f):
-                if n >= _MAX_PROC_LOCKS_LINES:
-                    break
-                fields = line.split()
-                if len(fields) < 6 or fields[1] == b"->":
-                    continue
-                if (
-                    fields[1] == b"FLOCK"
-                    and fields[3] == b"WRITE"
-                    and fields[4] == want_pid
-                    and fields[5].rsplit(b":", 1)[-1] == want_ino
-                ):
-                    return True
-    except OSError:
-        return None
-    return False
-
-
-def _holds_lock(pid: int, key: tuple[int, int]) -> tuple[bool | None, str]:
-    """Does process ``pid`` hold the lock of the ``LOCK`` file identified by ``key``?
-
-    True / False with what was found, or None when this system cannot tell
-    (no ``/proc``). See the module doc: ``/proc/PID/fd`` + ``fdinfo`` first,
-    ``/proc/locks`` where those cannot be read.
-    """
-    fd_dir = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(fd_dir)
-    except FileNotFoundError:
-        if not os.path.isdir("/proc/self/fd"):
-            return None, "no /proc on this system"
-        return False, f"pid {pid} has exited"
-    except OSError:
-        # Another user's process, hidepid, a process that made itself non-dumpable:
-        # the world-readable lock table still names the holder.
-        verdict = _proc_locks_holder(pid, key[1])
-        if verdict is None:
-            return None, f"/proc/{pid}/fd and /proc/locks are not readable"
-        return verdict, "" if verdict else f"pid {pid} holds no lock on this LOCK (/proc/locks)"
-    matching = []
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            st = os.stat(f"{fd_dir}/{name}")
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == key:
-            matching.append(name)
-    if not matching:
-        return False, f"pid {pid} is a live process that does not have this run's LOCK open"
-    no_lock_lines = True
-    for name in matching:
-        try:
-            with open(f"/proc/{pid}/fdinfo/{name}", "rb") as f:
-                verdict = _fd_holds_flock(f.read(1 << 16))
-        except OSError:
-            continue
-        if verdict:
-            return True, ""
-        if verdict is False:
-            no_lock_lines = False
-    if no_lock_lines:
-        # A kernel that does not list locks in fdinfo (before Linux 4.1): the lock table decides.
-        verdict = _proc_locks_holder(pid, key[1])
-        if verdict:
-            return True, ""
-    return False, f"pid {pid} has this run's LOCK open but does not hold its lock"
-
-
-def _pidfd_open(pid: int) -> int | None:
-    """A pidfd for ``pid`` (raises ProcessLookupError if none), or None where pidfds are missing."""
-    opener = getattr(os, "pidfd_open", None)
-    if opener is None or not hasattr(signal, "pidfd_send_signal"):
-        return None
-    try:
-        return opener(pid)
-    except ProcessLookupError:
-        raise
-    except OSError as exc:
-        if exc.errno in (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.EMFILE, errno.ENFILE, errno.ENODEV):
-            return None  # no pidfds here (old kernel, seccomp, no descriptors): check right before kill
-        raise
-
-
 def signal_holder(
     folder: str | os.PathLike[str], sig: int | signal.Signals, *, wait: float = 1.0, pid: int | None = None
 ) -> LockInfo:
@@ -874,39 +745,18 @@ def signal_holder(
     _require_folder(folder)
     sig = signal.Signals(sig)
     path = folder / LOCK_NAME
-    deadline = time.monotonic() + wait
-    tries = 0
-    while True:
-        tries += 1
-        try:
-            fd = _open_lock(path, write=False)
-        except FileNotFoundError:
-            raise _not_running(folder, path) from None
-        try:
-            key = _key(fd)
-            with _guard:
-                mine = _held.get(key)
-                if mine is None and _try_flock(fd, path, fcntl.LOCK_SH):
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    raise _not_running(folder, path)
-            if mine is not None:
-                info = mine._info or LockInfo(os.getpid(), path)
-                if pid is not None and pid != os.getpid():
-                    raise _refuse(f"the run's lock is now held by this process, not by pid {pid}",
-                                  info, path, f"pid {os.getpid()}", f"pid {pid}")
-                os.kill(os.getpid(), sig)
-                return info
-            raw = _read_fd(fd)
-        finally:
-            os.close(fd)
-        content = _examine(raw, path)
-        # The holder writes LOCK right after locking (and empties it before unlocking):
-        # give an empty or half-written file a moment; a finished one is judged at once.
-        finished = raw.strip() != b"" and raw.endswith(b"\n")
-        if content.complete or finished or (tries >= 2 and time.monotonic() >= deadline):
-            break
-        time.sleep(_POLL_S)
-
+    look = _wait_for_holder(path, wait, lambda raw: _examine(raw, path).complete or (raw.strip() != b"" and raw.endswith(b"\n")))
+    if look.free:
+        raise _not_running(folder, path)
+    key = look.key
+    assert key is not None
+    if look.mine is not None:
+        if pid is not None and pid != os.getpid():
+            raise _refuse(f"the run's lock is now held by this process, not by pid {pid}",
+                          look.mine, path, f"pid {os.getpid()}", f"pid {pid}")
+        os.kill(os.getpid(), sig)
+        return look.mine
+    content = _examine(look.raw, path)
     info = content.info
     if info is None:
         raise _refuse(

@@ -421,8 +421,8 @@ print("done")
 def test_inherited_fault_variables_without_the_support_path_do_nothing(tmp_path):
     """A process that inherits the fault variables but not ``tests/support`` on its path saves unharmed:
     ripresa itself never reads them (a real interpreter, a real ``write_atomic`` and ``CheckpointStore.save``)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(RIPRESA_CRASH_AT="fsync:1", RIPRESA_FAIL_AT="any:1+", RIPRESA_DIST_FAULT="after_shards:0:2")
+    faults = fault_env(crash_at="fsync:1", fail_at="any:1+", dist_fault="after_shards:0:2")
+    env = {k: v for k, v in {**os.environ, **faults}.items() if k != "PYTHONPATH"}
     res = subprocess.run([sys.executable, "-c", UNHARMED, str(tmp_path)], capture_output=True, text=True,
                          timeout=300, env=env)
     assert res.returncode == 0, res.stderr
@@ -431,7 +431,7 @@ def test_inherited_fault_variables_without_the_support_path_do_nothing(tmp_path)
     assert [g.step for g in CheckpointStore(tmp_path / "run", writer=False).generations() if g.valid] == [2]
     # the same crash variable *with* the support path: the hook fires at the first fsync
     (tmp_path / "x").mkdir()
-    env = {k: v for k, v in env.items() if k not in ("RIPRESA_FAIL_AT", "RIPRESA_DIST_FAULT")}
+    env = {k: v for k, v in env.items() if k not in faults}
     res = subprocess.run([sys.executable, "-c", UNHARMED, str(tmp_path / "x")], capture_output=True, text=True,
                          timeout=300, env=dict(env, **fault_env(crash_at="fsync:1")))
     assert res.returncode == KILLED, res.stderr

@@ -100,3 +100,28 @@ def test_the_core_never_imports_matplotlib():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_misuse_of_the_python_api_raises_type_or_value_error(tmp_path):
+    import numpy as np
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+    state = ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    for kwargs, exc in (({"every": -1}, ValueError), ({"every": 1.5}, TypeError), ({"every": True}, TypeError),
+                        ({"max_failed_saves": 0}, ValueError)):
+        with pytest.raises(exc):
+            ripresa.Checkpointer(tmp_path / "run", state, handle_signals=False, **kwargs)
+    with pytest.raises(TypeError, match="TrainingState"):
+        ripresa.Checkpointer(tmp_path / "run", {"model": model}, handle_signals=False)
+    assert not (tmp_path / "run").exists()  # refused before the folder was created or locked
+    with pytest.raises(TypeError, match="nn.Module"):
+        ripresa.TrainingState(model={"w": torch.zeros(2)})
+    with pytest.raises(TypeError, match="RandomStreams"):
+        ripresa.TrainingState(model=model, rng=np.random.default_rng(0))
+    with pytest.raises(TypeError, match="state_dict"):
+        ripresa.TrainingState(model=model, data=[1, 2, 3])
+    with pytest.raises(ValueError):
+        ripresa.EpochSampler(0, 4, seed=0)
+    with pytest.raises(TypeError):
+        ripresa.RandomStreams(numpy={"data": "not a generator"})

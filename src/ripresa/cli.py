@@ -170,6 +170,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 0:
         raise BadInput("--steps must be >= 0", found=args.steps)
+    if args.every is not None and args.every < 0:
+        raise BadInput("--every must be >= 0", expected="--every >= 0 (0: checkpoint on signals only)", found=args.every)
     if args.require_signature:
         from .io.auth import require_from_cli
 

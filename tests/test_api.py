@@ -125,3 +125,17 @@ def test_misuse_of_the_python_api_raises_type_or_value_error(tmp_path):
         ripresa.EpochSampler(0, 4, seed=0)
     with pytest.raises(TypeError):
         ripresa.RandomStreams(numpy={"data": "not a generator"})
+
+
+def test_a_plot_without_matplotlib_is_a_missing_dependency_naming_the_engine_extra(tmp_path):
+    """`sys.modules["matplotlib"] = None` makes every matplotlib import fail, as on a core-only install."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".loss.jsonl").write_text("".join(f'{{"step":{s},"loss":{3.0 - s / 10}}}\n' for s in range(1, 6)))
+    code = ("import sys\nsys.modules['matplotlib'] = None\nfrom ripresa.cli import main\n"
+            f"sys.exit(main(['plot', {str(run)!r}]))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "drawing a plot needs matplotlib" in res.stderr
+    assert "pip install 'ripresa[engine]'" in res.stderr
+    assert "Traceback" not in res.stderr and not (run / "plot.png").exists()

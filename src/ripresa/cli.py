@@ -89,7 +89,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         usage="ripresa inspect PATH [--json] [--check-finite] [--deep | --no-deep]",
     )
     p.add_argument("path", type=Path, help="a .bin, a checkpoint.pt or a run folder")
-    p.add_argument("--json", action="store_true", help="print one JSON document (keys: see ripresa.tools.inspect) instead of tables")
+    p.add_argument("--json", action="store_true", help="print one JSON document (keys: docs/INSPECT.md) instead of tables")
     p.add_argument("--check-finite", action="store_true", help="fail (exit 1) on NaN/Inf in weights, m, v or any floating tensor")
     p.add_argument(
         "--deep",

@@ -17,25 +17,10 @@ from ripresa import errors
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
-PUBLIC = [
-    "__version__",
-    "TrainingState",
-    "Stateful",
-    "Progress",
-    "RandomStreams",
-    "EpochSampler",
-    "DistributedEpochSampler",
-    "Checkpointer",
-    "save_checkpoint",
-    "load_checkpoint",
-    "CheckpointStore",
-    "verify_resume",
-    "Trajectory",
-    "RipresaError",
-    "IntegrityError",
-    "BadInput",
-    "SaveFailed",
-]
+# the order of ripresa.__all__: version, state, samplers, session, checkpoint.pt, store, verify, errors
+PUBLIC = ("__version__ TrainingState Stateful Progress RandomStreams EpochSampler DistributedEpochSampler "
+          "Checkpointer save_checkpoint load_checkpoint CheckpointStore verify_resume Trajectory "
+          "RipresaError IntegrityError BadInput SaveFailed").split()
 
 
 def test_all_is_exactly_the_public_api():

@@ -97,6 +97,7 @@ from ..io.fsio import (
     fsync_dir,
     open_run_file,
     parse_json_bytes,
+    read_exact_hashing,
     read_small,
     sha256_fd,
     sidecar_line,
@@ -238,6 +239,20 @@ def _probe_forward(model: torch.nn.Module, where: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- writing
 
 
+class _CopySink:
+    """The ``hasher`` of :func:`~ripresa.io.fsio.read_exact_hashing` for a copy: each piece read is written
+    to the staged copy (which hashes it), kept if asked, and counted for the progress bar."""
+
+    def __init__(self, out: StagedFile, kept: list[bytes] | None, advance: Any) -> None:
+        self.out, self.kept, self.advance = out, kept, advance
+
+    def update(self, piece: memoryview) -> None:
+        self.out.write(piece)
+        if self.kept is not None:
+            self.kept.append(bytes(piece))
+        self.advance(len(piece))
+
+
 class _Bundle:
     """Files written into the destination through StagedFile, remembered for the manifest."""
 
@@ -276,20 +291,13 @@ class _Bundle:
         kept: list[bytes] = []
         try:
             with StagedFile(final) as out:
-                buf = bytearray(CHUNK)
-                view = memoryview(buf)
-                while True:
-                    try:
-                        n = os.readv(fd, [view])
-                    except OSError as exc:
-                        raise BadInput(f"{what} could not be read", file=src, found=str(exc),
-                                       hint="check the disk; nothing was exported") from exc
-                    if not n:
-                        break
-                    out.write(view[:n])
-                    if keep:
-                        kept.append(bytes(view[:n]))
-                    self.advance(n, f"copy {rel}")
+                # The size at open, read through one reused CHUNK buffer: a file that shrinks meanwhile is an
+                # IntegrityError, a read error a BadInput (io.fsio.read_exact_hashing).
+                size = os.fstat(fd).st_size
+                view = memoryview(bytearray(max(1, min(CHUNK, size))))
+                views = [view] * (size // len(view)) + ([view[: size % len(view)]] if size % len(view) else [])
+                read_exact_hashing(fd, views, _CopySink(out, kept if keep else None, lambda n: self.advance(n, f"copy {rel}")),
+                                   path=src, what=what, piece=len(view), overlap=False)
                 digest = out.finish()
                 if expected is not None:
                     exp_sha = expected if isinstance(expected, str) else expected.sha256

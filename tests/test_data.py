@@ -86,7 +86,7 @@ def test_inconsistent_positions_are_refused(mutate, match):
     st = s.state_dict()
     mutate(st)
     fresh = EpochSampler(24, 4, seed=0)
-    with pytest.raises(ripresa.SchemaError, match=match):
+    with pytest.raises(ripresa.errors.SchemaError, match=match):
         fresh.load_state_dict(st)
     assert fresh.epoch == -1 and fresh.permutation is None  # untouched
 

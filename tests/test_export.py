@@ -440,3 +440,51 @@ def test_a_run_of_another_training_script_exports_without_a_forward_pass(tmp_pat
     exec(compile(_snippet(readme, "numpy-read"), "README.md:numpy-read", "exec"), ns)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     assert ns["step"] == 10 and np.array_equal(ns["weights"], flat)
+
+
+# ---- the READMEs come from package data, byte for byte what the f-strings wrote -------------
+
+README_GOLDEN = Path(__file__).parent / "data" / "export_readme"
+
+
+def _readme_cases():
+    """The fixed inputs whose READMEs were captured (tests/data/export_readme/) before the text moved
+    from f-strings in tools/export.py to tools/templates/export_readme.md."""
+    from ripresa.store.store import Generation
+
+    run = Path("/data/runs/andrea")
+    gen = Generation(step=1200, bin=run / "step_001200.bin", companion=run / "step_001200.json",
+                     marker=run / "step_001200.bin.sha256", valid=True, size=8 + 12 * 137000,
+                     bin_sha256="ab" * 32, companion_sha256="cd" * 32)
+    params = [{"name": "transformer.wte.weight", "shape": [256, 64], "offset": 0, "numel": 16384}]
+    config = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 128}, "train": {"lr": 0.001}}
+    state = {"versions": {"device": "cpu", "torch": "2.13.0", "python": "3.11.9"}}
+    src = [{"name": "stdlib-code", "path": None, "kind": "builtin", "sha256": "ef" * 32},
+           {"name": "mine", "path": "/home/u/texts", "kind": "text folder", "sha256": None}]
+    metrics = ["metrics/loss.jsonl", "metrics/samples.json", "metrics/state.json", "metrics/archive/pivot_000100/"]
+    common = {"run": run, "gen": gen, "n_params": 137000, "created": "2025-01-02T03:04:05Z"}
+    yield "resume_gpt_full", "resume", {**common, "progress": {"step": 1200, "epoch": 0, "samples_seen": 38400,
+                                                               "tokens_seen": 4915200},
+                                        "params": params, "metrics": metrics, "has_lineage": True, "config": config,
+                                        "state": state, "sources": src}
+    yield "resume_gpt_bare", "resume", {**common, "progress": {}, "params": params, "metrics": [],
+                                        "has_lineage": False, "config": config, "state": {}, "sources": []}
+    yield "resume_own_model", "resume", {**common, "progress": {"step": 1200, "lr": 0.5}, "params": None,
+                                         "metrics": ["metrics/loss.jsonl"], "has_lineage": False,
+                                         "config": {"lr": 1}, "state": state, "sources": src[1:]}
+    yield "resume_no_config", "resume", {**common, "progress": {"step": 3}, "params": None, "metrics": [],
+                                         "has_lineage": True, "config": None, "state": state, "sources": src[:1]}
+    yield "inference", "inference", {**common, "shapes": [("transformer.wte.weight", [256, 64]),
+                                                          ("lm_head.weight", [256, 64])],
+                                     "model_cfg": config["model"], "config": config}
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _readme_cases()])
+def test_readme_text_from_package_data_is_byte_identical_to_the_former_fstrings(case):
+    from ripresa._version import __version__
+    from ripresa.tools import export as export_mod
+
+    _, kind, kwargs = next(c for c in _readme_cases() if c[0] == case)
+    render = export_mod._resume_readme if kind == "resume" else export_mod._inference_readme
+    expected = (README_GOLDEN / f"{case}.md").read_text(encoding="utf-8").replace("{{version}}", __version__)
+    assert render(**kwargs) == expected

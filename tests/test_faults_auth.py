@@ -250,7 +250,7 @@ def test_signature_format_and_constant_time_compare(tmp_path, monkeypatch):
     i_sig = events.index(("rename", "step_000003.bin.hmac"))
     assert ("fsync_dir", folder.name) == events[i_sig + 1]
     # re-saving a step withdraws the old marker and signature first; retention removes signatures too
-    with CheckpointStore(folder, hmac_key=KEY, retention=ripresa.KeepLast(1)) as store:
+    with CheckpointStore(folder, hmac_key=KEY, retention=ripresa.store.retention.KeepLast(1)) as store:
         store.save(3, arrays_for(3, N, 1), companion_for(3, 1))
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step_")) == [
         "step_000003.bin", "step_000003.bin.hmac", "step_000003.bin.sha256", "step_000003.json"]

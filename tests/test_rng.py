@@ -68,7 +68,7 @@ def test_peek_observes_without_disturbing():
 def test_different_registered_generators_are_refused():
     a = ripresa.RandomStreams(numpy={"g": np.random.default_rng(0)})
     b = ripresa.RandomStreams(numpy={"h": np.random.default_rng(0)})
-    with pytest.raises(ripresa.SchemaError, match="differ"):
+    with pytest.raises(ripresa.errors.SchemaError, match="differ"):
         b.load_state_dict(a.state_dict())
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ripresa import BadInput, IdentityMismatch, RandomStreams, SchemaError
+from ripresa import BadInput, RandomStreams
 from ripresa.engine.gpt import sources as S
 from ripresa.engine.gpt.sources import (
     BUILTIN_SOURCES,
@@ -21,6 +21,7 @@ from ripresa.engine.gpt.sources import (
     load_text_source,
     stdlib_files,
 )
+from ripresa.errors import IdentityMismatch, SchemaError
 
 # ---- built-in sources ----------------------------------------------------------------
 

@@ -104,7 +104,7 @@ def test_missing_state_is_an_error_not_a_default(tmp_path, missing):
     snap[missing] = None
     fresh, _, _ = _build()
     w = fresh.model[0].weight.detach().clone()
-    with pytest.raises(ripresa.SchemaError, match=f"{missing} state"):
+    with pytest.raises(ripresa.errors.SchemaError, match=f"{missing} state"):
         fresh.restore(snap)
     assert torch.equal(fresh.model[0].weight, w)
 
@@ -113,7 +113,7 @@ def test_other_architecture_is_refused():
     state, _, _ = _build()
     snap = state.snapshot(ripresa.Progress())
     other = ripresa.TrainingState(model=torch.nn.Linear(3, 1))
-    with pytest.raises(ripresa.SchemaError, match="model state does not match"):
+    with pytest.raises(ripresa.errors.SchemaError, match="model state does not match"):
         other.restore(snap)
 
 
@@ -122,7 +122,7 @@ def test_versions_mismatch_refused_unless_allowed():
     snap = state.snapshot(ripresa.Progress())
     snap["versions"]["torch"] = "1.13.0"
     fresh, _, _ = _build()
-    with pytest.raises(ripresa.IdentityMismatch, match="allow-version-change"):
+    with pytest.raises(ripresa.errors.IdentityMismatch, match="allow-version-change"):
         fresh.restore(snap)
     fresh.restore(snap, allow_version_change=True)
     assert fresh.lineage[-1]["accepted_changes"]["versions.torch"] == {"saved": "1.13.0", "now": str(torch.__version__)}
@@ -133,7 +133,7 @@ def test_data_identity_mismatch_refused():
     snap = state.snapshot(ripresa.Progress())
     snap["data_identity"]["d"] = "0" * 64
     fresh, _, _ = _build()
-    with pytest.raises(ripresa.IdentityMismatch, match="allow-data-change"):
+    with pytest.raises(ripresa.errors.IdentityMismatch, match="allow-data-change"):
         fresh.restore(snap)
 
 

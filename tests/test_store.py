@@ -126,7 +126,7 @@ def test_second_writer_is_refused(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "locked"
-        with pytest.raises(ripresa.LockHeld) as ei:
+        with pytest.raises(ripresa.errors.LockHeld) as ei:
             CheckpointStore(tmp_path)
         assert str(child.pid) in str(ei.value)
     finally:

@@ -206,7 +206,7 @@ def test_identity_mismatch_refused_then_allowed_and_recorded(tmp_path, interrupt
             config=mod.CONFIG, code_files=[other_code], data_sources={"rows": mod.DATA},
         )
         w_before = model[0].weight.detach().clone()
-        with pytest.raises(ripresa.IdentityMismatch) as ei:
+        with pytest.raises(ripresa.errors.IdentityMismatch) as ei:
             st.restore(ck)
         assert "--allow-code-change" in str(ei.value) and ei.value.exit_code == 1
         assert torch.equal(model[0].weight, w_before), "a refused restore changed the model"
@@ -224,7 +224,7 @@ def test_snapshot_with_numpy_array_is_refused_before_writing(tmp_path, interrupt
 
     state = load_checkpoint(interrupted_run / "checkpoint.pt").state
     state["extra"] = {"arr": np.zeros(3)}
-    with pytest.raises(ripresa.SchemaError, match="weights_only"):
+    with pytest.raises(ripresa.errors.SchemaError, match="weights_only"):
         save_checkpoint(tmp_path / "c.pt", state)
     assert list(tmp_path.iterdir()) == []
 

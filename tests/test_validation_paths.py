@@ -246,7 +246,7 @@ def test_restore_refuses_a_scheduler_state_of_the_wrong_shape_with_a_typed_error
     contents, comp = reader.load(3)
     from ripresa.formats.bin_state import join_state
 
-    with pytest.raises(ripresa.SchemaError, match="scheduler"):
+    with pytest.raises(ripresa.errors.SchemaError, match="scheduler"):
         st.restore(join_state(st, contents, comp))
     assert all(torch.equal(a, b) for a, b in zip(before, st.model.parameters(), strict=True))
 

@@ -2,35 +2,52 @@
 
 "Checkpoint" in ripresa always means a *resume point* saved to disk — never
 activation checkpointing (recomputing activations in backward to save memory).
+
+The public API is ``__all__`` below (README.md, "Public API"); everything else
+is imported from its module, e.g. ``ripresa.store.retention.KeepLast``.
 """
 
 import importlib
 import importlib.util
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
 # Public names, imported on first use (PEP 562): `import ripresa.cli` and
-# `ripresa signal RUN stop` never import torch; `from ripresa import X` and
-# `ripresa.X` work for every name in __all__ as before.
+# `ripresa signal RUN stop` never import torch.
 _LAZY: dict[str, str] = {
+    "TrainingState": "core.state",
+    "Stateful": "core.state",
+    "Progress": "core.state",
+    "RandomStreams": "core.rng",
+    "EpochSampler": "core.data",
+    "DistributedEpochSampler": "core.data",
+    "Checkpointer": "session.checkpointer",
+    "save_checkpoint": "formats.torch_pt",
+    "load_checkpoint": "formats.torch_pt",
+    "CheckpointStore": "store.store",
+    "verify_resume": "verify.verify",
+    "Trajectory": "verify.trajectory",
+    "RipresaError": "errors",
+    "IntegrityError": "errors",
+    "BadInput": "errors",
+    "SaveFailed": "errors",
+}
+
+# Names the package root exported before the API was cut down (issue 11): they
+# still resolve, with a DeprecationWarning that names their module, and are
+# not in __all__, dir() or `from ripresa import *`. They leave the root in 0.2.
+_DEPRECATED: dict[str, str] = {
     "AsyncCheckpointWriter": "store.async_save",
     "StagingBuffers": "store.async_save",
-    "EpochSampler": "core.data",
-    "BadInput": "errors",
     "CheckFailed": "errors",
     "IdentityMismatch": "errors",
-    "IntegrityError": "errors",
     "LockHeld": "errors",
     "MissingDependency": "errors",
     "OutputExists": "errors",
-    "RipresaError": "errors",
-    "SaveFailed": "errors",
     "SchemaError": "errors",
-    "VerificationFailed": "errors",
     "Checkpoint": "formats.torch_pt",
-    "load_checkpoint": "formats.torch_pt",
-    "save_checkpoint": "formats.torch_pt",
     "History": "store.history",
     "read_history": "store.history",
     "RunLock": "io.lock",
@@ -40,56 +57,39 @@ _LAZY: dict[str, str] = {
     "KeepLast": "store.retention",
     "KeepSteps": "store.retention",
     "parse_retention": "store.retention",
-    "RandomStreams": "core.rng",
-    "Checkpointer": "session.checkpointer",
     "ForeignCheckpointWarning": "session.checkpointer",
-    "Progress": "core.state",
-    "Stateful": "core.state",
-    "TrainingState": "core.state",
-    "CheckpointStore": "store.store",
     "CheckpointWarning": "store.store",
     "Generation": "store.store",
-    "Trajectory": "verify.trajectory",
     "read_trajectory": "verify.trajectory",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
-    from .core.data import EpochSampler
+    from .core.data import DistributedEpochSampler, EpochSampler
     from .core.rng import RandomStreams
     from .core.state import Progress, Stateful, TrainingState
-    from .errors import (
-        BadInput,
-        CheckFailed,
-        IdentityMismatch,
-        IntegrityError,
-        LockHeld,
-        MissingDependency,
-        OutputExists,
-        RipresaError,
-        SaveFailed,
-        SchemaError,
-        VerificationFailed,
-    )
-    from .formats.torch_pt import Checkpoint, load_checkpoint, save_checkpoint
-    from .io.lock import RunLock, read_lock_holder
-    from .session.checkpointer import Checkpointer, ForeignCheckpointWarning
-    from .store.async_save import AsyncCheckpointWriter, StagingBuffers
-    from .store.history import History, read_history
-    from .store.retention import DEFAULT_RETENTION, KeepEvery, KeepLast, KeepSteps, parse_retention
-    from .store.store import CheckpointStore, CheckpointWarning, Generation
-    from .verify.trajectory import Trajectory, read_trajectory
+    from .errors import BadInput, IntegrityError, RipresaError, SaveFailed
+    from .formats.torch_pt import load_checkpoint, save_checkpoint
+    from .session.checkpointer import Checkpointer
+    from .store.store import CheckpointStore
+    from .verify.trajectory import Trajectory
+    from .verify.verify import verify_resume
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
-        # `import ripresa; ripresa.io.fsio.X`: a submodule, as the former eager imports allowed.
-        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            return importlib.import_module(f".{name}", __name__)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    module = _DEPRECATED.get(name)
+    if module is not None:
+        warnings.warn(f"ripresa.{name} is deprecated and leaves the package root in 0.2; "
+                      f"import it from ripresa.{module}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f".{module}", __name__), name)
+    # `import ripresa; ripresa.io.fsio.X`: a submodule, as the former eager imports allowed.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
@@ -98,41 +98,27 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "__version__",
-    "AsyncCheckpointWriter",
-    "BadInput",
-    "CheckFailed",
-    "Checkpoint",
-    "CheckpointStore",
-    "CheckpointWarning",
-    "Checkpointer",
-    "DEFAULT_RETENTION",
-    "EpochSampler",
-    "ForeignCheckpointWarning",
-    "Generation",
-    "History",
-    "IdentityMismatch",
-    "IntegrityError",
-    "KeepEvery",
-    "KeepLast",
-    "KeepSteps",
-    "LockHeld",
-    "MissingDependency",
-    "OutputExists",
+    # the state of a run
+    "TrainingState",
+    "Stateful",
     "Progress",
     "RandomStreams",
-    "RipresaError",
-    "RunLock",
-    "SaveFailed",
-    "SchemaError",
-    "StagingBuffers",
-    "Stateful",
-    "Trajectory",
-    "TrainingState",
-    "VerificationFailed",
-    "load_checkpoint",
-    "parse_retention",
-    "read_history",
-    "read_lock_holder",
-    "read_trajectory",
+    # the data position
+    "EpochSampler",
+    "DistributedEpochSampler",
+    # the training session over a run folder
+    "Checkpointer",
+    # one checkpoint.pt file
     "save_checkpoint",
+    "load_checkpoint",
+    # reading a run folder
+    "CheckpointStore",
+    # proving a resume exact: the verifier, and what a trainer writes for it
+    "verify_resume",
+    "Trajectory",
+    # errors
+    "RipresaError",
+    "IntegrityError",
+    "BadInput",
+    "SaveFailed",
 ]

@@ -13,12 +13,19 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from ._version import __version__
 from .errors import BadInput, RipresaError
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, Handler] = {}
+
+
+def _command(sub: argparse._SubParsersAction, name: str, handler: Handler, **parser_kw: Any) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``; ``handler`` runs it."""
+    _COMMANDS[name] = handler
+    return sub.add_parser(name, **parser_kw)
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -31,8 +38,8 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
 
 # ----------------------------------------------------------------------------- verify
 def _add_verify(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "verify",
+    p = _command(
+        sub, "verify", _cmd_verify,
         help="prove a resume exact: continuous vs interrupted vs resumed vs resumed-without-RNG",
         description="Run a trainer four times in fresh processes and compare the trajectories after the cut. "
         "The trainer follows the contract --steps/--output/--resume/--omit-rng-restore and writes summary.json. "
@@ -45,7 +52,6 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tolerance", type=float, default=1e-12, help="absolute tolerance (default 1e-12)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--json", action="store_true", help="print verification.json instead of tables")
-    _COMMANDS["verify"] = _cmd_verify
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -65,9 +71,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- demo
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the main job of `make demo`: the resume proof, then the engine's checkpoint/signal/resume cycle")
+    p = _command(sub, "demo", _cmd_demo, help="the main job of `make demo`: the resume proof, then the engine's checkpoint/signal/resume cycle")
     p.add_argument("--output", type=Path, default=None, help="folder to create (default runs/demo-TIMESTAMP)")
-    _COMMANDS["demo"] = _cmd_demo
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -79,8 +84,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- inspect
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "inspect",
+    p = _command(
+        sub, "inspect", _cmd_inspect,
         help="show what a .bin, checkpoint.pt or run folder holds, and whether it is valid",
         description="Inspect an ANDREA .bin (header, size, sidecar, companion, statistics of weights/m/v), "
         "a checkpoint.pt (hash, schema, progress, versions, identities, tensor statistics) or a run folder "
@@ -89,7 +94,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         usage="ripresa inspect PATH [--json] [--check-finite] [--deep | --no-deep]",
     )
     p.add_argument("path", type=Path, help="a .bin, a checkpoint.pt or a run folder")
-    p.add_argument("--json", action="store_true", help="print one JSON document (keys: see ripresa.tools.inspect) instead of tables")
+    p.add_argument("--json", action="store_true", help="print one JSON document (keys: docs/INSPECT.md) instead of tables")
     p.add_argument("--check-finite", action="store_true", help="fail (exit 1) on NaN/Inf in weights, m, v or any floating tensor")
     p.add_argument(
         "--deep",
@@ -100,7 +105,6 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--require-signature", action="store_true",
                    help="fail (exit 1) on generations without a valid HMAC signature (key: RIPRESA_HMAC_KEY[_FILE])")
-    _COMMANDS["inspect"] = _cmd_inspect
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -131,8 +135,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- train
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
+    p = _command(
+        sub, "train", _cmd_train,
         help="train the ANDREA byte-level GPT with checkpoints, signals, sample audits and a data mixture",
         description="Train the ANDREA byte-level GPT. With --run, resumes automatically from the newest valid "
         "generation. With --output (the `ripresa verify` contract), --steps counts this process's steps and the "
@@ -162,7 +166,6 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "(FSDP2 fully_shard; every rank writes step_NNNNNN.dcp generations)")
     p.add_argument("--require-signature", action="store_true",
                    help="sign every generation and resume only from validly signed ones (key: RIPRESA_HMAC_KEY[_FILE])")
-    _COMMANDS["train"] = _cmd_train
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -170,6 +173,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.steps < 0:
         raise BadInput("--steps must be >= 0", found=args.steps)
+    if args.every is not None and args.every < 0:
+        raise BadInput("--every must be >= 0", expected="--every >= 0 (0: checkpoint on signals only)", found=args.every)
     if args.require_signature:
         from .io.auth import require_from_cli
 
@@ -186,8 +191,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- signal
 def _add_signal(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "signal",
+    p = _command(
+        sub, "signal", _cmd_signal,
         help="ask the process training RUN to checkpoint (SIGUSR1) or stop (SIGTERM)",
         description="Send SIGUSR1 (checkpoint) or SIGTERM (checkpoint and stop) to the process holding RUN/LOCK: "
         "a `ripresa train`, or a program using ripresa.Checkpointer. LOCK's pid is checked against the kernel "
@@ -196,7 +201,6 @@ def _add_signal(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run", type=Path, help="run folder")
     p.add_argument("action", choices=["checkpoint", "stop"])
-    _COMMANDS["signal"] = _cmd_signal
 
 
 def _cmd_signal(args: argparse.Namespace) -> int:
@@ -212,13 +216,12 @@ def _cmd_signal(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- pivot / fork
 def _add_pivot(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pivot", help="change the data-mixture policy of a run without retraining (README: Pivot and fork)")
+    p = _command(sub, "pivot", _cmd_pivot, help="change the data-mixture policy of a run without retraining (README: Pivot and fork)")
     p.add_argument("run", type=Path, help="run folder (running or stopped)")
     p.add_argument("--caps", nargs="+", default=[], metavar="ARM=X", help="new maximum shares")
     p.add_argument("--floors", nargs="+", default=[], metavar="ARM=Y", help="new minimum shares")
     p.add_argument("--restart", action="store_true", help="restart the trainer detached (log in RUN/train.log)")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the trainer's checkpoint and stop")
-    _COMMANDS["pivot"] = _cmd_pivot
 
 
 def _cmd_pivot(args: argparse.Namespace) -> int:
@@ -235,12 +238,11 @@ def _cmd_pivot(args: argparse.Namespace) -> int:
 
 
 def _add_fork(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fork", help="copy generation N (hash-verified) into a new run, with overrides")
+    p = _command(sub, "fork", _cmd_fork, help="copy generation N (hash-verified) into a new run, with overrides")
     p.add_argument("run", type=Path, help="parent run folder")
     p.add_argument("--step", type=int, required=True, help="the generation to fork from")
     p.add_argument("--into", type=Path, required=True, help="new run folder (must not exist or be empty)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-3")
-    _COMMANDS["fork"] = _cmd_fork
 
 
 def _cmd_fork(args: argparse.Namespace) -> int:
@@ -254,10 +256,9 @@ def _cmd_fork(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- plot / compare
 def _add_plot(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plot", help="PNG of a run: loss and EMA, checkpoints, events, arm shares")
+    p = _command(sub, "plot", _cmd_plot, help="PNG of a run: loss and EMA, checkpoints, events, arm shares")
     p.add_argument("run", type=Path, help="run folder")
     p.add_argument("--png", type=Path, help="output file (default RUN/plot.png)")
-    _COMMANDS["plot"] = _cmd_plot
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -268,11 +269,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _add_compare(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="which of several runs (e.g. forks) converges lower, from the fork point")
+    p = _command(sub, "compare", _cmd_compare, help="which of several runs (e.g. forks) converges lower, from the fork point")
     p.add_argument("runs", type=Path, nargs="+", help="two or more run folders")
     p.add_argument("--png", type=Path, help="PNG of the curves")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    _COMMANDS["compare"] = _cmd_compare
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -294,10 +294,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- generate
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="complete a file of prompts into a crash-safe JSONL ledger (restartable, exactly once)",
+    p = _command(sub, "generate", _cmd_generate, help="complete a file of prompts into a crash-safe JSONL ledger (restartable, exactly once)",
                        add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    _COMMANDS["generate"] = _cmd_generate
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -308,14 +307,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- export
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="a verified, self-describing bundle of a run (or --inference: weights only)")
+    p = _command(sub, "export", _cmd_export, help="a verified, self-describing bundle of a run (or --inference: weights only)")
     p.add_argument("run", type=Path, nargs="?", help="run folder")
     p.add_argument("--to", type=Path, help="destination folder (new or empty)")
     p.add_argument("--step", type=int, help="generation to export (default: newest valid)")
     p.add_argument("--inference", action="store_true", help="weights only, as safetensors (not a resume checkpoint)")
     p.add_argument("--verify", type=Path, metavar="DEST", help="re-hash and reload an existing bundle instead")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    _COMMANDS["export"] = _cmd_export
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -339,8 +337,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- convert
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "convert",
+    p = _command(
+        sub, "convert", _cmd_convert,
         help="convert a checkpoint between .dcp, .bin (generation or plain), checkpoint.pt and safetensors, verified",
         description="Convert SRC into DEST (format by name: step_NNNNNN.dcp, step_NNNNNN.bin generation, NAME.bin plain, "
         "NAME.pt, NAME.safetensors weights only), then read DEST back and compare it bitwise with SRC. "
@@ -351,7 +349,6 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dest", type=Path, help="the new checkpoint (its name gives the format)")
     p.add_argument("--config", help="the model, for a source without a config: tiny | andrea-12m | andrea-120m | FILE.toml")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    _COMMANDS["convert"] = _cmd_convert
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

@@ -1,15 +1,20 @@
 """Typed errors of ripresa.
 
 Every error carries four facts a user needs to act on it: the *file* involved,
-what was *expected*, what was *found*, and a *hint*. Only the CLI turns these
-into exit codes (docs/FAULTS.md):
+what was *expected*, what was *found*, and a *hint*. Three families, siblings
+under :class:`RipresaError`, each with its ``exit_code`` (only the CLI turns
+these into exit codes; the tree is in docs/FAULTS.md, "Exit codes"):
 
-* ``0`` success;
-* ``1`` a check failed: integrity (hash, size, schema, unsafe content),
-  identity (versions, code, data), verification mismatch — :class:`CheckFailed`;
-* ``2`` bad input or work that could not be completed: missing or unreadable
-  file, wrong arguments, existing output folder, missing dependency, a save
-  that failed, a run folder locked by another writer — :class:`BadInput`.
+* :class:`IntegrityError` (``1``): a check failed — hash, size, marker, schema,
+  unsafe content, a read-back that differs; and :class:`IdentityMismatch`
+  (``1``): other versions, code or data than the checkpoint's;
+* :class:`BadInput` (``2``): missing or unreadable file, wrong arguments,
+  existing output, missing dependency, a run folder locked by another writer;
+* :class:`SaveFailed` (``2``): a save could not be completed (full disk, I/O
+  error); the previous generation is untouched.
+
+Misuse of the Python API (a wrong type, a negative count) raises ``TypeError``
+or ``ValueError``, not a ripresa error.
 """
 
 from __future__ import annotations
@@ -64,7 +69,28 @@ class RipresaError(Exception):
         }
 
 
-# ---- exit code 2: bad input, or the work could not be completed -------------
+# ---- exit code 1: a check failed ---------------------------------------------
+
+
+class IntegrityError(RipresaError):
+    """A check failed: the input is readable but not what it must be.
+
+    Hash, size, commit marker, schema or safety check of a saved file, or a
+    result that differs when read back.
+    """
+
+    exit_code = 1
+
+
+class SchemaError(IntegrityError):
+    """A checkpoint's content does not have the expected keys, types or shapes."""
+
+
+class CheckFailed(IntegrityError):
+    """A check of a whole result failed: no valid generation, a copy that differs when read back."""
+
+
+# ---- exit code 2: bad input ---------------------------------------------------
 
 
 class BadInput(RipresaError):
@@ -81,34 +107,25 @@ class MissingDependency(BadInput):
     """An optional package needed for this operation is not installed."""
 
 
-class SaveFailed(BadInput):
-    """A save could not be completed; the previous generation is untouched."""
-
-
 class LockHeld(BadInput):
     """Another process holds the run folder's writer lock."""
 
 
-# ---- exit code 1: a check failed ---------------------------------------------
+class IdentityMismatch(BadInput):
+    """Versions, code or data differ from those the checkpoint was written with.
 
-
-class CheckFailed(RipresaError):
-    """A verification failed: the input is readable but not what it must be."""
+    The checkpoint is intact (not an :class:`IntegrityError`: a resume does not
+    skip it for an older one) but refused for this run unless the change is
+    allowed; exit code 1, like a failed check.
+    """
 
     exit_code = 1
 
 
-class IntegrityError(CheckFailed):
-    """Hash, size, commit marker, schema or safety check of a saved file failed."""
+# ---- exit code 2: the work could not be completed -------------------------------
 
 
-class SchemaError(IntegrityError):
-    """A checkpoint's content does not have the expected keys, types or shapes."""
+class SaveFailed(RipresaError):
+    """A save could not be completed (full disk, I/O error); the previous generation is untouched."""
 
-
-class IdentityMismatch(CheckFailed):
-    """Versions, code or data differ from those the checkpoint was written with."""
-
-
-class VerificationFailed(CheckFailed):
-    """The resume-verification protocol found a divergence."""
+    exit_code = 2

@@ -141,6 +141,12 @@ class TrainingState:
         data_identity: Mapping[str, str] | None = None,
         device: str | None = None,
     ) -> None:
+        if not isinstance(model, torch.nn.Module):  # misuse of the API: TypeError (docs/FAULTS.md)
+            raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        if rng is not None and not isinstance(rng, RandomStreams):
+            raise TypeError(f"rng must be a ripresa.RandomStreams, not {type(rng).__name__}")
+        if data is not None and not isinstance(data, Stateful):
+            raise TypeError(f"data {type(data).__name__} lacks state_dict()/load_state_dict()")
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

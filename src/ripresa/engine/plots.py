@@ -13,7 +13,7 @@ their order. Two pictures:
   at the last common step, best loss, and which converges lower. The PNG
   overlays the EMA curves (raw loss faint).
 
-matplotlib (the ``plots`` extra) is imported only when a picture is drawn, and
+matplotlib (the ``engine`` extra) is imported only when a picture is drawn, and
 through its Agg canvas only: no pyplot, no global backend switch.
 """
 
@@ -247,9 +247,9 @@ def _matplotlib() -> tuple[Any, Any]:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-    except ImportError as exc:  # pragma: no cover - depends on the install
+    except ImportError as exc:  # tests/test_api.py hides matplotlib to check this
         raise MissingDependency("drawing a plot needs matplotlib", expected="matplotlib >= 3.8", found="not installed",
-                                hint="pip install 'ripresa[plots]'") from exc
+                                hint="pip install 'ripresa[engine]'") from exc
     return Figure, FigureCanvasAgg
 
 

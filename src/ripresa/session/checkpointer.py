@@ -140,8 +140,10 @@ class Checkpointer:
         max_failed_saves: int = 3,
         distributed: bool | None = None,
     ) -> None:
-        if every < 0:
-            raise BadInput("checkpoint cadence must be >= 0", expected="--every >= 0", found=every)
+        if not isinstance(state, TrainingState) or not isinstance(every, int) or isinstance(every, bool):
+            raise TypeError(f"need a ripresa.TrainingState and an int every, got {type(state).__name__}, {type(every).__name__}")
+        if every < 0 or max_failed_saves < 1:  # misuse of the API: TypeError/ValueError (docs/FAULTS.md)
+            raise ValueError(f"need every >= 0 (0: on signals only) and max_failed_saves >= 1, got {every}, {max_failed_saves}")
         self.run_dir = Path(run_dir)
         if fresh and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise BadInput("--fresh refuses a run folder that is not empty", file=self.run_dir,

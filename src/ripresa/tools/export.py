@@ -64,12 +64,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from functools import cache
+from importlib import resources
 from pathlib import Path
+from string import Template
 from typing import Any
 
 import numpy as np
@@ -93,6 +97,7 @@ from ..io.fsio import (
     fsync_dir,
     open_run_file,
     parse_json_bytes,
+    read_exact_hashing,
     read_small,
     sha256_fd,
     sidecar_line,
@@ -234,6 +239,20 @@ def _probe_forward(model: torch.nn.Module, where: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- writing
 
 
+class _CopySink:
+    """The ``hasher`` of :func:`~ripresa.io.fsio.read_exact_hashing` for a copy: each piece read is written
+    to the staged copy (which hashes it), kept if asked, and counted for the progress bar."""
+
+    def __init__(self, out: StagedFile, kept: list[bytes] | None, advance: Any) -> None:
+        self.out, self.kept, self.advance = out, kept, advance
+
+    def update(self, piece: memoryview) -> None:
+        self.out.write(piece)
+        if self.kept is not None:
+            self.kept.append(bytes(piece))
+        self.advance(len(piece))
+
+
 class _Bundle:
     """Files written into the destination through StagedFile, remembered for the manifest."""
 
@@ -272,20 +291,13 @@ class _Bundle:
         kept: list[bytes] = []
         try:
             with StagedFile(final) as out:
-                buf = bytearray(CHUNK)
-                view = memoryview(buf)
-                while True:
-                    try:
-                        n = os.readv(fd, [view])
-                    except OSError as exc:
-                        raise BadInput(f"{what} could not be read", file=src, found=str(exc),
-                                       hint="check the disk; nothing was exported") from exc
-                    if not n:
-                        break
-                    out.write(view[:n])
-                    if keep:
-                        kept.append(bytes(view[:n]))
-                    self.advance(n, f"copy {rel}")
+                # The size at open, read through one reused CHUNK buffer: a file that shrinks meanwhile is an
+                # IntegrityError, a read error a BadInput (io.fsio.read_exact_hashing).
+                size = os.fstat(fd).st_size
+                view = memoryview(bytearray(max(1, min(CHUNK, size))))
+                views = [view] * (size // len(view)) + ([view[: size % len(view)]] if size % len(view) else [])
+                read_exact_hashing(fd, views, _CopySink(out, kept if keep else None, lambda n: self.advance(n, f"copy {rel}")),
+                                   path=src, what=what, piece=len(view), overlap=False)
                 digest = out.finish()
                 if expected is not None:
                     exp_sha = expected if isinstance(expected, str) else expected.sha256
@@ -617,7 +629,7 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, n_params: int, mo
     bundle.write("export.json", _json_bytes(provenance))
     readme = _resume_readme(run=run, gen=gen, n_params=n_params, progress=progress, params=params,
                             metrics=metrics, has_lineage=has_lineage, config=config, state=state,
-                            sources=[_parse_source(s, identity) for s in sources])
+                            sources=[_parse_source(s, identity) for s in sources], created=provenance["created"])
     bundle.write("README.md", readme.encode())
     extra = {"generation": provenance["generation"]}
     return {"manifest_extra": extra, "notes": notes}
@@ -712,7 +724,8 @@ def _write_inference(bundle: _Bundle, run: Path, gen: Generation, n_params: int,
     bundle.write("export.json", _json_bytes(provenance))
     shapes = [(k, list(v.shape)) for k, v in tensors.items()]
     bundle.write("README.md", _inference_readme(run=run, gen=gen, n_params=n_params, shapes=shapes,
-                                                model_cfg=model_cfg, config=config).encode())
+                                                model_cfg=model_cfg, config=config,
+                                                created=provenance["created"]).encode())
     extra = {"weights": {"file": "model.safetensors", "source_bin_sha256": gen.bin_sha256, "n_params": n_params}}
     return {"manifest_extra": extra, "notes": notes, "weights": contents.weights}
 
@@ -1005,218 +1018,84 @@ print(bytes(out[0].tolist()).decode("utf-8", "replace"))
 '''
 
 
+@cache
+def _readme_parts() -> dict[str, Template]:
+    """The parts of templates/export_readme.md (package data), by name."""
+    text = resources.files(__package__).joinpath("templates", "export_readme.md").read_text(encoding="utf-8")
+    chunks = re.split(r"^@@part (\S+)\n", text, flags=re.M)
+    return {name: Template(body) for name, body in zip(chunks[1::2], chunks[2::2], strict=True)}
+
+
+def _part(part: str, **values: Any) -> str:
+    return _readme_parts()[part].substitute(values)
+
+
 def _resume_readme(*, run: Path, gen: Generation, n_params: int, progress: dict[str, Any],
                    params: list[dict[str, Any]] | None, metrics: list[str], has_lineage: bool,
-                   config: Any, state: dict[str, Any], sources: list[dict[str, Any]]) -> str:
+                   config: Any, state: dict[str, Any], sources: list[dict[str, Any]], created: str) -> str:
     b, c, mk = gen.bin.name, gen.companion.name, gen.marker.name
     size = gen.size or 0
     versions = state.get("versions") or {}
     step = gen.step
-    L: list[str] = []
-    add = L.append
-    add(f"# Resume checkpoint — step {step} of the training run `{run.name}`\n")
-    add("This folder is a **resume checkpoint**: everything needed to continue the training run exactly where it "
-        "stopped — the model weights, the AdamW optimizer moments, every random generator state, the data "
-        "position, the learning-rate schedule and the progress counters — together with the run's config, its "
-        "metrics, the identifiers of the data it trained on, and the software versions that wrote it.\n")
-    add(f"It was written by ripresa {__version__} on {_now()} from the run folder `{run.resolve()}`, then verified "
-        "at this destination before the export said it was done: every file was read back and re-hashed against "
-        "the manifest, and the checkpoint was reloaded into the model, whose forward pass gave finite outputs.\n")
-    add("(\"Checkpoint\" here always means a saved resume point — never *activation checkpointing*, the trick of "
-        "recomputing activations during the backward pass to save memory.)\n")
-    add("Progress at this step: " + ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in progress.items())
-        + ".\n" if progress else "")
-    add("## 1. Check the copy first\n")
-    add("```sh\nsha256sum -c MANIFEST.sha256\n```\n")
-    add("Every line must end in `OK`. `MANIFEST.json` lists the same files with their sizes. A matching hash "
-        "proves the copy is intact; it does not authenticate who made it — load only files whose origin you "
-        "know.\n")
-    add("## 2. What each file is\n")
-    add("| file | what it is |")
-    add("|---|---|")
-    add(f"| `checkpoint/{b}` | the model weights and the AdamW moments `m` and `v`, raw float32 ({size:,} bytes; "
-        "layout in section 3) |")
-    add(f"| `checkpoint/{c}` | the *companion*: everything else an exact resume needs — random generator states "
-        "(Python, NumPy, torch), data position, learning-rate scheduler, optimizer hyperparameters and per-parameter "
-        "step counts, progress, the resolved config, versions, code and data identity, and the sha256 and size of "
-        "the `.bin` (JSON; tensors are stored as `{\"__tensor__\": dtype, \"shape\", \"data\"}`) |")
-    add(f"| `checkpoint/{mk}` | the generation's commit marker: the sha256 of the `.bin` and of the companion "
-        f"(`cd checkpoint && sha256sum -c {mk}`). A generation without its marker was never complete |")
-    if params is not None:
-        add("| `config.json` | the run's resolved config: `model` (the network's shape), `train` (batch size, learning "
-            "rates, warmup, weight decay, betas, gradient clipping, seed, checkpoint cadence), `data` (sources), "
-            "`mixture` (data-mixture policy), `audit` (sample prompts) |")
-    elif config is not None:
-        add("| `config.json` | the config recorded with the run |")
-    if params is not None:
-        add("| `parameters.json` | every parameter's name, shape, offset and length inside the weights region "
-            "(and inside `m` and `v`), in the order they are stored |")
-    if "metrics/loss.jsonl" in metrics:
-        add("| `metrics/loss.jsonl` | the run's history, one JSON object per line: one per optimizer step "
-            "(`step`, `loss` in nats/byte, `lr`, `arm` = data source, `tokens`, `time`) plus events "
-            "(`start`, `resume`, `checkpoint`, `pivot`, ...). After a crash the steps a dead process logged past its "
-            "last checkpoint appear again after the `resume` event: the **last** line for a step is the "
-            "canonical one. It may go beyond this checkpoint's step |")
-    if "metrics/samples.json" in metrics:
-        add("| `metrics/samples.json` | sample audits: text generated from fixed prompts at each checkpoint |")
-    if "metrics/state.json" in metrics:
-        add("| `metrics/state.json` | the data-mixture (bandit) state: pulls and reward per data source |")
-    if any(m.startswith("metrics/archive/") for m in metrics):
-        add("| `metrics/archive/*/` | the sample audits and mixture state of earlier phases (before a pivot) |")
-    add("| `data.json` | the data identifiers: each source and the sha256 of the bytes it served |")
-    add("| `versions.json` | python, torch, numpy, ripresa, platform, threads and device of the run; the identity "
-        "of the training code (git commit, dirty flag, sha256 of the training files) |")
-    if has_lineage:
-        add("| `lineage.json` | where this run came from (forks, pivots), copied from the run folder |")
-    add("| `export.json` | provenance of this export: source run, step, hashes, notes |")
-    add("| `MANIFEST.json`, `MANIFEST.sha256` | every file with its size and sha256; the second in `sha256sum` "
-        "format, written last |")
-    add("| `README.md` | this file |")
-    add("")
-    add("## 3. The `.bin` layout (readable without ripresa)\n")
-    add(f"`checkpoint/{b}` has no magic number and no checksum inside (integrity lives beside it, in the marker). "
-        "All numbers are **little-endian**:\n")
-    add(f"- bytes 0–3: an **int32**, the step — optimizer updates completed (here {step});")
-    add(f"- bytes 4–7: an **int32**, `n_params` — the number of parameters n (here {n_params:,});")
-    add("- then three **float32** arrays of n values each, one right after the other: the **weights**, then AdamW's "
-        "first moment **m** (`exp_avg`, beta1 = 0.9), then its second moment **v** (`exp_avg_sq`, beta2 = 0.999);")
-    add(f"- nothing else: the file is exactly **8 + 12·n bytes** (here 8 + 12 × {n_params:,} = {size:,}).\n")
-    add("Each array holds every parameter tensor flattened (row-major) and concatenated in the model's "
-        "`model.parameters()` order" + (" — `parameters.json` gives each one's name, shape and offset." if params else ".")
-        + " The same offsets apply to `m` and `v`.\n")
-    add("### Read it with numpy only\n")
-    add("Run from this folder:\n")
-    add("<!-- snippet: numpy-read -->")
-    add("```python")
-    add((NUMPY_SNIPPET if params is not None else NUMPY_SNIPPET_BARE).format(bin=f"checkpoint/{b}").rstrip("\n"))
-    add("```\n")
+    out = [_part("resume-head", step=step, run_name=run.name, version=__version__, created=created,
+                 run_path=run.resolve())]
+    if progress:
+        shown = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in progress.items())
+        out.append(_part("resume-progress", progress=shown))
+    else:
+        out.append(_part("no-progress"))
+    out.append(_part("resume-files", bin=b, companion=c, marker=mk, size=f"{size:,}"))
+    rows = [("row-config-gpt", params is not None), ("row-config", params is None and config is not None),
+            ("row-parameters", params is not None), ("row-loss", "metrics/loss.jsonl" in metrics),
+            ("row-samples", "metrics/samples.json" in metrics), ("row-state", "metrics/state.json" in metrics),
+            ("row-archive", any(m.startswith("metrics/archive/") for m in metrics)), ("rows-identity", True),
+            ("row-lineage", has_lineage), ("rows-end", True)]
+    out += [_part(name) for name, wanted in rows if wanted]
+    snippet = (NUMPY_SNIPPET if params is not None else NUMPY_SNIPPET_BARE).format(bin=f"checkpoint/{b}")
+    out.append(_part("bin-layout", bin=b, step=step, n_params=f"{n_params:,}", size=f"{size:,}",
+                     order=_part("order-parameters" if params else "order-plain").rstrip("\n"),
+                     snippet=snippet.rstrip("\n")))
     if params is not None and isinstance(config, dict):
-        mc = config.get("model", {})
-        add("The network is a byte-level GPT (GPT-2 architecture: vocabulary = the 256 byte values, no tokenizer; "
-            "learned token and position embeddings; pre-LayerNorm blocks of causal self-attention and a GELU MLP; "
-            "final LayerNorm; an untied linear head to 256 logits). Its shape, from `config.json`: "
-            + ", ".join(f"`{k}` = {v}" for k, v in mc.items()) + ". Parameter names follow nanoGPT "
-            "(`transformer.wte.weight`, ..., `lm_head.weight`).\n")
+        shape = ", ".join(f"`{k}` = {v}" for k, v in config.get("model", {}).items())
+        out.append(_part("gpt-shape", shape=shape))
     if params is None:
-        add("## 4. Resume the training with ripresa\n")
-        add("This run was not made by `ripresa train` (its config has no `model` section), so the model is built "
-            "by your own training script. Copy the three files of `checkpoint/` into a run folder, build the model, "
-            "optimizer, scheduler and data pipeline exactly as the script does, and resume:\n")
-        add("```python")
-        add("import ripresa\n")
-        add("state = ripresa.TrainingState(model=model, optimizer=optimizer, scheduler=scheduler)  # as in the script")
-        add('ckpt = ripresa.Checkpointer("runs/resumed", state)')
-        add(f"start = ckpt.resume()  # {step}: weights, moments, scheduler, data position, random generators last")
-        add("```\n")
-        add("A missing or inconsistent piece of state is an error, never silently defaulted.\n")
-        add("## 5. Load it in Python with ripresa\n")
-        add("```python")
-        add("from ripresa import CheckpointStore\n")
-        add(f'contents, state = CheckpointStore("checkpoint", writer=False).load({step})  # verifies marker and hashes')
-        add("# contents.weights / .m / .v: float32 numpy arrays; state: the decoded companion (progress, rng, ...)")
-        add("```\n")
+        out.append(_part("resume-own-model", step=step))
     else:
-        add("## 4. Resume the training with ripresa\n")
-        add(f"Install the same ripresa ({__version__}) in an environment with the same versions as `versions.json` "
-            "(a resume refuses a different python, torch, numpy or ripresa unless told `--allow-version-change`). "
-            "Then make a new run folder from this bundle — never train inside the bundle itself:\n")
         cmds = ["mkdir -p runs/resumed", f"cp checkpoint/{b} checkpoint/{c} checkpoint/{mk} config.json runs/resumed/"]
-        if "metrics/loss.jsonl" in metrics:
-            cmds.append("cp metrics/loss.jsonl runs/resumed/.loss.jsonl")
-        if "metrics/state.json" in metrics:
-            cmds.append("cp metrics/state.json runs/resumed/.state.json")
-        if "metrics/samples.json" in metrics:
-            cmds.append("cp metrics/samples.json runs/resumed/.samples.json")
+        for name in ("loss.jsonl", "state.json", "samples.json"):
+            if f"metrics/{name}" in metrics:
+                cmds.append(f"cp metrics/{name} runs/resumed/.{name}")
         cmds.append("ripresa inspect runs/resumed        # optional: lists and checks the generation")
-        cmds.append("ripresa train --run runs/resumed    # resumes at step " + str(step))
-        add("```sh\n" + "\n".join(cmds) + "\n```\n")
-        add(f"The trainer prints `resumed runs/resumed at step {step}` and continues on the same trajectory: the "
-            "random generators, data position and schedule are restored, not re-seeded. It checks that the data "
-            "sources still serve the bytes recorded in `data.json` and that the training code is the same; a "
-            "difference stops it (exit 1) unless `--allow-data-change` / `--allow-code-change` is given, and an "
-            "accepted change is recorded in the run's lineage. `ripresa verify` proves a resume exact on a fresh "
-            "run.\n")
-        add("## 5. Load it in Python with ripresa\n")
-        add("```python")
-        add("import json\n\nimport torch\n\nfrom ripresa import CheckpointStore\nfrom ripresa.engine.gpt.model import GPT, from_config_dict\n")
-        add(f'contents, state = CheckpointStore("checkpoint", writer=False).load({step})  # verifies marker and hashes')
-        add("# contents.weights / .m / .v: float32 numpy arrays; state: the decoded companion (progress, rng, ...)")
-        add('with open("config.json") as f:')
-        add('    model = GPT(from_config_dict(json.load(f)["model"]))')
-        add("offset = 0")
-        add("with torch.no_grad():")
-        add("    for p in model.parameters():  # the .bin order")
-        add("        p.copy_(torch.from_numpy(contents.weights[offset : offset + p.numel()]).view_as(p))")
-        add("        offset += p.numel()")
-        add("```\n")
-    add("## 6. Data\n")
+        cmds.append(f"ripresa train --run runs/resumed    # resumes at step {step}")
+        out.append(_part("resume-gpt", version=__version__, commands="\n".join(cmds), step=step))
+    out.append(_part("data-head"))
     if sources:
-        add("| source | kind | sha256 of the bytes it served |")
-        add("|---|---|---|")
-        for s in sources:
-            where = f" (`{s['path']}`)" if s["path"] else ""
-            add(f"| `{s['name']}`{where} | {s['kind']} | `{s['sha256'] or 'not recorded'}` |")
-        add("")
-        if any(s["path"] is None for s in sources):
-            add("Built-in sources are made from the Python standard library of the machine that trains: another "
-                "Python version gives other bytes, hence another sha256.\n")
-        if any(s["path"] for s in sources):
-            add("Sources given as `NAME=PATH` are **not** copied into this export: keep those files, "
-                "the sha256 above identifies the exact bytes.\n")
+        out.append(_part("data-table"))
+        for src in sources:
+            where = f" (`{src['path']}`)" if src["path"] else ""
+            out.append(_part("data-row", name=src["name"], where=where, kind=src["kind"],
+                             sha256=src["sha256"] or "not recorded"))
+        out.append(_part("data-table-end"))
+        if any(src["path"] is None for src in sources):
+            out.append(_part("data-builtin"))
+        if any(src["path"] for src in sources):
+            out.append(_part("data-paths"))
     else:
-        add("No data source is recorded in the config; see `data.json`.\n")
-    add("## 7. Limits\n")
-    add("- This export holds one generation; the run folder may hold others.")
-    add("- Continuing bit-for-bit needs the same software versions, device kind and data bytes; "
-        f"the run was on {versions.get('device', 'an unrecorded device')} with torch {versions.get('torch', '?')} "
-        f"and python {versions.get('python', '?')}.")
-    add("- The hashes detect a damaged copy; they do not say who made it.")
-    return "\n".join(L) + "\n"
+        out.append(_part("data-none"))
+    out.append(_part("limits", device=versions.get("device", "an unrecorded device"), torch=versions.get("torch", "?"),
+                     python=versions.get("python", "?")))
+    return "".join(out)
 
 
 def _inference_readme(*, run: Path, gen: Generation, n_params: int, shapes: list[tuple[str, list[int]]],
-                      model_cfg: dict[str, Any], config: Any) -> str:
-    L: list[str] = []
-    add = L.append
-    add(f"# Inference export — weights of step {gen.step} of the training run `{run.name}`\n")
-    add("**This is not a resume checkpoint.** It holds the model weights only — no optimizer moments, random "
-        "generator states, data position or learning-rate schedule — so training cannot continue exactly from "
-        "it. To keep the ability to resume, export without `--inference` (a resume bundle).\n")
-    add(f"Written by ripresa {__version__} on {_now()} from `{run.resolve()}` (`{gen.bin.name}`, sha256 "
-        f"`{gen.bin_sha256}`), then verified at this destination: every file re-hashed against the manifest, the "
-        "weights reloaded with `safetensors.torch.load_file` into a fresh model, bit-identical to the source, "
-        "and a short sample generated.\n")
-    add("## Check the copy first\n")
-    add("```sh\nsha256sum -c MANIFEST.sha256\n```\n")
-    add("## Files\n")
-    add("| file | what it is |")
-    add("|---|---|")
-    add(f"| `model.safetensors` | the {n_params:,} float32 parameters, one named tensor each (safetensors format; "
-        "metadata: `step`, `source_bin_sha256`, `ripresa`, `n_params`, `model`) |")
-    add("| `config.json` | the run's resolved config; the `model` section is the network's shape |")
-    add("| `export.json` | provenance: source run, step, versions, code and data identity |")
-    add("| `MANIFEST.json`, `MANIFEST.sha256` | every file with its size and sha256 |")
-    add("")
-    add("## Load and generate\n")
-    add("The model is a byte-level GPT: its vocabulary is the 256 byte values (no tokenizer) — feed it UTF-8 "
-        "bytes, read bytes back. With ripresa installed (`ripresa.engine.gpt.model`, one readable file), from this folder:\n")
-    add("<!-- snippet: load-safetensors -->")
-    add("```python")
-    add(SAFETENSORS_SNIPPET.rstrip("\n"))
-    add("```\n")
-    add("Without ripresa, the architecture is GPT-2's with these settings: "
-        + ", ".join(f"`{k}` = {v}" for k, v in model_cfg.items())
-        + "; learned position embeddings; pre-LayerNorm blocks (`ln_1`, causal self-attention `attn.c_attn` → "
-        "q, k, v split along the last dimension, `attn.c_proj`; `ln_2`, MLP `c_fc` → GELU (exact erf) → `c_proj`); "
-        "final `ln_f` (LayerNorm eps 1e-5); an untied `lm_head` without bias. Tensor names follow nanoGPT; "
-        "Linear weights are `[out, in]`:\n")
-    add("| tensor | shape |")
-    add("|---|---|")
-    for name, shape in shapes:
-        add(f"| `{name}` | {shape} |")
-    add("")
-    add("Read the metadata with `safetensors.safe_open(\"model.safetensors\", \"pt\").metadata()`.")
-    return "\n".join(L) + "\n"
+                      model_cfg: dict[str, Any], config: Any, created: str) -> str:
+    settings = ", ".join(f"`{k}` = {v}" for k, v in model_cfg.items())
+    out = [_part("inference-head", step=gen.step, run_name=run.name, version=__version__, created=created,
+                 run_path=run.resolve(), bin=gen.bin.name, bin_sha256=gen.bin_sha256, n_params=f"{n_params:,}",
+                 snippet=SAFETENSORS_SNIPPET.rstrip("\n"), settings=settings)]
+    out += [_part("shape-row", name=name, shape=shape) for name, shape in shapes]
+    out.append(_part("inference-end"))
+    return "".join(out)
 
 
 # ----------------------------------------------------------------------------- rendering

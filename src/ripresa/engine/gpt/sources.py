@@ -36,7 +36,7 @@ import platform
 import re
 import sysconfig
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,19 +161,32 @@ def _origin_stdlib(what: str, used: int, total: int, size: int, cap: int | None)
     )
 
 
-def _build_stdlib_code(cap: int | None) -> tuple[bytes, str]:
-    root, files = _stdlib_root(), stdlib_files()
+def _concat(root: Path, rels: Iterable[str], cap: int | None,
+            body_of: Callable[[Path, str], bytes | None]) -> tuple[bytes, int]:
+    """``# rel`` header + ``body_of(root, rel)`` for each file in order (None: skipped), up to ``cap``; (bytes, files used)."""
     parts: list[bytes] = []
     size = used = 0
-    for rel in files:
+    for rel in rels:
         if cap is not None and size >= cap:
             break
-        chunk = _header(rel) + _with_newline((root / rel).read_bytes()) + b"\n"
+        body = body_of(root, rel)
+        if body is None:
+            continue
+        chunk = _header(rel) + _with_newline(body) + b"\n"
         parts.append(chunk)
         size += len(chunk)
         used += 1
-    raw = b"".join(parts)[:cap]
-    return raw, _origin_stdlib(".py source", used, len(files), len(raw), cap)
+    return b"".join(parts)[:cap], used
+
+
+def _build_stdlib(what: str, cap: int | None, body_of: Callable[[Path, str], bytes | None]) -> tuple[bytes, str]:
+    root, files = _stdlib_root(), stdlib_files()
+    raw, used = _concat(root, files, cap, body_of)
+    return raw, _origin_stdlib(what, used, len(files), len(raw), cap)
+
+
+def _build_stdlib_code(cap: int | None) -> tuple[bytes, str]:
+    return _build_stdlib(".py source", cap, lambda root, rel: (root / rel).read_bytes())
 
 
 def _docstrings(tree: ast.Module) -> list[str]:
@@ -192,29 +205,19 @@ def _docstrings(tree: ast.Module) -> list[str]:
     return out
 
 
+def _docstrings_of(root: Path, rel: str) -> bytes | None:
+    try:
+        with warnings.catch_warnings():  # invalid escapes etc. in old files: not our concern
+            warnings.simplefilter("ignore")
+            tree = ast.parse((root / rel).read_bytes(), filename=rel)
+    except (SyntaxError, ValueError):
+        return None  # deterministic: the same file fails the same way every time
+    docs = _docstrings(tree)
+    return "\n\n".join(docs).encode("utf-8", errors="backslashreplace") if docs else None
+
+
 def _build_stdlib_docstrings(cap: int | None) -> tuple[bytes, str]:
-    root, files = _stdlib_root(), stdlib_files()
-    parts: list[bytes] = []
-    size = used = 0
-    for rel in files:
-        if cap is not None and size >= cap:
-            break
-        try:
-            with warnings.catch_warnings():  # invalid escapes etc. in old files: not our concern
-                warnings.simplefilter("ignore")
-                tree = ast.parse((root / rel).read_bytes(), filename=rel)
-        except (SyntaxError, ValueError):
-            continue  # deterministic: the same file fails the same way every time
-        docs = _docstrings(tree)
-        if not docs:
-            continue
-        body = "\n\n".join(docs).encode("utf-8", errors="backslashreplace")
-        chunk = _header(rel) + _with_newline(body) + b"\n"
-        parts.append(chunk)
-        size += len(chunk)
-        used += 1
-    raw = b"".join(parts)[:cap]
-    return raw, _origin_stdlib("docstrings", used, len(files), len(raw), cap)
+    return _build_stdlib("docstrings", cap, _docstrings_of)
 
 
 def _build_pydoc_topics(cap: int | None) -> tuple[bytes, str]:
@@ -295,28 +298,24 @@ def load_text_source(name: str, path: str | os.PathLike[str], max_bytes: int | N
         raw = raw[:cap]
         origin = f"file {p.resolve()}, {len(raw)} bytes (cap {cap})"
     elif p.is_dir():
-        parts: list[bytes] = []
-        size = used = skipped = 0
+        skipped = 0
         candidates: list[str] = []
         for folder, dirs, files in os.walk(p):
             dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
             rel_folder = Path(folder).relative_to(p)
             candidates.extend((rel_folder / f).as_posix() for f in files if not f.startswith("."))
-        for rel in sorted(candidates):
-            if cap is not None and size >= cap:
-                break
-            f = p / rel
-            if not f.is_file():
-                continue  # a dangling link or a socket
-            content = _read_file(f)
+
+        def text_of(root: Path, rel: str) -> bytes | None:
+            nonlocal skipped
+            if not (root / rel).is_file():
+                return None  # a dangling link or a socket
+            content = _read_file(root / rel)
             if not content or b"\0" in content:
                 skipped += 1
-                continue
-            chunk = _header(rel) + _with_newline(content) + b"\n"
-            parts.append(chunk)
-            size += len(chunk)
-            used += 1
-        raw = b"".join(parts)[:cap]
+                return None
+            return content
+
+        raw, used = _concat(p, sorted(candidates), cap, text_of)
         origin = f"folder {p.resolve()}: {used} text files in sorted order ({skipped} empty or binary skipped), {len(raw)} bytes (cap {cap})"
     else:
         raise BadInput(f"data source '{name}': not a regular file or folder", file=p)

@@ -117,6 +117,7 @@ def same_moments(a: Path, b: Path) -> list[str]:
 # ---------------------------------------------------------------------------------- DDP
 
 
+@pytest.mark.slow
 def test_ddp_signals_to_one_rank_then_exact_resume_and_2_to_1(tmp_path, text):
     """SIGUSR1 to rank 1: both ranks save the same step and continue; SIGTERM to rank 1: both save and exit 0;
     resuming that generation on 2 ranks reaches bit-identical parameters to an uninterrupted 2-rank run;
@@ -175,6 +176,7 @@ def test_ddp_signals_to_one_rank_then_exact_resume_and_2_to_1(tmp_path, text):
 # ---------------------------------------------------------------------------------- FSDP2
 
 
+@pytest.mark.slow
 def test_fsdp_rank_killed_mid_save_keeps_previous_then_restart_resumes_and_reshards(tmp_path, text):
     """FSDP2 with --max-restarts=1: rank 1 dies after writing its shards of step 8, before the barrier.
     No marker is written, so step 4 stays the newest valid generation; the restarted group resumes from it,

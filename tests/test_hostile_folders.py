@@ -7,7 +7,7 @@ exit codes, tracebacks, the private tree outside the folder, a canary for
 crafted pickles and an unrelated victim process.
 
 * ``test_hostile_folders_sample`` — the default suite: a fixed, seeded sample
-  (22 invocations) spread over every family, the crafted pickles and the
+  (14 invocations) spread over every family, the crafted pickles and the
   dangerous LOCK pids always included;
 * ``test_hostile_folders_matrix`` — ``@slow`` and ``make test-faults``: the whole
   matrix (every fixture file x every mutation, each run by the commands that

@@ -247,6 +247,7 @@ def copy_ledger(src: Path, dst: Path) -> Path:
 # ---- the kills ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_complete(run_dir, inputs, reference, tmp_path, zygote):
     """>= 20 SIGKILLs mid-job, then a run to completion: every id exactly once, the same
     completions as the uninterrupted run, and no completed item ever generated again."""

@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import numpy as np
+import pytest
 from conftest import ripresa_cli, ripresa_train_proc, wait_for_step
 
 from ripresa.formats.andrea_bin import read_bin
@@ -28,6 +29,7 @@ def same_arrays(a, b):
     return np.array_equal(x.weights, y.weights) and np.array_equal(x.m, y.m) and np.array_equal(x.v, y.v)
 
 
+@pytest.mark.slow
 def test_pivot_on_a_live_trainer(tmp_path):
     run = tmp_path / "run"
     proc = start_train(run, "--steps", "100000", "--every", "50")
@@ -76,6 +78,7 @@ def test_pivot_on_a_live_trainer(tmp_path):
     assert all(a["step"] > step for a in samples["audits"])  # a fresh sample log
 
 
+@pytest.mark.slow
 def test_pivot_a_stopped_run_with_restart(tmp_path):
     run = tmp_path / "run"
     assert ripresa_cli("train", "--run", run, "--config", "tiny", *FAST, "--steps", "20", "--every", "10", "--no-audit").returncode == 0
@@ -124,6 +127,7 @@ def test_forks_from_one_step_start_identical_and_diverge(tmp_path):
     assert abs(la[21]["lr"] - 0.01) < 1e-4 and lb[21]["lr"] < 5e-4  # the overrides apply from the first step
 
 
+@pytest.mark.slow
 def test_fork_refuses_bad_sources_and_destinations(tmp_path):
     parent = tmp_path / "parent"
     assert ripresa_cli("train", "--run", parent, "--config", "tiny", *FAST, "--steps", "20", "--every", "10", "--no-audit").returncode == 0

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, run
 
 README = (REPO / "README.md").read_text()
@@ -54,6 +55,7 @@ def test_make_demo_runs_the_main_job(tmp_path):
     assert "signal" in kinds and "resume" in kinds and kinds.count("checkpoint") >= 4
 
 
+@pytest.mark.slow
 def test_readme_exercise_commands(tmp_path):
     """The per-path commands of the README, run as written (in a scratch copy of the folder)."""
     block = next(b for b in _blocks("sh") if "python -B train.py" in b)

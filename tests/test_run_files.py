@@ -287,6 +287,7 @@ def _no_traceback(res) -> None:
     assert "Traceback" not in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_export_and_fork_carry_the_signature(run_copy, tmp_path):
     from ripresa.tools.export import export_run
 
@@ -392,6 +393,7 @@ def test_fork_and_train_refuse_a_hostile_history_without_hanging(run_copy, tmp_p
     assert outside.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_train_refuses_a_config_that_does_not_fit_its_checkpoints(run_copy):
     cfg = json.loads((run_copy / "config.json").read_text())
     cfg["model"].update(n_layer=48, n_embd=1024, n_head=16)  # ~600 M parameters (2.4 GB) if it were ever built

@@ -27,6 +27,7 @@ def start(run, *args):
 
 
 
+@pytest.mark.slow
 def test_sigusr1_checkpoints_and_continues(tmp_path):
     run = tmp_path / "run"
     proc = start(run, "--steps", "100000", "--every", "0", "--sleep", "0.005")
@@ -51,6 +52,7 @@ def test_sigusr1_checkpoints_and_continues(tmp_path):
     assert sig[-1]["action"] == "stop" and "SIGTERM" in sig[-1]["signals"]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_reached_and_exits_0(tmp_path):
     run = tmp_path / "run"
     proc = start(run, "--steps", "100000", "--every", "0", "--sleep", "0.005")
@@ -71,6 +73,7 @@ def test_sigterm_saves_the_step_reached_and_exits_0(tmp_path):
     assert resume[-1]["from_step"] == last
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_matches_uninterrupted(tmp_path):
     total = 400
     ref = tmp_path / "ref"
@@ -141,6 +144,7 @@ def test_fresh_refuses_a_non_empty_folder(tmp_path):
         ripresa.Checkpointer(tmp_path, st, fresh=True, handle_signals=False)
 
 
+@pytest.mark.slow
 def test_resume_skips_a_newest_generation_damaged_after_its_commit(tmp_path):
     """Bit rot in the newest .bin: the Checkpointer warns, records it and resumes from the previous one."""
     run = tmp_path / "run"

@@ -137,6 +137,7 @@ def test_data_identity_mismatch_refused():
         fresh.restore(snap)
 
 
+@pytest.mark.slow
 def test_edited_training_code_refused_by_the_trainer_then_allowed(tmp_path):
     """Real processes: resume with an edited copy of train.py."""
     work = tmp_path / "ex"

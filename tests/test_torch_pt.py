@@ -71,6 +71,7 @@ def _expect_refusal(tmp_path, ck, exit_code, *needles):
     return res.stderr
 
 
+@pytest.mark.slow
 def test_truncated_checkpoint(tmp_path, interrupted_run):
     ck = _copy_run(interrupted_run, tmp_path / "run")
     data = ck.read_bytes()
@@ -78,6 +79,7 @@ def test_truncated_checkpoint(tmp_path, interrupted_run):
     _expect_refusal(tmp_path, ck, 1, "sha256 mismatch", str(ck))
 
 
+@pytest.mark.slow
 def test_one_flipped_byte(tmp_path, interrupted_run):
     ck = _copy_run(interrupted_run, tmp_path / "run")
     data = bytearray(ck.read_bytes())
@@ -86,12 +88,14 @@ def test_one_flipped_byte(tmp_path, interrupted_run):
     _expect_refusal(tmp_path, ck, 1, "sha256 mismatch")
 
 
+@pytest.mark.slow
 def test_missing_sidecar(tmp_path, interrupted_run):
     ck = _copy_run(interrupted_run, tmp_path / "run")
     sidecar_path(ck).unlink()
     _expect_refusal(tmp_path, ck, 1, "missing commit marker")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "content",
     [b"", b"nothex  checkpoint.pt\n", b"ab" * 31 + b"  checkpoint.pt\n", b"\xff\xfe garbage", None],
@@ -107,6 +111,7 @@ def test_malformed_sidecar(tmp_path, interrupted_run, content):
     assert str(side) in err
 
 
+@pytest.mark.slow
 def test_wrong_hash(tmp_path, interrupted_run):
     ck = _copy_run(interrupted_run, tmp_path / "run")
     sidecar_path(ck).write_text("0" * 64 + "  checkpoint.pt\n")
@@ -126,6 +131,7 @@ def test_wrong_schema_with_valid_hash(tmp_path, interrupted_run):
     _expect_refusal(tmp_path, ck, 1, "lacks 'rng'")
 
 
+@pytest.mark.slow
 def test_inconsistent_progress_with_valid_hash(tmp_path, interrupted_run):
     ck = _copy_run(interrupted_run, tmp_path / "run")
     state = torch.load(ck, weights_only=True)
@@ -152,6 +158,7 @@ def test_pickle_naming_os_system_is_refused_without_running(tmp_path, interrupte
     assert not list(tmp_path.rglob("PWNED"))
 
 
+@pytest.mark.slow
 def test_raw_pickle_not_a_zip_is_refused(tmp_path, interrupted_run):
     ck = _copy_run(interrupted_run, tmp_path / "run")
     ck.write_bytes(pickle.dumps(_Evil()))
@@ -160,6 +167,7 @@ def test_raw_pickle_not_a_zip_is_refused(tmp_path, interrupted_run):
     assert not list(tmp_path.rglob("PWNED"))
 
 
+@pytest.mark.slow
 def test_resume_path_that_does_not_exist(tmp_path):
     res = train("--steps", "1", "--resume", tmp_path / "nope.pt", "--output", tmp_path / "out")
     assert res.returncode == 2
@@ -167,6 +175,7 @@ def test_resume_path_that_does_not_exist(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_resume_path_that_is_a_folder(tmp_path):
     res = train("--steps", "1", "--resume", tmp_path, "--output", tmp_path / "out")
     assert res.returncode == 2 and "is a folder" in res.stderr
@@ -229,6 +238,7 @@ def test_snapshot_with_numpy_array_is_refused_before_writing(tmp_path, interrupt
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_zip_with_corrupt_directory_is_refused(tmp_path, interrupted_run):
     ck = _copy_run(interrupted_run, tmp_path / "run")
     data = ck.read_bytes().replace(b"PK\x01\x02", b"XX\x01\x02")  # trash every central-directory entry

@@ -25,6 +25,7 @@ FAST = ["--config", "tiny", "--quiet", "--set", "train.batch_size=4", "--threads
 
 
 
+@pytest.mark.slow
 def test_train_writes_generations_audits_sidecars_and_resumes(tmp_path):
     run = tmp_path / "run"
     res = ripresa_cli("train", "--run", run, *FAST, "--steps", "20", "--every", "10")
@@ -54,6 +55,7 @@ def test_train_writes_generations_audits_sidecars_and_resumes(tmp_path):
     assert res.returncode == 2 and "--fresh" in res.stderr
 
 
+@pytest.mark.slow
 def test_verify_the_engine_at_tolerance_zero(tmp_path):
     out = tmp_path / "v"
     res = ripresa_cli("verify", "--steps", "6", "--cut", "3", "--tolerance", "0", "--output", out, "--",
@@ -65,6 +67,7 @@ def test_verify_the_engine_at_tolerance_zero(tmp_path):
     assert checks["parameters"]["values_compared"] > 100_000 and checks["parameters"]["max_abs_gap"] == 0.0
 
 
+@pytest.mark.slow
 def test_sigusr1_then_sigterm_on_a_running_train(tmp_path):
     run = tmp_path / "run"
     proc = ripresa_train_proc("--run", run, *FAST, "--every", "0", "--no-audit")
@@ -92,6 +95,7 @@ def test_sigusr1_then_sigterm_on_a_running_train(tmp_path):
     assert res.returncode == 2 and "no process" in res.stderr
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_identical_to_uninterrupted(tmp_path):
     total = 60
     ref = tmp_path / "ref"
@@ -124,6 +128,7 @@ def test_sigkill_at_random_moments_then_identical_to_uninterrupted(tmp_path):
     assert [ha.steps[s]["arm"] for s in range(1, total + 1)] == [hb.steps[s]["arm"] for s in range(1, total + 1)]
 
 
+@pytest.mark.slow
 def test_sample_audits_do_not_perturb_training(tmp_path):
     a, b = tmp_path / "audits", tmp_path / "none"
     assert ripresa_cli("train", "--run", a, *FAST, "--steps", "6", "--every", "2").returncode == 0
@@ -134,6 +139,7 @@ def test_sample_audits_do_not_perturb_training(tmp_path):
     assert np.array_equal(x.weights, y.weights) and np.array_equal(x.v, y.v)
 
 
+@pytest.mark.slow
 def test_zombie_arm_is_dropped_with_a_warning_and_an_event(tmp_path):
     extra = tmp_path / "extra.txt"
     extra.write_text("zombie text " * 500)
@@ -153,6 +159,7 @@ def test_zombie_arm_is_dropped_with_a_warning_and_an_event(tmp_path):
     assert all(r["arm"] != "extra" for s, r in read_history(run / ".loss.jsonl").steps.items() if s > 8)
 
 
+@pytest.mark.slow
 def test_foreign_bin_resumes_weights_m_v_with_a_warning(tmp_path):
     run = tmp_path / "run"
     assert ripresa_cli("train", "--run", run, *FAST, "--steps", "4", "--every", "4", "--no-audit").returncode == 0
@@ -185,6 +192,7 @@ def test_bin_size_formula_for_every_config(name):
     assert BinHeader(step=1, n_params=n).file_size == 8 + 12 * n
 
 
+@pytest.mark.slow
 def test_andrea_12m_one_step_bin_on_disk(tmp_path):
     run = tmp_path / "run"
     res = ripresa_cli("train", "--run", run, "--config", "andrea-12m", "--quiet", "--set", "train.batch_size=1",

@@ -9,6 +9,7 @@ import pytest
 from conftest import FIXTURES, REPO, TRAIN, ripresa_cli, run
 
 
+@pytest.mark.slow
 def test_verify_resume_script_passes_on_the_exercise(tmp_path):
     out = tmp_path / "proof"
     res = run([sys.executable, "-B", str(REPO / "examples/regression/verify_resume.py"), "--output", str(out)])
@@ -40,6 +41,7 @@ def test_verify_resume_script_passes_on_the_exercise(tmp_path):
     assert "agrees within 1e-12" in res.stdout and "divergence detected" in res.stdout
 
 
+@pytest.mark.slow
 def test_ripresa_verify_with_explicit_command(tmp_path):
     out = tmp_path / "v"
     res = ripresa_cli("verify", "--steps", "10", "--cut", "5", "--output", out, "--", sys.executable, "-B", str(TRAIN))
@@ -50,11 +52,12 @@ def test_ripresa_verify_with_explicit_command(tmp_path):
 @pytest.mark.parametrize(
     ("fault", "first_part"),
     [
-        ("optimizer", "optimizer at the cut"),
+        # the default suite runs one broken resume; `make test-long` runs them all
         ("scheduler", "scheduler at the cut"),
-        ("reseed", "next_draws at the cut"),
-        ("cursor", "data at the cut"),
-        ("scheduler-order", "optimizer at the cut: optimizer.param_groups[0].lr"),
+        pytest.param("optimizer", "optimizer at the cut", marks=pytest.mark.slow),
+        pytest.param("reseed", "next_draws at the cut", marks=pytest.mark.slow),
+        pytest.param("cursor", "data at the cut", marks=pytest.mark.slow),
+        pytest.param("scheduler-order", "optimizer at the cut: optimizer.param_groups[0].lr", marks=pytest.mark.slow),
     ],
 )
 def test_broken_resumes_are_caught(tmp_path, fault, first_part):

@@ -851,7 +851,7 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
     return cases
 
 
-def sample_cases(cases: list[Case], n: int = 22, seed: int = 10) -> list[Case]:
+def sample_cases(cases: list[Case], n: int = 14, seed: int = 10) -> list[Case]:
     """A fixed sample: every crafted-pickle family entry point once, the dangerous LOCK pids, then a seeded
     draw spread over the other families."""
     rng = random.Random(seed)

@@ -638,9 +638,7 @@ class Checkpointer:
                 self.history.sync()
             except OSError:
                 pass
-            self.history.close()
-            self.signals.uninstall()
-            self.store.close()
+            self._release()
 
     def abort(self) -> None:
         """Release the folder on an error path: no collective, no new save.
@@ -653,6 +651,10 @@ class Checkpointer:
                 self.writer.wait()
         except Exception:
             pass
+        self._release()
+
+    def _release(self) -> None:
+        """Close the history, restore the signal handlers, release the run folder's lock."""
         self.history.close()
         self.signals.uninstall()
         self.store.close()

@@ -37,6 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import BadInput
 
@@ -95,6 +96,11 @@ def _as_count(value: object, what: str, hint: str) -> int:
     return n
 
 
+def _set_count(policy: Any, name: str, hint: str) -> None:
+    """Validate a frozen policy's count field ``name`` (:func:`_as_count`) and store the int."""
+    object.__setattr__(policy, name, _as_count(getattr(policy, name), f"{type(policy).__name__}.{name}", hint))
+
+
 class RetentionPolicy(ABC):
     """A pure rule that picks, from a list of steps, the ones to keep."""
 
@@ -124,8 +130,7 @@ class KeepLast(RetentionPolicy):
     n: int
 
     def __post_init__(self) -> None:
-        n = _as_count(self.n, "KeepLast.n", "keep at least the newest step: KeepLast(1)")
-        object.__setattr__(self, "n", n)
+        _set_count(self, "n", "keep at least the newest step: KeepLast(1)")
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return set(sorted(_as_steps(steps, "step"))[-self.n :])
@@ -142,8 +147,7 @@ class KeepEvery(RetentionPolicy):
     k: int
 
     def __post_init__(self) -> None:
-        k = _as_count(self.k, "KeepEvery.k", "KeepEvery(1) keeps every step")
-        object.__setattr__(self, "k", k)
+        _set_count(self, "k", "KeepEvery(1) keeps every step")
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return {s for s in _as_steps(steps, "step") if s % self.k == 0}

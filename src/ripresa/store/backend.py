@@ -36,7 +36,7 @@ from ..formats.generation import Check, Generation
 from ..io import auth
 from .restore import Loaded, Restored, restore_loaded
 from .retention import plan_deletions
-from .store import CheckpointStore, CheckpointWarning, generation_paths
+from .store import CheckpointStore, generation_paths, newest_valid
 
 __all__ = ["MODES", "BackendSpec", "BinBackend", "Check", "DcpBackend", "ForeignCheckpointWarning", "Generation",
            "StorageBackend", "backends_for", "latest_valid_of", "register_backend", "registered", "unregister_backend"]
@@ -128,6 +128,10 @@ class _Base:
     background = False
     folder: Path
 
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store  # the run folder: its lock, key, signature policy and retention
+        self.folder = store.folder
+
     def check(self, step: int, *, deep: bool = False) -> Generation:  # pragma: no cover - overridden
         raise NotImplementedError
 
@@ -145,13 +149,7 @@ class _Base:
         return [self.check(s, deep=deep) for s in self.steps_on_disk()]
 
     def latest_valid(self, *, deep: bool = True, warn: bool = True) -> Generation | None:
-        for step in reversed(self.steps_on_disk()):
-            g = self.check(step, deep=deep)
-            if g.valid:
-                return g
-            if warn:
-                warnings.warn(f"skipping {self.label} {step}: {g.reason}", CheckpointWarning, stacklevel=2)
-        return None
+        return newest_valid(((self.label, self.check(s, deep=deep)) for s in reversed(self.steps_on_disk())), warn=warn)
 
     def check_to_resume(self, step: int) -> Generation:
         return self.check(step, deep=True)
@@ -184,10 +182,6 @@ class BinBackend(_Base):
     label = "generation"
     written_by = ".bin ones are written by single-process and DDP runs"
     background = True
-
-    def __init__(self, store: CheckpointStore) -> None:
-        self.store = store
-        self.folder = store.folder
 
     def step_of(self, path: Path) -> int | None:
         from ..formats.andrea_bin import parse_bin_name
@@ -272,10 +266,6 @@ class DcpBackend(_Base):
     label = ".dcp generation"
     written_by = ".dcp ones are written by sharded FSDP2 runs"
     collective = True
-
-    def __init__(self, store: CheckpointStore) -> None:
-        self.store = store
-        self.folder = store.folder
 
     @staticmethod
     def _fmt() -> Any:
@@ -435,16 +425,8 @@ def latest_valid_of(folder: Path, kinds: tuple[str, ...], *, deep: bool = False,
     store = store if store is not None else CheckpointStore(folder, writer=False)
     backends = [backend_of(k, store) for k in kinds]
     on_disk = [set(b.steps_on_disk()) for b in backends]
-    for step in sorted(set().union(*on_disk), reverse=True):
-        for b, steps in zip(backends, on_disk, strict=True):
-            if step not in steps:
-                continue
-            g = b.check(step, deep=deep)
-            if g.valid:
-                return g
-            if warn:
-                warnings.warn(f"skipping {b.label} {step}: {g.reason}", CheckpointWarning, stacklevel=2)
-    return None
+    return newest_valid(((b.label, b.check(step, deep=deep)) for step in sorted(set().union(*on_disk), reverse=True)
+                         for b, steps in zip(backends, on_disk, strict=True) if step in steps), warn=warn)
 
 
 def latest_valid_any(folder: Path, *, deep: bool = False, warn: bool = True) -> Generation | None:

@@ -34,7 +34,7 @@ import hashlib
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,13 +174,7 @@ class CheckpointStore:
 
     def latest_valid(self, *, deep: bool = True, warn: bool = True) -> Generation | None:
         """The newest committed, verified generation; warn about each newer one skipped."""
-        for step in reversed(self.steps_on_disk()):
-            g = self.check(step, deep=deep)
-            if g.valid:
-                return g
-            if warn:
-                warnings.warn(f"skipping generation {step}: {g.reason}", CheckpointWarning, stacklevel=2)
-        return None
+        return newest_valid((("generation", self.check(s, deep=deep)) for s in reversed(self.steps_on_disk())), warn=warn)
 
     # ----------------------------------------------------------------- saving
     def save(self, step: int, arrays: BinArrays, companion_state: dict[str, Any]) -> Generation:
@@ -398,6 +392,20 @@ def _validate_state(state: Any, c: Path) -> None:
 def _read_companion_bytes(c: Path) -> bytes:
     """The companion's bytes: a regular file (never a symlink, FIFO or folder), bounded in size before reading."""
     return read_small(c, "companion", companion_fmt.MAX_COMPANION_BYTES, error=IntegrityError)
+
+
+def newest_valid(checked: Iterable[tuple[str, Generation]], *, warn: bool) -> Generation | None:
+    """The first valid generation of ``checked`` ((label, generation), newest first, checked lazily).
+
+    Each invalid one before it is skipped with a :class:`CheckpointWarning`
+    naming it (``skipping <label> <step>: <reason>``).
+    """
+    for label, g in checked:
+        if g.valid:
+            return g
+        if warn:
+            warnings.warn(f"skipping {label} {g.step}: {g.reason}", CheckpointWarning, stacklevel=3)
+    return None
 
 
 # ---- signature checks of one file ----------------------------------------------------

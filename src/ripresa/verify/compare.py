@@ -104,13 +104,19 @@ def compare_trees(a: Any, b: Any, *, atol: float = 1e-12, rtol: float = 0.0, pat
                     stack.append((f"{p}[{i}]", x[i], y[i]))
         elif _is_number(x) and _is_number(y):
             _compare_numbers(p, [x], [y], atol, rtol, out, scalar=True)
-        elif type(x) is not type(y):
-            out.differences.append(Difference(p, "structure", f"{type(x).__name__} {_short(x)}", f"{type(y).__name__} {_short(y)}"))
         else:
-            out.compared += 1
-            if x != y:
-                out.differences.append(Difference(p, "value", x, y))
+            _compare_leaf(p, x, y, out)
     return out
+
+
+def _compare_leaf(p: str, x: Any, y: Any, out: Comparison) -> None:
+    """Two leaves that are not both numbers: same type and equal, or a difference."""
+    if type(x) is not type(y):
+        out.differences.append(Difference(p, "structure", f"{type(x).__name__} {_short(x)}", f"{type(y).__name__} {_short(y)}"))
+        return
+    out.compared += 1
+    if x != y:
+        out.differences.append(Difference(p, "value", x, y))
 
 
 def _compare_numbers(p: str, xs: list, ys: list, atol: float, rtol: float, out: Comparison, scalar: bool = False) -> None:
@@ -169,12 +175,8 @@ def _exact_step(p: str, x: Any, y: Any, stack: list[tuple[str, Any, Any]], out: 
         out.compared += 1
         if x != y and not (x != x and y != y):  # NaN equals NaN here: the bits were copied
             out.differences.append(Difference(p, "value", x, y, abs(float(x) - float(y))))
-    elif type(x) is not type(y):
-        out.differences.append(Difference(p, "structure", f"{type(x).__name__} {_short(x)}", f"{type(y).__name__} {_short(y)}"))
     else:
-        out.compared += 1
-        if x != y:
-            out.differences.append(Difference(p, "value", x, y))
+        _compare_leaf(p, x, y, out)
 
 
 def _bits(t: Any) -> bytes:

@@ -28,6 +28,7 @@ from ripresa.core.state import Progress
 from ripresa.errors import IntegrityError
 from ripresa.formats import dcp as dcp_fmt
 from ripresa.formats import dcp_safe
+from ripresa.formats.generation import Generation
 from ripresa.io import auth
 from ripresa.session.checkpointer import OtherModeWarning, rank_view
 from ripresa.session.distributed import check_distributed_record
@@ -63,7 +64,7 @@ def _toy(stepped: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _dcp_generation(folder: Path, step: int, *, key: bytes | None = None, state=None) -> dcp_fmt.DcpGeneration:
+def _dcp_generation(folder: Path, step: int, *, key: bytes | None = None, state=None) -> Generation:
     """A real .dcp generation (DCP shards of a toy model and AdamW), committed like an FSDP2 run does."""
     model, opt = _toy()
     part = dcp_fmt.partial_path(folder, step)

@@ -26,9 +26,11 @@ from ripresa.core.data import DistributedEpochSampler
 from ripresa.engine.gpt.factory import GPT_FACTORY
 from ripresa.formats import dcp as dcp_fmt
 from ripresa.formats.andrea_bin import read_bin
+from ripresa.formats.generation import Generation
 from ripresa.session.distributed import DistContext, NullHistory, rank_generator, rank_seed
+from ripresa.store.backend import latest_valid_any
 from ripresa.store.history import read_history
-from ripresa.store.store import CheckpointStore, CheckpointWarning, latest_valid_any
+from ripresa.store.store import CheckpointStore, CheckpointWarning
 from ripresa.tools.convert import compare, load
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -355,7 +357,7 @@ def test_distributed_epoch_sampler_refuses_other_batch_or_plain_state():
         DistributedEpochSampler(20, 2, rank=2, world_size=2)
 
 
-def _fake_dcp(folder: Path, step: int) -> dcp_fmt.DcpGeneration:
+def _fake_dcp(folder: Path, step: int) -> Generation:
     """A real (tiny) DCP save committed as generation ``step`` (a deep check reads its .metadata)."""
     part = dcp_fmt.partial_path(folder, step)
     dcp_fmt.save_shards(torch.nn.Linear(1, 3, bias=False), None, part, no_dist=True)

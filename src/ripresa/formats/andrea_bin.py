@@ -435,13 +435,8 @@ def write_bin(staged: StagedFile, step: int, weights: Region, m: Region, v: Regi
             for piece in _pieces(chunk):
                 staged.write(memoryview(piece).cast("B"), stable=True)
     if staged.size != _file_size_of(n):  # a chunk changed shape while we wrote it
-        raise SaveFailed(
-            "ANDREA .bin came out with the wrong size",
-            file=final,
-            expected=f"{_file_size_of(n)} bytes",
-            found=f"{staged.size} bytes",
-            hint="a tensor was resized during the save; save at a step boundary",
-        )
+        raise SaveFailed("ANDREA .bin came out with the wrong size", file=final, expected=f"{_file_size_of(n)} bytes",
+                         found=f"{staged.size} bytes", hint="a tensor was resized during the save; save at a step boundary")
     return BinHeader(step=step, n_params=n)
 
 
@@ -516,6 +511,18 @@ def _check_finite(path: Path, header: BinHeader, regions: dict[str, np.ndarray])
             )
 
 
+def refuse_growth(fd: int, path: Path, size: int, *, done: str = "read", do: str = "read") -> None:
+    """Raise if ``fd`` (read up to the end of v, ``size`` bytes) holds more: another writer is appending."""
+    try:
+        extra = os.read(fd, 1)
+    except OSError:
+        extra = b""
+    if extra:
+        raise IntegrityError(f"ANDREA .bin grew while it was {done}", file=path, expected=f"{size} bytes",
+                             found="more data after v",
+                             hint=f"another process is writing this file; {do} a committed generation")
+
+
 def read_bin(
     path: str | os.PathLike[str],
     *,
@@ -575,18 +582,7 @@ def read_bin(
             # One pass: straight into the arrays, hashed as read.
             views = [memoryview(regions[name]).cast("B") for name in REGIONS]
             read_exact_hashing(fd, views, hasher, path=p, what="ANDREA .bin")
-            try:
-                extra = os.read(fd, 1)
-            except OSError:
-                extra = b""
-            if extra:
-                raise IntegrityError(
-                    "ANDREA .bin grew while it was read",
-                    file=p,
-                    expected=f"{header.file_size} bytes",
-                    found="more data after v",
-                    hint="another process is writing this file; read a committed generation",
-                )
+            refuse_growth(fd, p, header.file_size)
     finally:
         os.close(fd)
     digest: Digest | None = None

@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +49,16 @@ import torch
 from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed, SchemaError
 from ..io import auth
 from ..io.fsio import (
-    fsync_dir,
+    ops,
     parse_json_bytes,
+    parse_sha256sum_line,
     read_small,
     sha256_file,
     sidecar_line,
     write_atomic,
 )
 from . import companion as companion_fmt
+from .generation import Checks, Generation, reason_of
 
 FORMAT = "ripresa.dcp"
 FORMAT_VERSION = 1
@@ -67,7 +67,6 @@ COMPANION_NAME = "ripresa.json"
 _NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.dcp$")
 _MARKER_NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.dcp\.sha256$")
 _PARTIAL_RE = re.compile(r"^\.step_[0-9]{6,}\.dcp\.partial$")
-_LINE_RE = re.compile(r"^(?P<hex>[0-9a-f]{64}) [ *](?P<dir>step_[0-9]{6,}\.dcp)/(?P<name>[^/\x00-\x1f\x7f]+)$")
 MAX_MARKER_BYTES = 1 << 20
 MAX_COMPANION_BYTES = 256 * 1024 * 1024
 
@@ -105,26 +104,6 @@ def partial_path(folder: Path, step: int) -> Path:
     return Path(folder) / f".{dcp_name(step)}.partial"
 
 
-@dataclass(frozen=True)
-class DcpGeneration:
-    """One ``.dcp`` generation and whether it can be trusted."""
-
-    step: int
-    path: Path
-    marker: Path
-    valid: bool
-    reason: str | None = None
-    size: int | None = None
-    world_size: int | None = None
-    files: dict[str, str] = field(default_factory=dict)
-    deep_checked: bool = False
-    kind: str = "dcp"
-
-    @property
-    def companion(self) -> Path:
-        return self.path / COMPANION_NAME
-
-
 def dcp_steps_on_disk(folder: Path) -> list[int]:
     """Steps with a ``.dcp`` folder or marker (committed or not), ascending."""
     steps: set[int] = set()
@@ -153,12 +132,13 @@ def read_dcp_marker(marker: Path, folder_name: str) -> dict[str, str]:
         lines = []
     out: dict[str, str] = {}
     for line in lines:
-        m = _LINE_RE.match(line)
-        if m is None or m.group("dir") != folder_name or m.group("name") in out:
+        parsed = parse_sha256sum_line(line, in_folder=True)
+        folder, _, name = (parsed[1] if parsed else "").partition("/")
+        if parsed is None or folder != folder_name or not name or name in out:
             raise IntegrityError("malformed commit marker", file=marker,
                                  expected=f"lines '<sha256>  {folder_name}/<file>'", found=repr(line[:160]),
                                  hint="the marker is damaged; this generation cannot be trusted")
-        out[m.group("name")] = m.group("hex")
+        out[name] = parsed[0]
     if COMPANION_NAME not in out:
         raise IntegrityError("commit marker does not list the companion", file=marker, expected=COMPANION_NAME, found=sorted(out)[:8])
     return out
@@ -168,7 +148,7 @@ def read_dcp_marker(marker: Path, folder_name: str) -> dict[str, str]:
 MAX_N_PARAMS = 1 << 48
 
 
-def read_dcp_companion(folder: Path, expected_sha256: str | None = None) -> dict[str, Any]:
+def read_dcp_companion(folder: Path, expected_sha256: str | None = None, *, checks: Checks | None = None) -> dict[str, Any]:
     """Read (and hash-check) ``ripresa.json`` of a ``.dcp`` folder; return the raw document.
 
     One bounded read (no symlink, no FIFO, at most :data:`MAX_COMPANION_BYTES`),
@@ -180,14 +160,22 @@ def read_dcp_companion(folder: Path, expected_sha256: str | None = None) -> dict
     """
     import hashlib
 
+    checks = Checks() if checks is None else checks
+    p = Path(folder) / COMPANION_NAME
+    with checks.run("companion sha256", expected=expected_sha256) as f:
+        raw = read_small(p, "companion", MAX_COMPANION_BYTES, error=IntegrityError)
+        f["found"] = hashlib.sha256(raw).hexdigest()
+        if expected_sha256 is not None and f["found"] != expected_sha256:
+            raise IntegrityError("companion sha256 mismatch", file=p, expected=expected_sha256,
+                                 found=f["found"], hint="the companion changed after the commit")
+    with checks.run("companion schema", expected=FORMAT):
+        return _companion_fields(parse_json_bytes(raw, p, "companion", error=IntegrityError), p)
+
+
+def _companion_fields(doc: Any, p: Path) -> dict[str, Any]:
+    """Every field of a parsed ``.dcp`` companion checked before it is used."""
     from ..core.schema import MAX_WORLD_SIZE, check_distributed_record
 
-    p = Path(folder) / COMPANION_NAME
-    raw = read_small(p, "companion", MAX_COMPANION_BYTES, error=IntegrityError)
-    if expected_sha256 is not None and hashlib.sha256(raw).hexdigest() != expected_sha256:
-        raise IntegrityError("companion sha256 mismatch", file=p, expected=expected_sha256,
-                             found=hashlib.sha256(raw).hexdigest(), hint="the companion changed after the commit")
-    doc = parse_json_bytes(raw, p, "companion", error=IntegrityError)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise SchemaError("not a ripresa .dcp companion", file=p, expected=FORMAT,
                           found=str(doc.get("format"))[:80] if isinstance(doc, dict) else type(doc).__name__)
@@ -237,70 +225,89 @@ def decode_state(doc: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 
 def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature: bool | None = None,
-              hmac_key: bytes | None = None) -> DcpGeneration:
-    """Validate one ``.dcp`` generation; ``deep`` re-hashes every file and decodes the companion state.
+              hmac_key: bytes | None = None) -> Generation:
+    """Validate one ``.dcp`` generation through named checks (:class:`~ripresa.formats.generation.Check`).
 
-    Order: the marker; under ``require_signature`` (``None``: from
-    ``RIPRESA_REQUIRE_SIGNATURE``) the signature over the marker's hashes,
-    before anything else is parsed; the folder's files against the marker;
-    the companion (hash, fields); with ``deep``, every file's sha256, the
-    decoded state and the ``.metadata`` through the restricted reader
-    (:func:`ripresa.formats.dcp_safe.read_metadata`, the same check
+    In order: ``marker present``, ``marker format``; under ``require_signature``
+    (``None``: from ``RIPRESA_REQUIRE_SIGNATURE``) ``signature`` over the
+    marker's hashes, before anything else is parsed; ``folder files`` (the
+    folder holds exactly the marker's files, all regular); ``companion
+    sha256`` and ``companion schema`` (one read); ``companion step``,
+    ``companion files``, ``file sizes``; with ``deep``, ``file sha256``
+    (every file re-hashed), ``companion state`` (the decoded state) and
+    ``metadata`` (the ``.metadata`` through the restricted reader,
+    :func:`ripresa.formats.dcp_safe.read_metadata`, the same check
     :func:`load_shards` makes before DCP runs). A missing key under
     require-signature raises :class:`~ripresa.errors.BadInput`.
     """
     from .dcp_safe import read_metadata
 
     d, mk = dcp_paths(Path(folder), step)
+    c = d / COMPANION_NAME
     require = auth.require_signature_from_env() if require_signature is None else bool(require_signature)
     key = None
     if require:
         key = hmac_key if hmac_key is not None else auth.load_key()
         if key is None:
             raise auth.missing_key_error("require_signature (RIPRESA_REQUIRE_SIGNATURE)")
+    checks = Checks()
     try:
-        hashes = read_dcp_marker(mk, d.name)
+        with checks.run("marker present", expected=mk.name):
+            if not os.path.lexists(mk):
+                read_dcp_marker(mk, d.name)  # raises: missing commit marker
+        with checks.run("marker format", expected=f"'<sha256>  {d.name}/<file>' lines"):
+            hashes = read_dcp_marker(mk, d.name)
         if key is not None:  # authenticate before parsing anything else
-            auth.verify_dcp(key, signature_path(Path(folder), step), step, d.name, hashes)
-        if d.is_symlink() or not d.is_dir():
-            raise IntegrityError("the .dcp folder is missing", file=d, expected="a folder", found="nothing or not a folder")
-        present = {e.name: e for e in os.scandir(d)}
-        if set(present) != set(hashes):
-            raise IntegrityError("the .dcp folder's files differ from its marker's", file=d, expected=sorted(hashes)[:8],
-                                 found=sorted(present)[:8], hint="a file was added or removed after the commit")
-        for name, e in present.items():
-            if e.is_symlink() or not e.is_file(follow_symlinks=False):
-                raise IntegrityError("a .dcp file is not a regular file", file=d / name)
-        doc = read_dcp_companion(d, hashes[COMPANION_NAME])
-        if doc["step"] != step:
-            raise IntegrityError("the companion names another step", file=d / COMPANION_NAME, expected=step, found=doc["step"])
-        if set(doc["files"]) != set(hashes) - {COMPANION_NAME}:
-            raise IntegrityError("the companion lists other files than the marker", file=d / COMPANION_NAME,
-                                 expected=sorted(set(hashes) - {COMPANION_NAME})[:8], found=sorted(doc["files"])[:8])
+            with checks.run("signature", expected=signature_path(Path(folder), step).name):
+                auth.verify_dcp(key, signature_path(Path(folder), step), step, d.name, hashes)
+        with checks.run("folder files", expected=sorted(hashes)[:8]) as f:
+            if d.is_symlink() or not d.is_dir():
+                raise IntegrityError("the .dcp folder is missing", file=d, expected="a folder", found="nothing or not a folder")
+            present = {e.name: e for e in os.scandir(d)}
+            if set(present) != set(hashes):
+                raise IntegrityError("the .dcp folder's files differ from its marker's", file=d, expected=sorted(hashes)[:8],
+                                     found=sorted(present)[:8], hint="a file was added or removed after the commit")
+            for name, e in present.items():
+                if e.is_symlink() or not e.is_file(follow_symlinks=False):
+                    raise IntegrityError("a .dcp file is not a regular file", file=d / name)
+            f["found"] = sorted(present)[:8]
+        doc = read_dcp_companion(d, hashes[COMPANION_NAME], checks=checks)
+        with checks.run("companion step", expected=step) as f:
+            if doc["step"] != step:
+                raise IntegrityError("the companion names another step", file=c, expected=step, found=doc["step"])
+            f["found"] = doc["step"]
+        with checks.run("companion files", expected=sorted(set(hashes) - {COMPANION_NAME})[:8]) as f:
+            if set(doc["files"]) != set(hashes) - {COMPANION_NAME}:
+                raise IntegrityError("the companion lists other files than the marker", file=c,
+                                     expected=sorted(set(hashes) - {COMPANION_NAME})[:8], found=sorted(doc["files"])[:8])
+            f["found"] = sorted(doc["files"])[:8]
         total = 0
-        for name, size in doc["files"].items():
-            actual = present[name].stat(follow_symlinks=False).st_size
-            if actual != size:
-                raise IntegrityError("a .dcp file has the wrong size", file=d / name, expected=size, found=actual,
-                                     hint="truncated or modified after the commit")
-            total += actual
+        with checks.run("file sizes") as f:
+            for name, size in doc["files"].items():
+                actual = present[name].stat(follow_symlinks=False).st_size
+                if actual != size:
+                    raise IntegrityError("a .dcp file has the wrong size", file=d / name, expected=size, found=actual,
+                                         hint="truncated or modified after the commit")
+                total += actual
+            f["found"] = total
         if deep:
-            for name, want in hashes.items():
-                got = sha256_file(d / name).sha256
-                if got != want:
-                    raise IntegrityError("sha256 mismatch: a .dcp file changed after it was committed", file=d / name,
-                                         expected=want, found=got, hint="bit rot or an edit; an older generation will be used")
-            decode_state(doc, d)  # a deep check proves the state decodes (the resume will not fail on it)
-            read_metadata(d)  # restricted unpickler; every storage entry inside the folder's shards
+            with checks.run("file sha256", expected=f"{len(hashes)} files as the marker says"):
+                for name, want in hashes.items():
+                    got = sha256_file(d / name).sha256
+                    if got != want:
+                        raise IntegrityError("sha256 mismatch: a .dcp file changed after it was committed", file=d / name,
+                                             expected=want, found=got, hint="bit rot or an edit; an older generation will be used")
+            with checks.run("companion state"):
+                decode_state(doc, d)  # a deep check proves the state decodes (the resume will not fail on it)
+            with checks.run("metadata"):
+                read_metadata(d)  # restricted unpickler; every storage entry inside the folder's shards
     except RipresaError as exc:
-        reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
-        if exc.found is not None and not isinstance(exc.found, dict):
-            reason += f": found {str(exc.found)[:120]}"
-        return DcpGeneration(step, d, mk, valid=False, reason=reason)
-    return DcpGeneration(step, d, mk, valid=True, size=total, world_size=doc["world_size"], files=hashes, deep_checked=deep)
+        return Generation(step, "dcp", d, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
+    return Generation(step, "dcp", d, c, mk, valid=True, size=total, world_size=doc["world_size"], files=hashes,
+                      deep_checked=deep, signature_verified=key is not None, checks=tuple(checks))
 
 
-def dcp_generations(folder: Path, *, deep: bool = False) -> list[DcpGeneration]:
+def dcp_generations(folder: Path, *, deep: bool = False) -> list[Generation]:
     return [check_dcp(folder, s, deep=deep) for s in dcp_steps_on_disk(folder)]
 
 
@@ -318,7 +325,7 @@ def clean_partials(folder: Path) -> list[Path]:
         return removed
     for entry in os.scandir(folder):
         if _PARTIAL_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path, ignore_errors=True)
+            ops.rmtree(Path(entry.path))
             removed.append(Path(entry.path))
     return removed
 
@@ -328,10 +335,10 @@ def delete_dcp(folder: Path, step: int) -> None:
     d, mk = dcp_paths(Path(folder), step)
     for p in (mk, signature_path(Path(folder), step)):
         try:
-            os.unlink(p)
+            ops.unlink(p)
         except FileNotFoundError:
             pass
-    shutil.rmtree(d, ignore_errors=True)
+    ops.rmtree(d)
 
 
 def encode_companion(step: int, world_size: int, n_params: int, files: dict[str, int], state: dict[str, Any]) -> bytes:
@@ -341,7 +348,7 @@ def encode_companion(step: int, world_size: int, n_params: int, files: dict[str,
 
 
 def commit_dcp(folder: Path, step: int, partial: Path, *, world_size: int, n_params: int, state: dict[str, Any],
-               hmac_key: bytes | None = None) -> DcpGeneration:
+               hmac_key: bytes | None = None) -> Generation:
     """Rank 0, after every rank wrote its shards into ``partial``: companion, rename, signature, marker (last).
 
     With ``hmac_key`` the signature ``step_NNNNNN.dcp.hmac`` (every file's
@@ -354,14 +361,14 @@ def commit_dcp(folder: Path, step: int, partial: Path, *, world_size: int, n_par
         if ".metadata" not in files:
             raise SaveFailed("DCP wrote no .metadata", file=partial, hint="the sharded save did not complete")
         write_atomic(partial / COMPANION_NAME, [encode_companion(step, world_size, n_params, files, state)])
-        fsync_dir(partial)
+        ops.fsync_dir(partial)
         if os.path.lexists(marker) or os.path.lexists(final):
             # Re-saving a step: uncommit the old generation first, so no reader
             # ever pairs the old marker with new files.
             delete_dcp(folder, step)
-            fsync_dir(folder)
-        os.rename(partial, final)
-        fsync_dir(folder)
+            ops.fsync_dir(folder)
+        ops.rename(partial, final)
+        ops.fsync_dir(folder)
         hashes = {name: sha256_file(final / name).sha256 for name in sorted(os.listdir(final))}
         if hmac_key is not None:
             write_atomic(signature_path(folder, step), [auth.dcp_signature_line(hmac_key, step, final.name, hashes)])

@@ -36,9 +36,10 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +60,10 @@ _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>[1-9][0-9]{0,6})\.[0-9a-f]
 #: Largest pid a temporary's name may carry (Linux ``PID_MAX_LIMIT``).
 PID_MAX = 1 << 22
 #: One ``sha256sum`` line; matched with ``fullmatch`` (``\Z``, not ``$``, so a
-#: second newline is refused). No ``/`` and no control characters (``\r``,
-#: NUL, ...) in the name.
-_SHA_LINE_RE = re.compile(r"(?P<hex>[0-9a-f]{64}) [ *](?P<name>[^/\x00-\x1f\x7f]+)\n?\Z")
+#: second newline is refused). No control characters (``\r``, NUL, ...) in the
+#: name, and at most one ``/`` (a ``.dcp`` marker names ``FOLDER/FILE``);
+#: :func:`parse_sha256sum_line` refuses the ``/`` unless asked.
+_SHA_LINE_RE = re.compile(r"(?P<hex>[0-9a-f]{64}) [ *](?P<name>[^/\x00-\x1f\x7f]+(?:/[^/\x00-\x1f\x7f]+)?)\n?\Z")
 #: Largest sidecar accepted (bytes). A valid line is at most 64 + 2 + 255 + 1.
 SIDECAR_MAX = 4096
 
@@ -79,7 +81,7 @@ class RecordedOp:
     """One file operation as :attr:`FileOps.recorder` receives it, after it succeeded.
 
     ``op`` is ``open`` (a new file was created), ``write``, ``fsync``,
-    ``rename``, ``fsync_dir`` or ``unlink``. ``path`` is the file operated on
+    ``rename``, ``fsync_dir``, ``unlink`` or ``rmtree`` (a folder removed). ``path`` is the file operated on
     (for ``write``/``fsync`` the temporary being written; for ``rename`` the
     source; for ``fsync_dir`` the folder); ``dst`` is a rename's destination;
     ``offset`` and ``data`` are a write's file offset and a copy of the bytes
@@ -197,6 +199,18 @@ class FileOps:
         """Unlink a temporary left by a failed save (no hooks: it is a failure path)."""
         os.unlink(path)
         self._record("unlink", path)
+
+    def rmtree(self, path: Path) -> None:
+        """Remove a folder and everything in it (a ``.dcp`` generation or a partial one).
+
+        Hooked as one operation ``rmtree`` on the folder; a missing folder is
+        not an error. The entries are removed without following symlinks
+        (:func:`shutil.rmtree`), so nothing outside the folder is touched.
+        """
+        self._before("rmtree", path)
+        shutil.rmtree(path, ignore_errors=True)
+        self._record("rmtree", path)
+        self._after("rmtree", path)
 
 
 #: The process-wide file-operation layer. Tests replace ``ops.hook``.
@@ -459,6 +473,39 @@ def sidecar_path(path: str | Path) -> Path:
     """``X`` → ``X.sha256``."""
     p = Path(path)
     return p.with_name(p.name + ".sha256")
+
+
+def parse_sha256sum_line(line: str, *, in_folder: bool = False) -> tuple[str, str] | None:
+    """``"<64 hex>  NAME"`` (one ``sha256sum`` line, text or binary mode) → ``(hex, NAME)``; None if malformed.
+
+    The one parser of the ``sha256sum`` lines ripresa writes (sidecars,
+    generation markers, ``.dcp`` markers). ``NAME`` holds no control
+    character and no ``/`` — except, with ``in_folder``, exactly one
+    (``FOLDER/FILE``, a ``.dcp`` marker's lines). One trailing newline is
+    accepted, nothing after it.
+    """
+    m = _SHA_LINE_RE.fullmatch(line)
+    if m is None:
+        return None
+    name = m.group("name")
+    if "/" in name and not in_folder:
+        return None
+    return m.group("hex"), name
+
+
+def parse_sha256sum(raw: bytes, *, in_folder: bool = False) -> list[tuple[str, str]] | None:
+    """Every line of a ``sha256sum`` file (:func:`parse_sha256sum_line`); None if any is malformed or not ASCII."""
+    try:
+        lines = raw.decode("ascii").splitlines()
+    except UnicodeDecodeError:
+        return None
+    out = []
+    for line in lines:
+        parsed = parse_sha256sum_line(line, in_folder=in_folder)
+        if parsed is None:
+            return None
+        out.append(parsed)
+    return out
 
 
 def sidecar_line(digest: Digest | str, name: str) -> bytes:
@@ -816,6 +863,23 @@ def read_exact_hashing(
     return done
 
 
+def iter_chunks(fd: int, *, what: str = "file", path: str | Path | None = None) -> Iterator[memoryview]:
+    """The bytes ``fd`` reads from its current offset to EOF, as views of one reused buffer.
+
+    Each view is valid until the next one is asked for (copy it to keep it).
+    A read error is :class:`~ripresa.errors.BadInput` naming ``path``.
+    """
+    view = memoryview(bytearray(CHUNK))
+    while True:
+        try:
+            n = os.readv(fd, [view])
+        except OSError as exc:
+            raise _read_error(path, what, exc, "a readable file") from exc
+        if not n:
+            return
+        yield view[:n]
+
+
 def sha256_fd(fd: int, *, what: str = "file", path: str | Path | None = None) -> Digest:
     """sha256 and size of everything ``fd`` reads from its current offset to EOF.
 
@@ -824,18 +888,27 @@ def sha256_fd(fd: int, *, what: str = "file", path: str | Path | None = None) ->
     """
     h = hashlib.sha256()
     size = 0
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    while True:
-        try:
-            n = os.readv(fd, [view])
-        except OSError as exc:
-            raise _read_error(path, what, exc, "a readable file") from exc
-        if not n:
-            break
-        h.update(view[:n])
-        size += n
+    for piece in iter_chunks(fd, what=what, path=path):
+        h.update(piece)
+        size += len(piece)
     return Digest(h.hexdigest(), size)
+
+
+def copy_hashing(fd: int, out: StagedFile, *, what: str = "file", path: str | Path | None = None,
+                 on_chunk: Callable[[memoryview], None] | None = None) -> Digest:
+    """Stream ``fd`` (to EOF) into ``out``, hashed while written; ``fsync`` it; return the copy's digest.
+
+    The one copy loop of the verified copies (``ripresa fork``, ``ripresa
+    export``): :class:`StagedFile` hashes each piece in a helper thread while
+    it is written, so the copy costs about max(read+write, hash).
+    ``on_chunk`` sees each piece after it was written (a progress bar, a copy
+    kept in memory). The caller compares the digest and publishes.
+    """
+    for piece in iter_chunks(fd, what=what, path=path):
+        out.write(piece)
+        if on_chunk is not None:
+            on_chunk(piece)
+    return out.finish()
 
 
 def _fadvise(fd: int, advice_name: str) -> bool:
@@ -950,8 +1023,12 @@ def read_sidecar(path: str | Path) -> str:
             found=f"more than {SIDECAR_MAX} bytes, starting {bytes(raw[:60])!r}",
             hint="the commit marker is damaged; this generation cannot be trusted",
         )
-    m = match_ascii(_SHA_LINE_RE, raw)
-    if m is None:
+    try:
+        text: str | None = raw.decode("ascii")
+    except UnicodeDecodeError:
+        text = None
+    parsed = parse_sha256sum_line(text) if text is not None else None
+    if parsed is None:
         raise IntegrityError(
             "malformed sha256 sidecar",
             file=side,
@@ -959,15 +1036,16 @@ def read_sidecar(path: str | Path) -> str:
             found=repr(bytes(raw[:120])),
             hint="the commit marker is damaged; this generation cannot be trusted",
         )
-    if m.group("name") != p.name:
+    digest, name = parsed
+    if name != p.name:
         raise IntegrityError(
             "sha256 sidecar names another file",
             file=side,
             expected=p.name,
-            found=m.group("name"),
+            found=name,
             hint="a sidecar only vouches for the file beside it",
         )
-    return m.group("hex")
+    return digest
 
 
 def require_regular_file(path: str | Path, what: str = "checkpoint") -> Path:

@@ -44,46 +44,37 @@ are ``step_NNNNNN.dcp`` folders written by all ranks. See
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import shutil
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..core.state import Progress, TrainingState, _tensor_tree_clone
-from ..errors import BadInput, IdentityMismatch, IntegrityError, RipresaError, SaveFailed
-from ..formats import dcp as dcp_fmt
-from ..formats.andrea_bin import (
-    describe_missing,
-    load_into_model_and_adamw,
-    parse_bin_name,
-    read_bin,
-)
-from ..formats.bin_state import bin_arrays, companion_snapshot, join_state
-from ..io import auth
+from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed
 from ..io.fsio import write_atomic
 from ..store.async_save import AsyncCheckpointWriter
+from ..store.backend import (
+    ForeignCheckpointWarning,
+    StorageBackend,
+    backend_of,
+    backends_for,
+)
 from ..store.history import HISTORY_NAME, History
-from ..store.retention import DEFAULT_RETENTION, RetentionPolicy, plan_deletions
+from ..store.restore import rank_view, saved_record
+from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
 from ..store.store import CheckpointStore, CheckpointWarning, Generation
 from .distributed import (
     WORLD_CHANGE_NOTE,
     DistContext,
     NullHistory,
-    check_distributed_record,
     fault_point,
 )
 from .signals import SignalRequests
 
-
-class ForeignCheckpointWarning(UserWarning):
-    """A .bin without companion was resumed: weights, m, v only."""
+__all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view"]
 
 
 class OtherModeWarning(CheckpointWarning):
@@ -92,6 +83,9 @@ class OtherModeWarning(CheckpointWarning):
 
 #: What restoring a hostile (but hash-consistent) state can raise besides ripresa's own errors.
 _RESTORE_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
+
+#: How messages name each run mode.
+_MODE_NAMES = {"single": "single-process", "ddp": "DDP", "fsdp2": "sharded (FSDP2)"}
 
 
 class Checkpointer:
@@ -164,22 +158,26 @@ class Checkpointer:
         self.world_change: dict[str, Any] | None = None
         self.fresh_streams = False
         self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
+        self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
+            self._open_backends()
             self.history = History(self.run_dir / HISTORY_NAME)
         else:
             # Rank 0 creates the folder and takes the lock; the others wait, then read only.
             self.dist.barrier()
             if self.dist.is_main:
                 self.store = CheckpointStore(self.run_dir, retention=retention)
-                if self.dist.sharded:
-                    dcp_fmt.clean_partials(self.run_dir)
+                self._open_backends()
+                self.backend.clean()  # what interrupted saves of the kind it writes left
                 self.history = History(self.run_dir / HISTORY_NAME)
             self.dist.barrier()
             if not self.dist.is_main:
                 self.store = CheckpointStore(self.run_dir, writer=False)
+                self._open_backends()
                 self.history = NullHistory()  # type: ignore[assignment]
-            asynchronous = asynchronous and self.dist.is_main and not self.dist.sharded
+            asynchronous = asynchronous and self.dist.is_main
+        asynchronous = asynchronous and self.backend.background
         if self.history.repaired_torn_line:
             self.history.event("torn_line_terminated")
         self.writer = AsyncCheckpointWriter(self.store) if asynchronous else None
@@ -193,6 +191,18 @@ class Checkpointer:
         self._last_gen: Any = None
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
 
+    def _open_backends(self) -> None:
+        """The storage backends of this run mode (docs/ARCHITECTURE.md): the first writes, all are resumed."""
+        self.backends, self._ignored = backends_for(self.mode, self.store)
+        self.backend: StorageBackend = self.backends[0]
+
+    def _backend_of(self, gen: Generation) -> StorageBackend:
+        """The backend that owns ``gen`` (one of this session's, or a registered one for ``--resume PATH``)."""
+        for b in self.backends:
+            if b.kind == gen.kind:
+                return b
+        return backend_of(gen.kind, self.store)
+
     # ------------------------------------------------------------------ start
     def resume(self, *, from_path: str | Path | None = None, restore_rng: bool = True) -> int:
         """Restore the newest valid generation (or ``from_path``); return its step (0 if none).
@@ -205,21 +215,17 @@ class Checkpointer:
         """
         if self.dist is not None:
             return self._resume_dist(from_path, restore_rng)
-        n = sum(p.numel() for p in self.state.model.parameters())
         if from_path is not None:
-            gen, store, foreign = self._choose_path(from_path)
-            if foreign is not None:
-                return self._resume_foreign(foreign, n)
-            saved_extra = self._load_generation(gen, store, n, restore_rng)
+            gen = self._choose_path(from_path)
+            restored = self._restore(gen, restore_rng, wrap=not gen.foreign)
         else:
-            gen, saved_extra, last_error = None, {}, None
+            gen, restored, last_error = None, None, None
             for cand in self._candidates():
                 try:
-                    saved_extra = self._load_generation(cand, self.store, n, restore_rng)
+                    restored = self._restore(cand, restore_rng, wrap=True)
                 except IntegrityError as exc:  # damaged after its check (bit rot, a hostile state): the next older
                     last_error = exc
-                    what = ".dcp generation" if isinstance(cand, dcp_fmt.DcpGeneration) else "generation"
-                    msg = f"skipping {what} {cand.step}: {exc.message} ({exc.file})"
+                    msg = f"skipping {self._backend_of(cand).label} {cand.step}: {exc.message} ({exc.file})"
                     warnings.warn(msg, CheckpointWarning, stacklevel=2)
                     self.history.event("skipped_generation", reason=msg)
                     continue
@@ -229,129 +235,107 @@ class Checkpointer:
                 raise last_error
             if gen is None:
                 self._refuse_if_only_damaged()
-        if gen is None:
+        if gen is None or restored is None:
             self.history.event("start", step=0, rng_restored=restore_rng)
             self._write_config()
             return 0
+        return self._resumed(gen, restored, from_path, restore_rng, world_size=1)
+
+    def _resumed(self, gen: Generation, restored: Any, from_path: Any, restore_rng: bool, *, world_size: int) -> int:
+        """Record a restored generation: progress, history event, world change, config."""
+        self.progress = restored.progress
+        if gen.foreign:  # weights, m and v only: no generation of this run was resumed
+            self.history.event("resume", from_step=gen.step, file=str(gen.path), **restored.event)
+            self._write_config()
+            return gen.step
         self.resumed_from = gen
+        self.fresh_streams = restored.fresh
         self.last_saved_step = gen.step if from_path is None else None
-        self.history.event("resume", from_step=gen.step, file=str(_gen_path(gen)), rng_restored=restore_rng,
+        if self.dist is not None:
+            self._captured_step = self.last_saved_step
+        dist_fields = {} if self.dist is None else {"world_size": world_size}
+        self.history.event("resume", from_step=gen.step, file=str(gen.path), rng_restored=restore_rng, **dist_fields,
                            lineage=self.state.lineage[-1] if self.state.lineage else None)
-        self._note_world_change(saved_extra, world_size=1, fresh=False)
+        self._note_world_change(restored.extra, world_size=world_size, fresh=restored.fresh)
         self._write_config()
         return self.progress.step
 
-    def _load_generation(self, gen: Any, store: CheckpointStore | None, n: int, restore_rng: bool) -> dict[str, Any]:
-        """Single process: load ``gen`` (a checked ``.bin`` or ``.dcp``) into the live state; its ``extra``.
+    def _restore(self, gen: Generation, restore_rng: bool, *, wrap: bool) -> Any:
+        """Restore ``gen`` into the live state through its backend (everything is checked before anything changes).
 
-        Everything read is checked before the live objects change; a state that
-        passes the file checks but cannot be restored is an IntegrityError.
+        With ``wrap``, a state that passes the file checks but cannot be
+        restored is an IntegrityError (so a resume falls back to an older one).
         """
+        d = self.dist
+        backend = self._backend_of(gen)
+        kw: dict[str, Any] = {} if d is None else {"rank": d.rank, "sharded": d.sharded}
         try:
-            if isinstance(gen, dcp_fmt.DcpGeneration):
-                rest = self._read_dcp_rest(gen, n)
-                _validate_rest(self.state, rest, self.allow)
-                dcp_fmt.load_shards(self.state.model, self.state.optimizer, gen.path, no_dist=True)
-                self.progress = _restore_rest(self.state, rest, restore_rng, self.allow)
-                return rest.get("extra") or {}
-            reader = store if store is not None else CheckpointStore(gen.bin.parent, writer=False)
-            contents, comp = reader.load(gen.step, expected_n=n)
-            full = join_state(self.state, contents, comp)
-            _saved_record(full, gen.companion)
-            self.progress = self.state.restore(full, restore_rng=restore_rng, **self.allow)
-            return full.get("extra") or {}
+            return backend.restore(gen, self.state, restore_rng=restore_rng, allow=self.allow, **kw)
         except _RESTORE_FAULTS as exc:
-            raise IntegrityError("the generation's state cannot be restored", file=_gen_path(gen),
+            if not wrap:
+                raise
+            raise IntegrityError("the generation's state cannot be restored", file=gen.path,
                                  expected="a state as ripresa writes it",
                                  found=f"{type(exc).__name__}: {str(exc)[:200]}",
                                  hint="it was edited or damaged; an older generation will be used") from None
 
-    def _kinds(self) -> tuple[str, ...]:
-        """The generation kinds this session may resume, the one it writes first."""
-        if self.dist is None:
-            return ("bin",)
-        return ("dcp", "bin") if self.dist.sharded else ("bin", "dcp")
-
-    def _candidates(self):
+    def _candidates(self) -> Iterator[Generation]:
         """The valid generations of the kinds this session resumes, newest first (a generator).
 
         A generation that fails its check is skipped with a warning and a
         ``skipped_generation`` event; one of another kind than the session
-        writes is announced (``other_mode_generation``) before it is used; a
-        single-process session names the ``.dcp`` folders it ignores.
+        writes is announced (``other_mode_generation``) before it is used;
+        the registered kinds this run mode does not resume are named
+        (``ignored_generations``) and never read.
         """
-        kinds = self._kinds()
-        store = self.store
-        req, key = store.require_signature, store.hmac_key
+        writer = self.backend
         self._skipped_committed: list[str] = []  # committed generations that failed a check (not uncommitted leftovers)
-        if "dcp" not in kinds:
-            ignored = dcp_fmt.dcp_steps_on_disk(self.run_dir)
+        for other in self._ignored:
+            ignored = other.steps_on_disk()
             if ignored:
-                msg = (f"ignoring .dcp generation(s) {ignored[-3:]} in {self.run_dir}: a single-process run resumes only "
-                       ".bin generations (.dcp ones are written by sharded FSDP2 runs; resume one explicitly with "
-                       "--resume, or convert it with `ripresa convert`)")
+                msg = (f"ignoring {other.label}(s) {ignored[-3:]} in {self.run_dir}: a {_MODE_NAMES[self.mode]} run "
+                       f"resumes only {' and '.join(b.label for b in self.backends)}s ({other.written_by}; resume one "
+                       "explicitly with --resume, or convert it with `ripresa convert`)")
                 warnings.warn(msg, OtherModeWarning, stacklevel=3)
-                self.history.event("ignored_generations", kind="dcp", steps=ignored[-8:], reason=msg)
-        bins = set(store.steps_on_disk()) if "bin" in kinds else set()
-        dcps = set(dcp_fmt.dcp_steps_on_disk(self.run_dir)) if "dcp" in kinds else set()
-        for step in sorted(bins | dcps, reverse=True):
-            for kind in kinds:
-                if step not in (dcps if kind == "dcp" else bins):
+                self.history.event("ignored_generations", kind=other.kind, steps=ignored[-8:], reason=msg)
+        on_disk = [set(b.steps_on_disk()) for b in self.backends]
+        for step in sorted(set().union(*on_disk), reverse=True):
+            for b, steps in zip(self.backends, on_disk, strict=True):
+                if step not in steps:
                     continue
-                if kind == "dcp":  # shards are hashed before loading (DCP reads them unhashed)
-                    g: Any = dcp_fmt.check_dcp(self.run_dir, step, deep=True, require_signature=req, hmac_key=key)
-                else:  # shallow: load() hashes the .bin while reading it
-                    g = store.check(step, deep=False)
+                g = b.check_to_resume(step)
                 if not g.valid:
-                    what = ".dcp generation" if kind == "dcp" else "generation"
-                    msg = f"skipping {what} {step}: {g.reason}"
+                    msg = f"skipping {b.label} {step}: {g.reason}"
                     warnings.warn(msg, CheckpointWarning, stacklevel=3)
                     self.history.event("skipped_generation", reason=msg)
                     if os.path.lexists(g.marker):
                         self._skipped_committed.append(msg)
                     continue
-                if kind != kinds[0]:
-                    msg = (f"resuming {_gen_path(g).name}, a {kind} generation written by another mode than this "
-                           f"{'sharded (FSDP2)' if kinds[0] == 'dcp' else 'DDP'} run (it writes {kinds[0]} generations)")
+                if b is not writer:
+                    msg = (f"resuming {g.path.name}, a {b.kind} generation written by another mode than this "
+                           f"{_MODE_NAMES[self.mode]} run (it writes {writer.kind} generations)")
                     warnings.warn(msg, OtherModeWarning, stacklevel=3)
-                    self.history.event("other_mode_generation", step=step, kind=kind, reason=msg)
+                    self.history.event("other_mode_generation", step=step, kind=b.kind, reason=msg)
                 yield g
 
-    def _choose_path(self, from_path: str | Path) -> tuple[Any, CheckpointStore | None, Path | None]:
-        """(generation, store to load it from, foreign .bin) for an explicit ``--resume`` path."""
+    def _choose_path(self, from_path: str | Path) -> Generation:
+        """The generation an explicit ``--resume`` path names (any registered kind), checked."""
         src = Path(from_path)
-        dstep = dcp_fmt.parse_dcp_name(src.name)
-        if dstep is not None:
-            gen = dcp_fmt.check_dcp(src.parent, dstep, deep=True)
-            if not gen.valid:
-                raise IntegrityError(f"cannot resume from .dcp generation {dstep}: {gen.reason}", file=src,
-                                     hint="check it with `sha256sum -c` from its folder")
-            return gen, None, None
-        step = parse_bin_name(src.name)
-        if step is None:
-            raise BadInput("--resume needs a step_NNNNNN.bin or a step_NNNNNN.dcp folder", file=src,
+        owners = [b for b in self.backends + self._ignored if b.step_of(src) is not None]
+        if not owners:
+            names = " or ".join(f"a {b.label}" for b in self.backends + self._ignored)
+            raise BadInput(f"--resume needs {names}", file=src,
                            expected="step_NNNNNN.bin or step_NNNNNN.dcp", found=src.name)
-        companion = src.with_suffix(".json")
-        if not os.path.lexists(companion):
-            if self.store.require_signature or auth.require_signature_from_env():
-                raise auth.unsigned_error("a .bin without companion", src,
-                                          "no companion, no commit marker and no signature (.bin.hmac)")
-            return None, None, src
-        reader = CheckpointStore(src.parent, writer=False)
-        gen = reader.check(step, deep=False)
-        if not gen.valid:
-            raise IntegrityError(f"cannot resume from generation {step}: {gen.reason}", file=src,
-                                 hint="`ripresa inspect` shows the valid generations")
-        return gen, reader, None
+        return owners[0].at_path(src)
 
-    def _choose(self, from_path: str | Path | None) -> tuple[Any, CheckpointStore | None, Path | None]:
-        """(generation, store to load it from, foreign .bin) for ``from_path`` or the run folder."""
+    def _choose(self, from_path: str | Path | None) -> Generation | None:
+        """The generation to resume: ``from_path``'s, or the newest valid one of the run folder."""
         if from_path is not None:
             return self._choose_path(from_path)
         gen = next(iter(self._candidates()), None)
         if gen is None:
             self._refuse_if_only_damaged()
-        return gen, self.store, None
+        return gen
 
     def _refuse_if_only_damaged(self) -> None:
         """No generation resumes, yet committed ones exist: refuse rather than start again at step 0.
@@ -369,27 +353,15 @@ class Checkpointer:
                                  hint="`ripresa inspect RUN` shows why; to start over on purpose, use a new run "
                                       "folder (or move the damaged generations aside)")
 
-    def _read_dcp_rest(self, gen: dcp_fmt.DcpGeneration, n: int) -> dict[str, Any]:
-        """The companion state of a ``.dcp`` generation (everything DCP does not hold)."""
-        doc = dcp_fmt.read_dcp_companion(gen.path, gen.files.get(dcp_fmt.COMPANION_NAME))
-        if doc["n_params"] != n:
-            raise IntegrityError("the .dcp generation holds another number of parameters than the model",
-                                 file=gen.path, expected=n, found=doc["n_params"], hint="build the model from the run's config.json")
-        rest = dcp_fmt.decode_state(doc, gen.path)
-        _saved_record(rest, gen.companion)
-        return rest
-
     def _resume_dist(self, from_path: str | Path | None, restore_rng: bool) -> int:
         d = self.dist
         assert d is not None
-        n = sum(p.numel() for p in self.state.model.parameters())
         choice: Any = None
         error: str | None = None
         raised: BaseException | None = None
         if d.is_main:
             try:
-                gen, _store, foreign = self._choose(from_path)
-                choice = ("foreign", foreign) if foreign is not None else None if gen is None else ("gen", gen)
+                choice = self._choose(from_path)
             except Exception as exc:  # every rank must learn it, or they would wait forever
                 raised, error = exc, f"{type(exc).__name__}: {exc}"
         choice, error = d.broadcast((choice, error))
@@ -401,44 +373,12 @@ class Checkpointer:
             self.history.event("start", step=0, rng_restored=restore_rng, world_size=d.world_size)
             self._write_config()
             return 0
-        if choice[0] == "foreign":
-            if d.sharded:
-                raise BadInput("a foreign .bin (no companion) cannot be resumed into a sharded model", file=choice[1],
-                               hint="resume it in one process or with DDP, then continue from the generation it writes")
-            return self._resume_foreign(choice[1], n)
-        gen = choice[1]
-        if isinstance(gen, dcp_fmt.DcpGeneration):
-            rest = self._read_dcp_rest(gen, n)
-            rest, fresh, saved_world = rank_view(rest, d.rank)
-            _validate_rest(self.state, rest, self.allow)
-            dcp_fmt.load_shards(self.state.model, self.state.optimizer, gen.path, no_dist=not d.sharded)
-            self.progress = _restore_rest(self.state, rest, restore_rng and not fresh, self.allow)
-            saved_extra = rest.get("extra", {})
-        else:
-            reader = CheckpointStore(gen.bin.parent, writer=False)
-            contents, comp = reader.load(gen.step, expected_n=n)
-            full = join_state(self.state, contents, comp)
-            full, fresh, saved_world = rank_view(full, d.rank)
-            if d.sharded:
-                _validate_rest(self.state, full, self.allow)
-                dcp_fmt.load_full_into(self.state.model, self.state.optimizer, full)
-                self.progress = _restore_rest(self.state, full, restore_rng and not fresh, self.allow)
-            else:
-                self.progress = self.state.restore(full, restore_rng=restore_rng and not fresh, **self.allow)
-            saved_extra = full.get("extra", {})
-        self.resumed_from = gen
-        self.fresh_streams = fresh
-        self.last_saved_step = gen.step if from_path is None else None
-        self._captured_step = self.last_saved_step
-        self.history.event("resume", from_step=gen.step, file=str(_gen_path(gen)), rng_restored=restore_rng,
-                           world_size=d.world_size, lineage=self.state.lineage[-1] if self.state.lineage else None)
-        self._note_world_change(saved_extra, world_size=d.world_size, fresh=fresh)
-        self._write_config()
-        return self.progress.step
+        restored = self._restore(choice, restore_rng, wrap=False)
+        return self._resumed(choice, restored, from_path, restore_rng, world_size=d.world_size)
 
     def _note_world_change(self, saved_extra: Mapping[str, Any], *, world_size: int, fresh: bool) -> None:
         """Record a resume on another number of ranks than the save's (history event, :attr:`world_change`)."""
-        rec = _saved_record({"extra": saved_extra}, None)
+        rec = saved_record({"extra": saved_extra}, None)
         saved_world = int(rec["world_size"]) if rec else 1
         if saved_world == world_size:
             return
@@ -453,20 +393,6 @@ class Checkpointer:
         if fresh or self.world_change["dropped_ranks"]:
             warnings.warn(f"resumed a checkpoint of {saved_world} rank(s) on {world_size}: weights, m and v are exact, "
                           "the data order and trajectory are not those of the saved world size", stacklevel=3)
-
-    def _resume_foreign(self, src: Path, n: int) -> int:
-        contents = read_bin(src, expected_n=n)
-        if self.state.optimizer is None:
-            raise BadInput("a foreign .bin needs an AdamW optimizer to load m and v", file=src)
-        notes = load_into_model_and_adamw(contents, self.state.model, self.state.optimizer)
-        lacks = describe_missing(src)
-        msg = (f"{src} has no companion: weights, m and v restored at step {contents.step}; data order and random "
-               "streams start fresh, so this resume is only bit-equivalent modulo data randomness")
-        warnings.warn(msg, ForeignCheckpointWarning, stacklevel=3)
-        self.progress = Progress(step=contents.step)
-        self.history.event("resume", from_step=contents.step, file=str(src), foreign=True, lacks=lacks, notes=notes)
-        self._write_config()
-        return contents.step
 
     def _write_config(self) -> None:
         if self.dist is not None and not self.dist.is_main:
@@ -541,26 +467,30 @@ class Checkpointer:
             return  # this exact state is already committed
         t0 = time.perf_counter()
         try:
-            self._submit_bin(step, reason, must_succeed, t0)
+            self._submit(step, reason, must_succeed, t0)
         except SaveFailed as exc:
             self._failed(step, exc, must_succeed)
             return
+        self._write_sidecars()
         for name, fn in self.sidecars.items():
             write_atomic(self.run_dir / name, [json.dumps(fn(), indent=1, allow_nan=True).encode() + b"\n"])
         if self.on_checkpoint is not None:
             self.on_checkpoint(step)  # runs while the background writer writes
 
-    def _submit_bin(self, step: int, reason: str, must_succeed: bool, t0: float, extra: dict[str, Any] | None = None) -> None:
-        """Capture weights/m/v and the companion now; write them in the background, or commit them now."""
-        arrays = bin_arrays(self.state)
-        companion = companion_snapshot(self.state, self.progress, extra)
+    def _write_sidecars(self) -> None:
+        for name, fn in self.sidecars.items():
+            write_atomic(self.run_dir / name, [json.dumps(fn(), indent=1, allow_nan=True).encode() + b"\n"])
+
+    def _submit(self, step: int, reason: str, must_succeed: bool, t0: float, extra: dict[str, Any] | None = None) -> None:
+        """Capture the state now through the writing backend; commit it in the background, or now."""
         if self.writer is not None:
             self._collect(block=True, must_succeed=must_succeed)
-            self.writer.save(step, arrays, companion)
+            write = self.backend.capture(step, self.state, self.progress, extra, stage=self.writer.stage)
+            self.writer.submit(step, write)
             self._pending = (step, reason, t0)
             self.save_stalls.append(time.perf_counter() - t0)
         else:
-            gen = self.store.save(step, arrays, companion)
+            gen = self.backend.capture(step, self.state, self.progress, extra)()
             self.save_stalls.append(time.perf_counter() - t0)
             self._committed(gen, reason, time.perf_counter() - t0)
 
@@ -585,7 +515,7 @@ class Checkpointer:
         self.failed_saves = 0
         self.last_saved_step = gen.step
         self._last_gen = gen
-        self.history.event("checkpoint", step=gen.step, reason=reason, file=_gen_path(gen).name, bytes=gen.size,
+        self.history.event("checkpoint", step=gen.step, reason=reason, file=gen.path.name, bytes=gen.size,
                            seconds=round(seconds, 4))
         self.history.sync()
 
@@ -622,12 +552,12 @@ class Checkpointer:
         entries = d.gather(entry)  # every rank has handed over its part once this returns on rank 0
         self._captured_step = step
         extra = {"distributed": {**d.describe(), "ranks": entries}} if d.is_main else None
-        if d.sharded:
-            if not self._save_dcp(step, reason, must_succeed, extra, t0):
+        if self.backend.collective:
+            if not self._save_collective(step, reason, must_succeed, extra, t0):
                 return
         elif d.is_main:
             try:
-                self._submit_bin(step, reason, must_succeed, t0, extra)
+                self._submit(step, reason, must_succeed, t0, extra)
             except SaveFailed as exc:
                 if must_succeed:
                     self._deferred_error = exc  # raised by _collect_all, after every rank has been told
@@ -637,22 +567,20 @@ class Checkpointer:
                     self._failed(step, exc, must_succeed)
                 return
         if d.is_main:
-            for name, fn in self.sidecars.items():
-                write_atomic(self.run_dir / name, [json.dumps(fn(), indent=1, allow_nan=True).encode() + b"\n"])
+            self._write_sidecars()
         if self.on_checkpoint is not None:
             self.on_checkpoint(step)  # on every rank: a sharded model's forward is collective
 
-    def _save_dcp(self, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None, t0: float) -> bool:
-        """FSDP2: every rank writes its shards, a barrier, then rank 0 commits (companion, rename, marker)."""
+    def _save_collective(self, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None, t0: float) -> bool:
+        """Every rank writes its part (FSDP2: its shards), a barrier, then rank 0 commits (companion, rename, marker)."""
         d = self.dist
         assert d is not None
-        part = dcp_fmt.partial_path(self.run_dir, step)
-        if d.is_main and part.exists():
-            shutil.rmtree(part, ignore_errors=True)
+        if d.is_main:
+            self.backend.prepare(step)
         d.barrier()
         error: str | None = None
         try:
-            dcp_fmt.save_shards(self.state.model, self.state.optimizer, part)
+            self.backend.write_part(step, self.state)
         except Exception as exc:  # DCP reports a failure on every rank
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
         fault_point("after_shards", step, d.rank)
@@ -660,32 +588,20 @@ class Checkpointer:
         gen = None
         if d.is_main and error is None:
             try:
-                rest = _rest_proxy(self.state).snapshot(self.progress, extra, include_parameters=False)
-                n = sum(p.numel() for p in self.state.model.parameters())
-                gen = dcp_fmt.commit_dcp(self.run_dir, step, part, world_size=d.world_size, n_params=n, state=rest,
-                                         hmac_key=self.store.hmac_key)
-                self._dcp_retention(step)
+                gen = self.backend.capture(step, self.state, self.progress, extra, world_size=d.world_size)()
             except (RipresaError, OSError) as exc:
                 error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         error = d.broadcast(error)
         if error is not None:
             if d.is_main:
-                shutil.rmtree(part, ignore_errors=True)
-            self._failed(step, SaveFailed(f"sharded save of step {step} failed: {error}", file=part,
+                self.backend.abandon(step)
+            self._failed(step, SaveFailed(f"sharded save of step {step} failed: {error}", file=self.run_dir,
                                           hint="the previous generation is intact"), must_succeed)
             return False
         self.save_stalls.append(time.perf_counter() - t0)
         if d.is_main:
             self._committed(gen, reason, time.perf_counter() - t0)
         return True
-
-    def _dcp_retention(self, newest: int) -> list[int]:
-        """Rank 0: delete the ``.dcp`` generations the policy drops (never the newest valid)."""
-        valid = [g.step for g in dcp_fmt.dcp_generations(self.run_dir) if g.valid]
-        doomed = plan_deletions(valid, self.retention, newest_valid=newest)
-        for step in doomed:
-            dcp_fmt.delete_dcp(self.run_dir, step)
-        return doomed
 
     def _collect_all(self) -> None:
         """Distributed: rank 0 finishes its in-flight write; every rank learns whether it committed."""
@@ -724,9 +640,7 @@ class Checkpointer:
                 self.history.sync()
             except OSError:
                 pass
-            self.history.close()
-            self.signals.uninstall()
-            self.store.close()
+            self._release()
 
     def abort(self) -> None:
         """Release the folder on an error path: no collective, no new save.
@@ -739,6 +653,10 @@ class Checkpointer:
                 self.writer.wait()
         except Exception:
             pass
+        self._release()
+
+    def _release(self) -> None:
+        """Close the history, restore the signal handlers, release the run folder's lock."""
         self.history.close()
         self.signals.uninstall()
         self.store.close()
@@ -751,83 +669,3 @@ class Checkpointer:
             self.close()
         else:
             self.abort()  # never leave a half-written generation behind by choice
-
-
-
-# ---------------------------------------------------------------------- helpers
-def _gen_path(gen: Any) -> Path:
-    """The main file of a generation: the ``.bin`` or the ``.dcp`` folder."""
-    return gen.path if isinstance(gen, dcp_fmt.DcpGeneration) else gen.bin
-
-
-def rank_view(full: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], bool, int]:
-    """This rank's view of a saved state: ``(state, fresh, saved world size)``.
-
-    The companion's top-level random streams, data position and objects are
-    rank 0's; ``extra.distributed.ranks[r]`` holds rank ``r``'s. A rank the
-    saved run did not have keeps rank 0's data position and objects and is
-    ``fresh``: its random streams are not restored.
-    """
-    out = dict(full)
-    rec = _saved_record(full, None)
-    saved_world = int(rec["world_size"]) if rec else 1
-    if rank >= saved_world:
-        return out, True, saved_world
-    if rec:
-        entry = rec["ranks"][rank]
-        if int(entry["rank"]) != rank:
-            raise IntegrityError("per-rank entries are out of order in the companion", expected=rank, found=entry["rank"])
-        out["rng"], out["data"], out["objects"] = entry["rng"], entry["data"], entry["objects"]
-    return out, False, saved_world
-
-
-def _saved_record(full: Mapping[str, Any], file: Any) -> dict[str, Any] | None:
-    """``extra.distributed`` of a saved state, validated (counts against the list it holds) before any use."""
-    extra = full.get("extra")
-    if extra is None:
-        return None
-    if not isinstance(extra, Mapping):
-        raise IntegrityError("the saved state's 'extra' is not a dict", file=file, found=type(extra).__name__)
-    return check_distributed_record(extra.get("distributed"), file=file)
-
-
-def _rest_proxy(state: TrainingState) -> TrainingState:
-    """The state without model and optimizer (restored by DCP or set_state_dict), sharing every other object."""
-    proxy = copy.copy(state)
-    proxy.model = torch.nn.Module()
-    proxy.optimizer = None
-    return proxy
-
-
-def _strip(rest: Mapping[str, Any]) -> dict[str, Any]:
-    r = dict(rest)
-    r["model"] = {}
-    r["optimizer"] = None
-    return r
-
-
-def _validate_rest(state: TrainingState, rest: Mapping[str, Any], allow: Mapping[str, bool]) -> None:
-    """Refuse, before anything is changed, what :meth:`TrainingState.restore` would refuse."""
-    proxy = _rest_proxy(state)
-    r = _strip(rest)
-    proxy.check_structure(r)
-    changes = proxy.identity_changes(r)
-    refused = {k: v for k, v in changes.items()
-               if (k.startswith("versions.") and not allow["allow_version_change"])
-               or (k.startswith("code.") and not allow["allow_code_change"])
-               or (k == "data_identity" and not allow["allow_data_change"])}
-    if refused:
-        flags = sorted({"--allow-version-change" if k.startswith("versions.") else "--allow-code-change"
-                        if k.startswith("code.") else "--allow-data-change" for k in refused})
-        raise IdentityMismatch("the checkpoint was written by different versions, code or data",
-                               expected={k: v["saved"] for k, v in refused.items()},
-                               found={k: v["now"] for k, v in refused.items()},
-                               hint=f"an exact resume needs the same; to accept the change knowingly pass {' '.join(flags)} (it is recorded)")
-
-
-def _restore_rest(state: TrainingState, rest: Mapping[str, Any], restore_rng: bool, allow: Mapping[str, bool]) -> Progress:
-    """Scheduler, scaler, data, objects, then the random streams last (model and optimizer are loaded)."""
-    proxy = _rest_proxy(state)
-    progress = proxy.restore(_strip(rest), restore_rng=restore_rng, **allow)
-    state.lineage = proxy.lineage
-    return progress

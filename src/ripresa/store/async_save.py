@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..errors import RipresaError, SaveFailed
 from ..formats.andrea_bin import BinArrays
-from .store import CheckpointStore, Generation
+from ..formats.generation import Generation
+from .store import CheckpointStore
 
 
 class StagingBuffers:
@@ -82,20 +84,27 @@ class AsyncCheckpointWriter:
     def save(self, step: int, arrays: BinArrays, companion_state: dict[str, Any]) -> None:
         """Stage ``arrays`` now and commit generation ``step`` in the background."""
         t0 = time.perf_counter()
+        staged = self.stage(arrays)
+        self.submit(step, lambda: self.store.save(step, staged, companion_state))
+        self.last_stall_s = time.perf_counter() - t0
+
+    def stage(self, arrays: BinArrays) -> BinArrays:
+        """Wait for the in-flight save, then copy ``arrays`` into the staging buffers (the step boundary's bytes)."""
         self.wait()
         if self.buffers is None or self.buffers.n_params != arrays.n_params:
             self.buffers = StagingBuffers(arrays.n_params, pin_memory=self.pin_memory)
-        staged = self.buffers.capture(arrays)
-        self._thread = threading.Thread(
-            target=self._run, args=(step, staged, companion_state), name=f"ripresa-save-{step}", daemon=False
-        )
-        self._thread.start()
-        self.last_stall_s = time.perf_counter() - t0
+        return self.buffers.capture(arrays)
 
-    def _run(self, step: int, staged: BinArrays, companion_state: dict[str, Any]) -> None:
+    def submit(self, step: int, write: Callable[[], Generation]) -> None:
+        """Run ``write`` (a backend's captured save of ``step``) in the background; one in flight at most."""
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(step, write), name=f"ripresa-save-{step}", daemon=False)
+        self._thread.start()
+
+    def _run(self, step: int, write: Callable[[], Generation]) -> None:
         t0 = time.perf_counter()
         try:
-            self._result = self.store.save(step, staged, companion_state)
+            self._result = write()
         except BaseException as exc:  # kept and raised in the training thread
             self._error, self._error_step = exc, step
         finally:

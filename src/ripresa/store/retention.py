@@ -37,6 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from ..errors import BadInput
 
@@ -95,6 +96,11 @@ def _as_count(value: object, what: str, hint: str) -> int:
     return n
 
 
+def _set_count(policy: Any, name: str, hint: str) -> None:
+    """Validate a frozen policy's count field ``name`` (:func:`_as_count`) and store the int."""
+    object.__setattr__(policy, name, _as_count(getattr(policy, name), f"{type(policy).__name__}.{name}", hint))
+
+
 class RetentionPolicy(ABC):
     """A pure rule that picks, from a list of steps, the ones to keep."""
 
@@ -117,40 +123,45 @@ class RetentionPolicy(ABC):
         return self.spec
 
 
+class _OneCount(RetentionPolicy):
+    """A policy of one count field (``field``), validated at construction, written ``word=N``."""
+
+    field: ClassVar[str]
+    word: ClassVar[str]
+    hint: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        _set_count(self, self.field, self.hint)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.word}={getattr(self, self.field)}"
+
+
 @dataclass(frozen=True)
-class KeepLast(RetentionPolicy):
+class KeepLast(_OneCount):
     """Keep the ``n`` newest steps (``n >= 1``)."""
 
     n: int
-
-    def __post_init__(self) -> None:
-        n = _as_count(self.n, "KeepLast.n", "keep at least the newest step: KeepLast(1)")
-        object.__setattr__(self, "n", n)
+    field: ClassVar[str] = "n"
+    word: ClassVar[str] = "last"
+    hint: ClassVar[str] = "keep at least the newest step: KeepLast(1)"
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return set(sorted(_as_steps(steps, "step"))[-self.n :])
 
-    @property
-    def spec(self) -> str:
-        return f"last={self.n}"
-
 
 @dataclass(frozen=True)
-class KeepEvery(RetentionPolicy):
+class KeepEvery(_OneCount):
     """Keep every step divisible by ``k`` (``k >= 1``; step 0 counts as divisible)."""
 
     k: int
-
-    def __post_init__(self) -> None:
-        k = _as_count(self.k, "KeepEvery.k", "KeepEvery(1) keeps every step")
-        object.__setattr__(self, "k", k)
+    field: ClassVar[str] = "k"
+    word: ClassVar[str] = "every"
+    hint: ClassVar[str] = "KeepEvery(1) keeps every step"
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return {s for s in _as_steps(steps, "step") if s % self.k == 0}
-
-    @property
-    def spec(self) -> str:
-        return f"every={self.k}"
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ writer opens the folder.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,12 +52,14 @@ from ..formats.andrea_bin import (
     read_header,
     write_bin,
 )
+from ..formats.generation import Check, Checks, Generation, reason_of
 from ..io import auth
 from ..io.fsio import (
     StagedFile,
     clean_temporaries,
     fsync_dir,
     ops,
+    parse_sha256sum,
     read_small,
     sha256_file,
     sidecar_line,
@@ -65,29 +68,11 @@ from ..io.fsio import (
 from ..io.lock import RunLock
 from .retention import DEFAULT_RETENTION, RetentionPolicy, plan_deletions
 
-_MARKER_LINE = re.compile(r"^([0-9a-f]{64}) [ *]([^/\x00\n]+)$")
 _STEP_FILE = re.compile(r"^step_(\d{6,})\.(bin|json|bin\.sha256|bin\.hmac)$")
 
 
 class CheckpointWarning(UserWarning):
     """A generation was skipped (damaged or uncommitted) in favour of an older one."""
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One generation of a run folder and whether it can be trusted."""
-
-    step: int
-    bin: Path
-    companion: Path
-    marker: Path
-    valid: bool
-    reason: str | None = None
-    size: int | None = None
-    bin_sha256: str | None = None
-    companion_sha256: str | None = None
-    deep_checked: bool = False
-    signature_verified: bool = False
 
 
 def generation_paths(folder: Path, step: int) -> tuple[Path, Path, Path]:
@@ -102,16 +87,12 @@ def read_marker(marker: Path, bin_path: Path, companion: Path) -> tuple[str, str
         raise IntegrityError("missing commit marker: the generation was never committed", file=marker,
                              expected=f"{marker.name} written last", found="nothing", hint="an older generation will be used")
     raw = read_small(marker, "commit marker", 4096, error=IntegrityError)  # no link, no FIFO, bounded
-    try:
-        lines = raw.decode("ascii").splitlines()
-    except UnicodeDecodeError:
-        lines = []
-    parsed = [_MARKER_LINE.match(line) for line in lines]
-    if len(raw) > 4096 or len(lines) != 2 or not all(parsed):
+    parsed = parse_sha256sum(raw)
+    if len(raw) > 4096 or parsed is None or len(parsed) != 2:
         raise IntegrityError("malformed commit marker", file=marker,
                              expected=f"two lines '<sha256>  {bin_path.name}' and '<sha256>  {companion.name}'",
                              found=repr(raw[:160]), hint="the marker is damaged; this generation cannot be trusted")
-    names = {m.group(2): m.group(1) for m in parsed if m}
+    names = {name: digest for digest, name in parsed}
     if set(names) != {bin_path.name, companion.name}:
         raise IntegrityError("commit marker names other files", file=marker,
                              expected=[bin_path.name, companion.name], found=sorted(names),
@@ -177,46 +158,15 @@ class CheckpointStore:
         return sorted(steps)
 
     def check(self, step: int, *, deep: bool = False) -> Generation:
-        """Validate one generation; ``deep`` re-hashes the whole ``.bin``."""
-        b, c, mk = generation_paths(self.folder, step)
-        try:
-            bin_sha, comp_sha = read_marker(mk, b, c)
-            if self.require_signature:  # authenticate before parsing anything else
-                self._verify_signature(step, bin_sha, comp_sha)
-            header = read_header(b)
-            if header.step != step:
-                raise IntegrityError("the .bin's header names another step", file=b, expected=step, found=header.step)
-            comp_digest = sha256_file(c)
-            if comp_digest.sha256 != comp_sha:
-                raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=comp_digest.sha256,
-                                     hint="the companion changed after the commit")
-            with _malformed_companion(c):
-                doc = companion_fmt.read_companion(c)
-            rec = doc["bin"]
-            if rec["name"] != b.name or rec["sha256"] != bin_sha or rec["size"] != header.file_size or rec["step"] != step:
-                raise IntegrityError("companion and .bin disagree", file=c,
-                                     expected={"name": b.name, "sha256": bin_sha, "size": header.file_size, "step": step},
-                                     found={k: rec.get(k) for k in ("name", "sha256", "size", "step")})
-            if deep:
-                d = sha256_file(b)
-                if d.sha256 != bin_sha:
-                    raise IntegrityError("sha256 mismatch: the .bin changed after it was committed", file=b,
-                                         expected=bin_sha, found=d.sha256, hint="bit rot or an edit; an older generation will be used")
-                with _malformed_companion(c):  # a deep check runs load's own validation (load will not fail)
-                    _validate_state(companion_fmt.decode_tree(doc["state"]), c)
-        except RipresaError as exc:
-            reason = f"{exc.message}" + (f" ({exc.file})" if exc.file else "")
-            if exc.found is not None and not isinstance(exc.found, dict):
-                reason += f": found {str(exc.found)[:120]}"
-            return Generation(step, b, c, mk, valid=False, reason=reason)
-        return Generation(step, b, c, mk, valid=True, size=header.file_size, bin_sha256=bin_sha,
-                          companion_sha256=comp_sha, deep_checked=deep, signature_verified=self.require_signature)
+        """Validate one generation (:func:`validate_generation`); ``deep`` re-hashes the whole ``.bin``."""
+        return validate_generation(self.folder, step, deep=deep, key=self._signature_key()).generation
 
-    def _verify_signature(self, step: int, bin_sha: str, comp_sha: str) -> None:
-        """Raise :class:`~ripresa.io.auth.SignatureError` unless generation ``step`` is signed with our key."""
-        b, c, _ = generation_paths(self.folder, step)
+    def _signature_key(self) -> bytes | None:
+        """The key signatures are verified with, or None when they are not required."""
+        if not self.require_signature:
+            return None
         assert self.hmac_key is not None
-        auth.verify(self.hmac_key, auth.signature_path(b), step, b.name, bin_sha, c.name, comp_sha)
+        return self.hmac_key
 
     def generations(self, *, deep: bool = False) -> list[Generation]:
         """Every generation on disk, ascending, each with its validity."""
@@ -224,13 +174,7 @@ class CheckpointStore:
 
     def latest_valid(self, *, deep: bool = True, warn: bool = True) -> Generation | None:
         """The newest committed, verified generation; warn about each newer one skipped."""
-        for step in reversed(self.steps_on_disk()):
-            g = self.check(step, deep=deep)
-            if g.valid:
-                return g
-            if warn:
-                warnings.warn(f"skipping generation {step}: {g.reason}", CheckpointWarning, stacklevel=2)
-        return None
+        return newest_valid((("generation", self.check(s, deep=deep)) for s in reversed(self.steps_on_disk())), warn=warn)
 
     # ----------------------------------------------------------------- saving
     def save(self, step: int, arrays: BinArrays, companion_state: dict[str, Any]) -> Generation:
@@ -307,35 +251,112 @@ class CheckpointStore:
     def load(self, step: int, *, expected_n: int | None = None, check_finite: bool = False) -> tuple[BinContents, dict[str, Any]]:
         """Read and verify generation ``step``: (.bin contents, decoded companion state).
 
-        The ``.bin`` is hashed while it is read (one pass) and compared with the
-        marker; the companion's hash too. Raises on any mismatch.
+        The same named checks as :meth:`check` (:func:`validate_generation`),
+        the ``.bin`` hashed while it is read into memory (one pass) and the
+        companion state decoded and validated. Raises on the first failure.
         """
-        b, c, mk = generation_paths(self.folder, step)
-        bin_sha, comp_sha = read_marker(mk, b, c)
-        if self.require_signature:
-            self._verify_signature(step, bin_sha, comp_sha)
-        raw = _read_companion_bytes(c)
-        import hashlib
+        v = validate_generation(self.folder, step, load=True, expected_n=expected_n, check_finite=check_finite,
+                                key=self._signature_key(), raise_first=True)
+        assert v.contents is not None
+        return v.contents, v.state
 
-        if hashlib.sha256(raw).hexdigest() != comp_sha:
-            raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=hashlib.sha256(raw).hexdigest())
-        doc = companion_fmt.loads_bounded(raw, file=c)
-        companion_fmt.validate_envelope(doc, c)
+
+@dataclass
+class Validation:
+    """What :func:`validate_generation` found: the named checks, the record, and what it read."""
+
+    generation: Generation
+    checks: list[Check]
+    doc: dict[str, Any] | None = None
+    contents: BinContents | None = None
+    state: Any = None
+
+
+def validate_generation(folder: Path, step: int, *, deep: bool = False, load: bool = False, key: bytes | None = None,
+                        expected_n: int | None = None, check_finite: bool = False,
+                        raise_first: bool = False) -> Validation:
+    """The one validation of a ``.bin`` generation: named checks, each file read once.
+
+    In order: ``marker present``, ``marker format`` (two ``sha256sum`` lines
+    naming this generation's files), ``signature`` (only with ``key``: before
+    anything else is parsed), ``bin header`` (size against ``n_params``),
+    ``bin step``, ``companion sha256``, ``companion schema`` (the envelope,
+    parsed from the same bytes that were hashed), ``companion record`` (the
+    companion's ``bin`` record against the marker and the header); with
+    ``deep`` or ``load``: ``bin sha256`` (``load`` reads the ``.bin`` into
+    memory while hashing it) and ``companion state`` (the decoded state
+    passes :func:`~ripresa.core.state.validate_saved_state`: one progress
+    instant, schema, identity fields). The first failure ends the validation:
+    the generation is invalid with that check's reason, or, with
+    ``raise_first``, its error is raised. ``CheckpointStore.check``,
+    ``CheckpointStore.load`` and ``ripresa inspect`` all call this.
+    """
+    b, c, mk = generation_paths(Path(folder), step)
+    checks = Checks()
+    out = Validation(Generation(step, "bin", b, c, mk, valid=False), checks.items)
+    try:
+        with checks.run("marker present", expected=mk.name) as f:
+            if not os.path.lexists(mk):
+                read_marker(mk, b, c)  # raises: missing commit marker
+            f["found"] = mk.name
+        with checks.run("marker format", expected=[b.name, c.name]):
+            bin_sha, comp_sha = read_marker(mk, b, c)
+        if key is not None:  # authenticate before parsing anything else
+            with checks.run("signature", expected=auth.signature_path(b).name):
+                auth.verify(key, auth.signature_path(b), step, b.name, bin_sha, c.name, comp_sha)
+        with checks.run("bin header") as f:
+            header = read_header(b, expected_n=expected_n)
+            f["found"] = {"step": header.step, "n_params": header.n_params, "size": header.file_size}
+        with checks.run("bin step", expected=step) as f:
+            if header.step != step:
+                raise IntegrityError("the .bin's header names another step", file=b, expected=step, found=header.step)
+            f["found"] = header.step
+        with checks.run("companion sha256", expected=comp_sha) as f:
+            raw = _read_companion_bytes(c)
+            found = hashlib.sha256(raw).hexdigest()
+            if found != comp_sha:
+                raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=found,
+                                     hint="the companion changed after the commit")
+            f["found"] = found
+        with checks.run("companion schema", expected=companion_fmt.FORMAT), _malformed_companion(c):
+            doc = companion_fmt.loads_bounded(raw, file=c)
+            companion_fmt.validate_envelope(doc, c)
+        out.doc = doc
         rec = doc["bin"]
-        if rec["name"] != b.name or rec["sha256"] != bin_sha or rec["step"] != step:
-            # the same cross-check as check(): a companion only describes its own .bin
-            raise IntegrityError("companion and .bin disagree", file=c,
-                                 expected={"name": b.name, "sha256": bin_sha, "step": step},
-                                 found={k: rec.get(k) for k in ("name", "sha256", "step")})
-        contents = read_bin(b, expected_n=expected_n, check_finite=check_finite, expected_sha256=bin_sha)
-        if contents.step != step or rec["size"] != contents.header.file_size:
-            raise IntegrityError("companion and .bin disagree", file=c,
-                                 expected={"step": step, "size": contents.header.file_size},
-                                 found={"header step": contents.step, "size": rec["size"]})
-        with _malformed_companion(c):
-            state = companion_fmt.decode_tree(doc["state"])
-            _validate_state(state, c)  # the same check as check(deep=True) and inspect --deep
-        return contents, state
+        want = {"name": b.name, "sha256": bin_sha, "size": header.file_size, "step": step}
+        with checks.run("companion record", expected=want) as f:
+            got = {k: rec.get(k) for k in want}
+            if got != want:
+                raise IntegrityError("companion and .bin disagree", file=c, expected=want, found=got)
+            f["found"] = got
+        if deep or load:
+            with checks.run("bin sha256", expected=bin_sha) as f:
+                if load:
+                    out.contents = read_bin(b, expected_n=expected_n, check_finite=check_finite, expected_sha256=bin_sha)
+                    if out.contents.step != step or out.contents.header.file_size != header.file_size:
+                        raise IntegrityError("the .bin changed while it was read", file=b,
+                                             expected={"step": step, "size": header.file_size},
+                                             found={"header step": out.contents.step, "size": out.contents.header.file_size})
+                    f["found"] = bin_sha
+                else:
+                    d = sha256_file(b)
+                    if d.sha256 != bin_sha:
+                        raise IntegrityError("sha256 mismatch: the .bin changed after it was committed", file=b,
+                                             expected=bin_sha, found=d.sha256,
+                                             hint="bit rot or an edit; an older generation will be used")
+                    f["found"] = d.sha256
+            with checks.run("companion state"), _malformed_companion(c):
+                out.state = companion_fmt.decode_tree(doc["state"])
+                _validate_state(out.state, c)  # one progress instant, schema, identity (what a resume restores)
+    except RipresaError as exc:
+        if raise_first:
+            raise
+        out.generation = Generation(step, "bin", b, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
+        return out
+    out.generation = Generation(step, "bin", b, c, mk, valid=True, size=header.file_size,
+                                files={b.name: bin_sha, c.name: comp_sha}, deep_checked=deep or load,
+                                signature_verified=key is not None, checks=tuple(checks))
+    return out
 
 
 #: What parsing or decoding a hostile companion can raise besides ripresa's own errors.
@@ -373,45 +394,21 @@ def _read_companion_bytes(c: Path) -> bytes:
     return read_small(c, "companion", companion_fmt.MAX_COMPANION_BYTES, error=IntegrityError)
 
 
-# ---- either kind of generation; signature checks of one file ----------------------------
+def newest_valid(checked: Iterable[tuple[str, Generation]], *, warn: bool) -> Generation | None:
+    """The first valid generation of ``checked`` ((label, generation), newest first, checked lazily).
 
-
-def latest_valid_of(folder: Path, kinds: tuple[str, ...], *, deep: bool = False, warn: bool = True,
-                    store: Any = None) -> Any:
-    """The newest valid generation among ``kinds`` (``"bin"``, ``"dcp"``), or None.
-
-    The caller passes the kinds it may resume: a single-process session only
-    ``("bin",)`` (the ``.dcp`` folders of its run folder are never read), a
-    sharded one ``("dcp", "bin")``. Each newer generation of those kinds that
-    fails its check is skipped with a :class:`CheckpointWarning`
-    naming it and the reason. ``store`` (a :class:`CheckpointStore`
-    of ``folder``) checks the ``.bin`` ones; a reader is opened if None.
+    Each invalid one before it is skipped with a :class:`CheckpointWarning`
+    naming it (``skipping <label> <step>: <reason>``).
     """
-    from ..formats import dcp as dcp_fmt  # torch.distributed.checkpoint: only when asked
-
-    unknown = set(kinds) - set(dcp_fmt.KINDS)
-    if unknown:
-        raise ValueError(f"unknown generation kinds {sorted(unknown)}")
-    if "bin" in kinds and store is None:
-        store = CheckpointStore(folder, writer=False)
-    bins = set(store.steps_on_disk()) if "bin" in kinds else set()
-    dcps = set(dcp_fmt.dcp_steps_on_disk(Path(folder))) if "dcp" in kinds else set()
-    for step in sorted(bins | dcps, reverse=True):
-        for kind in kinds:
-            if (kind == "dcp" and step not in dcps) or (kind == "bin" and step not in bins):
-                continue
-            g = dcp_fmt.check_dcp(Path(folder), step, deep=deep) if kind == "dcp" else store.check(step, deep=deep)
-            if g.valid:
-                return g
-            if warn:
-                what = "generation" if kind == "bin" else ".dcp generation"
-                warnings.warn(f"skipping {what} {step}: {g.reason}", CheckpointWarning, stacklevel=2)
+    for label, g in checked:
+        if g.valid:
+            return g
+        if warn:
+            warnings.warn(f"skipping {label} {g.step}: {g.reason}", CheckpointWarning, stacklevel=3)
     return None
 
 
-def latest_valid_any(folder: Path, *, deep: bool = False, warn: bool = True) -> Any:
-    """The newest valid generation of either kind (``inspect``'s view of a mixed folder)."""
-    return latest_valid_of(folder, ("dcp", "bin"), deep=deep, warn=warn)
+# ---- signature checks of one file ----------------------------------------------------
 
 
 def check_generation_file(path: str | os.PathLike[str]) -> None:

@@ -68,6 +68,7 @@ from ..formats.andrea_bin import (
 from ..io import auth
 from ..io.fsio import StagedFile, fsync_dir, verify_against_sidecar, write_sidecar
 from ..store.retention import KeepLast
+from ..verify.compare import first_difference
 from .models import ModelFactory
 
 KINDS = ("dcp", "bin", "plain-bin", "pt", "safetensors")
@@ -314,42 +315,6 @@ def write(lo: Loaded, dest: Path, kind: str) -> None:
 # ---- comparing ---------------------------------------------------------------------------------
 
 
-def _bits(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _same_tree(a: Any, b: Any, where: str) -> str | None:
-    """The first place where two state trees differ (bitwise for tensors), or None."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{where}: tensor vs {type(b).__name__ if isinstance(a, torch.Tensor) else type(a).__name__}"
-        if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-            return f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        return None if _bits(a) == _bits(b) else f"{where}: values differ"
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if set(map(str, a)) != set(map(str, b)):
-            return f"{where}: keys {sorted(map(str, a))[:6]} vs {sorted(map(str, b))[:6]}"
-        bk = {str(k): v for k, v in b.items()}
-        for k, v in a.items():
-            d = _same_tree(v, bk[str(k)], f"{where}.{k}")
-            if d:
-                return d
-        return None
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        if len(a) != len(b):
-            return f"{where}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            d = _same_tree(x, y, f"{where}[{i}]")
-            if d:
-                return d
-        return None
-    if type(a) is not type(b) and not (isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool) and not isinstance(b, bool)):
-        return f"{where}: {type(a).__name__} vs {type(b).__name__}"
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:  # NaN == NaN here
-        return None
-    return None if a == b else f"{where}: {a!r} vs {b!r}"
-
-
 def _optimizer_tree(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state keyed by parameter name (comparable across kinds)."""
     return dcp_fmt.optimizer_state_by_name(model, opt, opt.state_dict())
@@ -358,7 +323,7 @@ def _optimizer_tree(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[
 def compare(a: Loaded, b: Loaded, holds: str) -> list[str]:
     """Differences between two loaded checkpoints, over what ``holds`` covers."""
     diffs = []
-    d = _same_tree(dict(a.model.state_dict()), dict(b.model.state_dict()), "model")
+    d = first_difference(dict(a.model.state_dict()), dict(b.model.state_dict()), "model")
     if d:
         diffs.append(d)
     if holds in ("moments", "full") and a.optimizer is not None and b.optimizer is not None:
@@ -375,15 +340,15 @@ def compare(a: Loaded, b: Loaded, holds: str) -> list[str]:
                     if not same:
                         diffs.append(f"optimizer.state.{name}.step: {float(ea[k])} vs {float(eb[k])}")
                     continue
-                dd = _same_tree(ea.get(k), eb.get(k), f"optimizer.state.{name}.{k}")
+                dd = first_difference(ea.get(k), eb.get(k), f"optimizer.state.{name}.{k}")
                 if dd:
                     diffs.append(dd)
         if holds == "full":
-            dd = _same_tree(_groups(sa["param_groups"]), _groups(sb["param_groups"]), "optimizer.param_groups")
+            dd = first_difference(_groups(sa["param_groups"]), _groups(sb["param_groups"]), "optimizer.param_groups")
             if dd:
                 diffs.append(dd)
     if holds == "full":
-        dd = _same_tree(_plain(a.rest), _plain(b.rest), "state")
+        dd = first_difference(_plain(a.rest), _plain(b.rest), "state")
         if dd:
             diffs.append(dd)
     return diffs

@@ -337,7 +337,7 @@ def scan_bin(p: Path, step: int, n_params: int) -> tuple[str, dict[str, Stats]]:
     read. Raises :class:`~ripresa.errors.IntegrityError` if the file changed
     size while it was read.
     """
-    from ..formats.andrea_bin import FLOAT, HEADER_SIZE, REGIONS
+    from ..formats.andrea_bin import FLOAT, HEADER_SIZE, REGIONS, refuse_growth
     from ..io.fsio import open_regular, read_exact_hashing
 
     expected_size = HEADER_SIZE + 12 * n_params
@@ -382,14 +382,7 @@ def scan_bin(p: Path, step: int, n_params: int) -> tuple[str, dict[str, Stats]]:
             finally:
                 if pending is not None:
                     pending.result()
-        if os.read(fd, 1):
-            raise IntegrityError(
-                "ANDREA .bin grew while it was inspected",
-                file=p,
-                expected=f"{expected_size} bytes",
-                found="more data after v",
-                hint="another process is writing this file; inspect a committed generation",
-            )
+        refuse_growth(fd, p, expected_size, done="inspected", do="inspect")
     finally:
         os.close(fd)
     return hasher.hexdigest(), stats
@@ -789,10 +782,10 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
 
     report = _base(given, "run", check_finite, deep)
     v = _Verdict()
-    from ..formats.dcp import dcp_generations
+    from ..store.backend import backend_of, registered
 
-    # .bin generations (single process / DDP) and .dcp generations (FSDP2) side by side.
-    gens: list[Any] = [store.check(step, deep=deep) for step in steps] + list(dcp_generations(p, deep=deep))
+    # Every registered kind side by side: .bin (single process / DDP), .dcp (FSDP2), ...
+    gens: list[Any] = [g for kind in registered() for g in backend_of(kind, store).generations(deep=deep)]
     gens.sort(key=lambda g: g.step)
     valid = [g for g in gens if g.valid]
     # The resume of a single-process or DDP run considers .bin generations only; an
@@ -820,6 +813,7 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
             "resume": resume is not None and g is resume,
             "files": {"bin" if not is_dcp else "dcp": os.path.lexists(main), "companion": os.path.lexists(g.companion),
                       "marker": os.path.lexists(g.marker)},
+            "checks": [c.as_dict() for c in g.checks],
         })
 
     lock: dict[str, Any] = {"held": False, "pid": None, "hostname": None, "started": None, "argv": None, "error": None}
@@ -1097,6 +1091,9 @@ def _render_run(r: dict[str, Any], console: Any) -> None:
             status += " [dim](not re-hashed)[/]"
         missing = [k for k, present in files.items() if not present]
         reason = g["reason"] or ""
+        failed = next((c for c in g.get("checks") or [] if not c["ok"]), None)
+        if failed is not None:
+            reason = f"check '{failed['name']}' failed: {reason}"
         if missing and not g["valid"]:
             reason = f"missing {', '.join(missing)}; " + reason
         t.add_row(str(g["step"]), escape(str(g.get("kind", "bin"))), _short_size(g["size"]), status,

@@ -39,7 +39,7 @@ from typing import Any
 from ..core.identity import versions
 from ..errors import BadInput, OutputExists
 from ..io.fsio import write_atomic
-from .compare import Comparison, compare_trees
+from .compare import Comparison, Tally, compare_trees
 from .trajectory import read_trajectory
 
 PATHS = ("continuous", "interrupted", "resume", "resume-without-rng")
@@ -49,12 +49,10 @@ STEP_PARTS = ("rows", "lr", "loss")
 
 
 @dataclass
-class CheckResult:
+class CheckResult(Tally):
     """One named check (e.g. ``parameters``) of one path against the reference."""
 
     name: str
-    max_abs_gap: float = 0.0
-    compared: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -62,8 +60,7 @@ class CheckResult:
         return not self.problems
 
     def add(self, where: str, cmp: Comparison) -> None:
-        self.max_abs_gap = max(self.max_abs_gap, cmp.max_abs_gap)
-        self.compared += cmp.compared
+        self.count(cmp)
         self.problems.extend(f"{where}: {d.describe()}" for d in cmp.differences)
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,0 +1,140 @@
+"""Restoring a saved state into the live :class:`~ripresa.core.state.TrainingState` (every storage backend).
+
+A backend reads a generation into a :class:`Loaded` (everything checked,
+nothing live changed yet); :func:`restore_loaded` then restores it: the whole
+state at once (:meth:`TrainingState.restore`) when the saved state holds the
+model and optimizer and the model is not sharded, or else the rest first
+checked (:func:`validate_rest`), the weights loaded by the backend, and the
+rest restored with the random streams last (:func:`restore_rest`). In a
+distributed run each rank takes its own view (:func:`rank_view`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.schema import check_distributed_record
+from ..core.state import Progress, TrainingState
+from ..errors import IdentityMismatch, IntegrityError
+
+
+@dataclass
+class Loaded:
+    """A generation read and checked, before anything live changes.
+
+    ``saved``: the saved state (with ``model``/``optimizer`` when ``whole``);
+    ``load_weights(model, optimizer, saved, sharded)``: puts model and
+    optimizer in place when the state is not restored whole.
+    """
+
+    saved: dict[str, Any]
+    whole: bool
+    load_weights: Callable[[torch.nn.Module, Any, Mapping[str, Any], bool], None]
+    file: Path | None = None
+
+
+@dataclass
+class Restored:
+    """What a restore did: the progress, the saved ``extra``, whether this rank's streams stayed fresh."""
+
+    progress: Progress
+    extra: dict[str, Any]
+    fresh: bool = False
+    event: dict[str, Any] = field(default_factory=dict)
+
+
+def restore_loaded(state: TrainingState, loaded: Loaded, *, restore_rng: bool, allow: Mapping[str, bool],
+                   rank: int | None = None, sharded: bool = False) -> Restored:
+    """Restore ``loaded`` into ``state`` (``rank``: this rank's view of a distributed save)."""
+    saved, fresh = loaded.saved, False
+    if rank is not None:
+        saved, fresh, _world = rank_view(saved, rank)
+    else:
+        saved_record(saved, loaded.file)
+    rng = restore_rng and not fresh
+    if loaded.whole and not sharded:
+        progress = state.restore(saved, restore_rng=rng, **allow)
+    else:
+        validate_rest(state, saved, allow)
+        loaded.load_weights(state.model, state.optimizer, saved, sharded)
+        progress = restore_rest(state, saved, rng, allow)
+    return Restored(progress, saved.get("extra") or {}, fresh)
+
+
+def rank_view(full: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], bool, int]:
+    """This rank's view of a saved state: ``(state, fresh, saved world size)``.
+
+    The companion's top-level random streams, data position and objects are
+    rank 0's; ``extra.distributed.ranks[r]`` holds rank ``r``'s. A rank the
+    saved run did not have keeps rank 0's data position and objects and is
+    ``fresh``: its random streams are not restored.
+    """
+    out = dict(full)
+    rec = saved_record(full, None)
+    saved_world = int(rec["world_size"]) if rec else 1
+    if rank >= saved_world:
+        return out, True, saved_world
+    if rec:
+        entry = rec["ranks"][rank]
+        if int(entry["rank"]) != rank:
+            raise IntegrityError("per-rank entries are out of order in the companion", expected=rank, found=entry["rank"])
+        out["rng"], out["data"], out["objects"] = entry["rng"], entry["data"], entry["objects"]
+    return out, False, saved_world
+
+
+def saved_record(full: Mapping[str, Any], file: Any) -> dict[str, Any] | None:
+    """``extra.distributed`` of a saved state, validated (counts against the list it holds) before any use."""
+    extra = full.get("extra")
+    if extra is None:
+        return None
+    if not isinstance(extra, Mapping):
+        raise IntegrityError("the saved state's 'extra' is not a dict", file=file, found=type(extra).__name__)
+    return check_distributed_record(extra.get("distributed"), file=file)
+
+
+def rest_proxy(state: TrainingState) -> TrainingState:
+    """The state without model and optimizer (restored by DCP or set_state_dict), sharing every other object."""
+    proxy = copy.copy(state)
+    proxy.model = torch.nn.Module()
+    proxy.optimizer = None
+    return proxy
+
+
+def _strip(rest: Mapping[str, Any]) -> dict[str, Any]:
+    r = dict(rest)
+    r["model"] = {}
+    r["optimizer"] = None
+    return r
+
+
+def validate_rest(state: TrainingState, rest: Mapping[str, Any], allow: Mapping[str, bool]) -> None:
+    """Refuse, before anything is changed, what :meth:`TrainingState.restore` would refuse."""
+    proxy = rest_proxy(state)
+    r = _strip(rest)
+    proxy.check_structure(r)
+    changes = proxy.identity_changes(r)
+    refused = {k: v for k, v in changes.items()
+               if (k.startswith("versions.") and not allow["allow_version_change"])
+               or (k.startswith("code.") and not allow["allow_code_change"])
+               or (k == "data_identity" and not allow["allow_data_change"])}
+    if refused:
+        flags = sorted({"--allow-version-change" if k.startswith("versions.") else "--allow-code-change"
+                        if k.startswith("code.") else "--allow-data-change" for k in refused})
+        raise IdentityMismatch("the checkpoint was written by different versions, code or data",
+                               expected={k: v["saved"] for k, v in refused.items()},
+                               found={k: v["now"] for k, v in refused.items()},
+                               hint=f"an exact resume needs the same; to accept the change knowingly pass {' '.join(flags)} (it is recorded)")
+
+
+def restore_rest(state: TrainingState, rest: Mapping[str, Any], restore_rng: bool, allow: Mapping[str, bool]) -> Progress:
+    """Scheduler, scaler, data, objects, then the random streams last (model and optimizer are loaded)."""
+    proxy = rest_proxy(state)
+    progress = proxy.restore(_strip(rest), restore_rng=restore_rng, **allow)
+    state.lineage = proxy.lineage
+    return progress

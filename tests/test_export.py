@@ -453,9 +453,9 @@ def _readme_cases():
     from ripresa.store.store import Generation
 
     run = Path("/data/runs/andrea")
-    gen = Generation(step=1200, bin=run / "step_001200.bin", companion=run / "step_001200.json",
+    gen = Generation(step=1200, kind="bin", path=run / "step_001200.bin", companion=run / "step_001200.json",
                      marker=run / "step_001200.bin.sha256", valid=True, size=8 + 12 * 137000,
-                     bin_sha256="ab" * 32, companion_sha256="cd" * 32)
+                     files={"step_001200.bin": "ab" * 32, "step_001200.json": "cd" * 32})
     params = [{"name": "transformer.wte.weight", "shape": [256, 64], "offset": 0, "numel": 16384}]
     config = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 128}, "train": {"lr": 0.001}}
     state = {"versions": {"device": "cpu", "torch": "2.13.0", "python": "3.11.9"}}

@@ -115,6 +115,7 @@ def test_prints_table_and_cleans_scratch(small_run):
     assert sorted(p.name for p in out.iterdir()) == [f"bench_checkpoint_{N}.json", f"bench_checkpoint_{N}.png"]
 
 
+@pytest.mark.slow
 def test_sigterm_midway_leaves_no_scratch_files(tmp_path):
     import os
     import signal

@@ -350,6 +350,7 @@ def test_inference_export_loads_with_safetensors_and_generates(run_dir, tmp_path
 # ----------------------------------------------------------------------------- the proof of resume
 
 
+@pytest.mark.slow
 def test_training_resumes_from_the_bundle_following_its_readme(bundle, run_dir, tmp_path):
     """The README's resume recipe, run for real: the bundle continues exactly like the run it came from."""
     dest, _ = bundle

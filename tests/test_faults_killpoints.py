@@ -446,6 +446,7 @@ def test_production_code_reads_no_fault_variable():
     assert hits == []
 
 
+@pytest.mark.slow
 def test_fail_at_and_dist_fault_fire_in_a_real_process(tmp_path):
     """``RIPRESA_FAIL_AT`` and ``RIPRESA_DIST_FAULT`` through ``sitecustomize``: the first ``fsync`` fails
     (the save refuses, nothing is published), and the named distributed point kills the process

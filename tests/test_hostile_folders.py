@@ -48,6 +48,7 @@ def _run_and_check(cases: list[hf.Case], fx: hf.Fixtures, work: Path, *, workers
                      f"(findings: {hf.FINDINGS}):\n" + "\n".join(o.line()[:400] for o in bad[:40]) + "\n\n" + text[:3000])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(3600)  # under RIPRESA_FAULTS_FULL=1 (make test-faults) it runs the whole matrix
 def test_hostile_folders_sample(hostile_fixtures, tmp_path):
     """The default suite's sample of the matrix (or the whole matrix under RIPRESA_FAULTS_FULL=1)."""

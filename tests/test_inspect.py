@@ -40,7 +40,7 @@ PT_KEYS = {
     "extra_keys", "model", "optimizer", "scheduler", "scaler", "data", "rng", "objects", "finite",
 }
 RUN_KEYS = {"folder", "generations", "resume_step", "lock", "temporaries", "finite"}
-GEN_KEYS = {"step", "valid", "reason", "size", "deep_checked", "resume", "files", "kind"}
+GEN_KEYS = {"step", "valid", "reason", "size", "deep_checked", "resume", "files", "kind", "checks"}
 
 
 def arrays_for(step: int, n: int) -> BinArrays:

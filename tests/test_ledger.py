@@ -293,6 +293,7 @@ def test_sigkill_at_random_moments_then_complete(run_dir, inputs, reference, tmp
     assert meta["binding"] == json.loads(ref_out.with_name(ref_out.name + ".meta.json").read_text())["binding"]
 
 
+@pytest.mark.slow
 def test_crash_at_exact_boundaries(run_dir, inputs, reference, tmp_path, zygote):
     """SIGKILL at chosen system calls (RIPRESA_CRASH_AT): before the meta file is renamed
     into place, between a record's write and its fsync, and after an item was generated

@@ -102,6 +102,7 @@ def test_pivot_a_stopped_run_with_restart(tmp_path):
     assert "resumed" in (run / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_forks_from_one_step_start_identical_and_diverge(tmp_path):
     parent = tmp_path / "parent"
     assert ripresa_cli("train", "--run", parent, "--config", "tiny", *FAST, "--steps", "30", "--every", "10", "--no-audit").returncode == 0

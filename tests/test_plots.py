@@ -126,6 +126,7 @@ def test_ema_series_math():
 # ---- ripresa plot ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plot_of_a_resumed_run(runs):
     out = plots.plot_run(runs["hi"])
     assert out == runs["hi"] / "plot.png" and out.is_file()
@@ -140,6 +141,7 @@ def test_plot_of_a_resumed_run(runs):
     assert info["last_ema"] == pytest.approx(independent_ema([view.steps[s]["loss"] for s in range(1, 41)], plots.EMA_ALPHA))
 
 
+@pytest.mark.slow
 def test_plot_of_a_signalled_run(runs, tmp_path):
     png = tmp_path / "sig.png"
     assert plots.plot_run(runs["sig"], png) == png
@@ -154,6 +156,7 @@ def test_plot_of_a_signalled_run(runs, tmp_path):
     assert info["last_step"] == signals[1]["step"]
 
 
+@pytest.mark.slow
 def test_plot_marks_every_event_kind_and_survives_a_torn_line(runs, tmp_path):
     """A copy of a real history, with the events of a crash, a pivot, a fork and a zombie arm appended."""
     run = tmp_path / "copy"
@@ -202,6 +205,7 @@ def test_plot_of_a_history_without_arms(tmp_path):
 # ---- ripresa compare ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compare_names_the_run_that_converges_lower(runs, tmp_path):
     png = tmp_path / "cmp.png"
     res = plots.compare_runs([runs["lo"], runs["hi"]], png)
@@ -233,6 +237,7 @@ def test_compare_names_the_run_that_converges_lower(runs, tmp_path):
     assert {r["run"]: r["final_loss"] for r in res2["runs"]} == {n: expect[n]["final"] for n in expect}
 
 
+@pytest.mark.slow
 def test_compare_from_the_fork_point(runs, tmp_path):
     """A fork recorded at step 20 of hi: the comparison starts there, whatever came before."""
     fork = tmp_path / "fork"
@@ -264,6 +269,7 @@ def test_compare_from_the_fork_point(runs, tmp_path):
 # ---- bad input ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bad_input(runs, tmp_path):
     with pytest.raises(BadInput, match="not found"):
         plots.plot_run(tmp_path / "missing")

@@ -122,6 +122,7 @@ def _rehash(path):
     ripresa.io.fsio.write_sidecar(path, ripresa.io.fsio.sha256_file(path))
 
 
+@pytest.mark.slow
 def test_wrong_schema_with_valid_hash(tmp_path, interrupted_run):
     ck = _copy_run(interrupted_run, tmp_path / "run")
     state = torch.load(ck, weights_only=True)

@@ -341,6 +341,7 @@ print("maxrss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
+@pytest.mark.slow
 def test_zip_bomb_checkpoint_pt_is_refused_from_its_directory_without_inflating(tmp_path):
     """A ~1 MB checkpoint.pt whose deflated member declares 1 GiB: refused from the zip directory; the child
     that loads it never inflates it (its peak RSS stays far below the declared size)."""

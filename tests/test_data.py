@@ -103,3 +103,34 @@ def test_shared_generator_is_captured_by_random_streams():
     s2.load_state_dict(pos)
     ripresa.RandomStreams(numpy={"data": g2}).load_state_dict(rng)
     assert _draw(s2, 10) == expected
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda: EpochSampler(0, 4, seed=0), ValueError),
+        (lambda: EpochSampler(-3, 4, seed=0), ValueError),
+        (lambda: EpochSampler(24, 0, seed=0), ValueError),
+        (lambda: EpochSampler(24.0, 4, seed=0), TypeError),
+        (lambda: EpochSampler("24", 4, seed=0), TypeError),
+        (lambda: EpochSampler(True, 4, seed=0), TypeError),
+        (lambda: EpochSampler(24, 4, seed=-1), ValueError),
+        (lambda: EpochSampler(24, 4, seed=1.5), TypeError),
+        (lambda: EpochSampler(24, 4, generator=np.random.RandomState(0)), TypeError),
+        (lambda: EpochSampler(24, 4, drop_last="yes"), TypeError),
+        (lambda: ripresa.DistributedEpochSampler(24, 4, rank=2, world_size=2), ValueError),
+        (lambda: ripresa.DistributedEpochSampler(24, 4, rank=-1, world_size=2), ValueError),
+        (lambda: ripresa.DistributedEpochSampler(24, 4, rank=0, world_size=0), ValueError),
+        (lambda: ripresa.DistributedEpochSampler(24, 4, rank=0.0, world_size=2), TypeError),
+    ],
+)
+def test_constructor_misuse_is_a_type_or_value_error(make, error):
+    """A wrong argument is a programming error, not a ripresa error (docs/FAULTS.md)."""
+    with pytest.raises(error) as info:
+        make()
+    assert not isinstance(info.value, ripresa.RipresaError) and str(info.value)
+
+
+def test_numpy_integers_are_accepted():
+    s = EpochSampler(np.int64(24), np.int32(4), seed=np.uint8(3))
+    assert (s.n_rows, s.batch_size) == (24, 4) and type(s.n_rows) is int

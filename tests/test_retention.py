@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ripresa.errors import BadInput
+from ripresa.errors import BadInput, RipresaError
 from ripresa.store.retention import (
     DEFAULT_RETENTION,
     KeepAny,
@@ -103,29 +103,38 @@ def test_numpy_integers_are_steps() -> None:
 
 
 @pytest.mark.parametrize(
-    "make",
+    ("make", "error"),
     [
-        lambda: KeepLast(0),
-        lambda: KeepLast(-1),
-        lambda: KeepLast(2.5),
-        lambda: KeepLast("3"),
-        lambda: KeepLast(True),
-        lambda: KeepEvery(0),
-        lambda: KeepEvery(None),
-        lambda: KeepSteps(frozenset()),
-        lambda: KeepSteps({-5}),
-        lambda: KeepSteps({1.5}),
-        lambda: KeepSteps("500"),
-        lambda: KeepSteps(500),
-        lambda: KeepAny(()),
-        lambda: KeepAny((KeepLast(1), "last=3")),
-        lambda: KeepAny(KeepLast(1)),
+        (lambda: KeepLast(0), ValueError),
+        (lambda: KeepLast(-1), ValueError),
+        (lambda: KeepLast(2.5), TypeError),
+        (lambda: KeepLast("3"), TypeError),
+        (lambda: KeepLast(True), TypeError),
+        (lambda: KeepEvery(0), ValueError),
+        (lambda: KeepEvery(None), TypeError),
+        (lambda: KeepSteps(frozenset()), ValueError),
+        (lambda: KeepSteps({-5}), ValueError),
+        (lambda: KeepSteps({1.5}), TypeError),
+        (lambda: KeepSteps("500"), TypeError),
+        (lambda: KeepSteps(500), TypeError),
+        (lambda: KeepAny(()), ValueError),
+        (lambda: KeepAny((KeepLast(1), "last=3")), TypeError),
+        (lambda: KeepAny(KeepLast(1)), TypeError),
     ],
 )
-def test_bad_construction_is_refused(make) -> None:
-    with pytest.raises(BadInput) as info:
+def test_bad_construction_is_a_programming_error(make, error) -> None:
+    """Misuse of the Python API raises TypeError/ValueError, never a ripresa error (docs/FAULTS.md)."""
+    with pytest.raises(error) as info:
         make()
-    assert info.value.expected is not None and info.value.found is not None
+    assert not isinstance(info.value, RipresaError)
+    assert type(info.value) is error and str(info.value)
+
+
+def test_bad_count_message_names_the_field_and_the_hint() -> None:
+    with pytest.raises(ValueError, match=r"KeepLast\.n must be >= 1, got -1.*KeepLast\(1\)"):
+        KeepLast(-1)
+    with pytest.raises(TypeError, match=r"KeepEvery\.k must be an int >= 1, not a bool"):
+        KeepEvery(True)
 
 
 def test_policies_are_frozen_and_normalised() -> None:
@@ -142,16 +151,16 @@ def test_policies_are_frozen_and_normalised() -> None:
 
 @pytest.mark.parametrize("bad_steps", [[1, -1], [1, 2.0], [True], ["3"]])
 def test_bad_steps_are_refused(bad_steps: list[object]) -> None:
-    with pytest.raises(BadInput):
+    with pytest.raises((TypeError, ValueError)):
         KeepLast(2).keep(bad_steps)  # type: ignore[arg-type]
-    with pytest.raises(BadInput):
+    with pytest.raises((TypeError, ValueError)):
         plan_deletions(bad_steps, KeepLast(2), newest_valid=None)  # type: ignore[arg-type]
 
 
 def test_bad_newest_or_protected_is_refused() -> None:
-    with pytest.raises(BadInput):
+    with pytest.raises(ValueError):
         plan_deletions([1, 2], KeepLast(1), newest_valid=-2)
-    with pytest.raises(BadInput):
+    with pytest.raises(TypeError):
         plan_deletions([1, 2], KeepLast(1), newest_valid=2, protected=["x"])  # type: ignore[list-item]
 
 

@@ -351,3 +351,24 @@ def test_async_stall_is_only_the_copy(tmp_path):
         finally:
             fsio.ops.hook = None
         assert gen.step == 1 and returned < 0.3 <= writer.last_write_s
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"retention": "last=3"}, TypeError, "parse_retention"),
+        ({"retention": 3}, TypeError, "RetentionPolicy"),
+        ({"hmac_key": "a-text-key-that-is-long-enough"}, TypeError, "bytes"),
+        ({"hmac_key": b"short"}, ValueError, "at least 16 bytes"),
+        ({"require_signature": "yes"}, TypeError, "bool"),
+    ],
+)
+def test_store_constructor_misuse_is_a_type_or_value_error(tmp_path, kwargs, error, match):
+    """Refused before the folder is created or locked; a missing folder for a reader stays BadInput."""
+    with pytest.raises(error, match=match):
+        CheckpointStore(tmp_path / "run", **kwargs)
+    with pytest.raises(TypeError, match="path"):
+        CheckpointStore(3)  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ripresa.errors.BadInput, match="run folder not found"):
+        CheckpointStore(tmp_path / "missing", writer=False)

@@ -246,3 +246,18 @@ def test_zip_with_corrupt_directory_is_refused(tmp_path, interrupted_run):
     ck.write_bytes(data)
     _rehash(ck)
     _expect_refusal(tmp_path, ck, 1, str(ck))
+
+
+def test_argument_misuse_is_a_type_error(tmp_path):
+    """Wrong argument types are programming errors; a missing file stays BadInput (docs/FAULTS.md)."""
+    with pytest.raises(TypeError, match="path"):
+        save_checkpoint(3, {})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mapping state"):
+        save_checkpoint(tmp_path / "c.pt", [("model", {})])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="path"):
+        load_checkpoint(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="require_signature"):
+        load_checkpoint(tmp_path / "c.pt", require_signature="yes")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ripresa.errors.BadInput, match="not found"):
+        load_checkpoint(tmp_path / "c.pt")

@@ -17,6 +17,17 @@ import numpy as np
 import torch
 
 from ..errors import SchemaError
+from .args import check_int
+
+
+def _check_source(generator: object, seed: object, drop_last: object) -> None:
+    """The constructor arguments besides the sizes: ``TypeError`` for a wrong type (API misuse)."""
+    if generator is not None and not isinstance(generator, np.random.Generator):
+        raise TypeError(f"generator must be a numpy.random.Generator, not {type(generator).__name__}")
+    if seed is not None:
+        check_int(seed, "seed", at_least=0)
+    if not isinstance(drop_last, bool | np.bool_):
+        raise TypeError(f"drop_last must be a bool, not {type(drop_last).__name__}")
 
 
 class EpochSampler:
@@ -44,10 +55,9 @@ class EpochSampler:
         seed: int | None = None,
         drop_last: bool = False,
     ) -> None:
-        if n_rows <= 0:
-            raise ValueError(f"n_rows must be positive, got {n_rows}")
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        n_rows = check_int(n_rows, "n_rows", at_least=1)
+        batch_size = check_int(batch_size, "batch_size", at_least=1)
+        _check_source(generator, seed, drop_last)
         if drop_last and batch_size > n_rows:
             raise ValueError(f"drop_last with batch_size {batch_size} > n_rows {n_rows} yields no batch")
         if generator is None:
@@ -235,10 +245,12 @@ class DistributedEpochSampler(EpochSampler):
             grouped = dist.is_available() and dist.is_initialized()
             rank = (dist.get_rank() if grouped else 0) if rank is None else rank
             world_size = (dist.get_world_size() if grouped else 1) if world_size is None else world_size
-        if world_size < 1 or not 0 <= rank < world_size:
+        n_rows = check_int(n_rows, "n_rows", at_least=1)
+        batch_size = check_int(batch_size, "batch_size", at_least=1)
+        world_size = check_int(world_size, "world_size", at_least=1)
+        rank = check_int(rank, "rank", at_least=0)
+        if rank >= world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
         if drop_last and batch_size * world_size > n_rows:
             raise ValueError(f"drop_last with a global batch of {batch_size * world_size} > n_rows {n_rows} yields no batch")
         super().__init__(n_rows, batch_size * world_size, generator=generator, seed=seed, drop_last=drop_last)

@@ -17,6 +17,7 @@ it, and nothing is inflated or allocated from a size the file declares.
 
 from __future__ import annotations
 
+import os
 import pickle
 import zipfile
 from collections.abc import Mapping
@@ -88,6 +89,13 @@ def check_safe_tree(obj: Any, where: str = "checkpoint") -> None:
             )
 
 
+def _path_argument(path: object) -> Path:
+    """``path`` as a :class:`Path`; ``TypeError`` (API misuse) for anything but ``str`` or ``os.PathLike``."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+    return Path(path)
+
+
 def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Digest:
     """Write ``state`` durably to ``path`` + ``path.sha256``; return the digest.
 
@@ -97,7 +105,9 @@ def save_checkpoint(path: str | Path, state: Mapping[str, Any]) -> Digest:
     generation a reader refuses (never a damaged one it trusts). Use the
     run-folder store for multiple generations.
     """
-    path = Path(path)
+    path = _path_argument(path)
+    if not isinstance(state, Mapping):
+        raise TypeError(f"save_checkpoint needs a mapping state (TrainingState.snapshot(...)), not {type(state).__name__}")
     validate_checkpoint(state, path)
     check_safe_tree(dict(state))
     clean_temporaries(path.parent)
@@ -119,7 +129,9 @@ def load_checkpoint(path: str | Path, *, require_signature: bool | None = None) 
     A ``checkpoint.pt`` carries no signature: under ``require_signature``
     (``None``: ``RIPRESA_REQUIRE_SIGNATURE``) it is refused before it is read.
     """
-    path = Path(path)
+    path = _path_argument(path)
+    if require_signature is not None and not isinstance(require_signature, bool):
+        raise TypeError(f"require_signature must be a bool or None, not {type(require_signature).__name__}")
     refuse_unsigned(path, require_signature)
     digest = verify_against_sidecar(path)
     check_zip_directory(path)

@@ -6,7 +6,10 @@ A policy never touches the disk. It looks at the list of steps that have a
 The store applies it only after a new generation is durable and verified
 (docs/FORMAT.md), so the policies can be tested exhaustively without a single file.
 
-Policies (frozen dataclasses, validated on construction):
+Policies (frozen dataclasses, validated on construction: a wrong type raises
+``TypeError``, an out-of-range number ``ValueError``, as any misuse of the
+Python API; only :func:`parse_retention`, which reads text from a user, raises
+:class:`~ripresa.errors.BadInput`):
 
 * :class:`KeepLast` — the ``n`` newest steps;
 * :class:`KeepEvery` — every step divisible by ``k`` (milestones);
@@ -31,7 +34,6 @@ writes that form back, and :func:`parse_retention` reads it.
 
 from __future__ import annotations
 
-import operator
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..core.args import check_int
 from ..errors import BadInput
 
 __all__ = [
@@ -57,48 +60,17 @@ _SPEC_EXAMPLE = "e.g. 'last=3', 'last=3,every=1000' or 'last=2,steps=500+1200'"
 
 
 def _as_step(value: object, what: str) -> int:
-    """``value`` as a non-negative int step; bools and non-integers are refused."""
-    if isinstance(value, bool):
-        raise BadInput(
-            f"{what} must be an integer step, not a bool", expected="int >= 0", found=repr(value)
-        )
-    try:
-        step = operator.index(value)  # accepts int and numpy integers, refuses 3.0 and "3"
-    except TypeError:
-        raise BadInput(
-            f"{what} must be an integer step", expected="int >= 0", found=repr(value)
-        ) from None
-    if step < 0:
-        raise BadInput(f"{what} must not be negative", expected="int >= 0", found=step)
-    return step
+    """``value`` as a non-negative int step; bools and non-integers are refused (``TypeError``)."""
+    return check_int(value, what, at_least=0)
 
 
 def _as_steps(steps: Iterable[object], what: str) -> set[int]:
     return {_as_step(s, what) for s in steps}
 
 
-def _as_count(value: object, what: str, hint: str) -> int:
-    if isinstance(value, bool):
-        raise BadInput(
-            f"{what} must be an integer, not a bool",
-            expected="int >= 1",
-            found=repr(value),
-            hint=hint,
-        )
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise BadInput(
-            f"{what} must be an integer", expected="int >= 1", found=repr(value), hint=hint
-        ) from None
-    if n < 1:
-        raise BadInput(f"{what} must be at least 1", expected="int >= 1", found=n, hint=hint)
-    return n
-
-
 def _set_count(policy: Any, name: str, hint: str) -> None:
-    """Validate a frozen policy's count field ``name`` (:func:`_as_count`) and store the int."""
-    object.__setattr__(policy, name, _as_count(getattr(policy, name), f"{type(policy).__name__}.{name}", hint))
+    """Validate a frozen policy's count field ``name`` (an int >= 1) and store the int."""
+    object.__setattr__(policy, name, check_int(getattr(policy, name), f"{type(policy).__name__}.{name}", at_least=1, hint=hint))
 
 
 class RetentionPolicy(ABC):
@@ -176,20 +148,11 @@ class KeepSteps(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, str | bytes) or not isinstance(self.steps, Iterable):
-            raise BadInput(
-                "KeepSteps.steps must be a collection of steps",
-                expected="a set of ints >= 0",
-                found=repr(self.steps),
-                hint="KeepSteps({500, 1200})",
-            )
+            raise TypeError(f"KeepSteps.steps must be a collection of int steps >= 0, not {self.steps!r:.80} "
+                            "(e.g. KeepSteps({500, 1200}))")
         steps = frozenset(_as_steps(self.steps, "KeepSteps step"))
         if not steps:
-            raise BadInput(
-                "KeepSteps needs at least one step",
-                expected="a non-empty set of ints >= 0",
-                found="an empty set",
-                hint="leave the policy out instead of naming no step",
-            )
+            raise ValueError("KeepSteps needs at least one step (leave the policy out instead of naming no step)")
         object.__setattr__(self, "steps", steps)
 
     def keep(self, steps: Sequence[int]) -> set[int]:
@@ -211,12 +174,8 @@ class KeepAny(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if isinstance(self.policies, RetentionPolicy) or not isinstance(self.policies, Iterable):
-            raise BadInput(
-                "KeepAny.policies must be a collection of policies",
-                expected="a tuple of retention policies",
-                found=repr(self.policies),
-                hint="KeepAny((KeepLast(3), KeepEvery(1000))) or KeepLast(3) | KeepEvery(1000)",
-            )
+            raise TypeError(f"KeepAny.policies must be a tuple of retention policies, not {self.policies!r:.80} "
+                            "(e.g. KeepAny((KeepLast(3), KeepEvery(1000))) or KeepLast(3) | KeepEvery(1000))")
         flat: list[RetentionPolicy] = []
         for p in self.policies:
             if isinstance(p, KeepAny):
@@ -224,18 +183,10 @@ class KeepAny(RetentionPolicy):
             elif isinstance(p, RetentionPolicy):
                 flat.append(p)
             else:
-                raise BadInput(
-                    "KeepAny.policies holds something that is not a retention policy",
-                    expected="KeepLast, KeepEvery, KeepSteps or KeepAny",
-                    found=repr(p),
-                )
+                raise TypeError(f"KeepAny.policies holds {p!r:.80}, not a retention policy "
+                                "(KeepLast, KeepEvery, KeepSteps or KeepAny)")
         if not flat:
-            raise BadInput(
-                "KeepAny needs at least one policy",
-                expected="one or more retention policies",
-                found="none",
-                hint=f"the default is {DEFAULT_RETENTION.spec!r}",
-            )
+            raise ValueError(f"KeepAny needs at least one policy (the default is {DEFAULT_RETENTION.spec!r})")
         object.__setattr__(self, "policies", tuple(flat))
 
     def keep(self, steps: Sequence[int]) -> set[int]:
@@ -298,7 +249,8 @@ def parse_retention(spec: str, *, source: str | Path | None = None) -> Retention
     Terms are comma-separated and combined by union (a repeated key adds one
     more policy). One term gives that policy itself; several give a
     :class:`KeepAny`. ``source`` names where the spec came from (a config file,
-    ``--keep``) for the error message. Raises :class:`BadInput` on a bad spec.
+    a command-line option) for the error message. Raises :class:`BadInput`
+    (exit 2) on a bad spec: the text comes from a user, not from code.
     """
 
     def bad(message: str, found: object) -> BadInput:
@@ -326,15 +278,16 @@ def parse_retention(spec: str, *, source: str | Path | None = None) -> Retention
         if not term or m is None:
             raise bad(f"retention term {term!r} is not of the form key=value", repr(spec))
         key, value = m["key"].lower(), m["value"]
-        if key == "last":
-            policies.append(KeepLast(number(term, value, at_least=1)))
-        elif key == "every":
-            policies.append(KeepEvery(number(term, value, at_least=1)))
-        elif key == "steps":
-            parts = value.split("+")
-            policies.append(
-                KeepSteps(frozenset(number(term, p.strip(), at_least=0) for p in parts))
-            )
-        else:
-            raise bad(f"unknown retention key {key!r} in term {term!r}", repr(spec))
+        try:
+            if key == "last":
+                policies.append(KeepLast(number(term, value, at_least=1)))
+            elif key == "every":
+                policies.append(KeepEvery(number(term, value, at_least=1)))
+            elif key == "steps":
+                parts = value.split("+")
+                policies.append(KeepSteps(frozenset(number(term, p.strip(), at_least=0) for p in parts)))
+            else:
+                raise bad(f"unknown retention key {key!r} in term {term!r}", repr(spec))
+        except (TypeError, ValueError) as exc:  # a policy refused what the grammar let through
+            raise bad(f"in retention term {term!r}: {exc}", repr(spec)) from exc
     return policies[0] if len(policies) == 1 else KeepAny(tuple(policies))

@@ -117,6 +117,18 @@ class CheckpointStore:
 
     def __init__(self, folder: str | Path, *, retention: RetentionPolicy = DEFAULT_RETENTION, writer: bool = True,
                  require_signature: bool | None = None, hmac_key: bytes | None = None) -> None:
+        if not isinstance(folder, str | os.PathLike):
+            raise TypeError(f"folder must be a path (str or os.PathLike), not {type(folder).__name__}")
+        if not isinstance(retention, RetentionPolicy):
+            raise TypeError(f"retention must be a RetentionPolicy (e.g. KeepLast(3)), not {retention!r:.80}; "
+                            "parse a text spec with ripresa.store.retention.parse_retention")
+        if require_signature is not None and not isinstance(require_signature, bool):
+            raise TypeError(f"require_signature must be a bool or None, not {type(require_signature).__name__}")
+        if hmac_key is not None:
+            if not isinstance(hmac_key, bytes):
+                raise TypeError(f"hmac_key must be bytes or None, not {type(hmac_key).__name__}")
+            if len(hmac_key) < auth.MIN_KEY_BYTES:
+                raise ValueError(f"hmac_key must hold at least {auth.MIN_KEY_BYTES} bytes, got {len(hmac_key)}")
         self.folder = Path(folder)
         self.retention = retention
         self.lock: RunLock | None = None

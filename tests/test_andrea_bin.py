@@ -1,4 +1,4 @@
-"""The ANDREA raw ``.bin`` codec (DESIGN §3.1): bytes, validation, exact resume."""
+"""The ANDREA raw ``.bin`` codec (docs/FORMAT.md): bytes, validation, exact resume."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def test_andrea_12m_has_12_8m_params_within_5_percent():
     n = sum(p.numel() for p in model.parameters())
     assert n == model.n_params() == CONFIGS["andrea-12m"].param_count()
     assert abs(n - 12.8e6) / 12.8e6 < 0.05, n
-    # the seed's file size: 8 + 12 n bytes ~ 154 MB
+    # the ANDREA .bin of the reference exercise: 8 + 12 n bytes ~ 154 MB
     assert abs((8 + 12 * n) - 154e6) / 154e6 < 0.05
 
 

@@ -1,4 +1,4 @@
-"""The batch-inference ledger (DESIGN §1): real runs, real SIGKILLs, exactly once.
+"""The batch-inference ledger: real runs, real SIGKILLs, exactly once.
 
 A tiny run folder is trained once (two generations, steps 10 and 20). The
 reference ledger is written by a ``python -m ripresa.engine.ledger`` process. The

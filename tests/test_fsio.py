@@ -622,3 +622,35 @@ def test_sha256_fd_and_sha256_file_agree(tmp_path):
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
     assert sha256_file(empty) == Digest(hashlib.sha256(b"").hexdigest(), 0)
+
+
+@pytest.mark.parametrize("size", [0, 1, fsio.CHUNK - 1, fsio.CHUNK, 2 * fsio.CHUNK + 5])
+@pytest.mark.parametrize("exact", [False, True])
+def test_copy_hashing_copies_and_hashes_like_sha256_file(tmp_path, size, exact):
+    """To EOF or exactly ``size`` bytes: the same bytes, the same digest, each piece seen once by ``on_chunk``."""
+    src = tmp_path / "src"
+    src.write_bytes(np.random.default_rng(size).bytes(size))
+    seen: list[bytes] = []
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with fsio.StagedFile(tmp_path / "dst") as out:
+            digest = fsio.copy_hashing(fd, out, path=src, on_chunk=lambda p: seen.append(bytes(p)),
+                                       size=size if exact else None)
+            out.publish()
+    finally:
+        os.close(fd)
+    assert digest == fsio.sha256_file(src) == fsio.sha256_file(tmp_path / "dst")
+    assert b"".join(seen) == src.read_bytes()
+
+
+def test_copy_hashing_of_a_file_that_shrank_is_an_integrity_error(tmp_path):
+    """With ``size`` (the size at open, as ``ripresa export`` passes) a shorter file is refused, nothing published."""
+    src = tmp_path / "src"
+    src.write_bytes(b"x" * 100)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with pytest.raises(IntegrityError, match="shrank"), fsio.StagedFile(tmp_path / "dst") as out:
+            fsio.copy_hashing(fd, out, path=src, what="the generation's .bin", size=150)
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -22,8 +22,8 @@ from .._version import __version__
 from ..errors import BadInput, IntegrityError, OutputExists, RipresaError
 from ..io import auth
 from ..io.fsio import (
-    CHUNK,
     StagedFile,
+    copy_hashing,
     fsync_dir,
     open_run_file,
     read_json_small,
@@ -44,9 +44,7 @@ def _copy_verified(src: Path, dst: Path, expected_sha256: str) -> None:
     fd = open_run_file(src, "parent generation file", error=IntegrityError)
     try:
         with StagedFile(dst) as out:
-            while chunk := os.read(fd, CHUNK):
-                out.write(chunk)
-            digest = out.finish()
+            digest = copy_hashing(fd, out, what="parent generation file", path=src)
             if digest.sha256 != expected_sha256:
                 raise IntegrityError("copy does not match the parent's commit marker", file=src,
                                      expected=expected_sha256, found=digest.sha256,

@@ -895,20 +895,41 @@ def sha256_fd(fd: int, *, what: str = "file", path: str | Path | None = None) ->
 
 
 def copy_hashing(fd: int, out: StagedFile, *, what: str = "file", path: str | Path | None = None,
-                 on_chunk: Callable[[memoryview], None] | None = None) -> Digest:
-    """Stream ``fd`` (to EOF) into ``out``, hashed while written; ``fsync`` it; return the copy's digest.
+                 on_chunk: Callable[[memoryview], None] | None = None, size: int | None = None) -> Digest:
+    """Stream ``fd`` into ``out``, hashed while written; ``fsync`` it; return the copy's digest.
 
     The one copy loop of the verified copies (``ripresa fork``, ``ripresa
     export``): :class:`StagedFile` hashes each piece in a helper thread while
-    it is written, so the copy costs about max(read+write, hash).
-    ``on_chunk`` sees each piece after it was written (a progress bar, a copy
-    kept in memory). The caller compares the digest and publishes.
+    it is written, so the copy costs about max(read+write, hash). Without
+    ``size`` it copies to EOF; with it, exactly ``size`` bytes
+    (:func:`read_exact_hashing`: a file that shrinks meanwhile is an
+    :class:`~ripresa.errors.IntegrityError`). A read error is a
+    :class:`~ripresa.errors.BadInput`. ``on_chunk`` sees each piece after it
+    was written (a progress bar, a copy kept in memory). The caller compares
+    the digest and publishes.
     """
-    for piece in iter_chunks(fd, what=what, path=path):
-        out.write(piece)
-        if on_chunk is not None:
-            on_chunk(piece)
+    if size is None:
+        for piece in iter_chunks(fd, what=what, path=path):
+            out.write(piece)
+            if on_chunk is not None:
+                on_chunk(piece)
+        return out.finish()
+    view = memoryview(bytearray(max(1, min(CHUNK, size))))
+    views = [view] * (size // len(view)) + ([view[: size % len(view)]] if size % len(view) else [])
+    read_exact_hashing(fd, views, _WriteThrough(out, on_chunk), path=path, what=what, piece=len(view), overlap=False)
     return out.finish()
+
+
+class _WriteThrough:
+    """The ``hasher`` :func:`copy_hashing` gives :func:`read_exact_hashing`: each piece read is written to the copy."""
+
+    def __init__(self, out: StagedFile, on_chunk: Callable[[memoryview], None] | None) -> None:
+        self.out, self.on_chunk = out, on_chunk
+
+    def update(self, piece: memoryview) -> None:
+        self.out.write(piece)
+        if self.on_chunk is not None:
+            self.on_chunk(piece)
 
 
 def _fadvise(fd: int, advice_name: str) -> bool:

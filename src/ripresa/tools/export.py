@@ -91,13 +91,12 @@ from ..errors import (
 from ..formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, bin_name, read_bin
 from ..io import auth
 from ..io.fsio import (
-    CHUNK,
     Digest,
     StagedFile,
+    copy_hashing,
     fsync_dir,
     open_run_file,
     parse_json_bytes,
-    read_exact_hashing,
     read_small,
     sha256_fd,
     sidecar_line,
@@ -239,20 +238,6 @@ def _probe_forward(model: torch.nn.Module, where: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- writing
 
 
-class _CopySink:
-    """The ``hasher`` of :func:`~ripresa.io.fsio.read_exact_hashing` for a copy: each piece read is written
-    to the staged copy (which hashes it), kept if asked, and counted for the progress bar."""
-
-    def __init__(self, out: StagedFile, kept: list[bytes] | None, advance: Any) -> None:
-        self.out, self.kept, self.advance = out, kept, advance
-
-    def update(self, piece: memoryview) -> None:
-        self.out.write(piece)
-        if self.kept is not None:
-            self.kept.append(bytes(piece))
-        self.advance(len(piece))
-
-
 class _Bundle:
     """Files written into the destination through StagedFile, remembered for the manifest."""
 
@@ -291,14 +276,13 @@ class _Bundle:
         kept: list[bytes] = []
         try:
             with StagedFile(final) as out:
-                # The size at open, read through one reused CHUNK buffer: a file that shrinks meanwhile is an
-                # IntegrityError, a read error a BadInput (io.fsio.read_exact_hashing).
-                size = os.fstat(fd).st_size
-                view = memoryview(bytearray(max(1, min(CHUNK, size))))
-                views = [view] * (size // len(view)) + ([view[: size % len(view)]] if size % len(view) else [])
-                read_exact_hashing(fd, views, _CopySink(out, kept if keep else None, lambda n: self.advance(n, f"copy {rel}")),
-                                   path=src, what=what, piece=len(view), overlap=False)
-                digest = out.finish()
+                # The size at open: a file that shrinks meanwhile is an IntegrityError, a read error a BadInput.
+                def on_chunk(piece: memoryview) -> None:
+                    if keep:
+                        kept.append(bytes(piece))
+                    self.advance(len(piece), f"copy {rel}")
+
+                digest = copy_hashing(fd, out, what=what, path=src, on_chunk=on_chunk, size=os.fstat(fd).st_size)
                 if expected is not None:
                     exp_sha = expected if isinstance(expected, str) else expected.sha256
                     exp_size = None if isinstance(expected, str) else expected.size

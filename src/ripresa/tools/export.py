@@ -1,62 +1,15 @@
-"""``ripresa export``: a recoverable bundle of one generation (``docs/FORMAT.md``, ``docs/VERIFY.md``).
+"""``ripresa export``: a recoverable bundle of one generation, checked by reading it back.
 
-Two kinds of export, never mixed:
-
-* **resume bundle** (the default) — the generation itself (``.bin``, companion,
-  commit marker), the run's config, its metrics (history, sample audits,
-  mixture state), data identifiers, versions and code identity, the lineage
-  if any, a table of the parameters, a ``README.md`` that explains every file
-  to someone who has never seen ripresa (the ``.bin`` layout in prose, a
-  numpy-only reader, how to resume), and a manifest;
-* **inference export** (``inference=True``) — the weights only, as
-  ``model.safetensors``, with the config, a README (how to load and generate)
-  and a manifest. It is *not* a resume checkpoint, and its README says so.
-
-Layout of a resume bundle::
-
-    DEST/
-      README.md                       what each file is, the .bin layout, how to load / resume
-      checkpoint/step_NNNNNN.bin      weights, m, v (ANDREA format, docs/FORMAT.md)
-      checkpoint/step_NNNNNN.json     the companion (RNG, data position, scheduler, progress, ...)
-      checkpoint/step_NNNNNN.bin.sha256   the generation's commit marker
-      checkpoint/step_NNNNNN.bin.hmac     the generation's HMAC signature, if the run is signed
-      config.json                     the resolved config (``model`` section: the network's shape)
-      parameters.json                 name, shape, offset of each parameter in the weights
-      metrics/loss.jsonl              the run's history (.loss.jsonl)
-      metrics/samples.json            sample audits (.samples.json), if the run has them
-      metrics/state.json              data-mixture state (.state.json), if the run has it
-      metrics/archive/pivot_N/...     the same two files of earlier phases, if any
-      data.json                       data sources and the sha256 of the bytes each served
-      versions.json                   versions and code identity of the run
-      lineage.json                    copied from the run, if present
-      export.json                     provenance of this export
-      MANIFEST.json                   every file: path, size, sha256
-      MANIFEST.sha256                 the same in sha256sum format (+ MANIFEST.json), written last
-
-Protocol: the destination must be new or an empty folder; the source
-generation is verified (full sha256 of the ``.bin``) *before* anything is
-copied; every file is streamed through :class:`~ripresa.io.fsio.StagedFile`
-(temporary name in the destination, hashed while written, ``fsync``, rename,
-``fsync`` of the folder), and the copies of the generation must hash to what
-its marker says. ``MANIFEST.sha256`` is written last: it is the bundle's
-commit marker. Then :func:`verify_export` reads everything back from the
-destination (page cache dropped first, where the platform allows it),
-re-hashes every file against the manifest and *reloads* the checkpoint: the
-GPT is built from the bundle's ``config.json``, the weights are loaded from the
-copied file, and one forward pass must give finite logits. Only then is the
-export reported done. A failed copy removes what it wrote; a failed
-verification removes ``MANIFEST.sha256`` so the folder never reads as a
-complete export.
-
-Links and special files (``docs/FAULTS.md``): every file of the run is opened
-with :func:`~ripresa.io.fsio.open_run_file`, so a symlink in place of any file
-the export reads (the generation, its signature, ``config.json``,
-``.loss.jsonl``, ``.samples.json``, ``.state.json``, ``lineage.json``,
-``archive/`` and the files in it) **refuses the export** (exit 2) — the
-target of a link is never copied, so no file outside the run folder can
-leak into a bundle; a FIFO, socket, device or folder in their place is
-refused the same way, without blocking. ``verify_export`` opens the bundle's
-files the same way: a bundle holding a symlink fails (exit 1).
+A resume bundle (the generation, config, metrics, identities, a README for
+someone who has never seen ripresa, a manifest) or an inference export
+(``model.safetensors`` only). The source generation is verified before
+anything is copied, every file is copied through
+:func:`~ripresa.io.fsio.copy_hashing` and ``MANIFEST.sha256`` is written last
+(the bundle's commit marker); :func:`verify_export` re-hashes and reloads it.
+Every file is opened with :func:`~ripresa.io.fsio.open_run_file`, so a link
+or special file refuses the export instead of leaking into the bundle.
+Layout and protocol: docs/FORMAT.md ("Export bundles"); refusals:
+docs/FAULTS.md §7.
 """
 
 from __future__ import annotations

@@ -1,51 +1,11 @@
 """The data mixture: a multi-armed bandit that picks the source of each batch.
 
-Each *arm* is a data source. Before every training step the trainer asks
-:meth:`BanditMixture.choose` for the arm of the next batch, trains on it, and
-reports the batch's loss with :meth:`BanditMixture.update`. The bandit favours
-the arms on which the model is *learning* the most, within a policy of
-**caps** and **floors** (:class:`MixturePolicy`) that the operator sets: an arm
-never gets more than its cap nor less than its floor of the draws.
-
-Reward
-    Learning progress: the drop in loss on that arm's batches,
-    ``reward = ema_loss(arm, before) - loss``. The first observation of an arm
-    only sets its loss baseline and gives reward 0. The arm's reward and loss
-    are both exponential moving averages with factor ``reward_ema``.
-
-Probabilities
-    ``q = (1 - exploration) * softmax(ema_reward / temperature) + exploration / K``,
-    then the Euclidean projection of ``q`` onto the policy box
-    ``{p : floor_a <= p_a <= cap_a, sum p = 1}`` (:func:`project_to_box`):
-    ``p_a = clip(q_a + lam, floor_a, cap_a)`` with the water level ``lam``
-    solved exactly from the sorted breakpoints of that piecewise-linear sum.
-    Caps and floors therefore hold whatever the rewards say.
-
-Draws
-    Exactly one ``generator.random()`` per :meth:`~BanditMixture.choose`,
-    inverted through the cumulative probabilities in sorted arm order (so the
-    order in which a config lists its sources does not change the draws).
-
-Saving (``.state.json``, docs/FORMAT.md)
-    :meth:`~BanditMixture.state_dict` is JSON primitives only and round-trips
-    bit-exactly through ``json``. It does **not** hold the generator's state:
-    register ``mixture.generator`` with :class:`ripresa.core.rng.RandomStreams`
-    (``numpy={"mixture": generator}``), which saves it with the other streams.
-
-Restoring and the "zombie arm" lesson (README: Pivot and fork)
-    An arm in the saved state that is not a current source is a *zombie*: it
-    is **not** carried in. It is dropped with a :class:`ZombieArmWarning` and
-    recorded in :attr:`~BanditMixture.dropped_arms` so the trainer writes a
-    history event. Current arms that the saved state lacks start fresh
-    (:attr:`~BanditMixture.added_arms`).
-
-Policy changes are pivots
-    A saved state whose policy (or hyper-parameters) differ from the current
-    ones is refused with :class:`PolicyChanged`: new caps and floors define a
-    different policy and the bandit must re-learn from a clean state — archive
-    ``.state.json`` and start a fresh bandit (:meth:`~BanditMixture.new_phase`).
-    The trainer may decide otherwise with ``allow_policy_change=True``, which
-    keeps the learned statistics under the *current* policy.
+Before each step the trainer asks :meth:`BanditMixture.choose` for an arm,
+trains on its batch and reports the loss with :meth:`BanditMixture.update`; the
+bandit favours the arms where the loss drops most, within the operator's caps
+and floors (:class:`MixturePolicy`). One generator draw per choice; the state
+is JSON and round-trips bit-exactly. Reward, probabilities, draws, saving,
+zombie arms and policy changes: docs/ENGINE.md, "The data mixture".
 """
 
 from __future__ import annotations

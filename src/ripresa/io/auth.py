@@ -1,45 +1,13 @@
 """Authenticated checkpoints: an HMAC-SHA256 signature per generation.
 
-A sha256 marker detects that a file changed; it does not say *who* wrote it:
-anyone who can write the run folder can also rewrite the marker. With a
-secret key, ripresa signs each generation it commits:
-
-    step_NNNNNN.bin.hmac     one line, written right BEFORE the commit marker:
-    ripresa-hmac-sha256 v1 key=<16 hex> step=<N> mac=<64 hex>
-
-``mac`` is ``HMAC-SHA256(key, message)`` over a canonical message that binds
-the step, both file names and both sha256s recorded in the marker::
-
-    ripresa generation signature v1
-    step=<N>
-    bin=<step_NNNNNN.bin> <sha256 of the .bin>
-    companion=<step_NNNNNN.json> <sha256 of the companion>
-
-A ``.dcp`` generation (FSDP2) is signed the same way by ``step_NNNNNN.dcp.hmac``
-beside its folder, written right before its marker; its MAC covers the step,
-the folder's name and every file of the folder (shards, ``.metadata``,
-``ripresa.json``) with its sha256 (:func:`dcp_message`, docs/FORMAT.md).
-
-For a ``.bin`` generation, changing a byte of either file (and fixing the marker to match), renaming
-a generation to another step, or pairing the files of two generations all
-break the signature. ``key`` is a key *identifier* (an HMAC of a constant,
-never the key or its plain hash), so a verifier can tell "signed with another
-key" from "tampered".
-
-Key: ``RIPRESA_HMAC_KEY`` (the key itself, UTF-8, at least
-:data:`MIN_KEY_BYTES` bytes) or ``RIPRESA_HMAC_KEY_FILE`` (a file holding it;
-one trailing newline is ignored) — not both. Requiring signatures:
-``RIPRESA_REQUIRE_SIGNATURE=1``, ``require_signature=True`` on the
-:class:`~ripresa.store.store.CheckpointStore`, or ``--require-signature`` on
-``ripresa train`` / ``ripresa inspect``; then an unsigned or mis-signed
-generation is invalid (a resume skips it with a warning, like a damaged one),
-and the comparison is :func:`hmac.compare_digest`.
-
-Threat model (README "Authenticated checkpoints", docs/FAULTS.md): protects
-against tampering by someone who can write the run folder but does not hold
-the key, and against swapped or renamed generations. It does not protect
-against a thief of the key, a rollback to an older generation that was
-validly signed (unless the expected step is pinned), or deletion (availability).
+A sha256 marker detects that a file changed, not who wrote it. With a secret
+key (``RIPRESA_HMAC_KEY`` or ``RIPRESA_HMAC_KEY_FILE``), each committed
+generation gets a ``.hmac`` line whose MAC binds the step, the file names and
+their sha256s, so an edited, renamed or re-paired generation fails; with
+``require_signature`` an unsigned or mis-signed one is invalid. Formats of the
+line and of the signed message: docs/FORMAT.md ("Commit marker", "Signature
+step_NNNNNN.dcp.hmac"); threat model: README "Authenticated checkpoints" and
+docs/FAULTS.md.
 """
 
 from __future__ import annotations

@@ -1,85 +1,14 @@
-"""One writer per run folder: an OS lock on ``RUN/LOCK``, held for a lifetime.
+"""One writer per run folder: an ``flock`` on ``RUN/LOCK``, held for the process's lifetime.
 
-The training process takes :class:`RunLock` when it starts and holds it until
-it exits (docs/FAULTS.md, "Concurrent writers"). A second writer — another
-process, or another :class:`RunLock` in the same process — is refused with
-:class:`~ripresa.errors.LockHeld`, which names the holder's pid.
-
-Why ``flock`` and not ``lockf``/``fcntl`` record locks: a record lock belongs
-to the *process* and is dropped when the process closes *any* descriptor of
-the file, so merely reading ``LOCK`` (as :func:`read_lock_holder` does) would
-silently release it, and a second lock from the same process would succeed.
-An ``flock`` lock belongs to the open file description: a second ``open`` in
-the same process conflicts with the first, and closing a reader's descriptor
-leaves the holder's lock alone. The kernel drops it when the holder dies, even
-by ``SIGKILL``, so a ``LOCK`` file left behind by a dead process never blocks
-the next writer: liveness is always tested with the lock itself, never by
-trusting the file's content. A registry of the locks this process holds makes
-the same-process refusal independent of the filesystem (on NFS, Linux emulates
-``flock`` with record locks; the lock is still honoured between hosts there,
-but it is advisory only and needs a working lock daemon).
-
-``LOCK`` is never deleted (deleting a lock file lets two writers lock two
-different files of the same name). Its content, written by the holder *after*
-the lock is obtained and emptied by :meth:`RunLock.release` before it lets go,
-is the holder's pid on the first line — readable by ``head -n1 RUN/LOCK`` —
-followed by one JSON line with the pid, host name, start time (unix seconds),
-command line, the kernel's boot id and the inode of the holder's pid
-namespace::
-
-    12345
-    {"pid": 12345, "hostname": "gpu-07", "started": 1767225600.5, "argv": ["train.py"],
-     "boot_id": "0b6f…", "pidns": 4026531836}
-
-(one line in the file). Older ``LOCK`` files lack ``boot_id`` and ``pidns``;
-a missing field only means that aspect cannot be compared.
-
-Signalling the holder (:func:`signal_holder`)
----------------------------------------------
-``ripresa signal`` and ``ripresa pivot`` signal the trainer of a run, and the
-only name they have for it is the pid in ``LOCK`` — a file anybody who can
-write into the run folder can rewrite. The content is therefore a *claim*,
-checked against the kernel before any signal is sent; every sender goes
-through :func:`signal_holder`, which refuses (:class:`~ripresa.errors.BadInput`,
-exit 2) when:
-
-* nobody holds the lock (a shared ``flock`` probe succeeds): no trainer runs
-  (:class:`NotRunning`);
-* the pid is ``<= 0`` (``kill(0)`` / ``kill(-N)`` signal a whole process
-  group — the caller's shell included), not a number, or above the kernel's
-  ``pid_max`` (``/proc/sys/kernel/pid_max``, else ``2**22``);
-* the two lines of ``LOCK`` disagree on the pid;
-* the holder wrote another host name, another boot id (another machine, or
-  this one before a reboot), or another pid namespace (a container: its pid
-  names a different process here);
-* the pid is this very process, or no live process has it;
-* the live process with that pid does not hold *this* ``LOCK``: on Linux its
-  ``/proc/PID/fd/*`` are ``stat``-ed and one must be the ``LOCK`` file itself
-  (same ``st_dev``/``st_ino``), and that descriptor's ``/proc/PID/fdinfo``
-  must show the exclusive ``FLOCK`` — the kernel's own record of who holds
-  the lock, which no file in the run folder can forge. Where ``/proc/PID/fd``
-  is not readable (another user's process, ``hidepid``), the world-readable
-  ``/proc/locks`` must list an exclusive ``FLOCK`` held by that pid on the
-  ``LOCK``'s inode. Where neither is available (no ``/proc``), the signal is
-  refused: ripresa then cannot tell a trainer from any other process, and the
-  hint says how to send it by hand.
-
-A random token written into ``LOCK`` would prove nothing here: whoever can
-rewrite ``LOCK`` can copy the token too, and the trainer has no channel of its
-own to expose it on. The kernel's lock table is that channel.
-
-The window between the check and the signal is closed with a pidfd where the
-platform has one (``os.pidfd_open``, Linux >= 5.3): the pidfd is opened
-*first*, then the checks run on ``/proc/PID``, then the signal goes through
-``signal.pidfd_send_signal``. If the checked process died and its pid was
-reused in between, the pidfd still names the dead one and the kernel refuses
-the signal (reported as "the trainer exited"). Without pidfds the check runs
-immediately before ``os.kill``.
-
-A child made by ``fork`` (a data-loader worker, say) closes its inherited copy
-of the descriptor at once, so that a child outliving a killed trainer does not
-keep the run locked; a process that daemonizes must therefore take the lock
-*after* forking. An ``exec``'d child never inherits it (close-on-exec).
+:class:`RunLock` refuses a second writer (another process, or another
+``RunLock`` in this process) with :class:`~ripresa.errors.LockHeld` naming the
+holder; the kernel drops the lock when the holder dies, even by ``SIGKILL``, so
+liveness is tested with the lock itself, never by trusting the file.
+:func:`signal_holder` is the only way ripresa signals a trainer: ``LOCK``'s pid
+is a claim, checked against the kernel's lock table before any signal.
+The file's content, why ``flock`` and not record locks, and the fork rule:
+docs/FORMAT.md, "Writer lock"; the refusals of ``ripresa signal``:
+docs/FAULTS.md, "Signalling the trainer".
 """
 
 from __future__ import annotations

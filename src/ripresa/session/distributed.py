@@ -1,44 +1,12 @@
-"""Distributed runs: who writes what, and how every rank agrees (docs/FORMAT.md, sharded generations; docs/FAULTS.md, signals).
+"""Distributed runs: who writes what, and how every rank agrees.
 
-A :class:`~ripresa.Checkpointer` opened inside an initialised process group
-(``torchrun``: DDP on gloo/nccl, or FSDP2 ``fully_shard``) coordinates its ranks
-through a :class:`DistContext`:
-
-* **Agreement at every step boundary.** Each rank contributes two flags (a
-  stop signal — SIGTERM/SIGINT — and a checkpoint signal — SIGUSR1 — received
-  since the last step) to one ``all_reduce(MAX)`` of a ``[2, world]`` int
-  tensor. A signal delivered to *any* rank therefore makes *every* rank save
-  the same step, then all stop or all continue.
-* **Who writes what.** DDP: the model is replicated, so rank 0 writes the
-  ``.bin`` and its companion; the other ranks send it their random-generator
-  states, data position and ``Stateful`` objects (``gather_object``), which the
-  companion stores as ``extra.distributed.ranks[r]``. FSDP2: every rank writes
-  its shards with ``torch.distributed.checkpoint`` into a partial folder; after
-  a barrier rank 0 adds the companion, renames the folder to
-  ``step_NNNNNN.dcp`` and writes the commit marker last
-  (:mod:`ripresa.formats.dcp`). Either way a generation counts only once every
-  rank has delivered its part: a rank that dies before that leaves no marker,
-  and the previous generation stays the newest valid one.
-* **One lock, one history.** Only rank 0 takes the run folder's writer lock
-  and appends to ``.loss.jsonl``; the other ranks open the folder read-only
-  and get a :class:`NullHistory`.
-
-World-size changes (resharding): weights, m and v (and every other shared
-state) are restored exactly on any number of ranks. Per-rank state follows the
-rank: rank ``r`` restores entry ``r`` when the saved run had that rank; a rank
-beyond the saved world size restores rank 0's data position and objects (a
-:class:`~ripresa.core.data.DistributedEpochSampler` position is global, so this is
-exact) but keeps the random streams its process seeded — derive them from the
-seed and the rank (:func:`rank_generator`, :func:`rank_seed`) so that no two
-ranks draw the same numbers. Entries of ranks that no longer exist are
-dropped. The resume records a ``world_size_change`` history event. The
-trajectory is exact only for the same world size: the global batch is the
-per-rank batch times the world size, and the per-rank random streams differ.
-
-Fault injection: the save calls :func:`fault_point` at named points
-(``before_gather``, ``after_shards``), which calls :data:`fault_hook` when one
-is set. Production never sets it; the tests' injector
-(``tests/support/ripresa_faults.py``, docs/FAULTS.md) kills one rank there.
+A :class:`~ripresa.Checkpointer` inside an initialised process group (DDP or
+FSDP2 under ``torchrun``) coordinates its ranks through a :class:`DistContext`:
+one ``all_reduce`` per step boundary so a signal to any rank makes every rank
+save the same step; rank 0 writes DDP generations, every rank writes its FSDP2
+shards; only rank 0 holds the lock and the history. The rules, resharding on a
+different world size and the fault hook points: docs/ARCHITECTURE.md,
+"Distributed runs".
 """
 
 from __future__ import annotations

@@ -310,3 +310,36 @@ def test_a_killed_process_resumes_a_billion_row_epoch_in_a_fresh_one(tmp_path):
         got += b.next_batch()
         want += ref.next_batch()
     assert got[:1000] == want[:1000]
+
+
+def test_an_auto_sampler_adopts_the_kind_of_the_state_it_loads():
+    """A legacy run above the threshold (its state holds the NumPy permutation) resumes with "auto"; the next
+    epochs stay NumPy. A NumPy *recipe* above the threshold is not regenerated unless permutation="numpy" is explicit."""
+    import ripresa.core.data as data
+
+    small = 40
+    old = EpochSampler(small, 8, seed=3, permutation="numpy")
+    reference = _draw(EpochSampler(small, 8, seed=3, permutation="numpy"), 12)
+    _draw(old, 2)
+    legacy = old.state_dict()
+    legacy["permutation"] = torch.from_numpy(old.permutation.copy())
+    gen_state = old.generator.bit_generator.state
+    limit = data.AUTO_FEISTEL_ABOVE
+    data.AUTO_FEISTEL_ABOVE = small - 1  # as if the data set were above the threshold
+    try:
+        auto = EpochSampler(small, 8, seed=0)
+        assert auto.permutation_kind == "feistel"
+        auto.load_state_dict(legacy)
+        auto.generator.bit_generator.state = gen_state
+        assert auto.permutation_kind == "numpy" and _draw(auto, 10) == reference[2:]
+        recipe = auto.state_dict()
+        assert recipe["permutation"]["kind"] == "numpy"
+        with pytest.raises(ripresa.errors.SchemaError, match="permutation='numpy'"):
+            EpochSampler(small, 8, seed=0).load_state_dict(recipe)
+        f = EpochSampler(small, 8, seed=0, permutation="feistel")
+        _draw(f, 1)
+        a2 = EpochSampler(small, 8, seed=9)
+        a2.load_state_dict(f.state_dict())
+        assert a2.permutation_kind == "feistel" and _draw(a2, 3) == _draw(f, 3)
+    finally:
+        data.AUTO_FEISTEL_ABOVE = limit

@@ -13,6 +13,7 @@ streams, so the *next* epoch's permutation is reproduced too.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -144,6 +145,8 @@ class EpochSampler:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if drop_last and batch_size > n_rows:
             raise ValueError(f"drop_last with batch_size {batch_size} > n_rows {n_rows} yields no batch")
+        #: True when the kind was chosen by size: a loaded state's kind is then adopted.
+        self.permutation_auto = permutation == "auto"
         if permutation == "auto":
             permutation = "feistel" if n_rows > AUTO_FEISTEL_ABOVE else "numpy"
         if permutation not in PERMUTATION_KINDS:
@@ -227,7 +230,7 @@ class EpochSampler:
         if self.epoch < 0:
             perm: Any = None
         elif self._recipe is not None:
-            perm = {k: v for k, v in self._recipe.items()}
+            perm = copy.deepcopy(self._recipe)
         else:  # a legacy state's permutation, not regenerable
             assert self.permutation is not None
             perm = torch.from_numpy(np.ascontiguousarray(self.permutation, dtype=np.int64)).clone()
@@ -261,15 +264,17 @@ class EpochSampler:
         recipe: dict[str, Any] | None = None
         feistel: FeistelPermutation | None = None
         arr: np.ndarray | None = None
+        kind = None if perm is None else perm["kind"] if isinstance(perm, Mapping) else "numpy"
+        # "auto" adopts the saved kind — but draws a NumPy permutation above the threshold only when asked explicitly.
+        adopt = self.permutation_auto and not (isinstance(perm, Mapping) and kind == "numpy")
+        if kind is not None and kind != self.permutation_kind and not adopt:
+            raise SchemaError(
+                f"data position was saved with permutation={kind!r}, this sampler draws {self.permutation_kind!r}",
+                expected=self.permutation_kind, found=kind,
+                hint=f"build the sampler with permutation={kind!r} (or 'auto'), as the run that saved",
+            )
         if isinstance(perm, Mapping):
-            kind = perm["kind"]
-            if kind != self.permutation_kind:
-                raise SchemaError(
-                    f"data position was saved with permutation={kind!r}, this sampler draws {self.permutation_kind!r}",
-                    expected=self.permutation_kind, found=kind,
-                    hint=f"build the sampler with permutation={kind!r}, as the run that saved",
-                )
-            recipe = {k: v for k, v in perm.items()}
+            recipe = copy.deepcopy(dict(perm))
             if kind == "numpy":
                 from .rng import _numpy_bitgen_state_back
 
@@ -277,11 +282,7 @@ class EpochSampler:
                 arr = _bitgen_from_state(start).permutation(self.n_rows)
             else:
                 feistel = FeistelPermutation(self.n_rows, int(perm["key"]))
-        elif perm is not None:  # legacy: the permutation itself
-            if self.permutation_kind != "numpy":
-                raise SchemaError("data position carries a NumPy permutation, this sampler draws 'feistel'",
-                                  expected="feistel", found="numpy",
-                                  hint="build the sampler with permutation='numpy', as the run that saved")
+        elif perm is not None:  # legacy: the permutation itself (numpy kind)
             arr = perm.numpy() if isinstance(perm, torch.Tensor) else np.asarray(perm)
             if arr.shape != (self.n_rows,) or not np.array_equal(np.sort(arr), np.arange(self.n_rows)):
                 raise SchemaError(
@@ -291,6 +292,8 @@ class EpochSampler:
                 )
             arr = arr.astype(np.int64, copy=True)
         self.permutation, self._recipe, self._feistel = arr, recipe, feistel
+        if kind is not None:  # an "auto" sampler goes on with the kind of the run that saved
+            self.permutation_kind = kind
         self.epoch, self.cursor = epoch, cursor
         self.rows_consumed = int(state["rows_consumed"])
 

@@ -59,7 +59,8 @@ def make_run(folder, steps=(3, 6)):
     with CheckpointStore(folder, retention=KeepLast(10)) as store:
         for s in steps:
             _train(st, progress, s - progress.step)
-            store.save(progress.step, bin_arrays(st), companion_snapshot(st, progress))
+            # an int64 tensor for the tensor-* cases (the data position no longer holds one: docs/FORMAT.md)
+            store.save(progress.step, bin_arrays(st), companion_snapshot(st, progress, extra={"ids": torch.arange(20)}))
     return folder
 
 
@@ -94,7 +95,7 @@ def resume(folder):
 
 
 def _perm(s):
-    return s["data"]["permutation"]
+    return s["extra"]["ids"]
 
 
 def _set(path, value):
@@ -120,13 +121,13 @@ def _nest(depth):
 
 HOSTILE = {
     # tagged tensors
-    "tensor-wrong-count": _set(["data", "permutation", "shape"], [21]),
-    "tensor-unknown-dtype": _set(["data", "permutation", "__tensor__"], "complex128"),
-    "tensor-negative-shape": _set(["data", "permutation", "shape"], [-20]),
-    "tensor-huge-shape": _set(["data", "permutation", "shape"], [2**40, 2**40]),
+    "tensor-wrong-count": _set(["extra", "ids", "shape"], [21]),
+    "tensor-unknown-dtype": _set(["extra", "ids", "__tensor__"], "complex128"),
+    "tensor-negative-shape": _set(["extra", "ids", "shape"], [-20]),
+    "tensor-huge-shape": _set(["extra", "ids", "shape"], [2**40, 2**40]),
     "tensor-zero-huge-shape": lambda s: _perm(s).update(shape=[0, 2**62], data=[]),
-    "tensor-bad-elements": _set(["data", "permutation", "data"], lambda d: ["x"] * len(d)),
-    "tensor-int-overflow": _set(["data", "permutation", "data"], lambda d: [2**70] * len(d)),
+    "tensor-bad-elements": _set(["extra", "ids", "data"], lambda d: ["x"] * len(d)),
+    "tensor-int-overflow": _set(["extra", "ids", "data"], lambda d: [2**70] * len(d)),
     "tensor-malformed-dict": _set(["optimizer", "state"], {"__dict__": [[0]]}),
     # random streams
     "rng-short-torch-state": _set(["rng", "torch_cpu"], {"__tensor__": "uint8", "shape": [100], "data": [0] * 100}),

@@ -2,14 +2,18 @@
 
 A mid-epoch resume must continue with exactly the next rows, and crossing into
 the next epoch must draw the same next permutation. Knowing the epoch number
-alone is not enough; :class:`EpochSampler` stores the epoch's permutation and
-the cursor inside it. The permutation is drawn from a NumPy ``Generator``
-(PCG64 by default) whose state is captured with the other random streams, so
-the *next* epoch's permutation is reproduced too.
+alone is not enough; :class:`EpochSampler` saves how to *regenerate* the
+epoch's permutation — the generator's state at the epoch's start, or the
+epoch's Feistel key — and the cursor inside it, never the permutation itself:
+the saved position is a few hundred bytes whatever the number of rows
+(docs/FORMAT.md, "The data position"). The permutation is drawn from a NumPy
+``Generator`` (PCG64 by default) whose state is captured with the other random
+streams, so the *next* epoch's permutation is reproduced too.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +33,87 @@ def _check_source(generator: object, seed: object, drop_last: object) -> None:
     if not isinstance(drop_last, bool | np.bool_):
         raise TypeError(f"drop_last must be a bool, not {type(drop_last).__name__}")
 
+#: ``permutation="auto"`` draws NumPy permutations up to this many rows (an int64
+#: permutation of 2**26 rows is 512 MiB) and uses the Feistel bijection above it
+#: (docs/FORMAT.md, "The data position").
+AUTO_FEISTEL_ABOVE = 2**26
+#: Permutation kinds an :class:`EpochSampler` can draw.
+PERMUTATION_KINDS = ("numpy", "feistel")
+#: Rounds of the Feistel network (any number makes a bijection; 8 mixes well).
+FEISTEL_ROUNDS = 8
+#: Largest data set the Feistel bijection covers (its halves stay below 2**31).
+FEISTEL_MAX_ROWS = 2**62
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64's output function on a Python int (mod 2**64)."""
+    z = (x + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class FeistelPermutation:
+    """A keyed bijection on ``[0, n)`` with O(1) memory and random access.
+
+    A balanced Feistel network of :data:`FEISTEL_ROUNDS` rounds permutes
+    ``[0, 4**k)``, the smallest power of four (an even number of bits) that
+    holds ``n``; a value that lands at or above ``n`` is encrypted again
+    (cycle-walking) until it falls inside, which keeps the map a bijection on
+    ``[0, n)``. Since ``4**k < 4 n``, fewer than 4 passes are needed on
+    average. The round keys come from ``key`` through SplitMix64.
+    """
+
+    def __init__(self, n: int, key: int) -> None:
+        if not 1 <= n <= FEISTEL_MAX_ROWS:
+            raise ValueError(f"a Feistel permutation covers 1..{FEISTEL_MAX_ROWS} rows, got {n}")
+        self.n = int(n)
+        self.key = int(key) & _M64
+        bits = max(2, (self.n - 1).bit_length())
+        bits += bits % 2
+        self.half = bits // 2
+        self.mask = np.uint64((1 << self.half) - 1)
+        k, keys = self.key, []
+        for _ in range(FEISTEL_ROUNDS):
+            k = _splitmix64(k)
+            keys.append(np.uint64(k))
+        self.round_keys = keys
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        h = np.uint64(self.half)
+        left, right = x >> h, x & self.mask
+        for k in self.round_keys:
+            left, right = right, left ^ (_mix64(right ^ k) & self.mask)
+        return (left << h) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """The rows at ``positions`` (ints in ``[0, n)``) of the permutation, as int64."""
+        x = np.asarray(positions, dtype=np.uint64)
+        if x.size and int(x.max()) >= self.n:
+            raise IndexError(f"position {int(x.max())} out of range for {self.n} rows")
+        x = self._encrypt(x)
+        out = x >= np.uint64(self.n)
+        while out.any():
+            x[out] = self._encrypt(x[out])
+            out = x >= np.uint64(self.n)
+        return x.astype(np.int64)
+
+
+def _bitgen_from_state(state: Mapping[str, Any]) -> np.random.Generator:
+    """A fresh NumPy generator whose bit generator is at ``state`` (a numpy-form state dict)."""
+    bitgen = getattr(np.random, str(state["bit_generator"]))()
+    bitgen.state = state
+    return np.random.Generator(bitgen)
+
 
 class EpochSampler:
     """Yields batches of row ids, one epoch permutation at a time.
@@ -40,10 +125,19 @@ class EpochSampler:
             same generator in :class:`~ripresa.RandomStreams` so that its state
             is saved; pass ``seed`` instead to let the sampler own a PCG64.
         drop_last: drop an incomplete final batch of an epoch (else it is short).
+        permutation: ``"numpy"`` — ``generator.permutation(n_rows)`` at each
+            epoch's start (O(n_rows) memory); ``"feistel"`` — a keyed
+            bijection (:class:`FeistelPermutation`) whose 64-bit key is drawn
+            from ``generator`` at each epoch's start (O(1) memory, random
+            access); ``"auto"`` (default) — numpy up to
+            :data:`AUTO_FEISTEL_ABOVE` rows, feistel above.
 
     The permutation of epoch ``e`` is drawn lazily, when the first batch of
     ``e`` is requested, so that a save at the end of an epoch does not yet
     hold the next one and a resume draws it from the restored generator.
+    Either way the saved position is O(1): the generator's state at the
+    epoch's start (numpy) or the epoch's key (feistel), from which
+    :meth:`load_state_dict` regenerates the same permutation bit for bit.
     """
 
     def __init__(
@@ -54,37 +148,74 @@ class EpochSampler:
         generator: np.random.Generator | None = None,
         seed: int | None = None,
         drop_last: bool = False,
+        permutation: str = "auto",
     ) -> None:
         n_rows = check_int(n_rows, "n_rows", at_least=1)
         batch_size = check_int(batch_size, "batch_size", at_least=1)
         _check_source(generator, seed, drop_last)
         if drop_last and batch_size > n_rows:
             raise ValueError(f"drop_last with batch_size {batch_size} > n_rows {n_rows} yields no batch")
+        #: True when the kind was chosen by size: a loaded state's kind is then adopted.
+        self.permutation_auto = permutation == "auto"
+        if permutation == "auto":
+            permutation = "feistel" if n_rows > AUTO_FEISTEL_ABOVE else "numpy"
+        if permutation not in PERMUTATION_KINDS:
+            raise ValueError(f"permutation must be 'auto', 'numpy' or 'feistel', got {permutation!r}")
+        if permutation == "feistel" and n_rows > FEISTEL_MAX_ROWS:
+            raise ValueError(f"permutation='feistel' covers at most {FEISTEL_MAX_ROWS} rows, got {n_rows}")
         if generator is None:
             generator = np.random.Generator(np.random.PCG64(0 if seed is None else seed))
         self.n_rows = int(n_rows)
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
         self.generator = generator
+        #: "numpy" or "feistel" (``"auto"`` resolved).
+        self.permutation_kind = permutation
         self.epoch = -1  # no permutation drawn yet
         self.cursor = 0
+        #: The epoch's permutation (numpy kind, or a legacy state's); None for feistel.
         self.permutation: np.ndarray | None = None
         self.rows_consumed = 0
+        # How to regenerate the current epoch's permutation: the saved form
+        # ({"kind": "numpy", "generator": ...} or {"kind": "feistel", "key": ...});
+        # None before the first epoch and after loading a legacy state.
+        self._recipe: dict[str, Any] | None = None
+        self._feistel: FeistelPermutation | None = None
 
     def _epoch_exhausted(self) -> bool:
-        if self.permutation is None:
+        if self.epoch < 0:
             return True
         remaining = self.n_rows - self.cursor
         return remaining == 0 or (self.drop_last and remaining < self.batch_size)
 
+    def _begin_epoch(self) -> None:
+        """Draw the next epoch's permutation (or key) from the generator; cursor to 0."""
+        from .rng import _numpy_bitgen_state
+
+        if self.permutation_kind == "numpy":
+            start = _numpy_bitgen_state(self.generator.bit_generator.state)
+            self.permutation = self.generator.permutation(self.n_rows)
+            self._recipe = {"kind": "numpy", "generator": start}
+        else:
+            key = int(self.generator.integers(0, 2**63, dtype=np.int64))
+            self._feistel = FeistelPermutation(self.n_rows, key)
+            self.permutation = None
+            self._recipe = {"kind": "feistel", "key": key}
+        self.epoch += 1
+        self.cursor = 0
+
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows at positions ``[start, stop)`` of the current epoch's permutation (int64)."""
+        if self.permutation is not None:
+            return self.permutation[start:stop]
+        assert self._feistel is not None
+        return self._feistel(np.arange(start, stop, dtype=np.uint64))
+
     def next_batch(self) -> list[int]:
         """Ids of the rows of the next batch (a new permutation when an epoch ends)."""
         if self._epoch_exhausted():
-            self.permutation = self.generator.permutation(self.n_rows)
-            self.epoch += 1
-            self.cursor = 0
-        assert self.permutation is not None
-        ids = self.permutation[self.cursor : self.cursor + self.batch_size]
+            self._begin_epoch()
+        ids = self._rows(self.cursor, min(self.cursor + self.batch_size, self.n_rows))
         self.cursor += len(ids)
         self.rows_consumed += len(ids)
         return [int(i) for i in ids]
@@ -96,11 +227,23 @@ class EpochSampler:
 
     # -- Stateful -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, cursor, the epoch's permutation (int64 tensor) and rows consumed.
+        """Epoch, cursor, rows consumed and how to regenerate the epoch's permutation — O(1) in ``n_rows``.
 
-        The generator's state is *not* here: it belongs to the random streams,
+        ``permutation`` is None before the first epoch, else
+        ``{"kind": "numpy", "generator": <bit-generator state at the epoch's
+        start>}`` or ``{"kind": "feistel", "key": <int>}``. After loading a
+        legacy state (which carried the permutation itself) the permutation
+        tensor is saved again until the next epoch starts. The generator's
+        *current* state is not here: it belongs to the random streams,
         restored last (it may be shared with other draws, such as noise).
         """
+        if self.epoch < 0:
+            perm: Any = None
+        elif self._recipe is not None:
+            perm = copy.deepcopy(self._recipe)
+        else:  # a legacy state's permutation, not regenerable
+            assert self.permutation is not None
+            perm = torch.from_numpy(np.ascontiguousarray(self.permutation, dtype=np.int64)).clone()
         return {
             "n_rows": self.n_rows,
             "batch_size": self.batch_size,
@@ -108,20 +251,17 @@ class EpochSampler:
             "epoch": self.epoch,
             "cursor": self.cursor,
             "rows_consumed": self.rows_consumed,
-            "permutation": None
-            if self.permutation is None
-            else torch.from_numpy(np.ascontiguousarray(self.permutation, dtype=np.int64)).clone(),
+            "permutation": perm,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the position; refuses a state for another data set or batch size.
+        """Restore the position, regenerating the epoch's permutation; refuses a state for another data set or batch size.
 
         Everything is checked (:func:`validate_sampler_state`) before anything changes.
+        A legacy state that carries the permutation itself (an int64 tensor) is accepted.
         """
         validate_sampler_state(state)
         for key, mine in (("n_rows", self.n_rows), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
-            if key not in state:
-                raise SchemaError(f"data position lacks '{key}'", expected=key, found=sorted(state))
             if state[key] != mine:
                 raise SchemaError(
                     f"data position was saved with {key}={state[key]}, this run has {key}={mine}",
@@ -131,11 +271,28 @@ class EpochSampler:
                 )
         perm = state.get("permutation")
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        if perm is None:
-            if epoch != -1 or cursor != 0:
-                raise SchemaError("data position has a cursor but no permutation", found=f"epoch {epoch}, cursor {cursor}")
-            self.permutation = None
-        else:
+        recipe: dict[str, Any] | None = None
+        feistel: FeistelPermutation | None = None
+        arr: np.ndarray | None = None
+        kind = None if perm is None else perm["kind"] if isinstance(perm, Mapping) else "numpy"
+        # "auto" adopts the saved kind — but draws a NumPy permutation above the threshold only when asked explicitly.
+        adopt = self.permutation_auto and not (isinstance(perm, Mapping) and kind == "numpy")
+        if kind is not None and kind != self.permutation_kind and not adopt:
+            raise SchemaError(
+                f"data position was saved with permutation={kind!r}, this sampler draws {self.permutation_kind!r}",
+                expected=self.permutation_kind, found=kind,
+                hint=f"build the sampler with permutation={kind!r} (or 'auto'), as the run that saved",
+            )
+        if isinstance(perm, Mapping):
+            recipe = copy.deepcopy(dict(perm))
+            if kind == "numpy":
+                from .rng import _numpy_bitgen_state_back
+
+                start = _numpy_bitgen_state_back(perm["generator"], "data.permutation.generator")
+                arr = _bitgen_from_state(start).permutation(self.n_rows)
+            else:
+                feistel = FeistelPermutation(self.n_rows, int(perm["key"]))
+        elif perm is not None:  # legacy: the permutation itself (numpy kind)
             arr = perm.numpy() if isinstance(perm, torch.Tensor) else np.asarray(perm)
             if arr.shape != (self.n_rows,) or not np.array_equal(np.sort(arr), np.arange(self.n_rows)):
                 raise SchemaError(
@@ -143,9 +300,10 @@ class EpochSampler:
                     expected=f"a permutation of 0..{self.n_rows - 1}",
                     found=f"shape {arr.shape}",
                 )
-            if not 0 <= cursor <= self.n_rows:
-                raise SchemaError("data cursor out of range", expected=f"0..{self.n_rows}", found=cursor)
-            self.permutation = arr.astype(np.int64, copy=True)
+            arr = arr.astype(np.int64, copy=True)
+        self.permutation, self._recipe, self._feistel = arr, recipe, feistel
+        if kind is not None:  # an "auto" sampler goes on with the kind of the run that saved
+            self.permutation_kind = kind
         self.epoch, self.cursor = epoch, cursor
         self.rows_consumed = int(state["rows_consumed"])
 
@@ -158,7 +316,9 @@ def validate_sampler_state(state: Any, where: str = "data") -> None:
 
     Used by :meth:`EpochSampler.load_state_dict` and, for a state read from a
     file, by :func:`ripresa.core.state.validate_saved_state` (what ``ripresa inspect
-    --deep`` and a resume share).
+    --deep`` and a resume share). ``permutation`` is None (no epoch yet), a
+    regeneration recipe (numpy generator state or Feistel key), or — a legacy
+    state — the int64 permutation itself.
     """
     if not isinstance(state, Mapping):
         raise SchemaError(f"{where}: data position is not a dict", found=type(state).__name__)
@@ -181,6 +341,10 @@ def validate_sampler_state(state: Any, where: str = "data") -> None:
     if perm is None:
         if epoch != -1 or cursor != 0:
             raise SchemaError(f"{where}: data position has a cursor but no permutation", found=f"epoch {epoch}, cursor {cursor}")
+    elif isinstance(perm, Mapping):
+        _validate_recipe(perm, n, f"{where}.permutation")
+        if epoch < 0:
+            raise SchemaError(f"{where}: data position has a permutation but no epoch", found=f"epoch {epoch}")
     elif not (isinstance(perm, torch.Tensor) and perm.dtype == torch.int64 and tuple(perm.shape) == (n,)):
         found = f"{perm.dtype}, shape {tuple(perm.shape)}" if isinstance(perm, torch.Tensor) else type(perm).__name__
         raise SchemaError(f"{where}: saved permutation is not an int64 tensor of n_rows ids", expected=f"int64, shape ({n},)",
@@ -196,11 +360,30 @@ def validate_sampler_state(state: Any, where: str = "data") -> None:
         validate_numpy_state(state.get("generator"), f"{where}.generator")
 
 
+def _validate_recipe(perm: Mapping[str, Any], n: int, where: str) -> None:
+    """A saved permutation recipe: ``{"kind": "numpy", "generator": state}`` or ``{"kind": "feistel", "key": int}``."""
+    kind = perm.get("kind")
+    fields = {"numpy": {"kind", "generator"}, "feistel": {"kind", "key"}}
+    if kind not in fields or set(map(str, perm)) != fields[kind]:
+        raise SchemaError(f"{where}: not a permutation recipe", expected="{kind: numpy, generator} or {kind: feistel, key}",
+                          found=sorted(map(str, perm))[:8] if kind in fields else repr(kind)[:80])
+    if kind == "numpy":
+        from .rng import validate_numpy_state
+
+        validate_numpy_state(perm["generator"], f"{where}.generator")
+    else:
+        key = perm["key"]
+        if type(key) is not int or not 0 <= key <= _INT64:
+            raise SchemaError(f"{where}.key is not an integer in range", expected=f"0..{_INT64}", found=repr(key)[:80])
+        if n > FEISTEL_MAX_ROWS:
+            raise SchemaError(f"{where}: a Feistel permutation covers at most {FEISTEL_MAX_ROWS} rows", found=n)
+
+
 class DistributedEpochSampler(EpochSampler):
     """An :class:`EpochSampler` shared by the ranks of a distributed run, without overlap or gaps.
 
-    Every rank holds the same *global* position — the epoch, its permutation
-    and a cursor into it — and draws the same permutations (same seed on every
+    Every rank holds the same *global* position — the epoch, how to regenerate
+    its permutation (O(1), as :class:`EpochSampler`) and a cursor into it — and draws the same permutations (same seed on every
     rank). Each call to :meth:`next_batch` advances the global cursor by one
     global batch of ``batch_size * world_size`` rows and returns this rank's
     share: the rows at positions ``rank, rank + world_size, ...`` of that
@@ -217,6 +400,7 @@ class DistributedEpochSampler(EpochSampler):
             it the final global batch is split the same strided way, so a rank
             may get fewer rows than the others (possibly none): with DDP,
             where every rank must take a step, use ``drop_last=True``.
+        permutation: ``"auto"``, ``"numpy"`` or ``"feistel"``, as for :class:`EpochSampler`.
 
     Resume, on the same or another number of ranks: the state is global (it
     includes the permutation generator's state, because on a world-size
@@ -238,6 +422,7 @@ class DistributedEpochSampler(EpochSampler):
         generator: np.random.Generator | None = None,
         seed: int | None = None,
         drop_last: bool = False,
+        permutation: str = "auto",
     ) -> None:
         if rank is None or world_size is None:
             import torch.distributed as dist
@@ -253,7 +438,8 @@ class DistributedEpochSampler(EpochSampler):
             raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
         if drop_last and batch_size * world_size > n_rows:
             raise ValueError(f"drop_last with a global batch of {batch_size * world_size} > n_rows {n_rows} yields no batch")
-        super().__init__(n_rows, batch_size * world_size, generator=generator, seed=seed, drop_last=drop_last)
+        super().__init__(n_rows, batch_size * world_size, generator=generator, seed=seed, drop_last=drop_last,
+                         permutation=permutation)
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.per_rank_batch_size = int(batch_size)

@@ -146,6 +146,13 @@ class TrainingState:
         if rng is not None and not isinstance(rng, RandomStreams):
             raise TypeError(f"rng must be a ripresa.RandomStreams, not {type(rng).__name__}")
         if data is not None and not isinstance(data, Stateful):
+            if isinstance(data, torch.utils.data.DataLoader):
+                raise TypeError(
+                    f"data={data!r} is a plain torch.utils.data.DataLoader: it lacks state_dict()/load_state_dict(), "
+                    "so its position and its workers' random state cannot be saved; use "
+                    "ripresa.core.loader.StatefulLoader(dataset, batch_size, shuffle=..., num_workers=..., seed=...) "
+                    "or any Stateful loader (torchdata's StatefulDataLoader) instead"
+                )
             raise TypeError(f"data {type(data).__name__} lacks state_dict()/load_state_dict()")
         self.model = model
         self.optimizer = optimizer

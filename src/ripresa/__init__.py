@@ -23,6 +23,7 @@ _LAZY: dict[str, str] = {
     "RandomStreams": "core.rng",
     "EpochSampler": "core.data",
     "DistributedEpochSampler": "core.data",
+    "StatefulLoader": "core.loader",
     "Checkpointer": "session.checkpointer",
     "save_checkpoint": "formats.torch_pt",
     "load_checkpoint": "formats.torch_pt",
@@ -65,6 +66,7 @@ _DEPRECATED: dict[str, str] = {
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from .core.data import DistributedEpochSampler, EpochSampler
+    from .core.loader import StatefulLoader
     from .core.rng import RandomStreams
     from .core.state import Progress, Stateful, TrainingState
     from .errors import BadInput, IntegrityError, RipresaError, SaveFailed
@@ -106,6 +108,7 @@ __all__ = [
     # the data position
     "EpochSampler",
     "DistributedEpochSampler",
+    "StatefulLoader",
     # the training session over a run folder
     "Checkpointer",
     # one checkpoint.pt file

@@ -45,6 +45,23 @@ def bin_fits(state: TrainingState) -> str | None:
     return None
 
 
+#: ``format="auto"`` writes a general generation rather than a ``.bin`` whose companion would carry more
+#: buffer elements than this as JSON numbers (two 1024x1024 masks: an 8 MB companion).
+AUTO_MAX_BUFFER_ELEMENTS = 1 << 16
+
+
+def bin_suits(state: TrainingState) -> str | None:
+    """:func:`bin_fits`, and for ``format="auto"`` model buffers small enough for the JSON companion."""
+    why = bin_fits(state)
+    if why is not None:
+        return why
+    n = sum(t.numel() for t in state.model.buffers())
+    if n > AUTO_MAX_BUFFER_ELEMENTS:
+        return f"the model's buffers hold {n} elements, more than the .bin's JSON companion carries well " \
+               f"({AUTO_MAX_BUFFER_ELEMENTS})"
+    return None
+
+
 def companion_snapshot(state: TrainingState, progress: Progress, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything the ``.bin`` lacks, captured now (small: no parameters, no moments)."""
     return state.snapshot(progress, extra, include_parameters=False)

@@ -63,7 +63,7 @@ ALIGN = 8
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return int(dtype.itemsize)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -375,6 +375,8 @@ class BackendSpec:
     format: str | None = None
     #: ``fits(state)``: why this kind cannot hold ``state`` (None: it can); None: it holds any state
     fits: Callable[[TrainingState], str | None] | None = None
+    #: ``suits(state)``: why ``format="auto"`` should not choose this kind for ``state``; None: as ``fits``
+    suits: Callable[[TrainingState], str | None] | None = None
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -404,13 +406,20 @@ def _bin_fits(state: TrainingState) -> str | None:
     return bin_fits(state)
 
 
+def _bin_suits(state: TrainingState) -> str | None:
+    from ..formats.bin_state import bin_suits
+
+    return bin_suits(state)
+
+
 def _open_general(store: CheckpointStore) -> StorageBackend:
     from .general import GeneralBackend
 
     return GeneralBackend(store)
 
 
-register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits))
+register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits,
+                             _bin_suits))
 register_backend(BackendSpec("dcp", DcpBackend, {"ddp": 20, "fsdp2": 10}))
 register_backend(BackendSpec("st", _open_general, {"single": 15, "ddp": 15}, "general"))
 
@@ -428,8 +437,9 @@ def backends_for(mode: str, store: CheckpointStore, *, state: TrainingState | No
     """(the backends a ``mode`` session uses, the one that writes first; the registered ones it ignores).
 
     The writer, decided once when the session is built: with ``format="auto"``
-    the most preferred kind of the mode that can hold ``state`` (its spec's
-    ``fits``: a ``.bin`` when the state fits it, else a general generation); with a format name, the kind of
+    the most preferred kind of the mode that suits ``state`` (its spec's
+    ``suits``, else ``fits``: a ``.bin`` when the state fits it and its buffers
+    are small, else a general generation); with a format name, the kind of
     that name, and a :class:`~ripresa.errors.BadInput` naming what does not fit
     when it cannot hold ``state``. The other kinds of the mode are resumed too.
     """
@@ -441,17 +451,17 @@ def backends_for(mode: str, store: CheckpointStore, *, state: TrainingState | No
     used = sorted((s for s in specs if mode in s.modes), key=lambda s: s.modes[mode])
     opened = {s.kind: s.open(store) for s in used}
 
-    def reason(s: BackendSpec) -> str | None:
-        return None if state is None or s.fits is None else s.fits(state)
+    def reason(s: BackendSpec, check: Callable[[TrainingState], str | None] | None) -> str | None:
+        return None if state is None or check is None else check(state)
 
     if format == AUTO:
-        writer = next((s for s in used if reason(s) is None), used[0] if used else None)
+        writer = next((s for s in used if reason(s, s.suits or s.fits) is None), used[0] if used else None)
     else:
         writer = next((s for s in used if s.format == format), None)
         if writer is None:
             raise BadInput(f"format {format!r} cannot be written by a {mode} session",
                            expected=[s.format for s in used if s.format], found=format)
-        why = reason(writer)
+        why = reason(writer, writer.fits)
         if why is not None:
             raise BadInput(f"format={format!r} cannot hold this training state: {why}", expected=f"a state the {format} "
                            f"format holds", found=why, hint=f"use format='auto' (or another format: {formats()})")

@@ -457,3 +457,23 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def test_inspect_shows_general_generations_through_their_named_checks(tmp_path):
+    from ripresa.tools.inspect import inspect_path
+
+    train("sgd_nesterov", tmp_path, 4, 2)
+    run = inspect_path(tmp_path)["run"]
+    assert run["resume_step"] == 4
+    rows = run["generations"]
+    assert [(r["step"], r["kind"], r["valid"]) for r in rows] == [(2, "st", True), (4, "st", True)]
+    assert rows[-1]["resume"] and rows[-1]["files"] == {"st": True, "companion": True, "marker": True}
+    assert [c["name"] for c in rows[-1]["checks"]][-2:] == ["tensor sha256", "companion state"]
+    f, _, _ = general_paths(tmp_path, 4)
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 1
+    f.write_bytes(bytes(raw))
+    run = inspect_path(tmp_path)["run"]
+    assert run["resume_step"] == 2
+    assert run["generations"][-1]["checks"][-1]["name"] == "tensor sha256"
+    assert not run["generations"][-1]["checks"][-1]["ok"]

@@ -477,3 +477,34 @@ def test_inspect_shows_general_generations_through_their_named_checks(tmp_path):
     assert run["resume_step"] == 2
     assert run["generations"][-1]["checks"][-1]["name"] == "tensor sha256"
     assert not run["generations"][-1]["checks"][-1]["ok"]
+
+
+# ---- ripresa convert: .bin <-> general ------------------------------------------------------------
+
+
+def test_convert_bin_to_general_and_back_is_bitwise(tmp_path):
+    from ripresa.engine.gpt.factory import GPT_FACTORY
+    from ripresa.tools.convert import compare, convert, load
+
+    cfg = GPT_FACTORY.config("tiny")
+    model, opt = GPT_FACTORY.build(cfg)
+    state = TrainingState(model=model, optimizer=opt, config=cfg)
+    with ripresa.Checkpointer(tmp_path / "run", state, every=2, handle_signals=False) as ck:
+        assert ck.backend.kind == "bin"
+        ck.resume()
+        for step in (1, 2):
+            opt.zero_grad()
+            x = torch.randint(0, cfg["model"]["vocab_size"], (2, 8))
+            out = model(x)
+            (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+            opt.step()
+            ck.step_done(step)
+    src = tmp_path / "run" / "step_000002.bin"
+    r = convert(src, tmp_path / "g" / "step_000002.safetensors", model_factory=GPT_FACTORY)
+    assert r["dest_kind"] == "general" and r["compared"] == "full" and r["verified"]
+    assert validate_general(tmp_path / "g", 2, deep=True).generation.valid
+    r = convert(tmp_path / "g" / "step_000002.safetensors", tmp_path / "b" / "step_000002.bin", model_factory=GPT_FACTORY)
+    assert r["source_kind"] == "general" and r["dest_kind"] == "bin"
+    assert (tmp_path / "b" / "step_000002.bin").read_bytes() == src.read_bytes()
+    assert compare(load(src, model_factory=GPT_FACTORY), load(tmp_path / "b" / "step_000002.bin",
+                                                               model_factory=GPT_FACTORY), "full") == []

@@ -215,6 +215,7 @@ def test_a_companion_stays_small_with_two_1024x1024_buffers(tmp_path):
         ck.step_done(1)
     f, c, _ = general_paths(tmp_path, 1)
     assert c.stat().st_size < 64 * 1024, c.stat().st_size
+    assert b"__tensor__" not in c.read_bytes()  # no tensor as a list of numbers in the JSON
     _, tensors, _ = st.read(f)
     assert torch.equal(tensors["model/mask_a"], model.mask_a) and torch.equal(tensors["model/mask_b"], model.mask_b)
 
@@ -405,6 +406,70 @@ def test_signed_general_generations_verify_and_a_missing_signature_is_refused(tm
     Path(str(f) + ".hmac").unlink()
     gen = backend_of("st", store).check(2)
     assert not gen.valid and gen.failed.name == "signature"
+
+
+# ---- a crash at every file operation of a general save ---------------------------------------------
+
+
+def _continue_and_die_at(folder: Path, k: int) -> None:
+    """Child: resume ``folder`` (step 2), train to 4 with a synchronous save, dying at the k-th file operation."""
+    from ripresa.io.fsio import ops
+
+    state = build("lion")
+    ck = ripresa.Checkpointer(folder, state, every=2, handle_signals=False, asynchronous=False)
+    ck.resume()
+    seen = {"n": 0}
+
+    def hook(op: str, path: str) -> None:
+        seen["n"] += 1
+        if seen["n"] == k:
+            os._exit(9)
+
+    ops.hook = hook
+    for step in (3, 4):
+        ck.step_done(step, loss=one_step("lion", state))
+    ops.hook = None
+    ck.close()
+    os._exit(100 + seen["n"])  # no crash: report how many operations the save took
+
+
+def test_a_crash_at_every_file_operation_of_a_save_leaves_the_old_or_the_new_generation(tmp_path):
+    import multiprocessing
+    import shutil
+    import warnings
+
+    template = tmp_path / "template"
+    train("lion", template, 2, 2)
+    want = final_tensors(train("lion", tmp_path / "ref", 4, 2))
+    ctx = multiprocessing.get_context("fork")
+
+    def attempt(k: int) -> tuple[int, Path]:
+        folder = tmp_path / f"k{k}"
+        shutil.copytree(template, folder)
+        proc = ctx.Process(target=_continue_and_die_at, args=(folder, k))
+        proc.start()
+        proc.join(120)
+        assert proc.exitcode is not None, k
+        return proc.exitcode, folder
+
+    code, _ = attempt(10**6)
+    n_ops = code - 100
+    assert 10 < n_ops < 90, n_ops
+    print(f"a general save of step 4 (and its retention) takes {n_ops} file operations")
+    outcomes = set()
+    for k in range(1, n_ops + 1):
+        code, folder = attempt(k)
+        assert code == 9, (k, code)
+        state = build("lion")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with ripresa.Checkpointer(folder, state, every=0, handle_signals=False) as ck:
+                step = ck.resume()
+        assert step in (2, 4), (k, step)
+        if step == 4:
+            assert_bitwise_equal(want, final_tensors(state))
+        outcomes.add(step)
+    assert outcomes == {2, 4}
 
 
 # ---- a real SIGKILL at a random step, then a restart ------------------------------------------

@@ -61,6 +61,7 @@ from ..store.backend import (
     StorageBackend,
     backend_of,
     backends_for,
+    choose_writer,
     newest_kind,
 )
 from ..store.history import HISTORY_NAME, History
@@ -169,6 +170,7 @@ class Checkpointer:
         self.fresh_streams = False
         self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
+        choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
             self._open_backends()
@@ -206,11 +208,7 @@ class Checkpointer:
 
     def _open_backends(self) -> None:
         """The storage backends of this run mode (docs/ARCHITECTURE.md): the first writes, all are resumed."""
-        try:
-            self.backends, self._ignored = backends_for(self.mode, self.store, state=self.state, format=self.format)
-        except BaseException:  # a refused format: release the run folder before raising
-            self.store.close()
-            raise
+        self.backends, self._ignored = backends_for(self.mode, self.store, state=self.state, format=self.format)
         self.backend: StorageBackend = self.backends[0]
 
     def _backend_of(self, gen: Generation) -> StorageBackend:

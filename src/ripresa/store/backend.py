@@ -39,7 +39,7 @@ from .retention import plan_deletions
 from .store import CheckpointStore, generation_paths, newest_valid
 
 __all__ = ["MODES", "BackendSpec", "BinBackend", "Check", "DcpBackend", "ForeignCheckpointWarning", "Generation",
-           "StorageBackend", "backends_for", "formats", "latest_valid_of", "newest_kind", "register_backend",
+           "StorageBackend", "backends_for", "choose_writer", "formats", "latest_valid_of", "newest_kind", "register_backend",
            "registered", "unregister_backend"]
 
 #: The run modes a session can be in.
@@ -432,41 +432,51 @@ def formats() -> list[str]:
     return [AUTO, *sorted(s.format for s in _REGISTRY.values() if s.format)]
 
 
-def backends_for(mode: str, store: CheckpointStore, *, state: TrainingState | None = None,
-                 format: str = AUTO) -> tuple[list[StorageBackend], list[StorageBackend]]:
-    """(the backends a ``mode`` session uses, the one that writes first; the registered ones it ignores).
+def choose_writer(mode: str, state: TrainingState | None = None, format: str = AUTO) -> BackendSpec | None:
+    """The registered kind a ``mode`` session writes (no run folder needed: every rank decides it alike).
 
-    The writer, decided once when the session is built: with ``format="auto"``
-    the most preferred kind of the mode that suits ``state`` (its spec's
-    ``suits``, else ``fits``: a ``.bin`` when the state fits it and its buffers
-    are small, else a general generation); with a format name, the kind of
-    that name, and a :class:`~ripresa.errors.BadInput` naming what does not fit
-    when it cannot hold ``state``. The other kinds of the mode are resumed too.
+    With ``format="auto"`` the most preferred kind of the mode that suits
+    ``state`` (its spec's ``suits``, else ``fits``: a ``.bin`` when the state
+    fits it and its buffers are small, else a general generation); with a
+    format name, the kind of that name, and a
+    :class:`~ripresa.errors.BadInput` naming what does not fit when it cannot
+    hold ``state``. ``ValueError`` for an unknown mode or format.
     """
     if mode not in MODES:
         raise ValueError(f"unknown run mode {mode!r} (known: {MODES})")
     if format not in formats():
         raise ValueError(f"unknown checkpoint format {format!r} (known: {formats()})")
-    specs = list(_REGISTRY.values())
-    used = sorted((s for s in specs if mode in s.modes), key=lambda s: s.modes[mode])
-    opened = {s.kind: s.open(store) for s in used}
+    used = sorted((s for s in _REGISTRY.values() if mode in s.modes), key=lambda s: s.modes[mode])
 
-    def reason(s: BackendSpec, check: Callable[[TrainingState], str | None] | None) -> str | None:
+    def reason(check: Callable[[TrainingState], str | None] | None) -> str | None:
         return None if state is None or check is None else check(state)
 
     if format == AUTO:
-        writer = next((s for s in used if reason(s, s.suits or s.fits) is None), used[0] if used else None)
-    else:
-        writer = next((s for s in used if s.format == format), None)
-        if writer is None:
-            raise BadInput(f"format {format!r} cannot be written by a {mode} session",
-                           expected=[s.format for s in used if s.format], found=format)
-        why = reason(writer, writer.fits)
-        if why is not None:
-            raise BadInput(f"format={format!r} cannot hold this training state: {why}", expected=f"a state the {format} "
-                           f"format holds", found=why, hint=f"use format='auto' (or another format: {formats()})")
+        return next((s for s in used if reason(s.suits or s.fits) is None), used[0] if used else None)
+    writer = next((s for s in used if s.format == format), None)
+    if writer is None:
+        raise BadInput(f"format {format!r} cannot be written by a {mode} session",
+                       expected=[s.format for s in used if s.format], found=format)
+    why = reason(writer.fits)
+    if why is not None:
+        raise BadInput(f"format={format!r} cannot hold this training state: {why}",
+                       expected=f"a state the {format} format holds", found=why,
+                       hint=f"use format='auto' (or another format: {formats()})")
+    return writer
+
+
+def backends_for(mode: str, store: CheckpointStore, *, state: TrainingState | None = None,
+                 format: str = AUTO) -> tuple[list[StorageBackend], list[StorageBackend]]:
+    """(the backends a ``mode`` session uses, the one that writes first; the registered ones it ignores).
+
+    The writer is :func:`choose_writer`'s, decided once when the session is
+    built; the other kinds of the mode are resumed too.
+    """
+    writer = choose_writer(mode, state, format)
+    specs = list(_REGISTRY.values())
+    used = sorted((s for s in specs if mode in s.modes), key=lambda s: s.modes[mode])
     order = ([writer] if writer is not None else []) + [s for s in used if s is not writer]
-    return [opened[s.kind] for s in order], [s.open(store) for s in specs if mode not in s.modes]
+    return [s.open(store) for s in order], [s.open(store) for s in specs if mode not in s.modes]
 
 
 def newest_kind(backends: list[StorageBackend]) -> str | None:

@@ -73,13 +73,15 @@ def model_aliases(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def split_state(snapshot: Mapping[str, Any], aliases: Mapping[str, str] | None = None
+def split_state(snapshot: Mapping[str, Any], aliases: Mapping[str, str] | None = None, *, to_cpu: bool = True
                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, str]]:
     """(key -> tensor for the file, the companion's encoded state, alias key -> stored key).
 
-    ``aliases``: :func:`model_aliases` of the live model (the snapshot's
-    copies no longer share storage). Tensors come out contiguous and on the
-    CPU; one of a dtype without a safetensors name as its uint8 bytes.
+    ``aliases``: :func:`model_aliases` of the live model (a snapshot's
+    copies no longer share storage). Tensors come out contiguous (on the CPU
+    unless ``to_cpu=False``: a caller copying them into staging itself), not
+    copied when they already are; one of a dtype without a safetensors name as
+    its uint8 bytes.
     """
     aliases = dict(aliases or {})
     tensors: dict[str, torch.Tensor] = {}
@@ -92,12 +94,12 @@ def split_state(snapshot: Mapping[str, Any], aliases: Mapping[str, str] | None =
                 alias_keys[key_of(path)] = target
                 return {"__ref__": target}
         key = key_of(path)
-        t = t.detach().to("cpu").contiguous()
+        t = (t.detach().to("cpu") if to_cpu else t.detach()).contiguous()
         if t.dtype in NAMES:
             tensors[key] = t
             return {"__ref__": key}
         try:
-            tensors[key] = as_bytes(t).clone()
+            tensors[key] = as_bytes(t)
         except RuntimeError as exc:
             raise SchemaError(f"cannot store tensor {key!r} of dtype {t.dtype}", found=str(exc)[:160],
                               hint="a general generation stores tensors whose bytes can be viewed as uint8") from exc

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..core.state import Progress, TrainingState
 from ..errors import BadInput, IntegrityError, RipresaError
 from ..formats import companion as companion_fmt
@@ -33,7 +35,7 @@ from ..formats.generation import Check, Checks, Generation, reason_of
 from ..io import auth
 from ..io.fsio import StagedFile, fsync_dir, ops, read_small, sidecar_line, write_atomic
 from .backend import _Base, _load_full_into
-from .restore import Loaded
+from .restore import Loaded, rest_proxy
 from .retention import plan_deletions
 from .store import CheckpointStore, _malformed_companion, _validate_state, read_marker
 
@@ -209,12 +211,27 @@ class GeneralBackend(_Base):
         v = validate_general(gen.path.parent, gen.step, load=True, key=self._key(), raise_first=True)
         return Loaded(v.state, True, _load_full_into, gen.companion)
 
+    def __init__(self, store: CheckpointStore) -> None:
+        super().__init__(store)
+        self._staging: torch.Tensor | None = None  # reused by background saves (one in flight at most)
+
     def capture(self, step: int, state: TrainingState, progress: Progress, extra: dict[str, Any] | None, *,
                 stage: Callable[[Any], Any] | None = None, world_size: int = 1) -> Callable[[], Generation]:
-        # The snapshot copies every tensor to the CPU now, at the step boundary (the staging of
-        # this format, sized from the state); the commit streams those copies in the background.
-        snap = state.snapshot(progress, extra)
-        tensors, encoded, aliases = general_fmt.split_state(snap, general_fmt.model_aliases(state.model))
+        """Capture ``state`` now: everything but model and optimizer as a snapshot, their tensors by reference.
+
+        For a background save (``stage`` given: the session's writer, which has
+        finished the previous save) every tensor is copied now into one reused
+        staging buffer sized from the state (pinned with CUDA) and the commit
+        streams the copies; a synchronous save writes the live CPU tensors at
+        once, before training goes on (as a ``.bin`` save writes its views).
+        """
+        snap = rest_proxy(state).snapshot(progress, extra)  # small: copies of scheduler, data, streams, objects
+        snap["model"] = dict(state.model.state_dict(keep_vars=True))
+        snap["optimizer"] = state.optimizer.state_dict() if state.optimizer is not None else None
+        tensors, encoded, aliases = general_fmt.split_state(snap, general_fmt.model_aliases(state.model),
+                                                            to_cpu=stage is None)
+        if stage is not None:
+            tensors = self._stage(tensors)
         folder, key, retention = self.folder, self.store.hmac_key, self.store.retention
 
         def commit() -> Generation:
@@ -228,6 +245,26 @@ class GeneralBackend(_Base):
             return gen
 
         return commit
+
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy ``tensors`` into the staging buffer (in file order, each at a multiple of its item size)."""
+        ordered = st.layout(tensors)
+        total = sum(t.numel() * t.element_size() for _, t in ordered)
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = None
+            self._staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        out: dict[str, torch.Tensor] = {}
+        off, on_cuda = 0, False
+        for k, t in ordered:
+            n = t.numel() * t.element_size()
+            dst = self._staging[off : off + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+            on_cuda |= t.device.type == "cuda"
+            dst.copy_(t, non_blocking=t.device.type == "cuda")
+            out[k] = dst
+            off += n
+        if on_cuda:
+            torch.cuda.synchronize()
+        return out
 
     def delete(self, step: int) -> None:
         """Remove a generation, marker first (it reads as uncommitted if interrupted)."""

@@ -11,7 +11,8 @@ Five added lines in a loop::
     ckpt.close()
 
 Each checkpoint is a generation of the run folder's :class:`~ripresa.store.store.CheckpointStore`
-(``step_NNNNNN.bin`` + companion + marker), written asynchronously by default.
+(``step_NNNNNN.bin`` + companion + marker, or for a state a ``.bin`` cannot hold a
+general ``step_NNNNNN.safetensors`` one: the ``format`` argument), written asynchronously by default.
 
 Failed saves: a save that fails (full disk, I/O error) is reported as a
 warning and a ``checkpoint_failed`` history event, training goes on and the

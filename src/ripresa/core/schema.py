@@ -180,13 +180,13 @@ def validate_saved_state(state: Any, *, where: str | Path | None = None) -> None
                 raise bad(f"optimizer.state[{idx}]", "a dict", type(entry).__name__)
             step = entry.get("step")
             if step is not None and not (
-                (isinstance(step, torch.Tensor) and step.numel() == 1 and step.dtype.is_floating_point)
+                (isinstance(step, torch.Tensor) and step.numel() == 1
+                 and (step.dtype.is_floating_point or not (step.dtype.is_complex or step.dtype == torch.bool)))
                 or (type(step) in (int, float))
             ):
-                raise bad(f"optimizer.state[{idx}].step", "a number or a one-element float tensor", repr(step)[:80])
-            for name, t in entry.items():
-                if isinstance(t, torch.Tensor) and name != "step" and not t.dtype.is_floating_point:
-                    raise bad(f"optimizer.state[{idx}].{name}", "a floating tensor", str(t.dtype))
+                raise bad(f"optimizer.state[{idx}].step", "a number or a one-element real tensor", repr(step)[:80])
+            # Other per-parameter entries may be tensors of any dtype: a user-written or
+            # quantized optimizer keeps int counters or uint8 states (docs/FORMAT.md, general generation).
     for key in ("scheduler", "scaler"):
         v = state[key]
         if v is not None and not all(isinstance(k, str) for k in v):

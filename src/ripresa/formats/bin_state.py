@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from ..core.state import BIN_MOMENTS, Progress, TrainingState
-from ..errors import SchemaError
-from .andrea_bin import BinArrays, BinContents, flatten_model_and_adamw
+from ..errors import BadInput, SchemaError
+from .andrea_bin import BinArrays, BinContents, adamw_step, flatten_model_and_adamw
 from .torch_pt import validate_checkpoint
 
 
@@ -26,6 +26,40 @@ def bin_arrays(state: TrainingState) -> BinArrays:
     if state.optimizer is None:
         raise SchemaError("an ANDREA .bin needs an Adam/AdamW optimizer", expected="optimizer", found="none")
     return flatten_model_and_adamw(state.model, state.optimizer)
+
+
+def bin_fits(state: TrainingState) -> str | None:
+    """Why ``state`` cannot be stored as an ANDREA ``.bin`` + companion (None when it can).
+
+    The ``.bin`` holds float32 parameters and Adam/AdamW (``amsgrad=False``)
+    moments with one shared step: what :func:`bin_arrays` accepts. Checked
+    when a session is built, so the choice of format never waits for a save.
+    """
+    if state.optimizer is None:
+        return "an ANDREA .bin needs an Adam/AdamW optimizer (found none)"
+    try:
+        flatten_model_and_adamw(state.model, state.optimizer)
+        adamw_step(state.model, state.optimizer)
+    except BadInput as exc:
+        return exc.message + ("" if exc.found is None else f" (found {exc.found})")
+    return None
+
+
+#: ``format="auto"`` writes a general generation rather than a ``.bin`` whose companion would carry more
+#: buffer elements than this as JSON numbers (two 1024x1024 masks: an 8 MB companion).
+AUTO_MAX_BUFFER_ELEMENTS = 1 << 16
+
+
+def bin_suits(state: TrainingState) -> str | None:
+    """:func:`bin_fits`, and for ``format="auto"`` model buffers small enough for the JSON companion."""
+    why = bin_fits(state)
+    if why is not None:
+        return why
+    n = sum(t.numel() for t in state.model.buffers())
+    if n > AUTO_MAX_BUFFER_ELEMENTS:
+        return f"the model's buffers hold {n} elements, more than the .bin's JSON companion carries well " \
+               f"({AUTO_MAX_BUFFER_ELEMENTS})"
+    return None
 
 
 def companion_snapshot(state: TrainingState, progress: Progress, extra: dict[str, Any] | None = None) -> dict[str, Any]:

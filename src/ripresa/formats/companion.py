@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,16 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_COMPANION_BYTES = 256 * 1024 * 1024
 
 
-def encode_tree(obj: Any) -> Any:
-    """State tree → JSON-able tree (lossless, see module doc)."""
+def encode_tree(obj: Any, *, tensor: Callable[[tuple[Any, ...], torch.Tensor], Any] | None = None,
+                _path: tuple[Any, ...] = ()) -> Any:
+    """State tree → JSON-able tree (lossless, see module doc).
+
+    ``tensor(path, t)``, when given, encodes each tensor instead (a general
+    generation replaces it by a reference to its key in the tensor file);
+    ``path`` is the tuple of dict keys and list indices leading to it.
+    """
+    if tensor is not None and isinstance(obj, torch.Tensor):
+        return tensor(_path, obj)
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu()
         name = str(t.dtype).removeprefix("torch.")
@@ -59,12 +67,12 @@ def encode_tree(obj: Any) -> Any:
         return {"__tensor__": name, "shape": list(t.shape), "data": flat.tolist()}
     if isinstance(obj, Mapping):
         if all(isinstance(k, str) for k in obj) and not any(k.startswith("__") and k.endswith("__") for k in obj):
-            return {k: encode_tree(v) for k, v in obj.items()}
-        return {"__dict__": [[k, encode_tree(v)] for k, v in obj.items()]}
+            return {k: encode_tree(v, tensor=tensor, _path=(*_path, k)) for k, v in obj.items()}
+        return {"__dict__": [[k, encode_tree(v, tensor=tensor, _path=(*_path, k))] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode_tree(v) for v in obj]}
+        return {"__tuple__": [encode_tree(v, tensor=tensor, _path=(*_path, i)) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [encode_tree(v) for v in obj]
+        return [encode_tree(v, tensor=tensor, _path=(*_path, i)) for i, v in enumerate(obj)]
     if isinstance(obj, bool | int | str) or obj is None:
         return obj
     if isinstance(obj, float):
@@ -160,12 +168,16 @@ def decode_tensor(obj: Mapping[str, Any], where: str = "companion") -> torch.Ten
         raise SchemaError(f"{where}: tensor cannot be built", found=f"{type(exc).__name__}: {str(exc)[:120]}") from exc
 
 
-def decode_tree(obj: Any, where: str = "companion", *, _depth: int = 0) -> Any:
+def decode_tree(obj: Any, where: str = "companion", *, refs: Callable[[dict[str, Any], str], Any] | None = None,
+                _depth: int = 0) -> Any:
     """Inverse of :func:`encode_tree`, validating every tagged node.
 
     Raises only :class:`SchemaError` (an :class:`IntegrityError`): a tree
     nested deeper than :data:`MAX_DEPTH`, a tagged node of the wrong form, a
     ``__dict__`` whose entries are not ``[key, value]`` pairs with str/int keys.
+    ``refs(node, where)``, when given, decodes each ``{"__ref__": key, ...}``
+    node (a tensor of a general generation's tensor file); without it such a
+    node is an error.
     """
     if _depth > MAX_DEPTH:
         raise SchemaError(f"{where}: nested too deeply", expected=f"<= {MAX_DEPTH} levels")
@@ -173,11 +185,15 @@ def decode_tree(obj: Any, where: str = "companion", *, _depth: int = 0) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return decode_tensor(obj, where)
+        if "__ref__" in obj:
+            if refs is None:
+                raise SchemaError(f"{where}: a tensor reference outside a general generation", found=str(obj)[:120])
+            return refs(obj, where)
         if "__tuple__" in obj:
             items = obj["__tuple__"]
             if not isinstance(items, list) or len(obj) != 1:
                 raise SchemaError(f"{where}: malformed tuple", expected='{"__tuple__": [...]}', found=str(obj)[:120])
-            return tuple(decode_tree(v, where, _depth=d) for v in items)
+            return tuple(decode_tree(v, where, refs=refs, _depth=d) for v in items)
         if "__dict__" in obj:
             pairs = obj["__dict__"]
             if not isinstance(pairs, list) or len(obj) != 1:
@@ -187,11 +203,11 @@ def decode_tree(obj: Any, where: str = "companion", *, _depth: int = 0) -> Any:
                 if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) not in (str, int):
                     raise SchemaError(f"{where}: malformed dict entry", expected="[str or int key, value]",
                                       found=str(pair)[:120])
-                out[pair[0]] = decode_tree(pair[1], f"{where}.{pair[0]}", _depth=d)
+                out[pair[0]] = decode_tree(pair[1], f"{where}.{pair[0]}", refs=refs, _depth=d)
             return out
-        return {k: decode_tree(v, f"{where}.{k}", _depth=d) for k, v in obj.items()}
+        return {k: decode_tree(v, f"{where}.{k}", refs=refs, _depth=d) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [decode_tree(v, where, _depth=d) for v in obj]
+        return [decode_tree(v, where, refs=refs, _depth=d) for v in obj]
     if isinstance(obj, float | int | str | bool) or obj is None:
         return obj
     raise SchemaError(f"{where}: not a JSON value", found=type(obj).__name__)

@@ -11,7 +11,8 @@ Five added lines in a loop::
     ckpt.close()
 
 Each checkpoint is a generation of the run folder's :class:`~ripresa.store.store.CheckpointStore`
-(``step_NNNNNN.bin`` + companion + marker), written asynchronously by default.
+(``step_NNNNNN.bin`` + companion + marker, or for a state a ``.bin`` cannot hold a
+general ``step_NNNNNN.safetensors`` one: the ``format`` argument), written asynchronously by default.
 
 Failed saves: a save that fails (full disk, I/O error) is reported as a
 warning and a ``checkpoint_failed`` history event, training goes on and the
@@ -61,6 +62,8 @@ from ..store.backend import (
     StorageBackend,
     backend_of,
     backends_for,
+    choose_writer,
+    newest_kind,
 )
 from ..store.history import HISTORY_NAME, History
 from ..store.restore import rank_view, saved_record
@@ -93,7 +96,7 @@ class Checkpointer:
 
     Args:
         run_dir: the run folder (created if needed; locked for this process).
-        state: the run's :class:`~ripresa.TrainingState` (model + AdamW required).
+        state: the run's :class:`~ripresa.TrainingState` (any model and optimizer; see ``format``).
         every: checkpoint cadence in optimizer steps (0 = only on signals and at close).
         asynchronous: stage at the step boundary, write in the background.
         retention: which generations to keep.
@@ -109,6 +112,13 @@ class Checkpointer:
         distributed: None (the default) detects an initialised process group
             (world size > 1, or a sharded FSDP2 model); False forces a
             single-process session; True requires a group.
+        format: which kind of generation this session writes, decided here
+            (docs/FORMAT.md): ``"auto"`` an ANDREA ``.bin`` when the state fits
+            it (float32 parameters, Adam/AdamW without amsgrad), else a general
+            ``.safetensors`` generation; ``"andrea"`` always the ``.bin`` (a
+            state that does not fit is a :class:`~ripresa.errors.BadInput` now,
+            naming what does not fit); ``"general"`` always the general format.
+            Generations of the other kinds in the folder are still resumed.
 
     Distributed attributes: :attr:`dist` (None in a single process),
     :attr:`world_change` (after :meth:`resume`: None, or the saved and current
@@ -133,6 +143,7 @@ class Checkpointer:
         allow_data_change: bool = False,
         max_failed_saves: int = 3,
         distributed: bool | None = None,
+        format: str = "auto",
     ) -> None:
         if not isinstance(state, TrainingState) or not isinstance(every, int) or isinstance(every, bool):
             raise TypeError(f"need a ripresa.TrainingState and an int every, got {type(state).__name__}, {type(every).__name__}")
@@ -151,6 +162,7 @@ class Checkpointer:
                       "allow_data_change": allow_data_change}
         self.max_failed_saves = max_failed_saves
         self.retention = retention
+        self.format = format
         self.dist: DistContext | None = None if distributed is False else DistContext.detect(state.model)
         if distributed is True and self.dist is None:
             raise BadInput("distributed=True but no process group is initialised", expected="torch.distributed.init_process_group() first",
@@ -159,6 +171,7 @@ class Checkpointer:
         self.fresh_streams = False
         self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
+        choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
             self._open_backends()
@@ -180,6 +193,9 @@ class Checkpointer:
         asynchronous = asynchronous and self.backend.background
         if self.history.repaired_torn_line:
             self.history.event("torn_line_terminated")
+        previous = newest_kind(self.backends)
+        if previous is not None and previous != self.backend.kind:  # the folder's newest generation is of another kind
+            self.history.event("format_change", previous=previous, now=self.backend.kind, format=self.format)
         self.writer = AsyncCheckpointWriter(self.store) if asynchronous else None
         self.signals = SignalRequests().install() if handle_signals else SignalRequests()
         self.progress = Progress()
@@ -193,7 +209,7 @@ class Checkpointer:
 
     def _open_backends(self) -> None:
         """The storage backends of this run mode (docs/ARCHITECTURE.md): the first writes, all are resumed."""
-        self.backends, self._ignored = backends_for(self.mode, self.store)
+        self.backends, self._ignored = backends_for(self.mode, self.store, state=self.state, format=self.format)
         self.backend: StorageBackend = self.backends[0]
 
     def _backend_of(self, gen: Generation) -> StorageBackend:

@@ -39,7 +39,8 @@ from .retention import plan_deletions
 from .store import CheckpointStore, generation_paths, newest_valid
 
 __all__ = ["MODES", "BackendSpec", "BinBackend", "Check", "DcpBackend", "ForeignCheckpointWarning", "Generation",
-           "StorageBackend", "backends_for", "latest_valid_of", "register_backend", "registered", "unregister_backend"]
+           "StorageBackend", "backends_for", "choose_writer", "formats", "latest_valid_of", "newest_kind", "register_backend",
+           "registered", "unregister_backend"]
 
 #: The run modes a session can be in.
 MODES = ("single", "ddp", "fsdp2")
@@ -370,6 +371,12 @@ class BackendSpec:
     kind: str
     open: Callable[[CheckpointStore], StorageBackend]
     modes: Mapping[str, int]
+    #: the name a session's ``format=`` gives this kind (``"andrea"``, ``"general"``), or None
+    format: str | None = None
+    #: ``fits(state)``: why this kind cannot hold ``state`` (None: it can); None: it holds any state
+    fits: Callable[[TrainingState], str | None] | None = None
+    #: ``suits(state)``: why ``format="auto"`` should not choose this kind for ``state``; None: as ``fits``
+    suits: Callable[[TrainingState], str | None] | None = None
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -393,17 +400,94 @@ def registered() -> dict[str, BackendSpec]:
     return dict(_REGISTRY)
 
 
-register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}))
+def _bin_fits(state: TrainingState) -> str | None:
+    from ..formats.bin_state import bin_fits
+
+    return bin_fits(state)
+
+
+def _bin_suits(state: TrainingState) -> str | None:
+    from ..formats.bin_state import bin_suits
+
+    return bin_suits(state)
+
+
+def _open_general(store: CheckpointStore) -> StorageBackend:
+    from .general import GeneralBackend
+
+    return GeneralBackend(store)
+
+
+register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits,
+                             _bin_suits))
 register_backend(BackendSpec("dcp", DcpBackend, {"ddp": 20, "fsdp2": 10}))
+register_backend(BackendSpec("st", _open_general, {"single": 15, "ddp": 15}, "general"))
+
+#: The formats a session may ask for besides the registered kinds' names: ``auto``.
+AUTO = "auto"
 
 
-def backends_for(mode: str, store: CheckpointStore) -> tuple[list[StorageBackend], list[StorageBackend]]:
-    """(the backends a ``mode`` session uses, the one that writes first; the registered ones it ignores)."""
+def formats() -> list[str]:
+    """The values a session's ``format=`` accepts: ``auto`` and each registered kind's format name."""
+    return [AUTO, *sorted(s.format for s in _REGISTRY.values() if s.format)]
+
+
+def choose_writer(mode: str, state: TrainingState | None = None, format: str = AUTO) -> BackendSpec | None:
+    """The registered kind a ``mode`` session writes (no run folder needed: every rank decides it alike).
+
+    With ``format="auto"`` the most preferred kind of the mode that suits
+    ``state`` (its spec's ``suits``, else ``fits``: a ``.bin`` when the state
+    fits it and its buffers are small, else a general generation); with a
+    format name, the kind of that name, and a
+    :class:`~ripresa.errors.BadInput` naming what does not fit when it cannot
+    hold ``state``. ``ValueError`` for an unknown mode or format.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown run mode {mode!r} (known: {MODES})")
+    if format not in formats():
+        raise ValueError(f"unknown checkpoint format {format!r} (known: {formats()})")
+    used = sorted((s for s in _REGISTRY.values() if mode in s.modes), key=lambda s: s.modes[mode])
+
+    def reason(check: Callable[[TrainingState], str | None] | None) -> str | None:
+        return None if state is None or check is None else check(state)
+
+    if format == AUTO:
+        return next((s for s in used if reason(s.suits or s.fits) is None), used[0] if used else None)
+    writer = next((s for s in used if s.format == format), None)
+    if writer is None:
+        raise BadInput(f"format {format!r} cannot be written by a {mode} session",
+                       expected=[s.format for s in used if s.format], found=format)
+    why = reason(writer.fits)
+    if why is not None:
+        raise BadInput(f"format={format!r} cannot hold this training state: {why}",
+                       expected=f"a state the {format} format holds", found=why,
+                       hint=f"use format='auto' (or another format: {formats()})")
+    return writer
+
+
+def backends_for(mode: str, store: CheckpointStore, *, state: TrainingState | None = None,
+                 format: str = AUTO) -> tuple[list[StorageBackend], list[StorageBackend]]:
+    """(the backends a ``mode`` session uses, the one that writes first; the registered ones it ignores).
+
+    The writer is :func:`choose_writer`'s, decided once when the session is
+    built; the other kinds of the mode are resumed too.
+    """
+    writer = choose_writer(mode, state, format)
     specs = list(_REGISTRY.values())
     used = sorted((s for s in specs if mode in s.modes), key=lambda s: s.modes[mode])
-    return [s.open(store) for s in used], [s.open(store) for s in specs if mode not in s.modes]
+    order = ([writer] if writer is not None else []) + [s for s in used if s is not writer]
+    return [s.open(store) for s in order], [s.open(store) for s in specs if mode not in s.modes]
+
+
+def newest_kind(backends: list[StorageBackend]) -> str | None:
+    """The kind of the newest generation on disk among ``backends`` (committed or not; None: none)."""
+    best: tuple[int, int] | None = None
+    kind = None
+    for i, b in enumerate(backends):
+        steps = b.steps_on_disk()
+        if steps and (best is None or (steps[-1], -i) > best):
+            best, kind = (steps[-1], -i), b.kind
+    return kind
 
 
 def backend_of(kind: str, store: CheckpointStore) -> StorageBackend:

@@ -10,11 +10,14 @@ name                   holds                                                as S
 ``step_NNNNNN.bin``    ANDREA ``.bin`` + companion ``.json`` + marker         yes / yes
 (a generation)
 ``*.bin`` (plain)      weights, m, v, step only (no companion)               yes / yes
+``step_NNNNNN.``       a general generation: every tensor + companion       yes / yes
+``safetensors``        ``.safetensors.json`` + marker (docs/FORMAT.md)
 ``*.pt``               ``checkpoint.pt`` (torch-native, ``weights_only``)     yes / yes
-``*.safetensors``      model weights only (an inference export)              yes / yes
+``*.safetensors``      model weights only (an inference export; any other   yes / yes
+                       name than a general generation's)
 =====================  ===================================================  =====================
 
-A complete source (a ``.dcp`` or ``.bin`` generation, a ``checkpoint.pt``)
+A complete source (a ``.dcp``, ``.bin`` or general generation, a ``checkpoint.pt``)
 converts to any format; a partial one (a plain ``.bin``: weights, m, v, step;
 a ``.safetensors``: weights) only to formats that hold no more than it has —
 missing state is never invented. The destination must not exist (its folder
@@ -71,9 +74,9 @@ from ..store.retention import KeepLast
 from ..verify.compare import first_difference
 from .models import ModelFactory
 
-KINDS = ("dcp", "bin", "plain-bin", "pt", "safetensors")
+KINDS = ("dcp", "bin", "general", "plain-bin", "pt", "safetensors")
 #: What each kind holds: "full" (a complete resume point), "moments" (weights, m, v, step), "weights".
-HOLDS = {"dcp": "full", "bin": "full", "pt": "full", "plain-bin": "moments", "safetensors": "weights"}
+HOLDS = {"dcp": "full", "bin": "full", "general": "full", "pt": "full", "plain-bin": "moments", "safetensors": "weights"}
 _RANK = {"weights": 0, "moments": 1, "full": 2}
 
 
@@ -104,9 +107,16 @@ def kind_of(path: Path, *, as_dest: bool = False) -> str:
     if name.endswith(".pt"):
         return "pt"
     if name.endswith(".safetensors"):
+        from ..store.general import parse_general_name
+
+        # step_NNNNNN.safetensors is a general generation (docs/FORMAT.md) when it is a destination or has its
+        # companion; any other NAME.safetensors holds weights only.
+        if parse_general_name(name) is not None and (as_dest or path.with_name(name + ".json").exists()):
+            return "general"
         return "safetensors"
     raise BadInput("unknown checkpoint format", file=path,
-                   expected="step_NNNNNN.dcp, step_NNNNNN.bin, NAME.bin, NAME.pt or NAME.safetensors", found=name)
+                   expected="step_NNNNNN.dcp, step_NNNNNN.bin, step_NNNNNN.safetensors, NAME.bin, NAME.pt or "
+                            "NAME.safetensors", found=name)
 
 
 # ---- building the live objects -------------------------------------------------------------
@@ -182,6 +192,26 @@ def load(path: str | Path, *, model_factory: ModelFactory, config: str | dict[st
         model.load_state_dict(full["model"], strict=True)
         opt.load_state_dict(full["optimizer"])
         return Loaded(kind, src, model, opt, _split(full), step, cfg)
+    if kind == "general":
+        from ..store.general import parse_general_name, validate_general
+
+        step = parse_general_name(src.name)
+        assert step is not None
+        key = auth.load_key() if require else None
+        if require and key is None:
+            raise auth.missing_key_error("require_signature (RIPRESA_REQUIRE_SIGNATURE)")
+        try:
+            v = validate_general(src.parent, step, load=True, key=key, raise_first=True)
+        except IntegrityError as exc:
+            raise CheckFailed(f"the source generation is not valid: {exc.message}", file=src, found=exc.found) from exc
+        saved = v.state
+        cfg = _model_config(saved.get("config"), config, src, model_factory)
+        model, opt = model_factory.build(cfg)
+        model.load_state_dict(saved["model"], strict=True)
+        if saved.get("optimizer") is None:
+            raise SchemaError("the generation has no optimizer state", file=src, hint="ripresa convert needs the optimizer")
+        opt.load_state_dict(saved["optimizer"])
+        return Loaded(kind, src, model, opt, _split(saved), step, cfg)
     if kind == "pt":
         from ..formats.torch_pt import load_checkpoint
 
@@ -277,6 +307,15 @@ def write(lo: Loaded, dest: Path, kind: str) -> None:
         assert lo.optimizer is not None
         with CheckpointStore(dest.parent, retention=KeepLast(2**31 - 1)) as store:
             store.save(lo.step, flatten_model_and_adamw(lo.model, lo.optimizer), _companion_state(lo))
+    elif kind == "general":
+        from ..formats import general as general_fmt
+        from ..store.general import parse_general_name, save_general
+
+        if parse_general_name(dest.name) != lo.step:
+            raise BadInput("a general generation's name must carry its step", file=dest,
+                           expected=f"step_{lo.step:06d}.safetensors", found=dest.name)
+        tensors, encoded, aliases = general_fmt.split_state(_snapshot(lo), general_fmt.model_aliases(lo.model))
+        save_general(dest.parent, lo.step, tensors, encoded, aliases, hmac_key=auth.load_key())
     elif kind == "plain-bin":
         assert lo.optimizer is not None
         save_bin(dest, lo.step, *flatten_model_and_adamw(lo.model, lo.optimizer))

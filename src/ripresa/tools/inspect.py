@@ -791,9 +791,12 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
     # The resume of a single-process or DDP run considers .bin generations only; an
     # FSDP2 run's considers its .dcp ones first. A folder holding .bin generations is
     # reported as the former (a .dcp planted beside them is never what it resumes).
-    valid_bins = [g for g in valid if getattr(g, "kind", "bin") == "bin"]
+    # A single-process resume considers every kind registered for it (.bin, general .safetensors, ...).
+    single = {k for k, spec in registered().items() if "single" in spec.modes}
+    valid_bins = [g for g in valid if getattr(g, "kind", "bin") in single]
     valid_dcps = [g for g in valid if getattr(g, "kind", "bin") == "dcp"]
-    resume = (valid_bins or valid_dcps or [None])[-1] if not steps else (valid_bins or [None])[-1]
+    has_single = any(getattr(g, "kind", "bin") in single for g in gens)
+    resume = (valid_bins or valid_dcps or [None])[-1] if not has_single else (valid_bins or [None])[-1]
     mixed = bool(steps) and any(getattr(g, "kind", "bin") == "dcp" for g in gens)
     rows = []
     for g in gens:
@@ -805,13 +808,13 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
             size = None
         rows.append({
             "step": g.step,
-            "kind": "dcp" if is_dcp else "bin",
+            "kind": getattr(g, "kind", "bin"),
             "valid": g.valid,
             "reason": g.reason,
             "size": size,
             "deep_checked": g.deep_checked,
             "resume": resume is not None and g is resume,
-            "files": {"bin" if not is_dcp else "dcp": os.path.lexists(main), "companion": os.path.lexists(g.companion),
+            "files": {getattr(g, "kind", "bin"): os.path.lexists(main), "companion": os.path.lexists(g.companion),
                       "marker": os.path.lexists(g.marker)},
             "checks": [c.as_dict() for c in g.checks],
         })
@@ -873,8 +876,9 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
             v.warn(f"leftover temporary file {t['name']} of a dead writer (pid {t['pid']}); "
                    "the next writer removes it")
 
-    if check_finite and resume is not None and getattr(resume, "kind", "bin") == "dcp":
-        v.warn(f"--check-finite reads .bin generations; generation {resume.step} is a .dcp (its shards were hashed)")
+    if check_finite and resume is not None and getattr(resume, "kind", "bin") != "bin":
+        v.warn(f"--check-finite reads .bin generations; generation {resume.step} is a {resume.path.suffix} "
+               "(its files were hashed)")
     elif check_finite and resume is not None:
         finite["step"] = resume.step
         try:

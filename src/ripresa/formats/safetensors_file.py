@@ -1,0 +1,250 @@
+"""The byte layout of a general generation ``step_NNNNNN.safetensors`` (docs/FORMAT.md).
+
+The safetensors layout, written and read by ripresa itself (the
+``safetensors`` package is not needed; ``safetensors.safe_open(path, "pt")``
+reads what this module writes)::
+
+    offset 0       uint64 LE   N: the header's length in bytes (N <= MAX_HEADER)
+    offset 8       N bytes     UTF-8 JSON header, padded with spaces so 8 + N is a multiple of 8:
+                               {"__metadata__": {str: str}, key: {"dtype", "shape", "data_offsets": [begin, end]}, ...}
+    offset 8 + N   the tensors' bytes, contiguous, no gap, nothing after; offsets relative to 8 + N
+
+Tensors are laid out by decreasing item size (then in state order), so each
+one starts at an offset that is a multiple of its own item size.
+
+Reading is hostile-safe (:func:`parse_header`): the header length is bounded
+and inside the file, the JSON is bounded in depth, every dtype comes from
+:data:`DTYPES`, every shape is a list of non-negative ints whose element
+count times the item size equals its byte range, every range lies inside the
+file, ranges neither overlap nor leave gaps, and they cover the data exactly.
+All of it is decided from the header and the file size, before any tensor is
+allocated; every refusal is an :class:`~ripresa.errors.IntegrityError` naming
+the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import IntegrityError
+from ..io.fsio import StagedFile, open_run_file, read_exact_hashing
+
+#: safetensors dtype name -> torch dtype (the allowlist of names a header may use).
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if getattr(torch, _attr, None) is not None:
+        DTYPES[_name] = getattr(torch, _attr)
+#: torch dtype -> safetensors name.
+NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+
+#: The largest header accepted (bytes), as the safetensors library does.
+MAX_HEADER = 100 * 1024 * 1024
+#: Most dimensions of one tensor.
+MAX_NDIM = 32
+#: Longest tensor key (characters).
+MAX_KEY = 4096
+#: Header padding: 8 + N is a multiple of this.
+ALIGN = 8
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return int(dtype.itemsize)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor's bytes as a 1-D uint8 view (no copy)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the file: its key, safetensors dtype name, shape and byte range (relative to the data)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, validated header: entries in data order, metadata, where the data starts, the file's size."""
+
+    entries: tuple[Entry, ...]
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+    raw: bytes  # the 8 length bytes and the header, as read (hashed with the data)
+
+    @property
+    def data_size(self) -> int:
+        return self.file_size - self.data_start
+
+
+def layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The order tensors are written in: by decreasing item size, then as given (natural alignment)."""
+    items = list(tensors.items())
+    order = sorted(range(len(items)), key=lambda i: (-items[i][1].element_size(), i))
+    return [items[i] for i in order]
+
+
+def header_bytes(tensors: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> bytes:
+    """The 8 length bytes and the padded JSON header for ``tensors`` in this order."""
+    head: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
+    off = 0
+    for key, t in tensors:
+        if t.dtype not in NAMES:
+            raise ValueError(f"dtype {t.dtype} has no safetensors name; store its bytes as uint8")
+        n = t.numel() * t.element_size()
+        head[key] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * ((-(8 + len(raw))) % ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write(out: StagedFile, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[tuple[str, torch.Tensor]]:
+    """Stream the file into ``out`` (hashed as written); return the tensors in file order.
+
+    Every tensor must be a contiguous CPU tensor of a dtype in :data:`NAMES`
+    that stays unchanged until ``out.finish()`` (a snapshot's copy).
+    """
+    ordered = layout(tensors)
+    out.write(header_bytes(ordered, metadata))
+    for _key, t in ordered:
+        if t.numel():
+            out.write(memoryview(as_bytes(t).numpy()), stable=True)
+    return ordered
+
+
+def _bad(path: Path, message: str, expected: Any = None, found: Any = None) -> IntegrityError:
+    return IntegrityError(f"safetensors file: {message}", file=path, expected=expected, found=found,
+                          hint="it was not written by ripresa, or it was damaged or edited; it is not used")
+
+
+def parse_header(raw_len: bytes, raw_head: bytes, file_size: int, path: Path) -> Header:
+    """Validate a header against the file size before anything is allocated (see the module doc)."""
+    from .companion import loads_bounded
+
+    if len(raw_len) != 8:
+        raise _bad(path, "shorter than its 8-byte header length", ">= 8 bytes", f"{file_size} bytes")
+    (n,) = struct.unpack("<Q", raw_len)
+    if n > MAX_HEADER or 8 + n > file_size:
+        raise _bad(path, "header length out of bounds", f"<= {min(MAX_HEADER, max(file_size - 8, 0))} bytes",
+                   f"{n} bytes in a file of {file_size}")
+    if len(raw_head) != n:
+        raise _bad(path, "header ended early", f"{n} bytes", f"{len(raw_head)} bytes")
+    try:
+        text = raw_head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad(path, "header is not UTF-8", found=str(exc)[:120]) from None
+    doc = loads_bounded(text, file=path, what="safetensors header", max_depth=8)
+    if not isinstance(doc, dict):
+        raise _bad(path, "header is not a JSON object", found=type(doc).__name__)
+    meta = doc.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise _bad(path, "__metadata__ is not a map of strings to strings", found=str(meta)[:120])
+    data_size = file_size - 8 - n
+    entries = []
+    for key, rec in doc.items():
+        if not key or len(key) > MAX_KEY:
+            raise _bad(path, "bad tensor key", f"1..{MAX_KEY} characters", repr(key)[:120])
+        if not isinstance(rec, dict) or set(rec) != {"dtype", "shape", "data_offsets"}:
+            raise _bad(path, f"tensor {key!r}: malformed entry", '{"dtype", "shape", "data_offsets"}', str(rec)[:120])
+        dt, shape, offs = rec["dtype"], rec["shape"], rec["data_offsets"]
+        if not isinstance(dt, str) or dt not in DTYPES:
+            raise _bad(path, f"tensor {key!r}: unknown dtype", sorted(DTYPES), repr(dt)[:80])
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+                or any(type(s) is not int or s < 0 for s in shape)):
+            raise _bad(path, f"tensor {key!r}: bad shape", f"<= {MAX_NDIM} non-negative ints", str(shape)[:120])
+        if (not isinstance(offs, list) or len(offs) != 2 or any(type(o) is not int for o in offs)
+                or not 0 <= offs[0] <= offs[1] <= data_size):
+            raise _bad(path, f"tensor {key!r}: byte range outside the file's data",
+                       f"0 <= begin <= end <= {data_size}", str(offs)[:120])
+        want = math.prod(shape) * itemsize(DTYPES[dt])  # Python ints: a shape asking for terabytes stays a number
+        if offs[1] - offs[0] != want:
+            raise _bad(path, f"tensor {key!r}: shape and dtype do not match its byte range",
+                       f"{want} bytes ({dt} {shape})"[:200], f"{offs[1] - offs[0]} bytes")
+        entries.append(Entry(key, dt, tuple(shape), offs[0], offs[1]))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    pos = 0
+    for e in entries:
+        if e.begin != pos:
+            raise _bad(path, "tensor byte ranges overlap" if e.begin < pos else "gap between tensor byte ranges",
+                       f"{e.key!r} at {pos}", f"{e.key!r} at {e.begin}")
+        pos = e.end
+    if pos != data_size:
+        raise _bad(path, "tensors do not cover the data exactly", f"{data_size} bytes of tensors", f"{pos} bytes")
+    return Header(tuple(entries), meta, 8 + n, file_size, raw_len + raw_head)
+
+
+def _read_header_fd(fd: int, path: Path) -> Header:
+    size = os.fstat(fd).st_size
+    raw_len = os.pread(fd, 8, 0) if size >= 8 else b""
+    if len(raw_len) != 8:
+        raise _bad(path, "shorter than its 8-byte header length", ">= 8 bytes", f"{size} bytes")
+    (n,) = struct.unpack("<Q", raw_len)
+    if n > MAX_HEADER or 8 + n > size:
+        raise _bad(path, "header length out of bounds", f"<= {min(MAX_HEADER, max(size - 8, 0))} bytes",
+                   f"{n} bytes in a file of {size}")
+    raw_head = os.pread(fd, n, 8)
+    return parse_header(raw_len, raw_head, size, path)
+
+
+def read_header(path: str | Path) -> Header:
+    """Open ``path`` (a regular file, no symlink) and validate its header (nothing else is read)."""
+    p = Path(path)
+    fd = open_run_file(p, "safetensors file", error=IntegrityError)
+    try:
+        return _read_header_fd(fd, p)
+    finally:
+        os.close(fd)
+
+
+def read(path: str | Path, *, expected_sha256: str | None = None) -> tuple[Header, dict[str, torch.Tensor], str]:
+    """Read every tensor of ``path`` in one pass, hashed while read: (header, key -> tensor, sha256).
+
+    The header is validated first (:func:`parse_header`), so the allocation is
+    bounded by the file's size; each tensor is read straight into its own
+    buffer. With ``expected_sha256`` a different digest is an IntegrityError.
+    """
+    p = Path(path)
+    fd = open_run_file(p, "safetensors file", error=IntegrityError)
+    try:
+        header = _read_header_fd(fd, p)
+        tensors = {e.key: torch.empty(e.shape, dtype=e.torch_dtype) for e in header.entries}
+        h = hashlib.sha256(header.raw)
+        os.lseek(fd, header.data_start, os.SEEK_SET)
+        views = [memoryview(as_bytes(tensors[e.key]).numpy()) for e in header.entries if e.end > e.begin]
+        read_exact_hashing(fd, views, h, path=p, what="safetensors file")
+        if os.read(fd, 1):
+            raise _bad(p, "the file grew while it was read", f"{header.file_size} bytes", "more")
+    finally:
+        os.close(fd)
+    digest = h.hexdigest()
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise IntegrityError("sha256 mismatch: the safetensors file changed after it was committed", file=p,
+                             expected=expected_sha256, found=digest,
+                             hint="bit rot or an edit; an older generation will be used")
+    return header, tensors, digest

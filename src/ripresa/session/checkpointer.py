@@ -26,7 +26,8 @@ SIGTERM that fails always raises: the operator asked for a durable stop.
 Which generations a resume considers (docs/FORMAT.md, docs/FAULTS.md): the
 kind the session writes — a single-process session only ``.bin`` generations
 (a ``.dcp`` folder in its run folder is never read, and a warning names it),
-an FSDP2 session ``.dcp`` ones, and a ``.bin`` of another mode only while
+an FSDP2 session ``.dcp`` ones, and a generation of another format (``.bin`` against
+``.safetensors``) or another mode (``.dcp`` against the others) only while
 saying so (a warning and an ``other_mode_generation`` history event). The
 newest candidate that fails any check — at the choice or while it is loaded —
 is skipped with a warning and a ``skipped_generation`` event, and the next
@@ -89,6 +90,8 @@ _RESTORE_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError, 
 
 #: How messages name each run mode.
 _MODE_NAMES = {"single": "single-process", "ddp": "DDP", "fsdp2": "sharded (FSDP2)"}
+#: How messages name each kind of generation (its file).
+_KIND_FILES = {"bin": "ANDREA .bin", "st": "general .safetensors", "dcp": "sharded .dcp"}
 
 
 class Checkpointer:
@@ -328,11 +331,21 @@ class Checkpointer:
                         self._skipped_committed.append(msg)
                     continue
                 if b is not writer:
-                    msg = (f"resuming {g.path.name}, a {b.kind} generation written by another mode than this "
-                           f"{_MODE_NAMES[self.mode]} run (it writes {writer.kind} generations)")
+                    msg = self._other_kind_message(g, b, writer)
                     warnings.warn(msg, OtherModeWarning, stacklevel=3)
                     self.history.event("other_mode_generation", step=step, kind=b.kind, reason=msg)
                 yield g
+
+    def _other_kind_message(self, g: Generation, b: StorageBackend, writer: StorageBackend) -> str:
+        """Why resuming ``g`` (of backend ``b``) is announced: another *mode* (a sharded ``.dcp`` against a
+        ``.bin``/``.safetensors``: FSDP2 against single-process/DDP) or, in the same mode, another *format*
+        (``.bin`` against general ``.safetensors``)."""
+        theirs, mine = _KIND_FILES.get(b.kind, b.kind), _KIND_FILES.get(writer.kind, writer.kind)
+        if b.collective != writer.collective:
+            return (f"resuming {g.path.name}, a {theirs} generation written by another mode than this "
+                    f"{_MODE_NAMES[self.mode]} run (it writes {mine} generations)")
+        return (f"resuming {g.path.name}, a generation of another format ({theirs}) than this run writes "
+                f"({mine}, format={self.format!r})")
 
     def _choose_path(self, from_path: str | Path) -> Generation:
         """The generation an explicit ``--resume`` path names (any registered kind), checked."""

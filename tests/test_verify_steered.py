@@ -183,3 +183,8 @@ def test_contract_mode_does_not_fall_back_and_steer_mode_says_it_steered(tmp_pat
     assert not (tmp_path / "c" / "contract-probe").exists()
     res = ripresa_cli("verify", "--steer", "--output", tmp_path / "s", "--", *cmd)
     assert res.returncode == 2 and "path failed (exit 3)" in res.stderr and f"steered: {ENV}=" in res.stderr
+
+
+def test_a_steered_command_without_a_checkpointer_is_incomplete(tmp_path):
+    res = ripresa_cli("verify", "--steer", "--output", tmp_path / "v", "--", sys.executable, "-c", "pass")
+    assert res.returncode == 2 and "wrote no summary.json" in res.stderr and "Checkpointer" in res.stderr

@@ -13,7 +13,10 @@ A state block holds progress, data position, every model tensor, the
 optimizer state, the scheduler state, the LR the *next* step would use, the
 next draw of every random stream (observed, then undone) and the trainer's
 evaluation output. :class:`Trajectory` builds all of it from a
-:class:`~ripresa.TrainingState`; see docs/FORMAT.md for the schema.
+:class:`~ripresa.TrainingState`; see docs/VERIFY.md for the schema. The
+recorder lives in :mod:`ripresa.session.trajectory` (a ``Checkpointer``
+steered by ``ripresa verify`` writes the same file); this module re-exports
+it and reads ``summary.json`` back.
 """
 
 from __future__ import annotations

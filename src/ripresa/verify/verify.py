@@ -18,6 +18,16 @@ random stream, the next LR and the final evaluation. The state the resumed
 process holds right after its restore is also compared with the state the
 interrupted process saved, so a fault is named where it first appears.
 
+That table is the contract mode. A script that uses the ``Checkpointer`` and
+not the contract runs unchanged on every path, its session steered through
+``RIPRESA_VERIFY`` (:mod:`ripresa.session.steer`): its own run folder per path
+(the resumed paths get a copy of the interrupted one), a stop with a save at
+the cut, no RNG restore for the negative case; the session records the same
+``summary.json``. ``mode="auto"`` tries the contract first and steers when
+no ``summary.json`` appears. Random streams whose next draw differs between
+the two fresh reference processes are never seeded by the command: they are
+reported as not used and not compared (:func:`streams_not_used`).
+
 The verdict passes only when the full resume agrees within the tolerance
 **and** the negative case diverges. Exit codes: 0 pass, 1 a comparison
 failed, 2 the verification could not be completed.
@@ -320,6 +330,14 @@ def _check_steered_reference(runs: dict[str, PathRun], steps: int, cut: int) -> 
     """A steered reference path must have stopped where it was steered to (the script's own count may be shorter)."""
     for name, want in (("interrupted", cut), ("continuous", steps)):
         r = runs[name]
+        if not os.path.lexists(r.output / "summary.json"):
+            raise BadInput(
+                f"the steered {name} path wrote no summary.json", file=r.output / "summary.json",
+                expected="a script that builds a ripresa Checkpointer and calls its resume()",
+                found=f"exit code {r.returncode}, no trajectory; last lines:\n{_tail(r.log)}",
+                hint="ripresa verify steers scripts that use ripresa.Checkpointer; any other trainer "
+                     "implements the contract (docs/VERIFY.md)",
+            )
         doc = read_trajectory(r.output / "summary.json")
         got = (doc.get("final") or {}).get("progress", {}).get("step")
         if got != want:

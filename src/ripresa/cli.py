@@ -42,9 +42,12 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
         sub, "verify", _cmd_verify,
         help="prove a resume exact: continuous vs interrupted vs resumed vs resumed-without-RNG",
         description="Run a trainer four times in fresh processes and compare the trajectories after the cut. "
-        "The trainer follows the contract --steps/--output/--resume/--omit-rng-restore and writes summary.json. "
-        "Without a command after --, the 33-parameter reference exercise is verified.",
-        usage="ripresa verify --output DIR [--steps N] [--cut K] [--tolerance T] [-- python train.py ARGS...]",
+        "A trainer that follows the contract --steps/--output/--resume/--omit-rng-restore and writes summary.json "
+        "is run with those options; any other script that uses ripresa's Checkpointer is run unchanged and its "
+        "Checkpointer is steered through the environment (RIPRESA_VERIFY) and records the trajectory itself. "
+        "By default the contract is tried first and, when no summary.json appears, the script is steered "
+        "(docs/VERIFY.md). Without a command after --, the 33-parameter reference exercise is verified.",
+        usage="ripresa verify --output DIR [--steps N] [--cut K] [--tolerance T] [--contract | --steer] [-- python train.py ARGS...]",
     )
     p.add_argument("--output", type=Path, required=True, help="new folder for the four runs and verification.json")
     p.add_argument("--steps", type=int, default=10, help="total updates N (default 10)")
@@ -52,13 +55,19 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tolerance", type=float, default=1e-12, help="absolute tolerance (default 1e-12)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--json", action="store_true", help="print verification.json instead of tables")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--contract", dest="mode", action="store_const", const="contract", default="auto",
+                     help="the command implements the contract (no steering, no fallback)")
+    how.add_argument("--steer", dest="mode", action="store_const", const="steer",
+                     help="run the command unchanged and steer its Checkpointer (no contract attempt)")
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .verify.verify import reference_exercise_command, render_verdict, verify_resume
 
     command = args.trainer or reference_exercise_command()
-    verdict = verify_resume(command, output=args.output, steps=args.steps, cut=args.cut, atol=args.tolerance, rtol=args.rtol)
+    verdict = verify_resume(command, output=args.output, steps=args.steps, cut=args.cut, atol=args.tolerance, rtol=args.rtol,
+                             mode=args.mode)
     if args.json:
         import json
 

@@ -26,7 +26,8 @@ SIGTERM that fails always raises: the operator asked for a durable stop.
 Which generations a resume considers (docs/FORMAT.md, docs/FAULTS.md): the
 kind the session writes — a single-process session only ``.bin`` generations
 (a ``.dcp`` folder in its run folder is never read, and a warning names it),
-an FSDP2 session ``.dcp`` ones, and a ``.bin`` of another mode only while
+an FSDP2 session ``.dcp`` ones, and a generation of another format (``.bin`` against
+``.safetensors``) or another mode (``.dcp`` against the others) only while
 saying so (a warning and an ``other_mode_generation`` history event). The
 newest candidate that fails any check — at the choice or while it is loaded —
 is skipped with a warning and a ``skipped_generation`` event, and the next
@@ -76,6 +77,7 @@ from .distributed import (
     fault_point,
 )
 from .signals import SignalRequests
+from .steer import SteeredRecorder, Steering
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view"]
 
@@ -89,6 +91,8 @@ _RESTORE_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError, 
 
 #: How messages name each run mode.
 _MODE_NAMES = {"single": "single-process", "ddp": "DDP", "fsdp2": "sharded (FSDP2)"}
+#: How messages name each kind of generation (its file).
+_KIND_FILES = {"bin": "ANDREA .bin", "st": "general .safetensors", "dcp": "sharded .dcp"}
 
 
 class Checkpointer:
@@ -149,7 +153,9 @@ class Checkpointer:
             raise TypeError(f"need a ripresa.TrainingState and an int every, got {type(state).__name__}, {type(every).__name__}")
         if every < 0 or max_failed_saves < 1:  # misuse of the API: TypeError/ValueError (docs/FAULTS.md)
             raise ValueError(f"need every >= 0 (0: on signals only) and max_failed_saves >= 1, got {every}, {max_failed_saves}")
-        self.run_dir = Path(run_dir)
+        #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
+        self.steering = Steering.take_from_env()
+        self.run_dir = Path(run_dir) if self.steering is None else self.steering.run_dir
         if fresh and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise BadInput("--fresh refuses a run folder that is not empty", file=self.run_dir,
                            expected="an empty or new folder", found=sorted(p.name for p in self.run_dir.iterdir())[:8],
@@ -171,6 +177,9 @@ class Checkpointer:
         self.fresh_streams = False
         self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
+        if self.steering is not None and self.dist is not None:
+            raise BadInput("ripresa verify steers single-process scripts only", found=f"a {_MODE_NAMES[self.mode]} run",
+                           hint="verify the script in one process, or implement the verification contract (docs/VERIFY.md)")
         choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
@@ -206,6 +215,10 @@ class Checkpointer:
         self._deferred_error: SaveFailed | None = None  # distributed: a stop-save failure, raised on every rank
         self._last_gen: Any = None
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
+        self._recorder = SteeredRecorder(self.steering, state) if self.steering is not None else None
+        if self.steering is not None:
+            self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,
+                               restore_rng=self.steering.restore_rng)
 
     def _open_backends(self) -> None:
         """The storage backends of this run mode (docs/ARCHITECTURE.md): the first writes, all are resumed."""
@@ -229,6 +242,13 @@ class Checkpointer:
         ``step_NNNNNN.dcp`` folder. In a distributed run every rank calls it;
         rank 0 chooses the generation and every rank loads it.
         """
+        if self._recorder is not None:  # steered by ripresa verify: the path decides, then the start is recorded
+            step = self._resume(from_path, restore_rng and self._recorder.steer.restore_rng)
+            self._recorder.start(self.progress, str(self.resumed_from.path) if self.resumed_from is not None else None)
+            return step
+        return self._resume(from_path, restore_rng)
+
+    def _resume(self, from_path: str | Path | None, restore_rng: bool) -> int:
         if self.dist is not None:
             return self._resume_dist(from_path, restore_rng)
         if from_path is not None:
@@ -328,11 +348,21 @@ class Checkpointer:
                         self._skipped_committed.append(msg)
                     continue
                 if b is not writer:
-                    msg = (f"resuming {g.path.name}, a {b.kind} generation written by another mode than this "
-                           f"{_MODE_NAMES[self.mode]} run (it writes {writer.kind} generations)")
+                    msg = self._other_kind_message(g, b, writer)
                     warnings.warn(msg, OtherModeWarning, stacklevel=3)
                     self.history.event("other_mode_generation", step=step, kind=b.kind, reason=msg)
                 yield g
+
+    def _other_kind_message(self, g: Generation, b: StorageBackend, writer: StorageBackend) -> str:
+        """Why resuming ``g`` (of backend ``b``) is announced: another *mode* (a sharded ``.dcp`` against a
+        ``.bin``/``.safetensors``: FSDP2 against single-process/DDP) or, in the same mode, another *format*
+        (``.bin`` against general ``.safetensors``)."""
+        theirs, mine = _KIND_FILES.get(b.kind, b.kind), _KIND_FILES.get(writer.kind, writer.kind)
+        if b.collective != writer.collective:
+            return (f"resuming {g.path.name}, a {theirs} generation written by another mode than this "
+                    f"{_MODE_NAMES[self.mode]} run (it writes {mine} generations)")
+        return (f"resuming {g.path.name}, a generation of another format ({theirs}) than this run writes "
+                f"({mine}, format={self.format!r})")
 
     def _choose_path(self, from_path: str | Path) -> Generation:
         """The generation an explicit ``--resume`` path names (any registered kind), checked."""
@@ -433,6 +463,10 @@ class Checkpointer:
         if "epoch" in metrics:
             p.epoch = int(metrics["epoch"])
         self.history.step(step, **metrics)
+        steered_stop = False
+        if self._recorder is not None and not self._recorder.finished:
+            self._recorder.step(step, metrics)
+            steered_stop = step >= self._recorder.steer.stop_at
         self._collect(block=False)
         who: dict[str, Any] = {}
         if self.dist is None:
@@ -446,6 +480,9 @@ class Checkpointer:
         if asked or stop:
             self.history.event("signal", step=step, signals=list(self.signals.received), action="stop" if stop else "checkpoint", **who)
             self.signals.received.clear()
+        if steered_stop:  # ripresa verify's cut (or end): saved and stopped as on SIGTERM
+            self.history.event("verify_stop", step=step, path=self._recorder.steer.path)
+            stop = True
         due = self.every > 0 and step % self.every == 0
         if due or asked or stop:
             self._save(step, "stop" if stop else "signal" if asked else "cadence", must_succeed=stop)
@@ -454,6 +491,8 @@ class Checkpointer:
                 self._collect(block=True, must_succeed=True)
             else:
                 self._collect_all()
+            if self._recorder is not None:
+                self._recorder.finish(self.progress)  # the state saved is the state recorded: nothing ran between
             return True
         return False
 
@@ -641,6 +680,8 @@ class Checkpointer:
     def close(self, *, final_save: bool = False) -> None:
         """Finish the in-flight save (and optionally save the last step), release the folder."""
         try:
+            if self._recorder is not None and self._recorder.started:
+                self._recorder.finish(self.progress)  # the script stopped before the steered step: record where
             if self.dist is not None:
                 self._collect_all()
                 if final_save:

@@ -18,6 +18,16 @@ random stream, the next LR and the final evaluation. The state the resumed
 process holds right after its restore is also compared with the state the
 interrupted process saved, so a fault is named where it first appears.
 
+That table is the contract mode. A script that uses the ``Checkpointer`` and
+not the contract runs unchanged on every path, its session steered through
+``RIPRESA_VERIFY`` (:mod:`ripresa.session.steer`): its own run folder per path
+(the resumed paths get a copy of the interrupted one), a stop with a save at
+the cut, no RNG restore for the negative case; the session records the same
+``summary.json``. ``mode="auto"`` tries the contract first and steers when
+no ``summary.json`` appears. Random streams whose next draw differs between
+the two fresh reference processes are never seeded by the command: they are
+reported as not used and not compared (:func:`streams_not_used`).
+
 The verdict passes only when the full resume agrees within the tolerance
 **and** the negative case diverges. Exit codes: 0 pass, 1 a comparison
 failed, 2 the verification could not be completed.
@@ -28,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +50,8 @@ from typing import Any
 from ..core.identity import versions
 from ..errors import BadInput, OutputExists
 from ..io.fsio import write_atomic
+from ..session.steer import ENV as STEER_ENV
+from ..session.steer import Steering
 from .compare import Comparison, Tally, compare_trees
 from .trajectory import read_trajectory
 
@@ -46,6 +59,39 @@ PATHS = ("continuous", "interrupted", "resume", "resume-without-rng")
 #: Parts of a state block, in the order a divergence is looked for.
 STATE_PARTS = ("progress", "data", "parameters", "optimizer", "scheduler", "scaler", "objects", "next_lr", "next_draws")
 STEP_PARTS = ("rows", "lr", "loss")
+#: Step parts compared only when a trajectory records them (a steered Checkpointer records the data position).
+OPTIONAL_STEP_PARTS = ("data",)
+
+
+def _step_parts(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, ...]:
+    return STEP_PARTS + tuple(p for p in OPTIONAL_STEP_PARTS if p in a or p in b)
+
+
+def streams_not_used(continuous: dict[str, Any], interrupted: dict[str, Any]) -> list[str]:
+    """The random streams the command never seeds (docs/VERIFY.md, "not used").
+
+    The two reference paths are fresh processes at the same point (step 0,
+    before their first step): a stream whose next draw differs there is seeded
+    from the operating system's entropy, so the run cannot depend on it
+    reproducibly. It is reported as not used and left out of the ``next_draws``
+    comparisons; if the run did draw from it, the losses already differ before
+    the cut and the determinism check fails the verdict.
+    """
+    a = continuous["start"].get("next_draws") or {}
+    b = interrupted["start"].get("next_draws") or {}
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return []
+    return sorted(k for k in set(a) & set(b) if a[k] != b[k])
+
+
+def _without_streams(doc: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    out = dict(doc)
+    for block in ("start", "final"):
+        b = dict(out[block])
+        if isinstance(b.get("next_draws"), dict):
+            b["next_draws"] = {k: v for k, v in b["next_draws"].items() if k not in names}
+        out[block] = b
+    return out
 
 
 @dataclass
@@ -117,7 +163,7 @@ def compare_resumed(
         if ref is None:
             note("progress", f"step {s['step']}", Comparison(differences=[_extra_step(s["step"])]))
             continue
-        for part in STEP_PARTS:
+        for part in _step_parts(ref, s):
             note(part, f"step {s['step']}", compare_trees(ref.get(part), s.get(part), atol=atol, rtol=rtol, path=part))
     after_cut = [k for k in cont_steps if k > resumed["start"]["progress"]["step"]]
     ran = {s["step"] for s in resumed["steps"]}
@@ -151,7 +197,7 @@ def compare_prefix(continuous: dict[str, Any], interrupted: dict[str, Any], *, a
         if ref is None:
             res.problems.append(f"step {s['step']} absent from the continuous run")
             continue
-        for part in STEP_PARTS:
+        for part in _step_parts(ref, s):
             res.add(f"step {s['step']}", compare_trees(ref.get(part), s.get(part), atol=atol, path=part))
     return res
 
@@ -167,10 +213,28 @@ class PathRun:
     log: Path
     returncode: int | None = None
     seconds: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment (the steering)
+
+
+#: How the verifier runs the command (docs/VERIFY.md): ``auto`` tries the contract, then steers.
+MODES = ("auto", "contract", "steer")
+REFERENCE = ("continuous", "interrupted")
+RESUMED = ("resume", "resume-without-rng")
+
+
+@dataclass
+class PathRuns:
+    """The four paths as run, how (``contract`` or ``steered``), and the contract attempt set aside by ``auto``."""
+
+    runs: dict[str, PathRun]
+    mode: str
+    contract_probe: dict[str, PathRun] | None = None
 
 
 def _launch(run: PathRun) -> subprocess.Popen:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    env.pop(STEER_ENV, None)  # only the steering this verifier sets is ever seen by a path
+    env.update(run.env)
     logf = open(run.log, "wb")
     proc = subprocess.Popen(run.argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     proc._ripresa_log = logf  # type: ignore[attr-defined]
@@ -185,44 +249,149 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
-def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, progress_cb=None) -> dict[str, PathRun]:
-    """Run the four paths, two at a time (continuous ∥ interrupted, then resume ∥ negative)."""
-    runs = {
+def _wave(runs: dict[str, PathRun], names: Sequence[str], progress_cb) -> None:
+    """Run ``names`` at the same time (2 cores), each a fresh process; record exit codes and times."""
+    procs = {name: _launch(runs[name]) for name in names}
+    for name, proc in procs.items():
+        rc = proc.wait()
+        proc._ripresa_log.close()  # type: ignore[attr-defined]
+        runs[name].returncode = rc
+        runs[name].seconds = time.perf_counter() - proc._ripresa_t0  # type: ignore[attr-defined]
+        if progress_cb:
+            progress_cb(name, rc)
+
+
+def _check_wave(runs: dict[str, PathRun], names: Sequence[str], probe: dict[str, PathRun] | None = None) -> None:
+    for name in names:
+        r = runs[name]
+        # A resumed path that failed after writing its trajectory (e.g. its
+        # save refused an inconsistent state) is still compared: the
+        # failure becomes a failed check, not an incomplete verification.
+        resumed_with_summary = name in RESUMED and (r.output / "summary.json").is_file()
+        if r.returncode != 0 and not resumed_with_summary:
+            how = "run by hand: " + " ".join(r.argv)
+            if r.env:
+                how += f" (steered: {STEER_ENV}='{r.env[STEER_ENV]}')"
+            if probe is not None:
+                p = probe[name]
+                how += (f"; under the contract it exited {p.returncode} without summary.json ({p.log}); "
+                        "pass --contract or --steer to choose")
+            raise BadInput(
+                f"the {name} path failed (exit {r.returncode}); the verification could not be completed",
+                file=r.log,
+                expected="exit code 0",
+                found=f"exit code {r.returncode}; last lines:\n{_tail(r.log)}",
+                hint=how,
+            )
+
+
+def _contract_reference(command: Sequence[str], steps: int, cut: int, output: Path) -> dict[str, PathRun]:
+    return {
         "continuous": PathRun("continuous", [*command, "--steps", str(steps), "--output", str(output / "continuous")], output / "continuous", output / "continuous.log"),
         "interrupted": PathRun("interrupted", [*command, "--steps", str(cut), "--output", str(output / "interrupted")], output / "interrupted", output / "interrupted.log"),
     }
-    for wave in (("continuous", "interrupted"), ("resume", "resume-without-rng")):
-        if wave[0] == "resume":
-            ckpt = saved_checkpoint(output / "interrupted")
-            resume_argv = [*command, "--steps", str(steps - cut), "--resume", str(ckpt)]
-            runs["resume"] = PathRun("resume", [*resume_argv, "--output", str(output / "resume")], output / "resume", output / "resume.log")
-            runs["resume-without-rng"] = PathRun(
-                "resume-without-rng", [*resume_argv, "--omit-rng-restore", "--output", str(output / "resume-without-rng")],
-                output / "resume-without-rng", output / "resume-without-rng.log",
-            )
-        procs = {name: _launch(runs[name]) for name in wave}
-        for name, proc in procs.items():
-            rc = proc.wait()
-            proc._ripresa_log.close()  # type: ignore[attr-defined]
-            runs[name].returncode = rc
-            runs[name].seconds = time.perf_counter() - proc._ripresa_t0  # type: ignore[attr-defined]
-            if progress_cb:
-                progress_cb(name, rc)
-        for name in wave:
-            r = runs[name]
-            # A resumed path that failed after writing its trajectory (e.g. its
-            # save refused an inconsistent state) is still compared: the
-            # failure becomes a failed check, not an incomplete verification.
-            resumed_with_summary = name in ("resume", "resume-without-rng") and (r.output / "summary.json").is_file()
-            if r.returncode != 0 and not resumed_with_summary:
-                raise BadInput(
-                    f"the {name} path failed (exit {r.returncode}); the verification could not be completed",
-                    file=r.log,
-                    expected="exit code 0",
-                    found=f"exit code {r.returncode}; last lines:\n{_tail(r.log)}",
-                    hint="run the command by hand: " + " ".join(r.argv),
-                )
+
+
+def _contract_resumed(command: Sequence[str], steps: int, cut: int, output: Path) -> dict[str, PathRun]:
+    ckpt = saved_checkpoint(output / "interrupted")
+    resume_argv = [*command, "--steps", str(steps - cut), "--resume", str(ckpt)]
+    return {
+        "resume": PathRun("resume", [*resume_argv, "--output", str(output / "resume")], output / "resume", output / "resume.log"),
+        "resume-without-rng": PathRun(
+            "resume-without-rng", [*resume_argv, "--omit-rng-restore", "--output", str(output / "resume-without-rng")],
+            output / "resume-without-rng", output / "resume-without-rng.log",
+        ),
+    }
+
+
+def _steered(name: str, command: Sequence[str], output: Path, stop_at: int, restore_rng: bool = True) -> PathRun:
+    """One steered path: the command unchanged; its Checkpointer uses ``output/NAME/run`` and stops at ``stop_at``."""
+    folder = output / name
+    folder.mkdir()
+    steer = Steering(name, folder / "run", folder, stop_at, restore_rng)
+    return PathRun(name, list(command), folder, output / f"{name}.log", env=steer.to_env())
+
+
+def _steered_reference(command: Sequence[str], steps: int, cut: int, output: Path) -> dict[str, PathRun]:
+    return {"continuous": _steered("continuous", command, output, steps),
+            "interrupted": _steered("interrupted", command, output, cut)}
+
+
+def _steered_resumed(command: Sequence[str], steps: int, cut: int, output: Path) -> dict[str, PathRun]:
+    """The resumed paths: each gets a copy of the interrupted path's run folder, and the script's own resume() finds step K."""
+    runs = {"resume": _steered("resume", command, output, steps),
+            "resume-without-rng": _steered("resume-without-rng", command, output, steps, restore_rng=False)}
+    for r in runs.values():
+        shutil.copytree(output / "interrupted" / "run", r.output / "run", symlinks=True)
     return runs
+
+
+def _check_steered_reference(runs: dict[str, PathRun], steps: int, cut: int) -> None:
+    """A steered reference path must have stopped where it was steered to (the script's own count may be shorter)."""
+    for name, want in (("interrupted", cut), ("continuous", steps)):
+        r = runs[name]
+        if not os.path.lexists(r.output / "summary.json"):
+            raise BadInput(
+                f"the steered {name} path wrote no summary.json", file=r.output / "summary.json",
+                expected="a script that builds a ripresa Checkpointer and calls its resume()",
+                found=f"exit code {r.returncode}, no trajectory; last lines:\n{_tail(r.log)}",
+                hint="ripresa verify steers scripts that use ripresa.Checkpointer; any other trainer "
+                     "implements the contract (docs/VERIFY.md)",
+            )
+        doc = read_trajectory(r.output / "summary.json")
+        got = (doc.get("final") or {}).get("progress", {}).get("step")
+        if got != want:
+            raise BadInput(
+                f"the steered {name} path stopped at step {got}, not {want}", file=r.output / "summary.json",
+                expected=f"the script's loop reaching step {want}", found=f"step {got}",
+                hint="the script's own step count must reach --steps (e.g. pass it a larger --steps); "
+                     "ripresa verify stops it at the cut and at --steps",
+            )
+    if not (runs["interrupted"].output / "run").is_dir():
+        raise BadInput("the steered interrupted path left no run folder", file=runs["interrupted"].output / "run")
+
+
+def _set_aside(runs: dict[str, PathRun], output: Path) -> dict[str, PathRun]:
+    """Move the contract attempt's folders and logs to ``output/contract-probe/``."""
+    probe_dir = output / "contract-probe"
+    probe_dir.mkdir()
+    moved = {}
+    for name, r in runs.items():
+        out, log = probe_dir / r.output.name, probe_dir / r.log.name
+        if os.path.lexists(r.output):
+            os.replace(r.output, out)
+        if os.path.lexists(r.log):
+            os.replace(r.log, log)
+        moved[name] = PathRun(name, r.argv, out, log, r.returncode, r.seconds)
+    return moved
+
+
+def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, progress_cb=None, mode: str = "auto") -> PathRuns:
+    """Run the four paths, two at a time (continuous ∥ interrupted, then resume ∥ negative).
+
+    ``contract``: the command implements the contract (docs/VERIFY.md). ``steer``:
+    the command runs unchanged and its ``Checkpointer`` is steered. ``auto``: the
+    contract first; when neither reference path writes ``summary.json`` that
+    attempt is set aside (``output/contract-probe/``) and the command is steered.
+    """
+    if mode not in MODES:
+        raise BadInput("unknown verification mode", expected=" | ".join(MODES), found=mode)
+    steered = mode == "steer"
+    runs = (_steered_reference if steered else _contract_reference)(command, steps, cut, output)
+    _wave(runs, REFERENCE, progress_cb)
+    probe = None
+    if mode == "auto" and not any((runs[n].output / "summary.json").is_file() for n in REFERENCE):
+        probe = _set_aside(runs, output)
+        steered = True
+        runs = _steered_reference(command, steps, cut, output)
+        _wave(runs, REFERENCE, progress_cb)
+    _check_wave(runs, REFERENCE, probe)
+    if steered:
+        _check_steered_reference(runs, steps, cut)
+    runs.update((_steered_resumed if steered else _contract_resumed)(command, steps, cut, output))
+    _wave(runs, RESUMED, progress_cb)
+    _check_wave(runs, RESUMED, probe)
+    return PathRuns(runs, "steered" if steered else "contract", probe)
 
 
 def saved_checkpoint(folder: Path) -> Path:
@@ -284,8 +453,15 @@ def verify_resume(
     atol: float = 1e-12,
     rtol: float = 0.0,
     show_progress: bool = True,
+    mode: str = "auto",
 ) -> Verdict:
-    """Run the protocol for ``command`` into the new folder ``output``; write ``verification.json``."""
+    """Run the protocol for ``command`` into the new folder ``output``; write ``verification.json``.
+
+    ``mode`` (docs/VERIFY.md): ``contract`` — the command implements the
+    trainer's contract; ``steer`` — it uses a ``Checkpointer`` and runs
+    unchanged, steered through the environment; ``auto`` (default) — the
+    contract, and when neither reference path writes ``summary.json``, steered.
+    """
     output = Path(output)
     if not 0 < cut < steps:
         raise BadInput("the cut must fall strictly inside the run", expected=f"0 < cut < steps = {steps}", found=f"cut = {cut}")
@@ -301,10 +477,16 @@ def verify_resume(
         )
     if not command:
         raise BadInput("no trainer command given", hint="ripresa verify ... -- python train.py")
+    if mode not in MODES:
+        raise BadInput("unknown verification mode", expected=" | ".join(MODES), found=mode)
     output.mkdir(parents=True)
     t0 = time.perf_counter()
-    runs = _run_with_progress(command, steps=steps, cut=cut, output=output, show=show_progress)
+    ran = _run_with_progress(command, steps=steps, cut=cut, output=output, show=show_progress, mode=mode)
+    runs = ran.runs
     docs = {name: read_trajectory(r.output / "summary.json") for name, r in runs.items()}
+    not_used = streams_not_used(docs["continuous"], docs["interrupted"])
+    if not_used:
+        docs = {name: _without_streams(d, not_used) for name, d in docs.items()}
     prefix = compare_prefix(docs["continuous"], docs["interrupted"], atol=atol)
     positive = compare_resumed(docs["continuous"], docs["interrupted"], docs["resume"], atol=atol, rtol=rtol)
     negative = compare_resumed(docs["continuous"], docs["interrupted"], docs["resume-without-rng"], atol=atol, rtol=rtol)
@@ -325,6 +507,11 @@ def verify_resume(
         "steps": steps,
         "cut": cut,
         "command": list(command),
+        "mode": ran.mode,
+        "streams_not_used": not_used,
+        "contract_probe": None if ran.contract_probe is None else {
+            name: {"argv": r.argv, "returncode": r.returncode, "log": str(r.log)} for name, r in ran.contract_probe.items()
+        },
         "determinism_before_cut": prefix.as_dict(),
         "checks": {
             "resume": [c.as_dict() for c in positive.checks.values()],
@@ -337,7 +524,8 @@ def verify_resume(
             "continuous_final_eval": docs["continuous"]["final"]["evaluation"],
         },
         "paths": {
-            name: {"argv": r.argv, "returncode": r.returncode, "seconds": round(r.seconds, 3), "output": str(r.output), "log": str(r.log)}
+            name: {"argv": r.argv, "returncode": r.returncode, "seconds": round(r.seconds, 3), "output": str(r.output), "log": str(r.log),
+                   **({"steering": r.env[STEER_ENV]} if r.env else {})}
             for name, r in runs.items()
         },
         "seconds": round(time.perf_counter() - t0, 3),
@@ -347,9 +535,9 @@ def verify_resume(
     return Verdict(report)
 
 
-def _run_with_progress(command, *, steps, cut, output, show) -> dict[str, PathRun]:
+def _run_with_progress(command, *, steps, cut, output, show, mode) -> PathRuns:
     if not show:
-        return run_paths(command, steps=steps, cut=cut, output=output)
+        return run_paths(command, steps=steps, cut=cut, output=output, mode=mode)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -362,7 +550,7 @@ def _run_with_progress(command, *, steps, cut, output, show) -> dict[str, PathRu
             nxt = "resume ∥ resume-without-rng" if name in ("continuous", "interrupted") else "comparing"
             bar.update(task, advance=1, description=f"{name} done (exit {rc}) → {nxt}")
 
-        return run_paths(command, steps=steps, cut=cut, output=output, progress_cb=cb)
+        return run_paths(command, steps=steps, cut=cut, output=output, progress_cb=cb, mode=mode)
 
 
 def _fmt(v: Any) -> str:
@@ -409,6 +597,11 @@ def render_verdict(verdict: Verdict, console=None) -> None:
             ("same " if n.get("passed") else "differs ") + _fmt(n.get("max_abs_gap")),
         )
     console.print(checks)
+    if r.get("mode") == "steered":
+        console.print("steered: the command ran unchanged, its Checkpointer recorded the trajectory"
+                      + (" (the contract was tried first: no summary.json)" if r.get("contract_probe") else ""))
+    if r.get("streams_not_used"):
+        console.print(f"random streams not used (never seeded by the command, not compared): {', '.join(r['streams_not_used'])}")
     if not r["determinism_before_cut"]["passed"]:
         console.print(f"[red]the trainer is not deterministic before the cut:[/] {r['determinism_before_cut']['first_problem']}")
     if not t["resume"]["agrees"]:

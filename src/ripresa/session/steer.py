@@ -1,0 +1,142 @@
+"""A :class:`~ripresa.Checkpointer` steered by ``ripresa verify`` (docs/VERIFY.md,
+"Verifying a script that uses the Checkpointer, with no extra code").
+
+``ripresa verify`` runs a script that does not implement the verification
+contract four times, unchanged, and steers its ``Checkpointer`` through one
+environment variable, :data:`ENV`, holding a JSON document of schema
+:data:`SCHEMA`::
+
+    {"schema": "ripresa.verify.steer/1", "path": "interrupted",
+     "run_dir": "DIR/interrupted/run", "output": "DIR/interrupted",
+     "stop_at": 10, "restore_rng": true}
+
+The steered session uses ``run_dir`` instead of the folder the script names,
+makes ``step_done(stop_at)`` save as on SIGTERM and return True, restores the
+random streams only when ``restore_rng`` (the negative control), and records
+the trajectory itself (:class:`SteeredRecorder`) into ``output/summary.json``.
+
+The variable is honoured only when present with exactly this schema (a
+process without it behaves as before; a malformed one is refused, never
+half-read), and it is taken out of the environment by the first
+``Checkpointer`` built, so a process the script starts later is not steered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.state import Progress, TrainingState
+from ..errors import BadInput
+from .trajectory import Trajectory, to_json_tree
+
+#: The environment variable ``ripresa verify`` sets for a steered path.
+ENV = "RIPRESA_VERIFY"
+#: The schema of its JSON value.
+SCHEMA = "ripresa.verify.steer/1"
+_KEYS = {"schema", "path", "run_dir", "output", "stop_at", "restore_rng"}
+
+
+@dataclass(frozen=True)
+class Steering:
+    """What ``ripresa verify`` asks of one path's ``Checkpointer``."""
+
+    path: str
+    run_dir: Path
+    output: Path
+    stop_at: int
+    restore_rng: bool = True
+
+    def to_env(self) -> dict[str, str]:
+        """The environment entry that steers a process this way."""
+        doc = {"schema": SCHEMA, "path": self.path, "run_dir": str(self.run_dir), "output": str(self.output),
+               "stop_at": self.stop_at, "restore_rng": self.restore_rng}
+        return {ENV: json.dumps(doc)}
+
+    @classmethod
+    def parse(cls, raw: str) -> Steering:
+        """The steering in ``raw`` (the variable's value); a BadInput unless it is exactly what ``ripresa verify`` writes."""
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or set(doc) != _KEYS:
+            raise BadInput(f"the environment variable {ENV} is set but is not a ripresa verify steering",
+                           expected=f"a JSON object of schema {SCHEMA} with keys {sorted(_KEYS)}", found=raw[:200],
+                           hint=f"only `ripresa verify` sets {ENV}; unset it to run the script as itself")
+        ok = (isinstance(doc["path"], str) and isinstance(doc["run_dir"], str) and doc["run_dir"]
+              and isinstance(doc["output"], str) and doc["output"]
+              and type(doc["stop_at"]) is int and doc["stop_at"] > 0 and type(doc["restore_rng"]) is bool)
+        if not ok:
+            raise BadInput(f"the environment variable {ENV} has a field of the wrong type", found=raw[:200],
+                           expected="path, run_dir, output: text; stop_at: an int > 0; restore_rng: true or false")
+        return cls(doc["path"], Path(doc["run_dir"]), Path(doc["output"]), doc["stop_at"], doc["restore_rng"])
+
+    @classmethod
+    def take_from_env(cls) -> Steering | None:
+        """The steering of this process, taken out of the environment (None: the process is not steered)."""
+        raw = os.environ.pop(ENV, None)
+        return None if raw is None else cls.parse(raw)
+
+
+def _float_or_none(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several values
+        return None
+
+
+class SteeredRecorder:
+    """The trajectory a steered ``Checkpointer`` records: ``summary.json`` as a contract trainer writes it.
+
+    ``start`` right after ``resume()``; per step the loss (``step_done``'s
+    ``loss`` metric), the LR of each param group as ``step_done`` sees it
+    (after the step's scheduler step, in every path alike) and the data
+    position (the ``data`` object's ``state_dict()``); ``final`` at the stop,
+    with ``evaluation = {"last_loss": …}``. Row ids are not known to the
+    session: ``rows`` is empty and the data position stands for them.
+    """
+
+    def __init__(self, steer: Steering, state: TrainingState) -> None:
+        self.steer = steer
+        self.state = state
+        self.trajectory = Trajectory(state, resumed_from=None, rng_restored=steer.restore_rng)
+        self.started = False
+        self.finished = False
+        self.last_loss: float | None = None
+
+    def start(self, progress: Progress, resumed_from: str | None) -> None:
+        self.trajectory.doc["resumed_from"] = resumed_from
+        self.trajectory.start(progress)
+        self.started = True
+
+    def step(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.started:
+            raise BadInput("ripresa verify steers a script that calls Checkpointer.resume() before its first step",
+                           expected="ckpt.resume() before the first ckpt.step_done()", found=f"step_done({step}) first",
+                           hint="call resume() even for a new run (it returns 0)")
+        if self.finished:
+            return  # the script went on after step_done returned True: not part of this path
+        opt = self.state.optimizer
+        loss = _float_or_none(metrics.get("loss"))
+        self.last_loss = loss
+        self.trajectory.doc["steps"].append({
+            "step": int(step),
+            "rows": [],
+            "lr": [float(g["lr"]) for g in opt.param_groups] if opt is not None else [],
+            "loss": loss,
+            "data": to_json_tree(self.state.data.state_dict()) if self.state.data is not None else None,
+        })
+
+    def finish(self, progress: Progress) -> None:
+        if self.finished:
+            return
+        loss = self.last_loss
+        self.trajectory.finish(progress, evaluation={"last_loss": loss} if loss is not None else {})
+        self.finished = True
+        self.steer.output.mkdir(parents=True, exist_ok=True)
+        self.trajectory.write(self.steer.output / "summary.json")

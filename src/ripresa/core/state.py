@@ -492,6 +492,11 @@ class ScriptState:
     def keys(self) -> Any:
         return self._values.keys()
 
+    def update(self, **values: Any) -> None:
+        """Set several declared variables at once (``sv.update(batch=(X, Y), best_val=best_val)``)."""
+        for name, value in values.items():
+            self[name] = value
+
     def items(self) -> Any:
         return self._values.items()
 

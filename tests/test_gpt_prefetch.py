@@ -145,3 +145,19 @@ def test_without_the_prefetched_batch_in_the_saved_state_a_resume_diverges(tmp_p
         assert res.returncode == 0, res.stderr[-3000:]
     assert _final(tmp_path / "ok_ref", 20)[0] == _final(tmp_path / "ok_cut", 20)[0]
     assert _losses(tmp_path / "ok_ref") == _losses(tmp_path / "ok_cut")
+
+
+def test_the_readme_diff_is_the_marked_lines_of_the_example():
+    """The README shows every line the example adds or changes (marked ``# ripresa``), and nothing else."""
+    import re
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    diff = next(b for b in re.findall(r"```diff\n(.*?)```", readme, flags=re.S) if "ScriptState" in b)
+    added = [line[1:].rstrip() for line in diff.splitlines() if line.startswith("+")]
+    marked = [re.sub(r"\s*# ripresa.*$", "", line).rstrip() for line in SCRIPT.read_text().splitlines()
+              if re.search(r"# ripresa(:|$)", line)]
+    assert added == marked and len(marked) == 13
+    changed = [line for line in diff.splitlines() if line.startswith("-")]
+    assert len(changed) == 2 and "in 13 lines\n(11 added, 2 changed)" in readme

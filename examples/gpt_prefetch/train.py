@@ -7,10 +7,10 @@ module, no download), batches drawn with ``torch.randint`` on the global
 generator, the next batch prefetched while the current one is in flight,
 gradient accumulation, an evaluation that draws batches too, AdamW with
 decay / no-decay groups, a cosine learning rate, bf16 autocast on CUDA.
-The lines marked ``# ripresa`` are all that was added; the batch prefetched
-at the end of a step and the early-stopping variables travel in a
-``ScriptState`` (README.md, "State in script variables"). Kill it any way you
-like and start the same command again: it goes on bit-exactly.
+The 13 lines marked ``# ripresa`` are all that was added or changed; the
+batch prefetched at the end of a step and the early-stopping variables travel
+in a ``ScriptState`` (README.md, "State in script variables"). Kill it any
+way you like and start the same command again: it goes on bit-exactly.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def main() -> int:
         ema_loss = lossf if ema_loss is None else 0.9 * ema_loss + 0.1 * lossf
         script.update(batch=(X, Y), best_val=best_val, bad_evals=bad_evals, ema_loss=ema_loss)  # ripresa
         if ckpt.step_done(step, loss=lossf, lr=lr, tokens=args.accum * X.numel()):  # ripresa
-            break
+            break  # ripresa
         if bad_evals >= args.patience:
             print(f"early stop at step {step}: best val {best_val:.4f}")
             break

@@ -443,8 +443,8 @@ class ScriptState:
     The names are fixed at construction: assigning an undeclared name is an
     ``AttributeError`` (a typo would otherwise be silently left out of every
     checkpoint), and a checkpoint whose names differ is refused at the resume
-    (docs/FORMAT.md, "user objects"). README.md, "State in script variables",
-    gives the rule for where ``resume()`` goes.
+    (docs/FORMAT.md, "Script variables"). README.md, "State in script
+    variables", gives the rule for where ``resume()`` goes.
     """
 
     __slots__ = ("_values",)

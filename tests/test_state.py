@@ -189,6 +189,14 @@ def test_script_state_attribute_and_item_access():
     assert sv.bad_evals == 1 and sv["ema_loss"] == 0.25 and "batch" in sv and list(sv) == ["batch", "ema_loss", "bad_evals"]
     assert len(sv) == 3 and dict(sv.items())["bad_evals"] == 1 and "ema_loss=0.25" in repr(sv)
     assert isinstance(sv, ripresa.Stateful)
+    sv.update(ema_loss=1.5, bad_evals=2)
+    assert (sv.ema_loss, sv.bad_evals) == (1.5, 2)
+    with pytest.raises(AttributeError, match="declare it"):
+        sv.update(ema_los=1.0)
+    import copy
+    twin = copy.deepcopy(sv)
+    twin.bad_evals = 7
+    assert sv.bad_evals == 2 and torch.equal(twin.batch[1], sv.batch[1]) and list(twin) == list(sv)
     with pytest.raises(AttributeError, match="declare it"):
         sv.bad_eval = 2  # a typo is not silently left out of every checkpoint
     with pytest.raises(AttributeError, match="no variable 'nope'"):

@@ -127,6 +127,9 @@ def main() -> int:
 
     X, Y = script.batch or get_batch("train")  # ripresa: was X, Y = get_batch("train")
     for step in range(start + 1, args.steps + 1):  # ripresa: was range(1, args.steps + 1)
+        if bad_evals >= args.patience:  # early stopping
+            print(f"early stop: {bad_evals} evaluations without improvement, best val {best_val:.4f}")
+            break
         lr = get_lr(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -147,9 +150,6 @@ def main() -> int:
         script.update(batch=(X, Y), best_val=best_val, bad_evals=bad_evals, ema_loss=ema_loss)  # ripresa
         if ckpt.step_done(step, loss=lossf, lr=lr, tokens=args.accum * X.numel()):  # ripresa
             break  # ripresa
-        if bad_evals >= args.patience:
-            print(f"early stop at step {step}: best val {best_val:.4f}")
-            break
     ckpt.close(final_save=True)  # ripresa: the last step is saved too
     print(f"stopped at step {ckpt.progress.step}; run folder {args.run}")
     return 0

@@ -465,6 +465,9 @@ class ScriptState:
             raise AttributeError(f"ScriptState has no variable {name!r} (declared: {sorted(self._values)})") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_values":  # copy.copy / deepcopy / pickle restoring the slot
+            object.__setattr__(self, name, value)
+            return
         self[name] = value
 
     def __getitem__(self, name: str) -> Any:

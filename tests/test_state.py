@@ -152,3 +152,119 @@ def test_edited_training_code_refused_by_the_trainer_then_allowed(tmp_path):
     assert res.returncode == 0, res.stderr
     saved = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=True)
     assert saved["lineage"][0]["at_step"] == 3 and "code.files_sha256" in saved["lineage"][0]["accepted_changes"]
+
+
+# ---------------------------------------------------------------------- ScriptState
+def _script_values():
+    return dict(
+        batch=(torch.arange(12, dtype=torch.int64).reshape(3, 4) * (2**40), torch.randn(3, 4, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)),
+        ema_loss=0.1 + 0.2, big=2**62 + 1, bad_evals=3, stop=True, name="run-a", nothing=None,
+        best=float("inf"), hist=[1.5, {"x": torch.tensor(7.25, dtype=torch.float64)}],
+    )
+
+
+def _same(a, b):
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    else:
+        assert a == b or (a != a and b != b)
+
+
+def test_script_state_attribute_and_item_access():
+    sv = ripresa.ScriptState(batch=None, ema_loss=0.0, bad_evals=0)
+    sv.ema_loss = 0.9 * sv.ema_loss + 0.1 * 2.5
+    sv["bad_evals"] += 1
+    sv.batch = (torch.zeros(2), torch.ones(2))
+    assert sv.bad_evals == 1 and sv["ema_loss"] == 0.25 and "batch" in sv and list(sv) == ["batch", "ema_loss", "bad_evals"]
+    assert len(sv) == 3 and dict(sv.items())["bad_evals"] == 1 and "ema_loss=0.25" in repr(sv)
+    assert isinstance(sv, ripresa.Stateful)
+    sv.update(ema_loss=1.5, bad_evals=2)
+    assert (sv.ema_loss, sv.bad_evals) == (1.5, 2)
+    with pytest.raises(AttributeError, match="declare it"):
+        sv.update(ema_los=1.0)
+    import copy
+    twin = copy.deepcopy(sv)
+    twin.bad_evals = 7
+    assert sv.bad_evals == 2 and torch.equal(twin.batch[1], sv.batch[1]) and list(twin) == list(sv)
+    with pytest.raises(AttributeError, match="declare it"):
+        sv.bad_eval = 2  # a typo is not silently left out of every checkpoint
+    with pytest.raises(AttributeError, match="no variable 'nope'"):
+        sv.nope  # noqa: B018
+    for value in (np.int64(3), object(), {1: 2}, [torch.zeros(1), {"__x__": 1}]):
+        with pytest.raises(TypeError, match="cannot be saved"):
+            sv.ema_loss = value
+    with pytest.raises(TypeError, match=r"convert it"):
+        ripresa.ScriptState(step=np.int32(1))
+    sv.batch = [object()][:0] + [1]  # a list changed in place later is checked at the save
+    sv.batch.append(object())
+    with pytest.raises(TypeError, match="cannot be saved"):
+        sv.state_dict()
+
+
+@pytest.mark.parametrize("fmt", ["andrea", "general"])
+def test_script_state_round_trips_exactly_through_a_checkpointer(tmp_path, fmt):
+    """Every kind of value comes back with its type and its bits, from either generation format."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        sv = ripresa.ScriptState(**{k: None for k in _script_values()})
+        state = ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters()), objects={"script": sv})
+        return state, sv
+
+    state, sv = build()
+    for k, v in _script_values().items():
+        sv[k] = v
+    ck = ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format=fmt)
+    assert ck.resume() == 0
+    ck.step_done(1)
+    ck.close()
+    suffix = ".bin" if fmt == "andrea" else ".safetensors"
+    assert (tmp_path / f"step_000001{suffix}").exists()
+    state2, sv2 = build()
+    ck2 = ripresa.Checkpointer(tmp_path, state2, every=1, handle_signals=False, format=fmt)
+    assert ck2.resume() == 1
+    ck2.close()
+    for k, v in _script_values().items():
+        _same(v, sv2[k])
+    if fmt == "general":  # the batch lives in the tensor file, not in the JSON companion
+        from safetensors import safe_open
+        with safe_open(str(tmp_path / "step_000001.safetensors"), "pt") as f:
+            assert torch.equal(f.get_tensor("objects/script/values/batch/0"), _script_values()["batch"][0])
+
+
+def test_script_state_with_other_names_is_refused_and_changes_nothing():
+    model = torch.nn.Linear(2, 1)
+    saved = ripresa.TrainingState(model=model, objects={"script": ripresa.ScriptState(batch=torch.ones(2), n=4)})
+    snap = saved.snapshot(ripresa.Progress(step=5))
+    live = ripresa.ScriptState(batch=None, n=0, best=1.0)  # a variable added to the script since
+    state = ripresa.TrainingState(model=torch.nn.Linear(2, 1), objects={"script": live})
+    with pytest.raises(ripresa.errors.SchemaError, match="script variables differ"):
+        state.restore(snap)
+    assert live.batch is None and live.n == 0
+    live2 = ripresa.ScriptState(batch=None, n=0)
+    ripresa.TrainingState(model=torch.nn.Linear(2, 1), objects={"script": live2}).restore(snap)
+    assert torch.equal(live2.batch, torch.ones(2)) and live2.n == 4
+    snap["objects"]["script"]["devices"]["batch"] = [3]
+    with pytest.raises(ripresa.errors.SchemaError, match="malformed"):
+        ripresa.TrainingState(model=torch.nn.Linear(2, 1), objects={"script": ripresa.ScriptState(batch=None, n=0)}).restore(snap)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_script_state_puts_tensors_back_on_their_device():
+    sv = ripresa.ScriptState(batch=(torch.ones(2, device="cuda"), torch.zeros(2)))
+    snap = ripresa.TrainingState(model=torch.nn.Linear(2, 1), objects={"s": sv}).snapshot(ripresa.Progress())
+    assert snap["objects"]["s"]["values"]["batch"][0].device.type == "cpu"
+    live = ripresa.ScriptState(batch=None)
+    ripresa.TrainingState(model=torch.nn.Linear(2, 1), objects={"s": live}).restore(snap)
+    assert live.batch[0].device.type == "cuda" and live.batch[1].device.type == "cpu"

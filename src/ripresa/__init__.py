@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "TrainingState": "core.state",
     "Stateful": "core.state",
     "Progress": "core.state",
+    "ScriptState": "core.state",
     "RandomStreams": "core.rng",
     "EpochSampler": "core.data",
     "DistributedEpochSampler": "core.data",
@@ -68,7 +69,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from .core.data import DistributedEpochSampler, EpochSampler
     from .core.loader import StatefulLoader
     from .core.rng import RandomStreams
-    from .core.state import Progress, Stateful, TrainingState
+    from .core.state import Progress, ScriptState, Stateful, TrainingState
     from .errors import BadInput, IntegrityError, RipresaError, SaveFailed
     from .formats.torch_pt import load_checkpoint, save_checkpoint
     from .session.checkpointer import Checkpointer
@@ -104,6 +105,7 @@ __all__ = [
     "TrainingState",
     "Stateful",
     "Progress",
+    "ScriptState",
     "RandomStreams",
     # the data position
     "EpochSampler",

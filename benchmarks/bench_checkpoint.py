@@ -17,6 +17,14 @@ of a real ``torch.optim.AdamW`` after one step). Four figures:
 4. **write amplification and CPU cost**: ``/proc/self/io`` ``write_bytes``
    per logical byte, and CPU-seconds (user + sys) per GB, for every method.
 
+The general generation format (``step_NNNNNN.safetensors``, docs/FORMAT.md)
+is measured the same way through ``GeneralBackend`` (``save``; ``capture`` with
+staging = the background save's stall; ``load`` of a committed generation,
+cold), against max(raw write, sha256 of the same bytes), memcpy and
+max(cold read, sha256) — the targets of issue 12, item 8. ``--dtype bf16``
+measures bfloat16 parameters and moments (the .bin rows need float32 and are
+left out).
+
 Methods of a group run alternately forward and backward within each pair;
 figures are the median of ``--pairs`` pairs (min and max kept too). Every
 output is deleted right after its measurement; the scratch folder is removed

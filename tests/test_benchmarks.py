@@ -13,17 +13,35 @@ from conftest import REPO, run
 BENCH = REPO / "benchmarks" / "bench_checkpoint.py"
 N = 200_000
 
-EXPECTED_METHODS = {
-    "save.raw", "save.ripresa", "save.torch_save", "save.safetensors", "save.dcp",
-    "stall.ripresa_async", "stall.ripresa_async_caller", "stall.dcp_async", "stall.memcpy",
-    "complete.ripresa_async", "complete.dcp_async",
+N_BF16 = 100_000
+
+BIN_METHODS = {
+    "save.ripresa", "stall.ripresa_async", "stall.ripresa_async_caller", "complete.ripresa_async",
     "resume.ripresa_load", "resume.np_fromfile", "resume.read_bin_nohash",
 }
-EXPECTED_RATIOS = {
+GENERAL_METHODS = {
+    "hash.sha256", "save.general", "stall.general_async", "stall.general_copy", "complete.general_async",
+    "resume.general_load", "resume.general_fromfile", "resume.general_read_nohash",
+}
+EXPECTED_METHODS = {
+    "save.raw", "save.torch_save", "save.safetensors", "save.dcp", "stall.dcp_async", "stall.memcpy",
+    "complete.dcp_async",
+} | BIN_METHODS | GENERAL_METHODS
+BIN_RATIOS = {
     "save_ripresa_over_raw", "save_ripresa_over_torch_save", "save_ripresa_over_safetensors",
     "save_ripresa_over_dcp", "stall_ripresa_over_memcpy", "stall_ripresa_over_sync_save",
     "stall_ripresa_over_dcp_async", "resume_ripresa_over_fromfile", "write_amplification_ripresa",
 }
+#: issue 12, item 8: the general format's targets, with the comparators they are defined against
+GENERAL_RATIOS = {
+    "general_save_over_safetensors": ("save.safetensors", 1.0),
+    "general_save_over_floor": ("max(save.raw, hash.sha256)", 1.2),
+    "general_stall_over_memcpy": ("stall.memcpy", 1.3),
+    "general_load_over_floor": (
+        "max(min(resume.general_fromfile, resume.general_read_nohash), hash.sha256)", 1.2),
+    "write_amplification_general": (None, 1.02),
+}
+EXPECTED_RATIOS = BIN_RATIOS | set(GENERAL_RATIOS)
 
 
 def _bench_module():
@@ -50,6 +68,39 @@ def small_run(tmp_path_factory):
     return out, scratch, proc, elapsed
 
 
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """One pair at a tiny size with bfloat16 parameters (and, as torch's AdamW keeps them, moments)."""
+    pytest.importorskip("safetensors")
+    pytest.importorskip("matplotlib")
+    out = tmp_path_factory.mktemp("bench_out_bf16")
+    proc = run([sys.executable, str(BENCH), "--params", str(N_BF16), "--pairs", "1", "--dtype", "bf16",
+                "--out", str(out), "--quiet-timeout", "0", "--retries", "0"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def _medians(doc, comparator):
+    """A ratio's comparator (a method key, or max(...)/min(...) of them) as (median, min), recomputed."""
+    m = doc["methods"]
+    if comparator in m:
+        return m[comparator]["median"], m[comparator]["min"]
+    op, inner = comparator.split("(", 1)
+    inner = inner[:-1]
+    parts, depth, cur = [], 0, ""
+    for ch in inner:
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+            continue
+        depth += (ch == "(") - (ch == ")")
+        cur += ch
+    parts.append(cur.strip())
+    got = [_medians(doc, p) for p in parts]
+    pick = max if op == "max" else min
+    return pick(g[0] for g in got), pick(g[1] for g in got)
+
+
 def test_finishes_quickly(small_run):
     *_, elapsed = small_run
     assert elapsed < 60, f"the small benchmark took {elapsed:.1f} s"
@@ -61,11 +112,12 @@ def test_json_has_every_method_with_positive_medians(small_run):
     assert doc["schema"] == "ripresa-bench-checkpoint/1"
     assert doc["params"] == N and doc["bytes"] == 12 * N and doc["pairs"] == 2
     assert set(doc["methods"]) == EXPECTED_METHODS
+    assert doc["dtype"] == "fp32" and doc["moments_dtype"] == "fp32"
     for key, m in doc["methods"].items():
         assert len(m["samples"]) == 2, key
         assert m["median"] > 0 and m["min"] > 0 and m["min"] <= m["median"] <= m["max"], key
         assert m["cpu_s_per_gb"] >= 0, key
-    for key in ("save.raw", "save.ripresa", "save.torch_save", "save.safetensors", "save.dcp"):
+    for key in ("save.raw", "save.ripresa", "save.general", "save.torch_save", "save.safetensors", "save.dcp"):
         # every save wrote at least the logical bytes (page cache accounting of /proc/self/io)
         assert doc["methods"][key]["write_amplification"] >= 0.99, key
 
@@ -78,8 +130,10 @@ def test_json_ratios_and_targets(small_run):
     for name, r in doc["ratios"].items():
         assert r["value"] > 0 and r["met"] in ("yes", "no"), name
         if r["comparator"] is not None:
-            assert r["value"] == pytest.approx(m[r["figure"]]["median"] / m[r["comparator"]]["median"]), name
-            assert r["ratio_of_minimums"] == pytest.approx(m[r["figure"]]["min"] / m[r["comparator"]]["min"]), name
+            med, low = _medians(doc, r["comparator"])
+            assert r["comparator_median"] == pytest.approx(med) and r["comparator_min"] == pytest.approx(low), name
+            assert r["value"] == pytest.approx(m[r["figure"]]["median"] / med), name
+            assert r["ratio_of_minimums"] == pytest.approx(m[r["figure"]]["min"] / low), name
             assert r["met_by_minimums"] in ("yes", "no"), name
     assert set(doc["targets_met"]) == EXPECTED_RATIOS
     machine = doc["machine"]
@@ -87,6 +141,41 @@ def test_json_ratios_and_targets(small_run):
         assert machine[key], key
     assert machine["filesystem"]["fstype"]
     assert doc["facts"]["sha256_gbps"] > 0
+
+
+def test_general_format_targets_are_in_the_json_and_the_table(small_run):
+    out, _, proc, _ = small_run
+    doc = json.loads((out / f"bench_checkpoint_{N}.json").read_text())
+    for name, (comparator, target) in GENERAL_RATIOS.items():
+        r = doc["ratios"][name]
+        assert r["comparator"] == comparator, name
+        assert r["target"] == f"<= {target}", name
+        assert r["met"] in ("yes", "no") and doc["targets_met"][name] == r["met"], name
+        assert not r.get("info"), name
+    # the stall is capture(), which contains the staging copy; the save includes the hash
+    m = doc["methods"]
+    for s, c in zip(m["stall.general_async"]["samples"], m["stall.general_copy"]["samples"], strict=True):
+        assert 0 < c <= s
+    for s, t in zip(m["stall.general_async"]["samples"], m["complete.general_async"]["samples"], strict=True):
+        assert s <= t
+    assert m["save.general"]["write_amplification"] >= 0.99
+    facts = doc["facts"]
+    assert facts["save_lower_bound_s"] == pytest.approx(max(m["save.raw"]["median"], m["hash.sha256"]["median"]))
+    assert facts["cold_read_gbps"] > 0 and facts["sha256_same_bytes_gbps"] > 0
+    assert "general GeneralBackend.save" in proc.stdout and "max(raw write+fsync, sha256 in memory)" in proc.stdout
+
+
+def test_bf16_run_measures_the_general_format_without_the_bin_path(bf16_run):
+    out, proc = bf16_run
+    doc = json.loads((out / f"bench_checkpoint_{N_BF16}_bf16.json").read_text())
+    assert doc["dtype"] == "bf16" and doc["moments_dtype"] == "bf16"
+    assert doc["bytes"] == 6 * N_BF16  # weights + m + v in bfloat16
+    assert set(doc["methods"]) == EXPECTED_METHODS - BIN_METHODS
+    for key, m in doc["methods"].items():
+        assert len(m["samples"]) == 1 and m["median"] > 0, key
+    assert set(doc["targets_met"]) == set(GENERAL_RATIOS)
+    assert (out / f"bench_checkpoint_{N_BF16}_bf16.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "bf16 (moments bf16)" in proc.stdout
 
 
 def test_png_is_a_real_chart(small_run):

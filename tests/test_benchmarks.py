@@ -165,6 +165,7 @@ def test_general_format_targets_are_in_the_json_and_the_table(small_run):
     assert "general GeneralBackend.save" in proc.stdout and "max(raw write+fsync, sha256 in memory)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bf16_run_measures_the_general_format_without_the_bin_path(bf16_run):
     out, proc = bf16_run
     doc = json.loads((out / f"bench_checkpoint_{N_BF16}_bf16.json").read_text())

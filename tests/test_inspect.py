@@ -137,6 +137,7 @@ def test_valid_bin_cli_json_has_documented_keys_and_exit_0(tmp_path):
     assert doc["bin"]["finite"] == {"checked": False, "ok": None}
 
 
+@pytest.mark.slow
 def test_foreign_bin_reports_what_it_lacks_exit_0_with_flags(tmp_path):
     g = np.random.default_rng(3)
     w, m, v = (g.standard_normal(2000).astype(np.float32) for _ in range(3))
@@ -167,6 +168,7 @@ def test_truncated_bin_exit_1_names_expected_and_actual_size(tmp_path):
     assert report["error"]["error"] == "IntegrityError"
 
 
+@pytest.mark.slow
 def test_nan_is_a_warning_and_fails_with_check_finite(tmp_path):
     g = np.random.default_rng(2)
     w, m, v = (g.standard_normal(3000).astype(np.float32) for _ in range(3))
@@ -219,6 +221,7 @@ def test_checkpoint_pt_valid_report(interrupted_run):
     assert "step 5" in human and "optimizer m" in human and "OK" in human
 
 
+@pytest.mark.slow
 def test_checkpoint_pt_flipped_byte_exit_1(tmp_path, interrupted_run):
     shutil.copytree(interrupted_run, tmp_path / "run")
     ck = tmp_path / "run" / "checkpoint.pt"
@@ -230,6 +233,7 @@ def test_checkpoint_pt_flipped_byte_exit_1(tmp_path, interrupted_run):
     assert report["error"]["error"] == "IntegrityError" and report["checkpoint"]["sidecar"]["ok"] is False
 
 
+@pytest.mark.slow
 def test_checkpoint_pt_check_finite_names_the_tensor(tmp_path, interrupted_run):
     from ripresa.formats.torch_pt import load_checkpoint, save_checkpoint
 
@@ -244,6 +248,7 @@ def test_checkpoint_pt_check_finite_names_the_tensor(tmp_path, interrupted_run):
     assert (first["where"], first["index"]) == ("model.3.weight", 2)
 
 
+@pytest.mark.slow
 def test_folder_with_only_a_checkpoint_pt_is_inspected_as_it(interrupted_run):
     report = insp.inspect_path(interrupted_run)
     assert report["kind"] == "checkpoint.pt" and report["exit_code"] == 0 and report["notes"]
@@ -273,6 +278,7 @@ def test_run_folder_damaged_newest_generation(tmp_path):
     assert shallow["run"]["resume_step"] == 3 and shallow["exit_code"] == 0
 
 
+@pytest.mark.slow
 def test_run_folder_truncated_newest_is_caught_even_without_deep(tmp_path):
     run = make_run(tmp_path / "run", steps=(1, 2))
     os.truncate(run / "step_000002.bin", 100)
@@ -292,6 +298,7 @@ def test_empty_folder_and_no_valid_generation_exit_1(tmp_path):
     assert "missing commit marker" in report["run"]["generations"][0]["reason"]
 
 
+@pytest.mark.slow
 def test_run_folder_check_finite_checks_the_resume_generation(tmp_path):
     def nan_arrays(step, n):
         a = arrays_for(step, n)
@@ -331,6 +338,7 @@ def test_missing_path_exit_2(tmp_path):
     assert doc["kind"] is None and doc["exit_code"] == 2 and doc["error"]["error"] == "BadInput"
 
 
+@pytest.mark.slow
 def test_unknown_kind_exit_2(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     res = ripresa_cli("inspect", tmp_path / "notes.txt")

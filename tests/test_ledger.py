@@ -335,6 +335,7 @@ def test_crash_at_exact_boundaries(run_dir, inputs, reference, tmp_path, zygote)
     assert_exactly_once_and_equal(out, ref)
 
 
+@pytest.mark.slow
 def test_torn_last_line_is_repaired(run_dir, inputs, reference, tmp_path, in_process_torch, capsys):
     """A last line without its newline (killed mid-write) is cut off, and only it; the job
     then finishes byte-identical to the uninterrupted ledger."""
@@ -359,6 +360,7 @@ def test_torn_last_line_is_repaired(run_dir, inputs, reference, tmp_path, in_pro
 # ---- refusals -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_changed_inputs_refused_exit_2(run_dir, inputs, reference, tmp_path, in_process_torch, capsys):
     ref_out, _ = reference
     out = copy_ledger(ref_out, tmp_path / "out.jsonl")
@@ -375,6 +377,7 @@ def test_changed_inputs_refused_exit_2(run_dir, inputs, reference, tmp_path, in_
     assert out.read_bytes() == before  # a refusal changes nothing
 
 
+@pytest.mark.slow
 def test_changed_step_and_settings_refused(run_dir, inputs, reference, tmp_path, in_process_torch):
     from ripresa.engine.ledger import generate_batch
 
@@ -411,6 +414,7 @@ def test_changed_step_and_settings_refused(run_dir, inputs, reference, tmp_path,
     assert_exactly_once_and_equal(out, ref)
 
 
+@pytest.mark.slow
 def test_concurrent_second_writer_refused(run_dir, inputs, reference, tmp_path, in_process_torch, zygote):
     from ripresa.engine.ledger import generate_batch
 
@@ -434,6 +438,7 @@ def test_concurrent_second_writer_refused(run_dir, inputs, reference, tmp_path, 
 # ---- a damaged ledger is never "fixed" silently ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_duplicate_id_is_an_integrity_error(run_dir, inputs, reference, tmp_path, in_process_torch):
     from ripresa.engine.ledger import generate_batch
 
@@ -459,6 +464,7 @@ def test_duplicate_id_is_an_integrity_error(run_dir, inputs, reference, tmp_path
     assert out.read_bytes() == b"".join(lines[:3])
 
 
+@pytest.mark.slow
 def test_failed_fsync_removes_its_record(run_dir, inputs, reference, tmp_path, in_process_torch):
     """A record whose fsync failed is taken out again (its durability is unknown) and the
     job stops; the next start redoes exactly that item."""

@@ -52,8 +52,8 @@ def test_ripresa_verify_with_explicit_command(tmp_path):
 @pytest.mark.parametrize(
     ("fault", "first_part"),
     [
-        # the default suite runs one broken resume; `make test-long` runs them all
-        ("scheduler", "scheduler at the cut"),
+        # `make test-long` runs them all; the default suite's broken resume is the steered negative control
+        pytest.param("scheduler", "scheduler at the cut", marks=pytest.mark.slow),
         pytest.param("optimizer", "optimizer at the cut", marks=pytest.mark.slow),
         pytest.param("reseed", "next_draws at the cut", marks=pytest.mark.slow),
         pytest.param("cursor", "data at the cut", marks=pytest.mark.slow),

@@ -176,6 +176,7 @@ def test_steering_is_taken_once_and_redirects_the_run_folder(tmp_path, monkeypat
     other.close()
 
 
+@pytest.mark.slow
 def test_contract_mode_does_not_fall_back_and_steer_mode_says_it_steered(tmp_path):
     cmd = [sys.executable, "-c", "import sys; sys.exit(3)"]
     res = ripresa_cli("verify", "--contract", "--output", tmp_path / "c", "--", *cmd)

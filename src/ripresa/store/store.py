@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.state import validate_saved_state
+from ..core.schema import validate_saved_state
 from ..errors import BadInput, IntegrityError, RipresaError
 from ..formats import companion as companion_fmt
 from ..formats.andrea_bin import (

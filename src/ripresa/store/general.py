@@ -37,7 +37,12 @@ from ..io.fsio import StagedFile, fsync_dir, ops, read_small, sidecar_line, writ
 from .backend import _Base, _load_full_into
 from .restore import Loaded, rest_proxy
 from .retention import plan_deletions
-from .store import CheckpointStore, _malformed_companion, _validate_state, read_marker
+from .store import (
+    CheckpointStore,
+    _malformed_companion,
+    _validate_state,
+    marker_checks,
+)
 
 SUFFIX = ".safetensors"
 _FILE = re.compile(r"^step_(\d{6,})\.safetensors(?:\.json|\.sha256|\.hmac)?$")
@@ -84,15 +89,7 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
     checks = Checks()
     out = GeneralValidation(Generation(step, "st", f, c, mk, valid=False), checks.items)
     try:
-        with checks.run("marker present", expected=mk.name) as found:
-            if not os.path.lexists(mk):
-                read_marker(mk, f, c)  # raises: missing commit marker
-            found["found"] = mk.name
-        with checks.run("marker format", expected=[f.name, c.name]):
-            f_sha, c_sha = read_marker(mk, f, c)
-        if key is not None:
-            with checks.run("signature", expected=auth.signature_path(f).name):
-                auth.verify(key, auth.signature_path(f), step, f.name, f_sha, c.name, c_sha)
+        f_sha, c_sha = marker_checks(checks, f, c, mk, step, key)
         with checks.run("tensor header") as found:
             header = st.read_header(f)
             found["found"] = {"tensors": len(header.entries), "size": header.file_size}

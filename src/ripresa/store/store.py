@@ -284,6 +284,23 @@ class Validation:
     state: Any = None
 
 
+def marker_checks(checks: Checks, main: Path, companion: Path, marker: Path, step: int,
+                  key: bytes | None) -> tuple[str, str]:
+    """The first named checks of a two-file generation (``.bin`` or general): ``marker present``,
+    ``marker format`` and, with a key, ``signature`` — authenticated before anything else is parsed.
+    Returns the sha256 the marker records for the main file and the companion."""
+    with checks.run("marker present", expected=marker.name) as f:
+        if not os.path.lexists(marker):
+            read_marker(marker, main, companion)  # raises: missing commit marker
+        f["found"] = marker.name
+    with checks.run("marker format", expected=[main.name, companion.name]):
+        main_sha, comp_sha = read_marker(marker, main, companion)
+    if key is not None:
+        with checks.run("signature", expected=auth.signature_path(main).name):
+            auth.verify(key, auth.signature_path(main), step, main.name, main_sha, companion.name, comp_sha)
+    return main_sha, comp_sha
+
+
 def validate_generation(folder: Path, step: int, *, deep: bool = False, load: bool = False, key: bytes | None = None,
                         expected_n: int | None = None, check_finite: bool = False,
                         raise_first: bool = False) -> Validation:
@@ -307,15 +324,7 @@ def validate_generation(folder: Path, step: int, *, deep: bool = False, load: bo
     checks = Checks()
     out = Validation(Generation(step, "bin", b, c, mk, valid=False), checks.items)
     try:
-        with checks.run("marker present", expected=mk.name) as f:
-            if not os.path.lexists(mk):
-                read_marker(mk, b, c)  # raises: missing commit marker
-            f["found"] = mk.name
-        with checks.run("marker format", expected=[b.name, c.name]):
-            bin_sha, comp_sha = read_marker(mk, b, c)
-        if key is not None:  # authenticate before parsing anything else
-            with checks.run("signature", expected=auth.signature_path(b).name):
-                auth.verify(key, auth.signature_path(b), step, b.name, bin_sha, c.name, comp_sha)
+        bin_sha, comp_sha = marker_checks(checks, b, c, mk, step, key)
         with checks.run("bin header") as f:
             header = read_header(b, expected_n=expected_n)
             f["found"] = {"step": header.step, "n_params": header.n_params, "size": header.file_size}

@@ -91,3 +91,14 @@ def test_bad_cut_is_bad_input(tmp_path):
     res = ripresa_cli("verify", "--steps", "4", "--cut", "4", "--output", tmp_path / "v")
     assert res.returncode == 2 and "cut" in res.stderr
     assert not (tmp_path / "v").exists()
+
+
+def test_the_same_infinity_is_equal_and_nan_never_is():
+    """A "best so far" that starts at inf compares equal at tolerance 0; NaN, or inf against -inf, fails."""
+    from ripresa.verify.compare import compare_trees
+
+    inf, nan = float("inf"), float("nan")
+    assert compare_trees({"best": inf, "w": [1.0, -inf]}, {"best": inf, "w": [1.0, -inf]}, atol=0.0).equal
+    for a, b in ((inf, -inf), (inf, 1e308), (nan, nan), (nan, 1.0), (-inf, nan)):
+        res = compare_trees({"best": a}, {"best": b}, atol=0.0)
+        assert [d.kind for d in res.differences] == ["non-finite"], (a, b, res.differences)

@@ -189,3 +189,18 @@ def test_contract_mode_does_not_fall_back_and_steer_mode_says_it_steered(tmp_pat
 def test_a_steered_command_without_a_checkpointer_is_incomplete(tmp_path):
     res = ripresa_cli("verify", "--steer", "--output", tmp_path / "v", "--", sys.executable, "-c", "pass")
     assert res.returncode == 2 and "wrote no summary.json" in res.stderr and "Checkpointer" in res.stderr
+
+
+@pytest.mark.slow
+def test_gpt_prefetch_example_verifies_unchanged_at_tolerance_zero(tmp_path):
+    """The nanoGPT-style example (global-generator batches, a prefetched batch in ScriptState, a best_val
+    that starts at inf) is proven exact with no contract code; its negative control diverges."""
+    out = tmp_path / "v"
+    res = ripresa_cli("verify", "--steps", "6", "--cut", "3", "--tolerance", "0", "--output", out, "--",
+                      sys.executable, "-B", EXAMPLES / "gpt_prefetch" / "train.py", "--run", tmp_path / "IGNORED",
+                      "--steps", "100", "--every", "50", timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads((out / "verification.json").read_text())
+    assert report["mode"] == "steered" and report["positive"] is True, report
+    assert report["negative_divergence_detected"] is True
+    assert not (tmp_path / "IGNORED").exists()

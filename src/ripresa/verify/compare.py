@@ -2,8 +2,9 @@
 
 Used by the resume verifier. Numbers compare with an absolute tolerance
 (relative tolerance 0 by default, as the protocol fixes); integers, strings
-and booleans compare exactly. A non-finite number is always reported, never
-accepted — not even NaN against NaN. Missing keys, extra keys, different
+and booleans compare exactly. The same infinity on both sides is equal; any
+other non-finite number is always reported, never accepted — not even NaN
+against NaN. Missing keys, extra keys, different
 lengths and different types are structural differences, reported by path.
 """
 
@@ -127,6 +128,8 @@ def _compare_numbers(p: str, xs: list, ys: list, atol: float, rtol: float, out: 
         out.compared += 1
         where = p if scalar else f"{p}[{i}]"
         if isinstance(x, float) and not math.isfinite(x) or isinstance(y, float) and not math.isfinite(y):
+            if isinstance(x, float) and isinstance(y, float) and math.isinf(x) and x == y:
+                continue  # the same infinity (a "best so far" that starts at inf): equal, exactly
             out.differences.append(Difference(where, "non-finite", x, y))
             continue
         if isinstance(x, int) and isinstance(y, int) and not (isinstance(x, bool) or isinstance(y, bool)):

@@ -199,7 +199,7 @@ class StatefulLoader:
 
     # -- Stateful -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch delivered: the sampler's O(1) state, its generator's, the seed."""
+        """The position after the last batch delivered: the sampler's O(1) state, its generator's and its base seed."""
         from .rng import _numpy_bitgen_state
 
         return {

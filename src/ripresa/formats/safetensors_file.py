@@ -210,16 +210,22 @@ def _bad(path: Path, message: str, expected: Any = None, found: Any = None) -> I
                           hint="it was not written by ripresa, or it was damaged or edited; it is not used")
 
 
-def parse_header(raw_len: bytes, raw_head: bytes, file_size: int, path: Path) -> Header:
-    """Validate a header against the file size before anything is allocated (see the module doc)."""
-    from .companion import loads_bounded
-
+def _header_length(raw_len: bytes, file_size: int, path: Path) -> int:
+    """The header length of the first 8 bytes, refused unless it fits both MAX_HEADER and the file."""
     if len(raw_len) != 8:
         raise _bad(path, "shorter than its 8-byte header length", ">= 8 bytes", f"{file_size} bytes")
     (n,) = struct.unpack("<Q", raw_len)
     if n > MAX_HEADER or 8 + n > file_size:
         raise _bad(path, "header length out of bounds", f"<= {min(MAX_HEADER, max(file_size - 8, 0))} bytes",
                    f"{n} bytes in a file of {file_size}")
+    return n
+
+
+def parse_header(raw_len: bytes, raw_head: bytes, file_size: int, path: Path) -> Header:
+    """Validate a header against the file size before anything is allocated (see the module doc)."""
+    from .companion import loads_bounded
+
+    n = _header_length(raw_len, file_size, path)
     if len(raw_head) != n:
         raise _bad(path, "header ended early", f"{n} bytes", f"{len(raw_head)} bytes")
     try:
@@ -269,13 +275,7 @@ def parse_header(raw_len: bytes, raw_head: bytes, file_size: int, path: Path) ->
 def _read_header_fd(fd: int, path: Path) -> Header:
     size = os.fstat(fd).st_size
     raw_len = os.pread(fd, 8, 0) if size >= 8 else b""
-    if len(raw_len) != 8:
-        raise _bad(path, "shorter than its 8-byte header length", ">= 8 bytes", f"{size} bytes")
-    (n,) = struct.unpack("<Q", raw_len)
-    if n > MAX_HEADER or 8 + n > size:
-        raise _bad(path, "header length out of bounds", f"<= {min(MAX_HEADER, max(size - 8, 0))} bytes",
-                   f"{n} bytes in a file of {size}")
-    raw_head = os.pread(fd, n, 8)
+    raw_head = os.pread(fd, _header_length(raw_len, size, path), 8)
     return parse_header(raw_len, raw_head, size, path)
 
 

@@ -16,7 +16,6 @@ validation path (:func:`validate_general`) with named checks.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from .store import (
     CheckpointStore,
     _malformed_companion,
     _validate_state,
+    companion_checks,
     marker_checks,
 )
 
@@ -99,16 +99,9 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
                 raise IntegrityError("the safetensors file names another format or step", file=f,
                                      expected={"format": general_fmt.FORMAT, "step": str(step)}, found=got)
             found["found"] = got
-        with checks.run("companion sha256", expected=c_sha) as found:
-            raw = read_small(c, "companion", general_fmt.MAX_COMPANION_BYTES, error=IntegrityError)
-            digest = hashlib.sha256(raw).hexdigest()
-            if digest != c_sha:
-                raise IntegrityError("companion sha256 mismatch", file=c, expected=c_sha, found=digest,
-                                     hint="the companion changed after the commit")
-            found["found"] = digest
-        with checks.run("companion schema", expected=general_fmt.FORMAT), _malformed_companion(c):
-            doc = companion_fmt.loads_bounded(raw, file=c)
-            general_fmt.validate_envelope(doc, c)
+        doc = companion_checks(
+            checks, c, c_sha, lambda path: read_small(path, "companion", general_fmt.MAX_COMPANION_BYTES, error=IntegrityError),
+            general_fmt.FORMAT, general_fmt.validate_envelope)
         want = {"name": f.name, "sha256": f_sha, "size": header.file_size, "step": step, "count": len(header.entries)}
         with checks.run("companion record", expected=want) as found:
             got_rec = {k: doc["tensors"].get(k) for k in want}

@@ -34,7 +34,7 @@ import hashlib
 import os
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,6 +301,23 @@ def marker_checks(checks: Checks, main: Path, companion: Path, marker: Path, ste
     return main_sha, comp_sha
 
 
+def companion_checks(checks: Checks, companion: Path, sha: str, read: Callable[[Path], bytes], fmt: str,
+                     validate_envelope: Callable[[Any, Path], None]) -> Any:
+    """The ``companion sha256`` and ``companion schema`` checks of a two-file generation, on one read of
+    the companion (``read``, size-bounded by the caller's format); returns the parsed document."""
+    with checks.run("companion sha256", expected=sha) as f:
+        raw = read(companion)
+        found = hashlib.sha256(raw).hexdigest()
+        if found != sha:
+            raise IntegrityError("companion sha256 mismatch", file=companion, expected=sha, found=found,
+                                 hint="the companion changed after the commit")
+        f["found"] = found
+    with checks.run("companion schema", expected=fmt), _malformed_companion(companion):
+        doc = companion_fmt.loads_bounded(raw, file=companion)
+        validate_envelope(doc, companion)
+    return doc
+
+
 def validate_generation(folder: Path, step: int, *, deep: bool = False, load: bool = False, key: bytes | None = None,
                         expected_n: int | None = None, check_finite: bool = False,
                         raise_first: bool = False) -> Validation:
@@ -332,16 +349,8 @@ def validate_generation(folder: Path, step: int, *, deep: bool = False, load: bo
             if header.step != step:
                 raise IntegrityError("the .bin's header names another step", file=b, expected=step, found=header.step)
             f["found"] = header.step
-        with checks.run("companion sha256", expected=comp_sha) as f:
-            raw = _read_companion_bytes(c)
-            found = hashlib.sha256(raw).hexdigest()
-            if found != comp_sha:
-                raise IntegrityError("companion sha256 mismatch", file=c, expected=comp_sha, found=found,
-                                     hint="the companion changed after the commit")
-            f["found"] = found
-        with checks.run("companion schema", expected=companion_fmt.FORMAT), _malformed_companion(c):
-            doc = companion_fmt.loads_bounded(raw, file=c)
-            companion_fmt.validate_envelope(doc, c)
+        doc = companion_checks(checks, c, comp_sha, _read_companion_bytes, companion_fmt.FORMAT,
+                               companion_fmt.validate_envelope)
         out.doc = doc
         rec = doc["bin"]
         want = {"name": b.name, "sha256": bin_sha, "size": header.file_size, "step": step}

@@ -146,7 +146,7 @@ def _train(run: Path, total: int, **kw) -> ripresa.Checkpointer:
     model, opt = _toy(stepped=False)
     state = ripresa.TrainingState(model=model, optimizer=opt, config={"toy": True})
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
-    ck = ripresa.Checkpointer(run, state, every=5, asynchronous=False, handle_signals=False, **kw)
+    ck = ripresa.Checkpointer(run, state, every=5, asynchronous=False, handle_signals=False, **{"format": "andrea", **kw})
     start = ck.resume()
     for step in range(start + 1, total + 1):
         opt.zero_grad()

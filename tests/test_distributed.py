@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import valid_steps
 from support.ripresa_faults import fault_env
 
 from ripresa.core.data import DistributedEpochSampler
@@ -400,8 +401,9 @@ def test_checkpointer_in_a_users_ddp_loop_then_resumed_on_one_process(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
     out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
-    assert valid_bins(run) == [4, 7]  # the cadence, and close(final_save=True)
-    ranks = json.loads((run / "step_000007.json").read_text())["state"]["extra"]["distributed"]["ranks"]
+    assert valid_steps(run) == [4, 7]  # the cadence, and close(final_save=True): general generations (format="auto")
+    assert (run / "step_000007.safetensors").is_file() and not list(run.glob("*.bin"))
+    ranks = json.loads((run / "step_000007.safetensors.json").read_text())["state"]["extra"]["distributed"]["ranks"]
     assert [r["data"]["world_size"] for r in ranks] == [2, 2] and ranks[0]["data"]["cursor"] == ranks[1]["data"]["cursor"] == 56
     res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", "18"], capture_output=True, text=True,
                          env={**os.environ, **ENV}, timeout=300)

@@ -109,7 +109,7 @@ def one_step(case: str, state: TrainingState) -> float:
     return float(loss.detach())
 
 
-#: The format each case asks for: the .bin could hold the tied BatchNorm model, so it asks for the general one.
+#: The format each case asks for (auto: the general format; said explicitly where the .bin could hold the state).
 FORMATS = {"bn_tied": "general"}
 
 
@@ -173,22 +173,26 @@ def test_format_andrea_refuses_a_bf16_model_at_construction_naming_it(tmp_path):
     ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False).close()
     with pytest.raises(BadInput, match="amsgrad"):
         ripresa.Checkpointer(tmp_path, build("amsgrad"), every=1, handle_signals=False, format="andrea")
+    with pytest.raises(BadInput, match="SGD"):
+        ripresa.Checkpointer(tmp_path, build("sgd_nesterov"), every=1, handle_signals=False, format="andrea")
     with pytest.raises(ValueError, match="unknown checkpoint format"):
         ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="zip")
 
 
-def test_auto_keeps_the_bin_for_what_it_holds_and_general_is_forced_then_a_format_change_is_recorded(tmp_path):
+def test_auto_is_the_general_format_and_a_bin_folder_goes_on_in_it_recording_the_format_change(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     state = TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
+    with ripresa.Checkpointer(tmp_path / "auto", state, every=1, handle_signals=False) as ck:
+        assert ck.backend.kind == "st"  # auto: the general format, even for a state the .bin holds
+    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="andrea") as ck:
         assert ck.backend.kind == "bin"
         ck.resume()
         state.optimizer.zero_grad()
         model(torch.randn(2, 4)).sum().backward()
         state.optimizer.step()
         ck.step_done(1)
-    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="general") as ck:
+    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
         assert ck.backend.kind == "st" and [b.kind for b in ck.backends] == ["st", "bin"]
         assert ck.resume() == 1 and ck.resumed_from.kind == "bin"  # the .bin generation resumes
         state.optimizer.zero_grad()
@@ -198,8 +202,8 @@ def test_auto_keeps_the_bin_for_what_it_holds_and_general_is_forced_then_a_forma
     assert (tmp_path / "step_000001.bin").exists() and (tmp_path / "step_000002.safetensors").exists()
     events = [json.loads(line) for line in (tmp_path / ".loss.jsonl").read_text().splitlines()]
     changes = [e for e in events if e.get("event") == "format_change"]
-    assert len(changes) == 1 and changes[0]["previous"] == "bin" and changes[0]["now"] == "st"
-    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="general") as ck:
+    assert len(changes) == 1 and changes[0] == {**changes[0], "previous": "bin", "now": "st", "format": "auto"}
+    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
         assert ck.resume() == 2 and ck.resumed_from.kind == "st"
 
 
@@ -583,7 +587,7 @@ def test_convert_bin_to_general_and_back_is_bitwise(tmp_path):
     cfg = GPT_FACTORY.config("tiny")
     model, opt = GPT_FACTORY.build(cfg)
     state = TrainingState(model=model, optimizer=opt, config=cfg)
-    with ripresa.Checkpointer(tmp_path / "run", state, every=2, handle_signals=False) as ck:
+    with ripresa.Checkpointer(tmp_path / "run", state, every=2, handle_signals=False, format="andrea") as ck:
         assert ck.backend.kind == "bin"
         ck.resume()
         for step in (1, 2):

@@ -11,8 +11,8 @@ Five added lines in a loop::
     ckpt.close()
 
 Each checkpoint is a generation of the run folder's :class:`~ripresa.store.store.CheckpointStore`
-(``step_NNNNNN.bin`` + companion + marker, or for a state a ``.bin`` cannot hold a
-general ``step_NNNNNN.safetensors`` one: the ``format`` argument), written asynchronously by default.
+(by default a general ``step_NNNNNN.safetensors`` + companion + marker, for any state; with
+``format="andrea"`` an ANDREA ``step_NNNNNN.bin`` one), written asynchronously by default.
 
 Failed saves: a save that fails (full disk, I/O error) is reported as a
 warning and a ``checkpoint_failed`` history event, training goes on and the
@@ -117,12 +117,13 @@ class Checkpointer:
             (world size > 1, or a sharded FSDP2 model); False forces a
             single-process session; True requires a group.
         format: which kind of generation this session writes, decided here
-            (docs/FORMAT.md): ``"auto"`` an ANDREA ``.bin`` when the state fits
-            it (float32 parameters, Adam/AdamW without amsgrad), else a general
-            ``.safetensors`` generation; ``"andrea"`` always the ``.bin`` (a
-            state that does not fit is a :class:`~ripresa.errors.BadInput` now,
-            naming what does not fit); ``"general"`` always the general format.
-            Generations of the other kinds in the folder are still resumed.
+            (docs/FORMAT.md, "Which format a session writes"): ``"auto"`` the
+            general ``.safetensors`` format for any state (FSDP2: ``.dcp``);
+            ``"andrea"`` the ANDREA ``.bin`` (float32 parameters, Adam/AdamW
+            without amsgrad; a state that does not fit is a
+            :class:`~ripresa.errors.BadInput` now, naming what does not fit);
+            ``"general"`` the general format. Generations of the other kinds in
+            the folder are still resumed (a ``format_change`` event).
 
     Distributed attributes: :attr:`dist` (None in a single process),
     :attr:`world_change` (after :meth:`resume`: None, or the saved and current

@@ -54,6 +54,7 @@ from ...core.rng import RandomStreams
 from ...core.state import TrainingState
 from ...errors import BadInput, OutputExists
 from ...formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, parse_bin_name
+from ...formats.bin_state import bin_suits
 from ...io.fsio import open_run_file, read_json_small, write_atomic
 from ...session.checkpointer import Checkpointer
 from ...session.distributed import (
@@ -405,6 +406,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
         allow_data_change=args.allow_data_change or bool(dropped),
+        # the ANDREA .bin whenever the state fits it (docs/FORMAT.md, "Which format a session writes"); FSDP2: .dcp
+        format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",
     )
     try:
         for note in notes:

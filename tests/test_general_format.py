@@ -374,6 +374,68 @@ def test_a_companion_reference_to_a_missing_tensor_is_refused(tmp_path):
     assert not gen.valid and gen.failed.name == "companion state"
 
 
+def _long_number_lists(node, out, where=""):
+    """Every JSON list of >= 64 numbers in ``node`` (where it is)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _long_number_lists(v, out, f"{where}/{k}")
+    elif isinstance(node, list):
+        if len(node) >= 64 and all(isinstance(x, int | float) for x in node):
+            out.append(where)
+        for i, v in enumerate(node):
+            _long_number_lists(v, out, f"{where}/{i}")
+    return out
+
+
+def test_random_stream_states_are_binary_and_restored_exactly(tmp_path):
+    """Python's random state (625 words) and NumPy's legacy key (624) are I64 tensors of the file, referenced from
+    a companion of a few KB; the resume restores them bit for bit; a malformed list reference is a SchemaError."""
+    import numpy as np
+
+    from ripresa.errors import SchemaError
+
+    def make() -> TrainingState:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                             rng=RandomStreams(python={"aug": random.Random(5)},
+                                               numpy={"legacy": np.random.Generator(np.random.MT19937(3))}))
+
+    state = make()
+    random.seed(11)
+    np.random.seed(12)
+    random.random(), np.random.random()
+    with ripresa.Checkpointer(tmp_path, state, every=0, handle_signals=False, asynchronous=False) as ck:
+        ck.resume()
+        ck.save_now()
+    want = (random.random(), np.random.random(), state.rng.python["aug"].random(),
+            state.rng.numpy["legacy"].random())
+    f, c, _ = general_paths(tmp_path, 0)
+    doc = json.loads(c.read_bytes())
+    assert _long_number_lists(doc, []) == [] and c.stat().st_size < 4096, c.stat().st_size
+    assert doc["state"]["rng"]["python"]["state"] == {"__ref__": "rng/python/state", "list": "int64"}
+    _, tensors, _ = st.read(f)
+    words = tensors["rng/python/state"]
+    assert words.dtype == torch.int64 and words.shape == (625,)
+    assert tensors["rng/python_random/aug/state"].shape == (625,)
+    assert [k for k in tensors if k.startswith("rng/numpy")] and all(
+        tensors[k].dtype == torch.int64 for k in tensors if k.startswith("rng/numpy"))
+    random.seed(99)
+    np.random.seed(99)
+    again = make()
+    with ripresa.Checkpointer(tmp_path, again, every=0, handle_signals=False) as ck:
+        assert ck.resume() == 0 and ck.resumed_from is not None
+    got = (random.random(), np.random.random(), again.rng.python["aug"].random(), again.rng.numpy["legacy"].random())
+    assert got == want
+    for bad in ({"__ref__": "rng/python/state", "list": "int32"}, {"__ref__": "rng/python/state", "list": None},
+                {"__ref__": "model/weight", "list": "int64"}, {"__ref__": "rng/torch_cpu", "list": "int64"},
+                {"__ref__": "rng/nope", "list": "int64"}):
+        crafted = json.loads(c.read_bytes())
+        crafted["state"]["rng"]["python"]["state"] = bad
+        with pytest.raises(SchemaError):
+            general_fmt.join_state(crafted, tensors, c)
+
+
 def test_an_ops_hook_sees_the_general_commit_and_a_failure_keeps_the_old_generation(tmp_path):
     from ripresa.io.fsio import ops
 

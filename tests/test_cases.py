@@ -113,12 +113,37 @@ def test_verify_steered_passes_at_tolerance_zero_and_its_negative_diverges(tmp_p
     if case == "fp16_scaler":
         assert checks["scaler"]["passed"] and checks["scaler"]["values_compared"] > 0
     assert r["first_divergence"]["resume"] is None and r["first_divergence"]["resume-without-rng"]
+    negative = {c["name"]: c for c in r["checks"]["resume-without-rng"]}
+    assert not negative["next_draws"]["passed"] and not negative["loss"]["passed"]  # the training itself differs
     assert not (tmp_path / "IGNORED").exists()
     for path in ("continuous", "interrupted", "resume", "resume-without-rng"):
         sizes = assert_small_companions(out / path / "run")
     print(f"{case}: first divergence without RNG: {r['first_divergence']['resume-without-rng'][:120]}")
     print(f"{case}: companion after 6 steps: {assert_small_companions(out / 'continuous' / 'run')}")
     assert sizes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fp16_scaler", "bn_tied"])
+def test_ddp_under_torchrun_stops_and_restarts_bitwise_equal_on_every_rank(tmp_path, case):
+    """Two gloo ranks: a run stopped at step 6 and started again ends, on each rank, with the bytes of a run never
+    stopped (weights, optimizer, scaler or BatchNorm buffers, each rank's own random streams)."""
+
+    def torchrun(folder: Path, steps: int, final: Path) -> None:
+        res = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), case,
+                   "--run-dir", str(folder), "--steps", str(steps), "--every", str(EVERY), "--final", str(final)],
+                  env=ENV, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    torchrun(tmp_path / "ref", STEPS, tmp_path / "ref.pt")
+    torchrun(tmp_path / "run", 6, tmp_path / "half.pt")
+    torchrun(tmp_path / "run", STEPS, tmp_path / "run.pt")
+    for suffix in ("", ".rank1"):
+        ref, got = (cases.load_final(tmp_path / f"{n}.pt{suffix}") for n in ("ref", "run"))
+        assert cases.differences(ref, got) == [], suffix
+    r0, r1 = cases.load_final(tmp_path / "ref.pt"), cases.load_final(tmp_path / "ref.pt.rank1")
+    assert not torch.equal(r0["rng/torch_cpu"], r1["rng/torch_cpu"])  # each rank its own stream, each restored
+    assert_small_companions(tmp_path / "run")
 
 
 # ---- refusals at construction ----------------------------------------------------------------------------

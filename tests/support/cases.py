@@ -16,7 +16,8 @@ verification contract: ``ripresa verify --steer`` steers its ``Checkpointer``
 
 Devices and processes: ``RIPRESA_TEST_DEVICE=cuda`` runs it on the GPU
 (default ``cpu``; deterministic algorithms are switched on there); under
-``torchrun`` it initialises gloo (NCCL on CUDA, one device per ``LOCAL_RANK``)
+``torchrun`` (give the folder as ``--run-dir``: torchrun's own parser reads
+``--run`` as its ``--run-path``) it initialises gloo (NCCL on CUDA, one device per ``LOCAL_RANK``)
 and wraps the model in DDP, for the cases of :data:`DDP_CASES`.
 """
 
@@ -332,7 +333,8 @@ def _sizes(folder: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("case", nargs="?", choices=CASES)
-    ap.add_argument("--run", help="run folder (resumed when it holds a generation)")
+    ap.add_argument("--run", "--run-dir", dest="run",  # --run-dir under torchrun (its parser takes --run for --run-path)
+                    help="run folder (resumed when it holds a generation)")
     ap.add_argument("--steps", type=int, default=12, help="train to this step")
     ap.add_argument("--every", type=int, default=3, help="checkpoint cadence")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to kill it mid-run)")

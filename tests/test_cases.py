@@ -198,3 +198,31 @@ def test_format_andrea_is_refused_at_construction_for_a_state_it_cannot_hold(tmp
     assert "format='auto'" in ei.value.hint
     assert not list(tmp_path.glob("run/step_*"))
     _free(tmp_path / "run")
+
+
+# ---- the data position of a sampler that owns its generator ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["numpy", "feistel"])
+def test_a_seeded_epoch_sampler_resumes_the_epochs_after_the_current_one_too(tmp_path, kind):
+    """``EpochSampler(seed=...)`` makes its own generator, which no random stream holds: its state is in the data
+    position, so the epochs drawn after a resume are those of an uninterrupted run (they were not, before)."""
+
+    def session(folder: Path) -> tuple[ripresa.EpochSampler, ripresa.Checkpointer]:
+        sampler = ripresa.EpochSampler(24, 5, seed=3, permutation=kind)
+        state = ripresa.TrainingState(model=torch.nn.Linear(1, 1), data=sampler)
+        return sampler, ripresa.Checkpointer(folder, state, every=0, handle_signals=False, asynchronous=False,
+                                             format="general")
+
+    straight = ripresa.EpochSampler(24, 5, seed=3, permutation=kind)
+    want = [straight.next_batch() for _ in range(20)]  # four epochs
+    sampler, ck = session(tmp_path)
+    assert ck.resume() == 0
+    got = [sampler.next_batch() for _ in range(7)]  # into the second epoch
+    ck.step_done(7)
+    ck.close(final_save=True)
+    sampler, ck = session(tmp_path)
+    assert ck.resume() == 7 and "generator" in sampler.state_dict()
+    got += [sampler.next_batch() for _ in range(13)]
+    ck.close()
+    assert got == want

@@ -154,6 +154,7 @@ class Checkpointer:
             raise TypeError(f"need a ripresa.TrainingState and an int every, got {type(state).__name__}, {type(every).__name__}")
         if every < 0 or max_failed_saves < 1:  # misuse of the API: TypeError/ValueError (docs/FAULTS.md)
             raise ValueError(f"need every >= 0 (0: on signals only) and max_failed_saves >= 1, got {every}, {max_failed_saves}")
+        state.check_stateful()  # data or objects swapped in after the TrainingState was built: refused here, before any lock
         #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
         self.steering = Steering.take_from_env()
         self.run_dir = Path(run_dir) if self.steering is None else self.steering.run_dir

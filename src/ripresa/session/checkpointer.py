@@ -271,7 +271,7 @@ class Checkpointer:
         if self.mirror is not None:
             if from_path is None and not has_local_generation(self.run_dir):  # a new machine: pull, then resume
                 pull(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
-                     event=self.history.event)
+                     event=self.history.event, spec=self.mirror.spec)
             self.mirror.start()
         if self.dist is not None:
             return self._resume_dist(from_path, restore_rng)

@@ -469,33 +469,38 @@ def recorded_url(run_dir: Path) -> str | None:
 # ---------------------------------------------------------------------------- pulling
 
 
-def _retrying(fn: Callable[[], Any], attempts: int = 4, event: Callable[..., None] | None = None, what: str = "") -> Any:
-    for attempt in range(1, attempts + 1):
+_PULL = MirrorSpec("", attempts=4, backoff=0.25, max_backoff=8.0)
+
+
+def _retrying(fn: Callable[[], Any], event: Callable[..., None] | None = None, what: str = "",
+              spec: MirrorSpec = _PULL) -> Any:
+    for attempt in range(1, spec.attempts + 1):
         try:
             return fn()
         except RemoteUnavailable as exc:
-            if attempt == attempts:
+            if attempt == spec.attempts:
                 raise
-            wait = min(8.0, 0.25 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
             if event is not None:
                 event("mirror_retry", step=None, object=what, attempt=attempt, error=exc.message, wait=round(wait, 3))
             time.sleep(wait)
     raise AssertionError("unreachable")
 
 
-def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, event: Callable[..., None]) -> StagedFile:
+def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, event: Callable[..., None],
+           spec: MirrorSpec) -> StagedFile:
     """Object ``name`` streamed into a temporary sibling of ``target`` (at most ``limit`` bytes), fsync'd,
     its sha256 compared with the marker's; the caller publishes it. A failed try starts a new temporary."""
-    for attempt in range(1, 5):
+    for attempt in range(1, spec.attempts + 1):
         sf = StagedFile(target)
         try:
             remote.get_into(name, sf, limit=limit)
             d = sf.finish()
         except RemoteUnavailable as exc:
             sf.discard()
-            if attempt == 4:
+            if attempt == spec.attempts:
                 raise
-            wait = min(8.0, 0.25 * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
             event("mirror_retry", step=None, object=name, attempt=attempt, error=exc.message, wait=round(wait, 3))
             time.sleep(wait)
             continue
@@ -512,14 +517,14 @@ def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, e
 
 
 def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step: int, ckpt: CheckpointStore,
-          event: Callable[..., None]) -> Generation:
+          event: Callable[..., None], spec: MirrorSpec) -> Generation:
     """Download ``main`` into ``run_dir`` through the local commit protocol, marker last; deep-check it there."""
     from .backend import backend_of
 
     kind = kind_of(main)
     backend = backend_of(kind, ckpt)
     where = f"{remote.url}/{main}.sha256"
-    raw = _retrying(lambda: remote.get_bytes(main + ".sha256", limit=MAX_MARKER), event=event, what=main + ".sha256")
+    raw = _retrying(lambda: remote.get_bytes(main + ".sha256", limit=MAX_MARKER), event=event, what=main + ".sha256", spec=spec)
     files = marker_files(main, raw, where)
     missing = [n for _, n in files if n not in view.objects]
     if missing:
@@ -535,6 +540,10 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
     if need > free:
         raise SaveFailed("not enough disk space to pull the generation", file=run_dir, expected=f"{need} bytes free",
                          found=f"{free} bytes free")
+    if os.path.lexists(run_dir / (main + ".sha256")):
+        local = backend.check(step, deep=True)
+        if local.valid:
+            return local  # already here and intact: nothing to download
     if os.path.lexists(run_dir / (main + ".sha256")) or os.path.lexists(run_dir / main):
         backend.delete(step)  # a local generation of that step that failed its checks: replaced (marker first)
     partial = run_dir / f".{main}.partial" if kind == "dcp" else None
@@ -546,7 +555,7 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
     try:
         for sha, name in files:
             target = run_dir / name if partial is None else partial / name.split("/", 1)[1]
-            staged.append(_fetch(remote, name, target, view.objects[name], sha, event))
+            staged.append(_fetch(remote, name, target, view.objects[name], sha, event, spec))
         for sf in staged:
             sf.publish()
         if partial is not None:
@@ -560,7 +569,7 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
         if partial is not None and partial.exists():
             ops.rmtree(partial)
     if sig_key in view.objects:
-        sig = _retrying(lambda: remote.get_bytes(sig_key, limit=auth.MAX_SIGNATURE), event=event, what=sig_key)
+        sig = _retrying(lambda: remote.get_bytes(sig_key, limit=auth.MAX_SIGNATURE), event=event, what=sig_key, spec=spec)
         write_atomic(run_dir / sig_key, [sig])
     write_atomic(run_dir / (main + ".sha256"), [raw])  # the commit marker, last
     gen = backend.check(step, deep=True)
@@ -573,7 +582,8 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
 
 
 def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,
-         kinds: Iterable[str] = ("bin", "st", "dcp"), event: Callable[..., None] | None = None) -> Generation | None:
+         kinds: Iterable[str] = ("bin", "st", "dcp"), event: Callable[..., None] | None = None,
+         spec: MirrorSpec = _PULL) -> Generation | None:
     """Land the newest remote generation (or ``step``'s) whose marker verifies; None when the store holds none.
 
     Each one that fails (a flipped byte, a bad or missing signature under
@@ -583,14 +593,14 @@ def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int
     """
     ev = event or (lambda name, **kw: None)
     kinds = tuple(kinds)
-    view = RemoteView(_retrying(remote.list, event=ev, what="listing"))
+    view = RemoteView(_retrying(remote.list, event=ev, what="listing", spec=spec))
     order = {"bin": 0, "st": 1, "dcp": 2}
     cands = sorted(((s, m) for m, s in view.committed.items() if kind_of(m) in kinds and (step is None or s == step)),
                    key=lambda x: (-x[0], order[kind_of(x[1])]))
     refused: list[str] = []
     for s, main in cands:
         try:
-            gen = _land(remote, view, Path(run_dir), main, s, ckpt, ev)
+            gen = _land(remote, view, Path(run_dir), main, s, ckpt, ev, spec)
         except IntegrityError as exc:
             msg = f"{main}: {exc.message}" + (f" (found {str(exc.found)[:80]})" if exc.found is not None else "")
             refused.append(msg)
@@ -653,3 +663,83 @@ def status(remote: ObjectStore, run_dir: Path) -> dict[str, Any]:
         "trainer_running": running,
         "config_remote": "config.json" in view.objects,
     }
+
+
+# ---------------------------------------------------------------------------- ripresa train / ripresa mirror
+
+
+def _resolve_url(run_dir: Path, url: str | None) -> str:
+    url = url or recorded_url(run_dir)
+    if not url:
+        raise BadInput("no mirror URL", file=Path(run_dir) / MIRROR_RECORD, expected="--mirror URL",
+                       found="no --mirror and no mirror.json in the run folder",
+                       hint="ripresa mirror status RUN --mirror s3://bucket/prefix")
+    return url
+
+
+def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Generation | None, bool]:
+    """Land a remote generation (and config.json when missing) in ``run_dir`` under its writer lock."""
+    from .history import HISTORY_NAME, History
+
+    store = CheckpointStore(run_dir, writer=True)
+    try:
+        hist = History(Path(run_dir) / HISTORY_NAME)
+        try:
+            gen = pull(remote, Path(run_dir), store, step=step, event=hist.event)
+            config = pull_config(remote, Path(run_dir)) if gen is not None else False
+        finally:
+            hist.close()
+    finally:
+        store.close()
+    return gen, config
+
+
+def prefetch(run_dir: Path, url: Any) -> Generation | None:
+    """``ripresa train --run DIR --mirror URL``: on a blank machine (no local generation that passes its checks),
+    pull the newest verified remote generation and ``config.json`` before the config is resolved."""
+    if has_local_generation(Path(run_dir)):
+        return None
+    spec = url if isinstance(url, MirrorSpec) else MirrorSpec(os.fspath(url))
+    gen, _ = _pull_into(Path(run_dir), open_store(spec.url, timeout=spec.timeout), None)
+    return gen
+
+
+def cli_status(run_dir: Path, url: str | None) -> dict[str, Any]:
+    """``ripresa mirror status``."""
+    return status(open_store(_resolve_url(run_dir, url)), Path(run_dir))
+
+
+def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None) -> dict[str, Any]:
+    """``ripresa mirror push``: upload what the mirror lacks (under the run's writer lock), one round."""
+    from .history import HISTORY_NAME, History
+    from .retention import DEFAULT_RETENTION
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise BadInput("run folder not found", file=run_dir, expected="an existing run folder", found="nothing")
+    spec = MirrorSpec(_resolve_url(run_dir, url), keep=keep)
+    store = CheckpointStore(run_dir, writer=True)
+    try:
+        hist = History(run_dir / HISTORY_NAME)
+        try:
+            m = Mirror(spec, run_dir, local_retention=DEFAULT_RETENTION, event=hist.event)
+            ok = m.round()
+        finally:
+            hist.close()
+    finally:
+        store.close()
+    if not ok:
+        raise SaveFailed("the push did not complete: the mirror could not be reached (retries in RUN/.loss.jsonl)",
+                         file=spec.url, expected="every missing generation uploaded", found=f"pending {m.pending}",
+                         hint="run `ripresa mirror push` again when the store is reachable")
+    return {"run": str(run_dir), "url": spec.url, "uploaded": m.uploaded, "pending": m.pending}
+
+
+def cli_pull(run_dir: Path, url: str | None, step: int | None = None) -> dict[str, Any]:
+    """``ripresa mirror pull``: land a verified remote generation in RUN (for inspection or export)."""
+    url = _resolve_url(run_dir, url)
+    gen, config = _pull_into(Path(run_dir), open_store(url), step)
+    if gen is None:
+        raise CheckFailed("the mirror holds no committed generation", file=url, expected="at least one marker object",
+                          found="none")
+    return {"run": str(run_dir), "url": url, "step": gen.step, "file": gen.path.name, "config": config}

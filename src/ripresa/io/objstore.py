@@ -252,6 +252,9 @@ def _no_credentials(url: str) -> BadInput:
                     hint="export the credentials (and AWS_ENDPOINT_URL for a non-AWS store) before starting")
 
 
+_LOADER: Any = None
+
+
 class S3Store:
     """``s3://bucket/prefix`` through boto3 (its own retries off: the mirror retries and records them)."""
 
@@ -260,13 +263,20 @@ class S3Store:
     def __init__(self, bucket: str, prefix: str, url: str, *, timeout: float = 30.0) -> None:
         try:
             import boto3
+            import botocore.session
             from botocore.config import Config
         except ImportError as exc:
             raise MissingDependency("the S3 mirror needs boto3", file=url, expected="boto3 installed",
                                     found="not installed", hint="pip install 'ripresa[s3]'") from exc
         self.url, self.bucket = url, bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-        session = boto3.session.Session()
+        global _LOADER
+        core = botocore.session.get_session()  # a new session: the environment of now (endpoint, credentials)
+        if _LOADER is None:
+            _LOADER = core.get_component("data_loader")
+        else:
+            core.register_component("data_loader", _LOADER)  # the service models, parsed once per process
+        session = boto3.session.Session(botocore_session=core)
         if session.get_credentials() is None:
             raise _no_credentials(url)
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None

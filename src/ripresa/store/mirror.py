@@ -165,6 +165,19 @@ def default_remote_policy(local: RetentionPolicy) -> RetentionPolicy:
     return doubled[0] if len(doubled) == 1 else KeepAny(doubled)
 
 
+def _safe(event: Callable[..., None] | None) -> Callable[..., None]:
+    """A history writer the thread may call at any time (a closed history: the line is dropped)."""
+
+    def write(name: str, **fields: Any) -> None:
+        if event is not None:
+            try:
+                event(name, **fields)
+            except (OSError, ValueError):
+                pass
+
+    return write
+
+
 class _Stopped(Exception):
     """The mirror is being closed: leave the round now."""
 
@@ -184,7 +197,7 @@ class Mirror:
         self.run_dir = Path(run_dir)
         self.store = store if store is not None else open_store(spec.url, timeout=spec.timeout)
         self.policy = spec.keep if spec.keep is not None else default_remote_policy(local_retention)
-        self._event = event or (lambda name, **kw: None)
+        self._event = _safe(event)
         self.last_upload_seconds: float | None = None
         self.uploaded: list[int] = []
         self._remote: RemoteView | None = None
@@ -311,6 +324,10 @@ class Mirror:
             for step, main in self._order():
                 self._upload(main, step)
                 self._apply_remote_retention()
+            pending = set(self.pending)
+            for main, step in self._remote.half.items():  # our own cut-short uploads of what is no longer pending
+                if step not in pending:
+                    self._delete_group(main)
         except RemoteUnavailable as exc:
             self._event("mirror_failed", error=exc.message, found=None if exc.found is None else str(exc.found)[:200],
                         pending=self.pending, note="training goes on; the pending generations are kept and retried")

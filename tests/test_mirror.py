@@ -119,6 +119,26 @@ def test_local_path_mirror_resumes_a_new_folder_bitwise(tmp_path):
     assert sorted(local_generations(remote).values()) == [3, 6, 9, 12]
 
 
+def test_hostile_remote_markers_and_oversized_objects_are_refused(tmp_path):
+    remote = tmp_path / "mirror"
+    train(tmp_path / "a", 8, 4, mirror=str(remote))
+    good = (remote / "step_000008.safetensors.sha256").read_text()
+    # a marker that names a file outside the run folder, one that names another generation's files,
+    # and an object larger than its listing (a local mirror lists the real size: it grew after the marker)
+    (remote / "step_000020.safetensors.sha256").write_text(good.replace("step_000008.safetensors.json", "../../escape"))
+    (remote / "step_000016.safetensors.sha256").write_text(good)
+    for suffix in ("", ".json"):
+        shutil.copy(remote / f"step_000008.safetensors{suffix}", remote / f"step_000012.safetensors{suffix}")
+    (remote / "step_000012.safetensors.sha256").write_text(good.replace("000008", "000012"))
+    with open(remote / "step_000012.safetensors", "ab") as f:
+        f.write(b"\0" * 1024)
+    out = train(tmp_path / "new", 8, 4, mirror=str(remote))
+    assert out["resumed"] == "step_000008.safetensors"
+    refused = {e["step"]: e["reason"] for e in events(tmp_path / "new", "mirror_refused")}
+    assert set(refused) == {20, 16, 12} and "malformed commit marker" in refused[20] + refused[16]
+    assert not (tmp_path / "escape").exists() and not list((tmp_path / "new").glob("step_0000[12]*"))
+
+
 def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tmp_path, s3):
     ref = train(tmp_path / "ref", 16, 4)
     a = train(tmp_path / "a", 8, 4, mirror=fast(s3.url))

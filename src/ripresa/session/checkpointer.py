@@ -170,6 +170,7 @@ class Checkpointer:
                            expected="an empty or new folder", found=sorted(p.name for p in self.run_dir.iterdir())[:8],
                            hint="choose a new --run folder, or drop --fresh to resume this one")
         self.state = state
+        self._fresh = fresh
         self.every = int(every)
         self.on_checkpoint = on_checkpoint
         self.sidecars = dict(sidecars or {})
@@ -269,7 +270,7 @@ class Checkpointer:
 
     def _resume(self, from_path: str | Path | None, restore_rng: bool) -> int:
         if self.mirror is not None:
-            if from_path is None and not has_local_generation(self.run_dir):  # a new machine: pull, then resume
+            if from_path is None and not self._fresh and not has_local_generation(self.run_dir):  # a new machine
                 pull(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
                      event=self.history.event, spec=self.mirror.spec)
             self.mirror.start()

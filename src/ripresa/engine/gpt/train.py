@@ -300,7 +300,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     if args.fresh and run_dir.exists() and any(run_dir.iterdir()):
         raise BadInput("--fresh refuses a run folder that is not empty", file=run_dir,
                        hint="choose a new --run folder, or drop --fresh to resume this one")
-    if args.mirror is not None and args.run is not None and rank == 0:
+    if args.mirror is not None and args.run is not None and rank == 0 and not args.fresh:
         from ...store.mirror import prefetch
 
         prefetch(run_dir, args.mirror)  # a blank machine: the newest verified remote generation and config.json

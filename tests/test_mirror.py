@@ -139,6 +139,25 @@ def test_hostile_remote_markers_and_oversized_objects_are_refused(tmp_path):
     assert not (tmp_path / "escape").exists() and not list((tmp_path / "new").glob("step_0000[12]*"))
 
 
+def test_s3_multipart_upload_is_completed_only_when_the_sha256_matches(tmp_path, s3):
+    from ripresa.errors import IntegrityError
+    from ripresa.io.objstore import open_store
+
+    store = open_store(s3.url)
+    store.multipart_threshold = store.part_size = 5 << 20  # S3's smallest part
+    data = os.urandom(12 << 20)
+    src = tmp_path / "step_000001.bin"
+    src.write_bytes(data)
+    assert store.put_file(src.name, src, sha256=hashlib.sha256(data).hexdigest()) == len(data)
+    assert s3.get(src.name) == data  # three parts: 5 + 5 + 2 MiB
+    with pytest.raises(IntegrityError, match="does not match its commit marker"):
+        store.put_file("step_000002.bin", src, sha256="0" * 64)
+    assert "step_000002.bin" not in s3.keys()  # aborted, never completed
+    assert not s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads")
+    with pytest.raises(IntegrityError, match="larger than allowed"):
+        store.get_bytes(src.name, limit=1 << 20)  # a bounded read refuses it before reading it
+
+
 def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tmp_path, s3):
     ref = train(tmp_path / "ref", 16, 4)
     a = train(tmp_path / "a", 8, 4, mirror=fast(s3.url))

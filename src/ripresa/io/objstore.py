@@ -259,6 +259,7 @@ class S3Store:
     """``s3://bucket/prefix`` through boto3 (its own retries off: the mirror retries and records them)."""
 
     multipart_threshold = MULTIPART_THRESHOLD
+    part_size = PART_SIZE
 
     def __init__(self, bucket: str, prefix: str, url: str, *, timeout: float = 30.0) -> None:
         try:
@@ -319,7 +320,7 @@ class S3Store:
             for piece in src:
                 part.extend(piece)
                 total += len(piece)
-                if len(part) >= PART_SIZE:
+                if len(part) >= self.part_size:
                     send()
             if part or not parts:
                 send()

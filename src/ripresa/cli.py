@@ -175,6 +175,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "(FSDP2 fully_shard; every rank writes step_NNNNNN.dcp generations)")
     p.add_argument("--require-signature", action="store_true",
                    help="sign every generation and resume only from validly signed ones (key: RIPRESA_HMAC_KEY[_FILE])")
+    p.add_argument("--mirror", metavar="URL",
+                   help="copy every generation to s3://bucket/prefix (AWS_* environment) or a path, in the background; "
+                   "a blank --run folder resumes from it, config included (docs/MIRROR.md)")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -194,7 +197,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         omit_rng_restore=args.omit_rng_restore, audit=not args.no_audit, asynchronous=not args.sync,
         quiet=args.quiet, threads=args.threads, allow_version_change=args.allow_version_change,
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
-        shard=args.shard,
+        shard=args.shard, mirror=args.mirror,
     ))
 
 
@@ -375,6 +378,55 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- mirror
+def _add_mirror(sub: argparse._SubParsersAction) -> None:
+    p = _command(
+        sub, "mirror", _cmd_mirror,
+        help="a run's second store: what is where, push what is missing, pull a generation (docs/MIRROR.md)",
+        description="status: the run's committed generations locally and in the mirror, half uploads, what is pending. "
+        "push: upload what the mirror lacks (not while a trainer holds RUN: it uploads itself). pull: download the "
+        "newest (or --step) remote generation whose marker verifies into RUN, with config.json. The URL defaults to "
+        "RUN/mirror.json's. Exit 0 done, 1 nothing verifies, 2 bad URL, missing credentials or boto3, store unreachable.",
+    )
+    p.add_argument("action", choices=["status", "push", "pull"])
+    p.add_argument("run", type=Path, help="run folder")
+    p.add_argument("--mirror", metavar="URL", help="s3://bucket/prefix, file:///path or a path")
+    p.add_argument("--step", type=int, help="pull: this generation (default: the newest that verifies)")
+    p.add_argument("--keep", help="push: the mirror's retention, e.g. last=6 (default: twice the local last=3)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _cmd_mirror(args: argparse.Namespace) -> int:
+    from .store import mirror
+
+    if args.action == "status":
+        r = mirror.cli_status(args.run, args.mirror)
+    elif args.action == "push":
+        from .store.retention import parse_retention
+
+        keep = parse_retention(args.keep, source="--keep") if args.keep else None
+        r = mirror.cli_push(args.run, args.mirror, keep)
+    else:
+        r = mirror.cli_pull(args.run, args.mirror, args.step)
+    if args.json:
+        import json
+
+        print(json.dumps(r, indent=2))
+    elif args.action == "status":
+        print(f"run {r['run']}  mirror {r['url']}")
+        print(f"  local:  {r['local'] or 'none'}")
+        print(f"  remote: {r['remote'] or 'none'}" + ("  (+ config.json)" if r["config_remote"] else ""))
+        print(f"  {'in flight (the trainer uploads them)' if r['trainer_running'] else 'missing (push uploads them)'}: "
+              f"{r['pending'] or 'none'}")
+        if r["half_uploaded"]:
+            print(f"  half uploaded (no marker; never used, cleaned by the next writer): {r['half_uploaded']}")
+    elif args.action == "push":
+        print(f"pushed {r['uploaded'] or 'nothing (the mirror had everything)'} to {r['url']}")
+    else:
+        print(f"pulled {r['file']} (step {r['step']}, verified) into {r['run']}" + (" with config.json" if r["config"] else ""))
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -396,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_inspect(sub)
     _add_convert(sub)
+    _add_mirror(sub)
     return parser
 
 

@@ -67,6 +67,7 @@ from ..store.backend import (
     newest_kind,
 )
 from ..store.history import HISTORY_NAME, History
+from ..store.mirror import Mirror, has_local_generation, open_mirror, pull, record_url
 from ..store.restore import rank_view, saved_record
 from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
 from ..store.store import CheckpointStore, CheckpointWarning, Generation
@@ -124,6 +125,13 @@ class Checkpointer:
             :class:`~ripresa.errors.BadInput` now, naming what does not fit);
             ``"general"`` the general format. Generations of the other kinds in
             the folder are still resumed (a ``format_change`` event).
+        mirror: a second store for every committed generation (docs/MIRROR.md):
+            ``"s3://bucket/prefix"``, ``"file:///path"``, a path, or a
+            :class:`~ripresa.store.mirror.MirrorSpec`. Uploads run in the
+            background; :meth:`resume` of an empty folder pulls the newest
+            verified remote generation. :attr:`mirror` is None or the
+            :class:`~ripresa.store.mirror.Mirror` (``drain(timeout)``,
+            ``last_upload_seconds``).
 
     Distributed attributes: :attr:`dist` (None in a single process),
     :attr:`world_change` (after :meth:`resume`: None, or the saved and current
@@ -149,6 +157,7 @@ class Checkpointer:
         max_failed_saves: int = 3,
         distributed: bool | None = None,
         format: str = "auto",
+        mirror: Any = None,
     ) -> None:
         if not isinstance(state, TrainingState) or not isinstance(every, int) or isinstance(every, bool):
             raise TypeError(f"need a ripresa.TrainingState and an int every, got {type(state).__name__}, {type(every).__name__}")
@@ -163,6 +172,7 @@ class Checkpointer:
                            expected="an empty or new folder", found=sorted(p.name for p in self.run_dir.iterdir())[:8],
                            hint="choose a new --run folder, or drop --fresh to resume this one")
         self.state = state
+        self._fresh = fresh
         self.every = int(every)
         self.on_checkpoint = on_checkpoint
         self.sidecars = dict(sidecars or {})
@@ -202,6 +212,16 @@ class Checkpointer:
                 self.history = NullHistory()  # type: ignore[assignment]
             asynchronous = asynchronous and self.dist.is_main
         asynchronous = asynchronous and self.backend.background
+        self.mirror: Mirror | None = None
+        if mirror is not None and (self.dist is None or self.dist.is_main):
+            try:
+                self.mirror = open_mirror(mirror, self.run_dir, local_retention=retention, event=self.history.event)
+                record_url(self.run_dir, self.mirror.spec.url)
+            except BaseException:
+                self.history.close()
+                self.store.close()
+                raise
+            self.store.pinned = self.mirror.pinned  # local retention keeps what the mirror still lacks
         if self.history.repaired_torn_line:
             self.history.event("torn_line_terminated")
         previous = newest_kind(self.backends)
@@ -251,6 +271,11 @@ class Checkpointer:
         return self._resume(from_path, restore_rng)
 
     def _resume(self, from_path: str | Path | None, restore_rng: bool) -> int:
+        if self.mirror is not None:
+            if from_path is None and not self._fresh and not has_local_generation(self.run_dir):  # a new machine
+                pull(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
+                     event=self.history.event, spec=self.mirror.spec)
+            self.mirror.start()
         if self.dist is not None:
             return self._resume_dist(from_path, restore_rng)
         if from_path is not None:
@@ -575,6 +600,8 @@ class Checkpointer:
         self.history.event("checkpoint", step=gen.step, reason=reason, file=gen.path.name, bytes=gen.size,
                            seconds=round(seconds, 4))
         self.history.sync()
+        if self.mirror is not None:
+            self.mirror.notify(gen.step)
 
     def _failed(self, step: int, exc: SaveFailed, must_succeed: bool) -> None:
         if self._captured_step == step:
@@ -694,6 +721,8 @@ class Checkpointer:
                 if final_save and self.last_saved_step != self.progress.step:
                     self._save(self.progress.step, "final", must_succeed=True)
                     self._collect(block=True, must_succeed=True)
+            if self.mirror is not None:
+                self.mirror.close()  # waits for the pending uploads (MirrorSpec.close_timeout)
         finally:
             try:
                 self.history.sync()
@@ -716,6 +745,8 @@ class Checkpointer:
 
     def _release(self) -> None:
         """Close the history, restore the signal handlers, release the run folder's lock."""
+        if self.mirror is not None:
+            self.mirror.close(timeout=0)
         self.history.close()
         self.signals.uninstall()
         self.store.close()

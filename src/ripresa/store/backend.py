@@ -327,7 +327,8 @@ class DcpBackend(_Base):
             gen = dcp.commit_dcp(self.folder, step, dcp.partial_path(self.folder, step), world_size=world_size,
                                  n_params=n, state=rest, hmac_key=self.store.hmac_key)
             valid = [g.step for g in self.generations() if g.valid]
-            for old in plan_deletions(valid, self.store.retention, newest_valid=step):
+            for old in plan_deletions(valid, self.store.retention, newest_valid=step,
+                                      protected=self.store.protected_steps(valid)):
                 self.delete(old)
             return gen
 

@@ -98,6 +98,7 @@ class TrainArgs:
     allow_code_change: bool = False
     allow_data_change: bool = False
     shard: str = "ddp"
+    mirror: str | None = None
 
 
 def pick_device(choice: str) -> torch.device:
@@ -300,6 +301,10 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     if args.fresh and run_dir.exists() and any(run_dir.iterdir()):
         raise BadInput("--fresh refuses a run folder that is not empty", file=run_dir,
                        hint="choose a new --run folder, or drop --fresh to resume this one")
+    if args.mirror is not None and args.run is not None and rank == 0 and not args.fresh:
+        from ...store.mirror import prefetch
+
+        prefetch(run_dir, args.mirror)  # a blank machine: the newest verified remote generation and config.json
     if args.run is not None and os.path.lexists(run_dir):
         check_run_files(run_dir)
     if group:
@@ -405,7 +410,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         run_dir, state, every=t["every"], asynchronous=args.asynchronous,
         on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
-        allow_data_change=args.allow_data_change or bool(dropped),
+        allow_data_change=args.allow_data_change or bool(dropped), mirror=args.mirror,
         # the ANDREA .bin whenever the state fits it (docs/FORMAT.md, "Which format a session writes"); FSDP2: .dcp
         format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",
     )

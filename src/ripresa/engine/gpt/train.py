@@ -38,6 +38,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -412,7 +413,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
 
     ckpt = Checkpointer(
         run_dir, state, every="auto" if args.every == "auto" else t["every"], asynchronous=args.asynchronous,
-        mtbf=args.mtbf, max_redo=args.max_redo, deadline=args.deadline, on_deadline=export_at_deadline,
+        mtbf=args.mtbf, max_redo=args.max_redo, on_deadline=export_at_deadline,
+        deadline=None if args.deadline is None else datetime.fromtimestamp(args.deadline, UTC),
         on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
         allow_data_change=args.allow_data_change or bool(dropped),

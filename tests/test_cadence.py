@@ -20,16 +20,22 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import torch
 from conftest import ripresa_cli
+from support.ripresa_faults import install_delay_hook
 
 import ripresa
 from ripresa.cli import main as cli_main
 from ripresa.engine.gpt.factory import GPT_FACTORY
 from ripresa.errors import BadInput
-from ripresa.session.cadence import AutoCadence, advise, choose_every, parse_duration, parse_max_redo
+from ripresa.session.cadence import (
+    AutoCadence,
+    advise,
+    choose_every,
+    parse_duration,
+    parse_max_redo,
+)
 from ripresa.session.deadline import Deadline, deadline_time
 from ripresa.store.history import read_history
 from ripresa.tools.export import export_run, verify_export
-from support.ripresa_faults import install_delay_hook
 
 
 @pytest.mark.parametrize(("step", "cost", "mtbf", "max_redo", "write", "every", "bound"), [

@@ -145,11 +145,14 @@ class AutoCadence:
     then it is re-evaluated after each save and every
     :data:`REEVALUATE_STEPS` steps. :meth:`reevaluate` returns the fields of
     a ``cadence`` history event when the interval changed by more than
-    :data:`CHANGE_FRACTION` (the first decision always), else None.
+    :data:`CHANGE_FRACTION` (the first decision always), else None. With
+    ``follow=False`` (a distributed session) a decision is only
+    :attr:`proposed`: the session adopts rank 0's at each save, so that every
+    rank keeps the same schedule.
     """
 
     def __init__(self, *, mtbf_s: float = DEFAULT_MTBF_S, max_redo: tuple[str, float] | None = None,
-                 background: bool = True, warmup: int = WARMUP_STEPS) -> None:
+                 background: bool = True, warmup: int = WARMUP_STEPS, follow: bool = True) -> None:
         self.mtbf_s = float(mtbf_s)
         self.max_redo = max_redo
         self.background = background
@@ -159,6 +162,8 @@ class AutoCadence:
         self.steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self.stalls: deque[float] = deque(maxlen=SAVE_WINDOW)
         self.writes: deque[float] = deque(maxlen=SAVE_WINDOW)
+        self.proposed = self.every  # the latest decision; ``every`` follows it at once, or (distributed) at a save
+        self.follow = follow
         self.anchor: int | None = None  # the step of the last save (or the start)
         self.decision: Decision | None = None
         self._recorded: int | None = None  # the interval of the last cadence event
@@ -170,6 +175,7 @@ class AutoCadence:
             self.steps.append(seconds)
 
     def saved(self, step: int, stall_s: float) -> None:
+        """A save was requested at ``step`` (the schedule restarts there); ``stall_s`` NaN when not measured here."""
         self.anchor = step
         if math.isfinite(stall_s) and stall_s >= 0:
             self.stalls.append(stall_s)
@@ -199,7 +205,9 @@ class AutoCadence:
             return None  # still warming up: no step, save or (background) write measured yet
         d = choose_every(step_s, cost_s, self.mtbf_s, max_redo=self.max_redo, write_s=write_s)
         self.decision, previous = d, self._recorded
-        self.every = d.every
+        self.proposed = d.every
+        if self.follow:
+            self.every = d.every
         if previous is not None and abs(d.every - previous) <= CHANGE_FRACTION * previous:
             return None
         self._recorded = d.every

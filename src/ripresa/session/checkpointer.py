@@ -240,7 +240,7 @@ class Checkpointer:
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
         #: ``every="auto"``: the measured cadence (docs/CADENCE.md), else None; :attr:`deadline` likewise.
         self.cadence = AutoCadence(mtbf_s=parse_duration(DEFAULT_MTBF_S if mtbf is None else mtbf, "mtbf"), max_redo=parse_max_redo(max_redo),
-                                   background=self.writer is not None) if auto else None
+                                   background=self.writer is not None, follow=self.dist is None) if auto else None
         self.deadline = Deadline(deadline) if deadline is not None else None
         self.on_deadline = on_deadline
         self._step_exit: float | None = None  # when step_done last returned (the step time is measured outside it)
@@ -535,9 +535,11 @@ class Checkpointer:
         if due or asked or stop:
             n = len(self.save_stalls)
             self._save(step, "stop" if stop else "signal" if asked else "cadence", must_succeed=stop)
-            if self.cadence is not None and not stop and len(self.save_stalls) > n:
-                self.cadence.saved(step, self.save_stalls[-1])
+            if self.cadence is not None and not stop:
+                self.cadence.saved(step, self.save_stalls[-1] if len(self.save_stalls) > n else float("nan"))
                 self._cadence_event(step, force=True)
+                if self.dist is not None:  # every rank adopts rank 0's interval, at the same step
+                    self.cadence.every = self.dist.broadcast(self.cadence.proposed)
         elif self.cadence is not None:
             self._cadence_event(step, force=False)
         if stop:

@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -131,6 +132,17 @@ def _tiny_state():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     return model, ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def test_checkpointer_refuses_bad_cadence_and_deadline_arguments_before_locking(tmp_path):
+    _, state = _tiny_state()
+    run = tmp_path / "run"
+    for kw, exc in (({"every": "auto", "mtbf": "soon"}, BadInput), ({"every": "auto", "max_redo": 0}, BadInput),
+                    ({"every": "sometimes"}, TypeError), ({"every": 10, "mtbf": "1h"}, ValueError),
+                    ({"deadline": "2000-01-01T00:00Z"}, BadInput), ({"deadline": "later"}, BadInput)):
+        with pytest.raises(exc):
+            ripresa.Checkpointer(run, state, handle_signals=False, **kw)
+        assert not run.exists()  # nothing created, nothing locked
 
 
 def test_auto_every_matches_young_daly_in_a_real_loop(tmp_path):
@@ -292,3 +304,23 @@ def test_ripresa_train_deadline_in_a_real_process_stops_saves_exports_in_time(tm
     check = ripresa_cli("export", "--verify", bundle, "--json", timeout=120)
     assert check.returncode == 0, check.stderr
     assert json.loads(check.stdout)["reload"]["step"] == stop["step"]
+
+
+@pytest.mark.slow
+def test_auto_every_under_torchrun_keeps_every_rank_on_one_schedule(tmp_path):
+    """DDP on 2 gloo ranks: rank 0 decides, every rank adopts it at a save; no rank waits for a save the other skips."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "--", "ripresa",
+           "train", "--run", str(run), "--config", "tiny", "--threads", "1", "--set", "train.batch_size=4",
+           "--no-audit", "--quiet", "--steps", "50", "--every", "auto", "--mtbf", "30"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = read_history(run / ".loss.jsonl").events
+    saves = [e["step"] for e in events if e["event"] == "checkpoint" and e["reason"] == "cadence"]
+    assert saves[0] == 10 and len(saves) >= 2
+    adopted = 10  # the warm-up, then the latest proposal at each save
+    for a, b in zip(saves, saves[1:], strict=False):
+        proposals = [e["every"] for e in events if e["event"] == "cadence" and e["step"] <= a]
+        adopted = proposals[-1] if proposals else adopted
+        # a proposal within 5 % of the last recorded one is adopted without an event
+        assert abs(b - a - adopted) <= max(1, 0.05 * adopted), (saves, proposals)

@@ -176,6 +176,12 @@ class Checkpointer:
             raise TypeError(f"need a ripresa.TrainingState and an int every, got {type(state).__name__}, {type(every).__name__}")
         if every < 0 or max_failed_saves < 1:  # misuse of the API: TypeError/ValueError (docs/FAULTS.md)
             raise ValueError(f"need every >= 0 (0: on signals only) and max_failed_saves >= 1, got {every}, {max_failed_saves}")
+        if not auto and (mtbf is not None or max_redo is not None):
+            raise ValueError("mtbf and max_redo apply to every='auto' only")
+        #: ``every="auto"``: the measured cadence (docs/CADENCE.md), else None; :attr:`deadline` likewise.
+        self.cadence = AutoCadence(mtbf_s=parse_duration(DEFAULT_MTBF_S if mtbf is None else mtbf, "mtbf"),
+                                   max_redo=parse_max_redo(max_redo)) if auto else None
+        self.deadline = Deadline(deadline) if deadline is not None else None  # both checked before the folder is locked
         #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
         self.steering = Steering.take_from_env()
         self.run_dir = Path(run_dir) if self.steering is None else self.steering.run_dir
@@ -238,15 +244,11 @@ class Checkpointer:
         self._deferred_error: SaveFailed | None = None  # distributed: a stop-save failure, raised on every rank
         self._last_gen: Any = None
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
-        #: ``every="auto"``: the measured cadence (docs/CADENCE.md), else None; :attr:`deadline` likewise.
-        self.cadence = AutoCadence(mtbf_s=parse_duration(DEFAULT_MTBF_S if mtbf is None else mtbf, "mtbf"), max_redo=parse_max_redo(max_redo),
-                                   background=self.writer is not None, follow=self.dist is None) if auto else None
-        self.deadline = Deadline(deadline) if deadline is not None else None
+        if self.cadence is not None:
+            self.cadence.background, self.cadence.follow = self.writer is not None, self.dist is None
         self.on_deadline = on_deadline
         self._step_exit: float | None = None  # when step_done last returned (the step time is measured outside it)
         self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
-        if not auto and (mtbf is not None or max_redo is not None):
-            raise ValueError("mtbf and max_redo apply to every='auto' only")
         self._recorder = SteeredRecorder(self.steering, state) if self.steering is not None else None
         if self.steering is not None:
             self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,

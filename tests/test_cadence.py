@@ -95,7 +95,7 @@ def test_durations_deadlines_and_their_typed_errors():
     assert deadline_time("72h", now=1000.0) == 1000.0 + 72 * 3600
     assert deadline_time("2026-12-24T18:00Z") == datetime(2026, 12, 24, 18, tzinfo=UTC).timestamp()
     assert deadline_time("2026-12-24T19:00+01:00") == datetime(2026, 12, 24, 18, tzinfo=UTC).timestamp()
-    for bad in ("abc", "-5m", "0", "1e999", "5 weeks", "9" * 100, True):
+    for bad in ("abc", "-5m", "0", "1e999", "5 weeks", "9" * 100, "9" * 40 + "d", "101000000h", True):
         with pytest.raises(BadInput):
             parse_duration(bad)
     for bad in ("0", "x", "-3"):
@@ -106,6 +106,8 @@ def test_durations_deadlines_and_their_typed_errors():
             deadline_time(bad)
     with pytest.raises(BadInput, match="passed"):
         Deadline(datetime(2020, 1, 1, tzinfo=UTC))
+    with pytest.raises(BadInput, match="100 years"):
+        Deadline(datetime(9999, 1, 1, tzinfo=UTC))
     with pytest.raises(BadInput, match="time zone"):
         Deadline(datetime(2030, 1, 1))
 
@@ -139,7 +141,8 @@ def test_checkpointer_refuses_bad_cadence_and_deadline_arguments_before_locking(
     run = tmp_path / "run"
     for kw, exc in (({"every": "auto", "mtbf": "soon"}, BadInput), ({"every": "auto", "max_redo": 0}, BadInput),
                     ({"every": "sometimes"}, TypeError), ({"every": 10, "mtbf": "1h"}, ValueError),
-                    ({"deadline": "2000-01-01T00:00Z"}, BadInput), ({"deadline": "later"}, BadInput)):
+                    ({"deadline": "2000-01-01T00:00Z"}, BadInput), ({"deadline": "later"}, BadInput),
+                    ({"deadline": 1e300}, BadInput)):
         with pytest.raises(exc):
             ripresa.Checkpointer(run, state, handle_signals=False, **kw)
         assert not run.exists()  # nothing created, nothing locked
@@ -227,13 +230,16 @@ def test_advise_reads_a_history_and_refuses_hostile_ones_with_typed_errors(tmp_p
     _history(no_ckpt, [{"step": s, "time": t0 + s} for s in range(1, 20)])
     garbage = tmp_path / "garbage"
     _history(garbage, [b"\xff\xfe", b"{" * 100_000, {"step": -1, "time": -5}, {"step": 1, "time": 1e300}])
+    too_fast = tmp_path / "too_fast"  # steps under the history's millisecond clock: no step time to advise on
+    _history(too_fast, [{"step": s, "time": t0} for s in range(1, 20)] +
+             [{"event": "checkpoint", "step": 10, "reason": "cadence", "seconds": 0.1}])
     fifo = tmp_path / "fifo"
     fifo.mkdir()
     os.mkfifo(fifo / ".loss.jsonl")
     link = tmp_path / "link"
     link.mkdir()
     (link / ".loss.jsonl").symlink_to(good / ".loss.jsonl")
-    cases = [(no_ckpt, ()), (garbage, ()), (fifo, ()), (link, ()), (tmp_path / "missing", ()),
+    cases = [(no_ckpt, ()), (garbage, ()), (too_fast, ()), (fifo, ()), (link, ()), (tmp_path / "missing", ()),
              (good, ("--mtbf", "soon")), (good, ("--mtbf", "0")), (good, ("--max-redo", "0"))]
     for run, extra in cases:
         assert cli_main(["advise", str(run), *extra]) == 2, (run, extra)

@@ -43,6 +43,8 @@ SAVE_WINDOW = 5
 #: The MTBF values ``ripresa advise`` shows by default.
 ADVISE_MTBFS = ("1h", "6h", "24h", "7d")
 
+#: The longest duration accepted (MTBF, max_redo, a deadline ahead): 100 years.
+MAX_DURATION_S = 100 * 365 * 86400.0
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*$")
 
@@ -59,8 +61,9 @@ def parse_duration(text: str | float | int, what: str = "a duration") -> float:
             raise BadInput(f"{what} is not a duration", expected="a number with an optional unit s, m, h or d "
                            "(e.g. 90s, 30m, 24h, 7d)", found=str(text)[:64])
         value = float(m.group(1)) * _UNITS[m.group(2) or "s"]
-    if not math.isfinite(value) or value <= 0:
-        raise BadInput(f"{what} must be a positive duration", expected="> 0 seconds", found=repr(text))
+    if not math.isfinite(value) or value <= 0 or value > MAX_DURATION_S:
+        raise BadInput(f"{what} must be a positive duration of at most 100 years", expected="> 0 seconds",
+                       found=repr(text)[:64])
     return value
 
 
@@ -283,8 +286,8 @@ def measure_history(run_dir: str | Path) -> Measured:
                 every_now = e
         elif event in ("start", "resume"):
             prev = None
-    if not gaps:
-        raise BadInput("the history has no step times", file=path, expected="step lines with a time, consecutive steps",
+    if not gaps or statistics.median(list(gaps)[-STEP_WINDOW:]) <= 0:
+        raise BadInput("the history has no step times (or steps shorter than its millisecond clock)", file=path, expected="step lines with a time, consecutive steps",
                        found=f"{n_steps} usable step line(s)", hint="train at least a few steps first")
     if not stalls:
         raise BadInput("the history has no cadence checkpoint to measure", file=path,

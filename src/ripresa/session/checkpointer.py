@@ -151,7 +151,7 @@ class Checkpointer:
         run_dir: str | Path,
         state: TrainingState,
         *,
-        every: int = 100,
+        every: int | str = 100,
         asynchronous: bool = True,
         retention: RetentionPolicy = DEFAULT_RETENTION,
         on_checkpoint: Callable[[int], None] | None = None,

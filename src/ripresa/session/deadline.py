@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, RipresaError
-from .cadence import WARMUP_STEPS, parse_duration
+from .cadence import MAX_DURATION_S, WARMUP_STEPS, parse_duration
 
 #: The export estimate before one is measured: ``EXPORT_FACTOR·save + EXPORT_BASE_S``.
 EXPORT_FACTOR = 3.0
@@ -93,6 +93,9 @@ class Deadline:
         if self.deadline <= now:
             raise BadInput("the deadline has passed", expected="a time in the future",
                            found=f"{_iso(self.deadline)} (now {_iso(now)})")
+        if self.deadline - now > MAX_DURATION_S:
+            raise BadInput("the deadline is more than 100 years ahead", expected="a time within 100 years",
+                           found=f"{self.deadline - now:.3g} s from now")
         self.save_s: float | None = None
         self.export_s: float | None = None  # a known export time (None: the estimate)
         self.plan: Plan | None = None
@@ -100,6 +103,7 @@ class Deadline:
         self.stopped_at_step: int | None = None
         self._stop_t0 = 0.0
         self._probed = False
+        self.done: dict[str, Any] | None = None  # the fields of deadline_done, once finished
 
     def saved(self, seconds: float) -> None:
         """A save committed, start to commit (stall + background write)."""
@@ -192,10 +196,12 @@ class Deadline:
                 fields.update(export_s=round(time.time() - t0, 3), error=str(getattr(exc, "message", exc))[:300],
                               seconds_before_deadline=round(self.deadline - time.time(), 3), met=False)
                 event("deadline_done", **fields)
+                self.done = fields
                 raise
             fields["export_s"] = round(time.time() - t0, 3)
             fields["export"] = str(result.get("dest")) if isinstance(result, dict) else str(result) if isinstance(result, (str, Path)) else None
         left = self.deadline - time.time()
         fields.update(seconds_before_deadline=round(left, 3), met=left >= 0 and fields.get("mirror_drained", True) is not False)
         event("deadline_done", **fields)
+        self.done = fields
         return result

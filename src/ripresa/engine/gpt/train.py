@@ -469,8 +469,11 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         ckpt.abort()  # no collective on an error path: another rank may be gone
         raise
     ckpt.close(final_save=False)
-    why = "stopped for the deadline" if ckpt.deadline is not None and ckpt.deadline.stopped_at_step is not None \
-        else "stopped by signal" if stopped else "done"
+    done = ckpt.deadline.done if ckpt.deadline is not None else None
+    why = "stopped for the deadline" if done else "stopped by signal" if stopped else "done"
+    if done:
+        say(f"deadline: {'met' if done['met'] else 'MISSED'}, {done['seconds_before_deadline']:.1f} s before it; "
+            f"export bundle {done.get('export')} (ripresa export --verify DIR)")
     say(f"{why} at step {last}; checkpoints, .loss.jsonl, "
         f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
     return 0

@@ -127,7 +127,7 @@ def choose_every(step_s: float, cost_s: float, mtbf_s: float, *, max_redo: tuple
         floor_steps = math.ceil(write_s / step_s)
         if every < floor_steps:
             every, bound = floor_steps, "write_time"
-    if every == 1 and bound == "young_daly" and ideal < 1:
+    if every == 1 and bound == "young_daly" and ideal < 0.5:
         bound = "one_step"
     return Decision(every, ideal, bound, step_s, cost_s, write_s, float(mtbf_s))
 

@@ -50,7 +50,7 @@ def deadline_time(when: datetime | float | int | str, *, now: float | None = Non
     now = time.time() if now is None else now
     if isinstance(when, datetime):
         if when.tzinfo is None:
-            raise BadInput("the deadline has no time zone", expected="an aware datetime (e.g. tzinfo=UTC)",
+            raise BadInput("the deadline has no time zone", expected="a time with its zone: 2026-12-24T18:00Z or +01:00 (an aware datetime)",
                            found=when.isoformat(), hint="a naive time is ambiguous across machines; add a zone")
         return when.timestamp()
     if isinstance(when, str) and ("-" in when or ":" in when or "T" in when):

@@ -50,6 +50,7 @@ import json
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,15 @@ from ..store.mirror import Mirror, has_local_generation, open_mirror, pull, reco
 from ..store.restore import rank_view, saved_record
 from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
 from ..store.store import CheckpointStore, CheckpointWarning, Generation
+from .cadence import (
+    DEFAULT_MTBF_S,
+    STEP_WINDOW,
+    AutoCadence,
+    median,
+    parse_duration,
+    parse_max_redo,
+)
+from .deadline import Deadline
 from .distributed import (
     WORLD_CHANGE_NOTE,
     DistContext,
@@ -102,7 +112,13 @@ class Checkpointer:
     Args:
         run_dir: the run folder (created if needed; locked for this process).
         state: the run's :class:`~ripresa.TrainingState` (any model and optimizer; see ``format``).
-        every: checkpoint cadence in optimizer steps (0 = only on signals and at close).
+        every: checkpoint cadence in optimizer steps (0 = only on signals and at close), or
+            ``"auto"``: chosen from the measured step time and save cost (Young–Daly,
+            docs/CADENCE.md), with ``mtbf`` (seconds or ``"24h"``; default 24 h) and
+            ``max_redo`` (at most this many steps, or seconds such as ``"30m"``, of work lost).
+        deadline: an aware ``datetime``, seconds from now, or ``"72h"``: stop in time to
+            save, drain ``mirror`` and run ``on_deadline(step)`` (an export) before it
+            (docs/CADENCE.md, "Deadline").
         asynchronous: stage at the step boundary, write in the background.
         retention: which generations to keep.
         on_checkpoint: called as ``on_checkpoint(step)`` at every checkpoint
@@ -144,7 +160,7 @@ class Checkpointer:
         run_dir: str | Path,
         state: TrainingState,
         *,
-        every: int = 100,
+        every: int | str = 100,
         asynchronous: bool = True,
         retention: RetentionPolicy = DEFAULT_RETENTION,
         on_checkpoint: Callable[[int], None] | None = None,
@@ -158,12 +174,25 @@ class Checkpointer:
         distributed: bool | None = None,
         format: str = "auto",
         mirror: Any = None,
+        mtbf: float | str | None = None,
+        max_redo: int | float | str | None = None,
+        deadline: Any = None,
+        on_deadline: Callable[[int], Any] | None = None,
     ) -> None:
+        auto = every == "auto"
+        if auto:
+            every = 0
         if not isinstance(state, TrainingState) or not isinstance(every, int) or isinstance(every, bool):
             raise TypeError(f"need a ripresa.TrainingState and an int every, got {type(state).__name__}, {type(every).__name__}")
         if every < 0 or max_failed_saves < 1:  # misuse of the API: TypeError/ValueError (docs/FAULTS.md)
             raise ValueError(f"need every >= 0 (0: on signals only) and max_failed_saves >= 1, got {every}, {max_failed_saves}")
         state.check_stateful()  # data or objects swapped in after the TrainingState was built: refused here, before any lock
+        if not auto and (mtbf is not None or max_redo is not None):
+            raise ValueError("mtbf and max_redo apply to every='auto' only")
+        #: ``every="auto"``: the measured cadence (docs/CADENCE.md), else None; :attr:`deadline` likewise.
+        self.cadence = AutoCadence(mtbf_s=parse_duration(DEFAULT_MTBF_S if mtbf is None else mtbf, "mtbf"),
+                                   max_redo=parse_max_redo(max_redo)) if auto else None
+        self.deadline = Deadline(deadline) if deadline is not None else None  # both checked before the folder is locked
         #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
         self.steering = Steering.take_from_env()
         self.run_dir = Path(run_dir) if self.steering is None else self.steering.run_dir
@@ -237,6 +266,11 @@ class Checkpointer:
         self._deferred_error: SaveFailed | None = None  # distributed: a stop-save failure, raised on every rank
         self._last_gen: Any = None
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
+        if self.cadence is not None:
+            self.cadence.background, self.cadence.follow = self.writer is not None, self.dist is None
+        self.on_deadline = on_deadline
+        self._step_exit: float | None = None  # when step_done last returned (the step time is measured outside it)
+        self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
         self._recorder = SteeredRecorder(self.steering, state) if self.steering is not None else None
         if self.steering is not None:
             self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,
@@ -481,6 +515,11 @@ class Checkpointer:
         ``epoch`` sets it. Returns True when the loop must stop (a stop signal
         was handled: the checkpoint is committed).
         """
+        entered = time.perf_counter()
+        if self._step_exit is not None:  # the step itself, measured outside step_done
+            self._step_times.append(entered - self._step_exit)
+            if self.cadence is not None:
+                self.cadence.step_time(entered - self._step_exit)
         p = self.progress
         p.step = int(step)
         if "tokens" in metrics:
@@ -496,23 +535,42 @@ class Checkpointer:
             steered_stop = step >= self._recorder.steer.stop_at
         self._collect(block=False)
         who: dict[str, Any] = {}
+        deadline_stop = self.deadline is not None and self.deadline.check(
+            step, median(self._step_times), getattr(self, "mirror", None), self.history.event)
         if self.dist is None:
-            stop = self.signals.stop_requested
+            stop = self.signals.stop_requested or deadline_stop
             asked = self.signals.take_checkpoint_request()
         else:
             # The agreement: a signal on any rank is a signal on every rank, at this step.
-            stop_ranks, ask_ranks = self.dist.agree(self.signals.stop_requested, self.signals.take_checkpoint_request())
+            stop_ranks, ask_ranks = self.dist.agree(self.signals.stop_requested or deadline_stop,
+                                                    self.signals.take_checkpoint_request())
             stop, asked = bool(stop_ranks), bool(ask_ranks)
             who = {"ranks_stop": stop_ranks, "ranks_checkpoint": ask_ranks}
-        if asked or stop:
+            if stop and not deadline_stop and self.deadline is not None and not self.signals.received:
+                self.history.event("deadline_stop", **self.deadline.stop(step, time.time()))  # another rank's clock
+                deadline_stop = True
+        if (asked or stop) and not (deadline_stop and not self.signals.received):
             self.history.event("signal", step=step, signals=list(self.signals.received), action="stop" if stop else "checkpoint", **who)
             self.signals.received.clear()
         if steered_stop:  # ripresa verify's cut (or end): saved and stopped as on SIGTERM
             self.history.event("verify_stop", step=step, path=self._recorder.steer.path)
             stop = True
-        due = self.every > 0 and step % self.every == 0
+        if self.cadence is not None:
+            due = self.cadence.due(step)
+        else:
+            due = self.every > 0 and step % self.every == 0
+        if self.deadline is not None and self.deadline.needs_probe(len(self._step_times) + 1):
+            due = True  # one save to measure what the deadline plan needs (docs/CADENCE.md)
         if due or asked or stop:
+            n = len(self.save_stalls)
             self._save(step, "stop" if stop else "signal" if asked else "cadence", must_succeed=stop)
+            if self.cadence is not None and not stop:
+                self.cadence.saved(step, self.save_stalls[-1] if len(self.save_stalls) > n else float("nan"))
+                self._cadence_event(step, force=True)
+                if self.dist is not None:  # every rank adopts rank 0's interval, at the same step
+                    self.cadence.every = self.dist.broadcast(self.cadence.proposed)
+        elif self.cadence is not None:
+            self._cadence_event(step, force=False)
         if stop:
             if self.dist is None:
                 self._collect(block=True, must_succeed=True)
@@ -520,10 +578,21 @@ class Checkpointer:
                 self._collect_all()
             if self._recorder is not None:
                 self._recorder.finish(self.progress)  # the state saved is the state recorded: nothing ran between
+            if deadline_stop and self.deadline is not None and (self.dist is None or self.dist.is_main):
+                self.deadline.finish(step, getattr(self, "mirror", None), self.on_deadline, self.history.event)
             return True
+        self._step_exit = time.perf_counter()
         return False
 
+    def _cadence_event(self, step: int, *, force: bool) -> None:
+        """``every="auto"``: re-evaluate the interval; record a ``cadence`` event when it changed (docs/CADENCE.md)."""
+        fields = self.cadence.reevaluate(step, force=force) if self.cadence is not None else None
+        if fields is not None:
+            self.history.event("cadence", **fields)
+
     def steps_to_next_checkpoint(self) -> int | None:
+        if self.cadence is not None:
+            return self.cadence.steps_to_next(self.progress.step)
         if self.every <= 0:
             return None
         return self.every - (self.progress.step % self.every)
@@ -597,8 +666,15 @@ class Checkpointer:
         self.failed_saves = 0
         self.last_saved_step = gen.step
         self._last_gen = gen
+        background = self.writer is not None
+        stall = self.save_stalls[-1] if self.save_stalls else seconds
+        if self.cadence is not None and background:
+            self.cadence.written(seconds)
+            self._cadence_event(self.progress.step, force=True)
+        if self.deadline is not None:
+            self.deadline.saved(stall + seconds if background else seconds)
         self.history.event("checkpoint", step=gen.step, reason=reason, file=gen.path.name, bytes=gen.size,
-                           seconds=round(seconds, 4))
+                           seconds=round(seconds, 4), stall=round(stall, 4), background=background)
         self.history.sync()
         if self.mirror is not None:
             self.mirror.notify(gen.step)

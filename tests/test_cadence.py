@@ -1,7 +1,7 @@
 """``every="auto"`` (Young–Daly from measurements), ``ripresa advise`` and ``deadline=`` (docs/CADENCE.md).
 
 The policy is checked on several parameter sets; a real loop (synthetic step
-time by sleep, a save cost injected at the ``.bin``'s fsync by the test fault
+time by sleep, a save cost injected at the tensor file's fsync by the test fault
 hooks, real files and fsync) must choose an interval within 10 % of
 √(2·C·MTBF)/step; a deadline run stops through the stop path, commits, and
 writes a real export bundle that verifies, before the deadline.
@@ -149,7 +149,7 @@ def test_checkpointer_refuses_bad_cadence_and_deadline_arguments_before_locking(
 
 
 def test_auto_every_matches_young_daly_in_a_real_loop(tmp_path):
-    """Synthetic 0.04 s steps, 1 s saves (at the .bin's fsync), MTBF 1 s: every ≈ √(2·1·1)/0.04 = 35.4.
+    """Synthetic 0.04 s steps, 1 s saves (at the .safetensors file's fsync), MTBF 1 s: every ≈ √(2·1·1)/0.04 = 35.4.
 
     ``step`` in the bound is the loop's own step time as this test measures it
     (a loaded machine oversleeps), ``C`` the injected save cost.
@@ -159,7 +159,7 @@ def test_auto_every_matches_young_daly_in_a_real_loop(tmp_path):
     model, state = _tiny_state()
     x = torch.ones(4, 8)
     run = tmp_path / "run"
-    uninstall = install_delay_hook(f"fsync:{cost_s}@.bin.tmp")
+    uninstall = install_delay_hook(f"fsync:{cost_s}@.safetensors.tmp")
     try:
         ckpt = ripresa.Checkpointer(run, state, every="auto", mtbf=mtbf_s, asynchronous=False, handle_signals=False)
         assert ckpt.resume() == 0
@@ -263,7 +263,7 @@ def test_deadline_stops_commits_and_exports_before_it(tmp_path):
         return report
 
     deadline = time.time() + 9.0
-    ckpt = ripresa.Checkpointer(run, state, every=0, deadline=datetime.fromtimestamp(deadline, UTC),
+    ckpt = ripresa.Checkpointer(run, state, every=0, deadline=datetime.fromtimestamp(deadline, UTC), format="andrea",
                                 on_deadline=export, handle_signals=False)
     ckpt.resume()
     stopped, step = False, 0

@@ -76,6 +76,7 @@ from .distributed import (
     NullHistory,
     fault_point,
 )
+from .sharded_async import ShardedWriter, save_async
 from .signals import SignalRequests
 from .steer import SteeredRecorder, Steering
 
@@ -177,6 +178,7 @@ class Checkpointer:
         self.fresh_streams = False
         self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
+        self._shards: ShardedWriter | None = None  # FSDP2, asynchronous: every rank's background DCP writes
         if self.steering is not None and self.dist is not None:
             raise BadInput("ripresa verify steers single-process scripts only", found=f"a {_MODE_NAMES[self.mode]} run",
                            hint="verify the script in one process, or implement the verification contract (docs/VERIFY.md)")
@@ -198,6 +200,8 @@ class Checkpointer:
                 self.store = CheckpointStore(self.run_dir, writer=False)
                 self._open_backends()
                 self.history = NullHistory()  # type: ignore[assignment]
+            if asynchronous and self.mode == "fsdp2":
+                self._shards = ShardedWriter(self.dist)
             asynchronous = asynchronous and self.dist.is_main
         asynchronous = asynchronous and self.backend.background
         if self.history.repaired_torn_line:
@@ -630,6 +634,8 @@ class Checkpointer:
         """Every rank writes its part (FSDP2: its shards), a barrier, then rank 0 commits (companion, rename, marker)."""
         d = self.dist
         assert d is not None
+        if self._shards is not None:  # staged now, written in the background (session/sharded_async.py)
+            return save_async(self, step, reason, must_succeed, extra, t0)
         if d.is_main:
             self.backend.prepare(step)
         d.barrier()
@@ -663,6 +669,8 @@ class Checkpointer:
         d = self.dist
         assert d is not None
         err: SaveFailed | None = None
+        if self._shards is not None:
+            self._shards.wait()  # this rank's write; a failure anywhere fails rank 0's commit, broadcast below
         if d.is_main:
             err, self._deferred_error = self._deferred_error, None
             if err is None:

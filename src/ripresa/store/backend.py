@@ -267,6 +267,7 @@ class DcpBackend(_Base):
     label = ".dcp generation"
     written_by = ".dcp ones are written by sharded FSDP2 runs"
     collective = True
+    background = True  # rank 0 commits in the background once every rank's shards are durable
 
     @staticmethod
     def _fmt() -> Any:

@@ -24,9 +24,9 @@ and the run stops with its last valid checkpoint. A save requested by
 SIGTERM that fails always raises: the operator asked for a durable stop.
 
 Which generations a resume considers (docs/FORMAT.md, docs/FAULTS.md): the
-kind the session writes — a single-process session only ``.bin`` generations
-(a ``.dcp`` folder in its run folder is never read, and a warning names it),
-an FSDP2 session ``.dcp`` ones, and a generation of another format (``.bin`` against
+kind the session writes first, then the others registered for its mode — a
+single-process session also resumes a ``.dcp`` that is the newest valid
+generation (docs/SHARDED.md), an FSDP2 session ``.dcp`` ones first; a generation of another format (``.bin`` against
 ``.safetensors``) or another mode (``.dcp`` against the others) only while
 saying so (a warning and an ``other_mode_generation`` history event). The
 newest candidate that fails any check — at the choice or while it is loaded —

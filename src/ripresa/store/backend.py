@@ -421,7 +421,7 @@ def _open_general(store: CheckpointStore) -> StorageBackend:
 
 register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits,
                              _bin_suits))
-register_backend(BackendSpec("dcp", DcpBackend, {"ddp": 20, "fsdp2": 10}))
+register_backend(BackendSpec("dcp", DcpBackend, {"single": 30, "ddp": 20, "fsdp2": 10}))
 register_backend(BackendSpec("st", _open_general, {"single": 15, "ddp": 15}, "general"))
 
 #: The formats a session may ask for besides the registered kinds' names: ``auto``.

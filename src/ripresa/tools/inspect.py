@@ -865,8 +865,8 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
             elif not g.valid:
                 v.warn(f"older generation {g.step} is invalid: {g.reason}")
     if mixed:
-        v.warn("this folder holds .bin and .dcp generations: a single-process or DDP resume considers only "
-               "the .bin ones, an FSDP2 resume prefers the .dcp ones (see docs/FORMAT.md)")
+        v.warn("this folder holds .bin and .dcp generations: every resume takes the newest valid one; at equal "
+               "steps a single-process or DDP run prefers the .bin, an FSDP2 run the .dcp (see docs/SHARDED.md)")
     if not deep and gens:
         v.warn("--no-deep: .bin files were not re-hashed; a flipped bit inside one goes unnoticed")
     for t in temps:

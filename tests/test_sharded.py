@@ -1,0 +1,166 @@
+"""Sharded (FSDP2) runs as first-class runs: asynchronous saves, kills, stops, resumes, operations (docs/SHARDED.md).
+
+Real ``torchrun`` process groups (gloo, 2 CPU processes) around a user's own
+FSDP2 loop (``tests/fixtures/fsdp_loop.py``). A launch costs ~10 s on this
+2-core machine: one quick sample runs in the default tier, the rest is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.ripresa_faults import fault_env
+
+from ripresa.formats import dcp as dcp_fmt
+from ripresa.store.history import read_history
+
+LOOP = Path(__file__).resolve().parent / "fixtures" / "fsdp_loop.py"
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def launch(run: Path, *args, env=None, extra=()) -> subprocess.Popen:
+    """``torchrun --standalone --nproc_per_node=2 [extra] fsdp_loop.py --run RUN ARGS`` as a Popen."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *extra, "--",
+           str(LOOP), "--run", str(run), *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ENV, **(env or {})}, start_new_session=True)
+
+
+def one(run: Path, *args) -> subprocess.CompletedProcess:
+    """The same loop in one process (no process group, no sharding)."""
+    return subprocess.run([sys.executable, str(LOOP), "--run", str(run), *map(str, args)], capture_output=True,
+                          text=True, env={**os.environ, **ENV}, timeout=300)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def ok(proc: subprocess.Popen) -> str:
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def valid_dcps(run: Path) -> list[int]:
+    return [g.step for g in dcp_fmt.dcp_generations(run, deep=True) if g.valid]
+
+
+def same_shards(a: Path, b: Path) -> None:
+    """Two .dcp generations hold the same bytes in every shard file (``.metadata`` holds a random save id)."""
+    names = sorted(p.name for p in a.iterdir() if p.suffix == ".distcp")
+    assert names == sorted(p.name for p in b.iterdir() if p.suffix == ".distcp") and len(names) == 2
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in read_history(run / ".loss.jsonl").steps.items()}
+
+
+def ranks_of(launcher_pid: int) -> dict[int, int]:
+    """``{rank: pid}`` of the workers a torchrun launcher started (from /proc)."""
+    kids: set[int] = set()
+    for tid in os.listdir(f"/proc/{launcher_pid}/task"):
+        try:
+            kids.update(int(x) for x in Path(f"/proc/{launcher_pid}/task/{tid}/children").read_text().split())
+        except OSError:
+            pass
+    out = {}
+    for pid in kids:
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env:
+            out[int(env["RANK"])] = pid
+    return out
+
+
+def test_async_sharded_saves_commit_and_one_process_resumes_the_newest_dcp(tmp_path):
+    """2 ranks, FSDP2, asynchronous saves: every cadence commits a .dcp (deep-valid, every rank's shard listed in
+    the marker); the loop's stall is the staging. Then the same loop in ONE process resumes the newest .dcp
+    (2 → 1: it is the newest valid generation), records the world-size change and writes its own kind beside it."""
+    run = tmp_path / "run"
+    out = ok(launch(run, "--steps", 8, "--every", 4))
+    assert valid_dcps(run) == [4, 8]
+    assert (run / "step_000008.dcp.sha256").read_text().count("step_000008.dcp/") == 4  # .metadata, 2 shards, companion
+    view = read_history(run / ".loss.jsonl")
+    assert [(e["step"], e["reason"]) for e in view.events if e["event"] == "checkpoint"] == [(4, "cadence"), (8, "cadence")]
+    assert "stalls [" in out
+    res = one(run, "--steps", 10, "--every", 5)
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = read_history(run / ".loss.jsonl").events
+    resume = [e for e in events if e["event"] == "resume"]
+    assert resume[-1]["from_step"] == 8 and resume[-1]["file"].endswith("step_000008.dcp")
+    change = [e for e in events if e["event"] == "world_size_change"]
+    assert change[-1]["saved_world_size"] == 2 and change[-1]["world_size"] == 1
+    assert sorted(read_history(run / ".loss.jsonl").steps) == list(range(1, 11))
+    assert valid_dcps(run) == [4, 8]  # the single process's retention never deletes .dcp generations
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_async_save_leaves_the_previous_generation_then_resume_is_bitwise(tmp_path):
+    """Rank 1 SIGKILLed inside the background write of step 8 (its shards written, before DCP gathers every rank's
+    result): nothing commits, step 4 stays the newest valid generation. Relaunched, the run resumes from 4 and ends
+    bitwise equal (every shard's bytes, every loss) to an uninterrupted run."""
+    ref = launch(tmp_path / "ref", "--steps", 12, "--every", 4)
+    run = tmp_path / "run"
+    killed = launch(run, "--steps", 12, "--every", 4, env=fault_env(dist_fault="shards_written:1:8"))
+    out, err = finish(killed)
+    assert killed.returncode != 0
+    assert valid_dcps(run) == [4]
+    assert not (run / "step_000008.dcp.sha256").exists()
+    ok(launch(run, "--steps", 12, "--every", 4))
+    ok(ref)
+    resumes = [e for e in read_history(run / ".loss.jsonl").events if e["event"] == "resume"]
+    assert [r["from_step"] for r in resumes] == [4]
+    assert valid_dcps(run) == [4, 8, 12] and not [p for p in run.iterdir() if p.name.endswith(".partial")]
+    same_shards(tmp_path / "ref" / "step_000012.dcp", run / "step_000012.dcp")
+    assert losses(tmp_path / "ref") == losses(run)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_writes_a_final_sharded_generation_and_the_resume_is_bitwise(tmp_path):
+    """SIGTERM to rank 1 only: every rank saves the same step (asynchronously, then waited for), all exit 0;
+    the resumed run ends bitwise equal to an uninterrupted one."""
+    total = 40
+    ref = launch(tmp_path / "ref", "--steps", total, "--every", 1000, "--step-ms", 30)
+    run = tmp_path / "run"
+    proc = launch(run, "--steps", total, "--every", 1000, "--step-ms", 30)
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 120:
+            h = run / ".loss.jsonl"
+            if h.exists() and len(read_history(h).steps) >= 5:
+                break
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        os.kill(ranks_of(proc.pid)[1], signal.SIGTERM)
+        ok(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    view = read_history(run / ".loss.jsonl")
+    stop = max(view.steps)
+    assert stop < total and valid_dcps(run) == [stop]
+    sig = [e for e in view.events if e["event"] == "signal"]
+    assert sig[-1]["action"] == "stop" and sig[-1]["ranks_stop"] == [1] and sig[-1]["step"] == stop
+    assert [e["reason"] for e in view.events if e["event"] == "checkpoint"] == ["stop"]
+    ok(launch(run, "--steps", total, "--every", 1000, "--step-ms", 30))
+    ok(ref)
+    same_shards(tmp_path / "ref" / f"step_{total:06d}.dcp", run / f"step_{total:06d}.dcp")
+    assert losses(tmp_path / "ref") == losses(run)
+    doc = json.loads((run / f"step_{total:06d}.dcp" / "ripresa.json").read_text())
+    assert doc["world_size"] == 2

@@ -88,17 +88,25 @@ def ranks_of(launcher_pid: int) -> dict[int, int]:
     return out
 
 
-def test_async_sharded_saves_commit_and_one_process_resumes_the_newest_dcp(tmp_path):
+def test_async_sharded_saves_commit_every_ranks_shards(tmp_path):
     """2 ranks, FSDP2, asynchronous saves: every cadence commits a .dcp (deep-valid, every rank's shard listed in
-    the marker); the loop's stall is the staging. Then the same loop in ONE process resumes the newest .dcp
-    (2 → 1: it is the newest valid generation), records the world-size change and writes its own kind beside it."""
+    the marker), recorded once each in the history."""
     run = tmp_path / "run"
     out = ok(launch(run, "--steps", 8, "--every", 4))
     assert valid_dcps(run) == [4, 8]
     assert (run / "step_000008.dcp.sha256").read_text().count("step_000008.dcp/") == 4  # .metadata, 2 shards, companion
     view = read_history(run / ".loss.jsonl")
     assert [(e["step"], e["reason"]) for e in view.events if e["event"] == "checkpoint"] == [(4, "cadence"), (8, "cadence")]
-    assert "stalls [" in out
+    assert sorted(view.steps) == list(range(1, 9)) and "stalls [" in out
+
+
+@pytest.mark.slow
+def test_one_process_resumes_the_newest_dcp_2_to_1_then_back_to_2(tmp_path):
+    """The same loop in ONE process resumes the newest .dcp of a 2-rank run (2 → 1: it is the newest valid
+    generation), records the world-size change and writes its own kind beside it (its retention never deletes a
+    .dcp); then 2 ranks resume that single-process generation (1 → 2) and write .dcp generations again."""
+    run = tmp_path / "run"
+    ok(launch(run, "--steps", 8, "--every", 4))
     res = one(run, "--steps", 10, "--every", 5)
     assert res.returncode == 0, res.stderr[-3000:]
     events = read_history(run / ".loss.jsonl").events
@@ -106,8 +114,12 @@ def test_async_sharded_saves_commit_and_one_process_resumes_the_newest_dcp(tmp_p
     assert resume[-1]["from_step"] == 8 and resume[-1]["file"].endswith("step_000008.dcp")
     change = [e for e in events if e["event"] == "world_size_change"]
     assert change[-1]["saved_world_size"] == 2 and change[-1]["world_size"] == 1
-    assert sorted(read_history(run / ".loss.jsonl").steps) == list(range(1, 11))
-    assert valid_dcps(run) == [4, 8]  # the single process's retention never deletes .dcp generations
+    assert valid_dcps(run) == [4, 8]
+    ok(launch(run, "--steps", 12, "--every", 4))
+    events = read_history(run / ".loss.jsonl").events
+    assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 10
+    assert [e for e in events if e["event"] == "world_size_change"][-1]["world_size"] == 2
+    assert valid_dcps(run) == [4, 8, 12] and sorted(read_history(run / ".loss.jsonl").steps) == list(range(1, 13))
 
 
 @pytest.mark.slow

@@ -78,7 +78,7 @@ from .distributed import (
 )
 from .sharded_async import ShardedWriter, save_async
 from .signals import SignalRequests
-from .steer import SteeredRecorder, Steering
+from .steer import DistSteeredRecorder, SteeredRecorder, Steering
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view"]
 
@@ -179,9 +179,6 @@ class Checkpointer:
         self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
         self._shards: ShardedWriter | None = None  # FSDP2, asynchronous: every rank's background DCP writes
-        if self.steering is not None and self.dist is not None:
-            raise BadInput("ripresa verify steers single-process scripts only", found=f"a {_MODE_NAMES[self.mode]} run",
-                           hint="verify the script in one process, or implement the verification contract (docs/VERIFY.md)")
         choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
@@ -219,7 +216,8 @@ class Checkpointer:
         self._deferred_error: SaveFailed | None = None  # distributed: a stop-save failure, raised on every rank
         self._last_gen: Any = None
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
-        self._recorder = SteeredRecorder(self.steering, state) if self.steering is not None else None
+        self._recorder = (None if self.steering is None else SteeredRecorder(self.steering, state) if self.dist is None
+                          else DistSteeredRecorder(self.steering, state, self.dist))  # every rank is steered
         if self.steering is not None:
             self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,
                                restore_rng=self.steering.restore_rng)

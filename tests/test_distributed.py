@@ -181,13 +181,13 @@ def test_ddp_signals_to_one_rank_then_exact_resume_and_2_to_1(tmp_path, text):
 
 @pytest.mark.slow
 def test_fsdp_rank_killed_mid_save_keeps_previous_then_restart_resumes_and_reshards(tmp_path, text):
-    """FSDP2 with --max-restarts=1: rank 1 dies after writing its shards of step 8, before the barrier.
+    """FSDP2 with --max-restarts=1: rank 1 dies after writing its shards of step 8 (asynchronous save), before DCP gathers every rank's result.
     No marker is written, so step 4 stays the newest valid generation; the restarted group resumes from it,
     cleans the partial folder and finishes. Then 2 → 1 (.dcp into one process) and 1 → 2 (.bin into FSDP2)
     restore weights, m and v exactly."""
     run = tmp_path / "run"
     proc = torchrun("--run", run, "--shard", "fsdp", "--every", "4", "--set", "train.max_steps=12", *common(text),
-                    extra=("--max-restarts=1",), env=fault_env(dist_fault="after_shards:1:8"))
+                    extra=("--max-restarts=1",), env=fault_env(dist_fault="shards_written:1:8"))
     out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
     assert valid_dcps(run) == [4, 8, 12] and valid_bins(run) == []

@@ -312,7 +312,8 @@ def _cmd_fork(args: argparse.Namespace) -> int:
     from .engine.fork import fork
 
     r = fork(args.run, args.step, args.into, args.sets)
-    print(f"forked {args.run} at step {r['step']} into {r['into']} (bin sha256 {r['bin_sha256'][:16]}…, overrides {r['overrides']})")
+    what = f"bin sha256 {r['bin_sha256'][:16]}" if "bin_sha256" in r else f".dcp marker sha256 {r['dcp_marker_sha256'][:16]}"
+    print(f"forked {args.run} at step {r['step']} into {r['into']} ({what}…, overrides {r['overrides']})")
     print(f"continue with: {r['command']}")
     return 0
 

@@ -251,7 +251,8 @@ def install_delay_hook(spec: str) -> Callable[[], None]:
 def install_dist_fault(spec: str, *, kill: Callable[[], None] = _kill_self) -> None:
     """Kill rank ``RANK`` at ``POINT`` of the save of step ``STEP`` (``RIPRESA_DIST_FAULT=POINT:RANK:STEP``).
 
-    Points: ``before_gather``, ``after_shards`` (where
+    Points: ``before_gather``, ``after_shards`` (synchronous saves), ``shards_written`` (asynchronous ones, in the
+    background write, after the rank's file and before DCP gathers every rank's result; where
     ``ripresa.session.distributed.fault_point`` is called). Only in the first
     attempt of a ``torchrun --max-restarts`` group
     (``TORCHELASTIC_RESTART_COUNT`` = 0), so the restarted group completes.

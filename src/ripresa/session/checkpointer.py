@@ -24,9 +24,9 @@ and the run stops with its last valid checkpoint. A save requested by
 SIGTERM that fails always raises: the operator asked for a durable stop.
 
 Which generations a resume considers (docs/FORMAT.md, docs/FAULTS.md): the
-kind the session writes — a single-process session only ``.bin`` generations
-(a ``.dcp`` folder in its run folder is never read, and a warning names it),
-an FSDP2 session ``.dcp`` ones, and a generation of another format (``.bin`` against
+kind the session writes first, then the others registered for its mode — a
+single-process session also resumes a ``.dcp`` that is the newest valid
+generation (docs/SHARDED.md), an FSDP2 session ``.dcp`` ones first; a generation of another format (``.bin`` against
 ``.safetensors``) or another mode (``.dcp`` against the others) only while
 saying so (a warning and an ``other_mode_generation`` history event). The
 newest candidate that fails any check — at the choice or while it is loaded —
@@ -87,8 +87,9 @@ from .distributed import (
     NullHistory,
     fault_point,
 )
+from .sharded_async import ShardedWriter, save_async
 from .signals import SignalRequests
-from .steer import SteeredRecorder, Steering
+from .steer import DistSteeredRecorder, SteeredRecorder, Steering
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view"]
 
@@ -218,9 +219,7 @@ class Checkpointer:
         self.fresh_streams = False
         self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
-        if self.steering is not None and self.dist is not None:
-            raise BadInput("ripresa verify steers single-process scripts only", found=f"a {_MODE_NAMES[self.mode]} run",
-                           hint="verify the script in one process, or implement the verification contract (docs/VERIFY.md)")
+        self._shards: ShardedWriter | None = None  # FSDP2, asynchronous: every rank's background DCP writes
         choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
@@ -239,6 +238,8 @@ class Checkpointer:
                 self.store = CheckpointStore(self.run_dir, writer=False)
                 self._open_backends()
                 self.history = NullHistory()  # type: ignore[assignment]
+            if asynchronous and self.mode == "fsdp2":
+                self._shards = ShardedWriter(self.dist)
             asynchronous = asynchronous and self.dist.is_main
         asynchronous = asynchronous and self.backend.background
         self.mirror: Mirror | None = None
@@ -271,7 +272,8 @@ class Checkpointer:
         self.on_deadline = on_deadline
         self._step_exit: float | None = None  # when step_done last returned (the step time is measured outside it)
         self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
-        self._recorder = SteeredRecorder(self.steering, state) if self.steering is not None else None
+        self._recorder = (None if self.steering is None else SteeredRecorder(self.steering, state) if self.dist is None
+                          else DistSteeredRecorder(self.steering, state, self.dist))  # every rank is steered
         if self.steering is not None:
             self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,
                                restore_rng=self.steering.restore_rng)
@@ -735,6 +737,8 @@ class Checkpointer:
         """Every rank writes its part (FSDP2: its shards), a barrier, then rank 0 commits (companion, rename, marker)."""
         d = self.dist
         assert d is not None
+        if self._shards is not None:  # staged now, written in the background (session/sharded_async.py)
+            return save_async(self, step, reason, must_succeed, extra, t0)
         if d.is_main:
             self.backend.prepare(step)
         d.barrier()
@@ -768,6 +772,8 @@ class Checkpointer:
         d = self.dist
         assert d is not None
         err: SaveFailed | None = None
+        if self._shards is not None:
+            self._shards.wait()  # this rank's write; a failure anywhere fails rank 0's commit, broadcast below
         if d.is_main:
             err, self._deferred_error = self._deferred_error, None
             if err is None:

@@ -267,6 +267,7 @@ class DcpBackend(_Base):
     label = ".dcp generation"
     written_by = ".dcp ones are written by sharded FSDP2 runs"
     collective = True
+    background = True  # rank 0 commits in the background once every rank's shards are durable
 
     @staticmethod
     def _fmt() -> Any:
@@ -416,7 +417,7 @@ def _open_general(store: CheckpointStore) -> StorageBackend:
 # format="auto" is the general format for any state (docs/FORMAT.md, "Which format a session writes"); the .bin
 # is written when a session asks for "andrea" (ripresa train does), and resumed by every mode.
 register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits))
-register_backend(BackendSpec("dcp", DcpBackend, {"ddp": 20, "fsdp2": 10}))
+register_backend(BackendSpec("dcp", DcpBackend, {"single": 30, "ddp": 20, "fsdp2": 10}))
 register_backend(BackendSpec("st", _open_general, {"single": 5, "ddp": 5}, "general"))
 
 #: The formats a session may ask for besides the registered kinds' names: ``auto``.

@@ -867,6 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tmpfs-bytes", type=int, default=TMPFS_BYTES)
     ap.add_argument("--sabotage", default="", help="LANE=lose|rng,...: break a lane on purpose (the soak must fail)")
     ap.add_argument("--out", default=str(REPO / "build" / "soak"), help="folder of soak.json and the run folders")
+    ap.add_argument("--progress-every", type=float, default=60.0, help="seconds between progress lines")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--fork-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -912,8 +913,12 @@ def main(argv: list[str] | None = None) -> int:
         threads = [threading.Thread(target=drive, args=(lane,)) for lane in objs.values()]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        while any(t.is_alive() for t in threads):
+            threads[0].join(timeout=args.progress_every)
+            if any(t.is_alive() for t in threads):
+                print(f"{time.monotonic() - t0:6.0f} s  " + "  ".join(
+                    f"{lane.name} {sum(lane.delivered.values())}/{lane.budget} (lap {lane.laps + 1})"
+                    for lane in objs.values()), flush=True)
     finally:
         for lane in objs.values():
             lane.close()

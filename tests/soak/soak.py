@@ -650,6 +650,9 @@ class Lane:
             if kind == "sigkill-rank":
                 ranks = trainer.ranks()
                 delivered = bool(ranks) and trainer.poll() is None
+                if not delivered:
+                    self.notes.append("sigkill-rank: no rank found under the launcher; nothing sent")
+                    return trainer
                 if delivered:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(r.choice(ranks), signal.SIGKILL)
@@ -717,6 +720,8 @@ class Lane:
         elif kind == "enospc":
             if not self.running(hist, trainer):
                 return trainer
+            if hist.committed == 0 and hist.wait_for(lambda r: r.get("event") == "checkpoint", trainer, 60) is None:
+                return trainer  # a full disk is delivered once a generation exists, to be deep-checked while full
             time.sleep(r.uniform(0, 0.3))
             if trainer.poll() is not None:
                 return trainer

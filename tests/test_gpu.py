@@ -181,7 +181,7 @@ def test_a_steered_verify_on_the_device_passes_at_tolerance_zero(tmp_path):
 @pytest.mark.skipif(CUDA and torch.cuda.device_count() < 2, reason="a 2-process NCCL run needs two CUDA devices")
 def test_a_two_process_nccl_run_killed_and_restarted_ends_bitwise_equal(tmp_path):
     def torchrun(run: Path, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(LOOP),
+        return [sys.executable, "-m", "ripresa.torchrun", "--standalone", "--nproc_per_node=2", str(LOOP),
                 "--run", str(run), "--device", DEVICE, "--steps", "12", "--every", "2", *extra]
 
     ref, run = tmp_path / "ref", tmp_path / "run"

@@ -531,6 +531,7 @@ class Lane:
         self.failures: list[str] = []
         self.starts: Counter[str] = Counter()
         self.generations = self.redone = self.laps = self.equal_laps = 0
+        self.wall_s = 0.0
         self.diverged = 0
         self.lost: list[str] = []
         self.sabotage = args.sabotage.get(name)
@@ -585,11 +586,13 @@ class Lane:
 
     # ------------------------------------------------------------ a lap
     def run(self) -> None:
+        t0 = time.monotonic()
         self.reference()
         lap = 0
         while sum(self.delivered.values()) < self.budget:
             lap += 1
             self.lap(lap)
+        self.wall_s = round(time.monotonic() - t0, 1)
 
     def lap(self, n: int) -> None:
         run = self.lap_folder(n)
@@ -794,7 +797,7 @@ class Lane:
                 "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,
                 "equal_laps": self.equal_laps, "diverged_steps": self.diverged, "lost": len(self.lost),
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
-                "total_steps": TOTAL[self.name], "every": EVERY[self.name], "sabotage": self.sabotage}
+                "wall_s": self.wall_s, "total_steps": TOTAL[self.name], "every": EVERY[self.name], "sabotage": self.sabotage}
 
 
 def newest_mirrored(mirror: Path | None) -> int:

@@ -922,7 +922,9 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
-            threads[0].join(timeout=args.progress_every)
+            deadline = time.monotonic() + args.progress_every
+            for t in threads:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
             if any(t.is_alive() for t in threads):
                 print(f"{time.monotonic() - t0:6.0f} s  " + "  ".join(
                     f"{lane.name} {sum(lane.delivered.values())}/{lane.budget} (lap {lane.laps + 1})"

@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.ripresa-installed
 
-.PHONY: demo test test-long lint bench venv clean
+.PHONY: demo test test-long lint bench venv clean soak test-gpu
 
 venv: $(STAMP)
 
@@ -35,6 +35,16 @@ test-long: $(STAMP)
 .PHONY: test-faults
 test-faults: $(STAMP)
 	$(PY) tests/faults/report.py --out build/faults
+
+# The soak (docs/FAULTS.md, "The soak"): >= 1,000 real interruptions of three real
+# training loops, each final state compared bitwise; prints the table and writes
+# build/soak/soak.json. Under 60 minutes on 2 cores; root mounts its small tmpfs.
+soak: $(STAMP)
+	$(PY) tests/soak/soak.py $(if $(SEED),--seed $(SEED))
+
+# The tests marked cuda (tests/test_gpu.py): skipped without a GPU.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m cuda tests/test_gpu.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

@@ -32,6 +32,12 @@ at the end, also on error or SIGTERM.
 
     .venv/bin/python benchmarks/bench_checkpoint.py                 # 120M (ANDREA-120M)
     .venv/bin/python benchmarks/bench_checkpoint.py --params 12800000 --pairs 5
+    .venv/bin/python benchmarks/bench_checkpoint.py --device cuda     # the state on the GPU
+
+``--device cuda`` keeps the parameters and AdamW moments on the GPU: the
+"memcpy" row becomes a device-to-host copy of the same bytes into the pinned
+staging buffer, the figure the async stall is held against; the raw-write and
+sha256 floors work on a host copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -533,7 +539,8 @@ class BenchModel(torch.nn.Module):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build_state(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[BenchModel, torch.optim.AdamW]:
+def build_state(n: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> tuple[BenchModel, torch.optim.AdamW]:
     """Model + AdamW after one real step (so exp_avg/exp_avg_sq/step exist).
 
     With bfloat16 parameters, torch's AdamW keeps ``exp_avg`` and
@@ -541,7 +548,7 @@ def build_state(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tu
     state is 6·N bytes plus the float32 ``step`` scalars.
     """
     torch.manual_seed(seed)
-    model = BenchModel(n).to(dtype)
+    model = BenchModel(n).to(dtype=dtype, device=device)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
@@ -608,22 +615,26 @@ def sha256_throughput(nbytes: int) -> float:
 
 class Bench:
     def __init__(self, n: int, pairs: int, scratch: Path, log: Callable[[str], None], meter: Meter,
-                 retries: int = 0, dtype: str = "fp32") -> None:
+                 retries: int = 0, dtype: str = "fp32", device: str = "cpu") -> None:
         self.n, self.pairs, self.scratch, self.log, self.retries = n, pairs, scratch, log, retries
         self.dtype = dtype
         self.meter = meter
         self.samples: dict[str, list[dict[str, float]]] = {k: [] for k in METHODS}
         self.step = 0
-        self.model, self.opt = build_state(n, dtype=DTYPES[dtype])
+        self.device = device
+        self.model, self.opt = build_state(n, dtype=DTYPES[dtype], device=device)
         self.state = ripresa.TrainingState(self.model, self.opt)
         self.tensors = flat_tensors(self.model, self.opt)
+        #: the same bytes in host memory: what the raw-write and sha256 floors read (the tensors themselves on CPU)
+        self.host = self.tensors if device == "cpu" else [t.cpu() for t in self.tensors]
         assert sum(t.numel() for t in self.tensors) == 3 * n
         #: weights + m + v (the per-parameter float32 step scalars are a few bytes more)
         self.logical = sum(t.numel() * t.element_size() for t in self.tensors)
         self.with_bin = dtype == "fp32"  # the ANDREA .bin holds float32 + Adam only
         self.store = CheckpointStore(scratch / "store")
         self.async_store = CheckpointStore(scratch / "async")
-        self.writer = AsyncCheckpointWriter(self.async_store, pin_memory=False) if self.with_bin else None
+        pin = None if device == "cuda" else False  # pinned staging for device tensors (the default on CUDA)
+        self.writer = AsyncCheckpointWriter(self.async_store, pin_memory=pin) if self.with_bin else None
         # the general format, through its backend (what Checkpointer(format="general") calls)
         self.general_store = CheckpointStore(scratch / "general")
         self.general = GeneralBackend(self.general_store)
@@ -674,7 +685,7 @@ class Bench:
         def run() -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                for t in self.tensors:
+                for t in self.host:
                     _write_all(fd, tbytes(t))
                 os.fsync(fd)
             finally:
@@ -685,7 +696,7 @@ class Bench:
         """sha256 of the same bytes in memory (the other half of a checksummed save's floor)."""
         def run() -> None:
             h = hashlib.sha256()
-            for t in self.tensors:
+            for t in self.host:
                 h.update(tbytes(t))
             h.digest()
         return run
@@ -812,6 +823,8 @@ class Bench:
                 k = t.numel() * t.element_size()
                 self.copy_buffer[off : off + k].view(t.dtype).view(t.shape).copy_(t)
                 off += k
+            if self.device == "cuda":  # a device-to-host copy counts once it has landed
+                torch.cuda.synchronize()
             return {"stall_s": time.perf_counter() - t0}
         return run
 
@@ -1195,6 +1208,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="parameter dtype; AdamW keeps m and v in the same dtype. The ANDREA .bin path "
                          "(float32 only) is measured with fp32 only; default fp32")
     ap.add_argument("--pairs", type=int, default=5, help="pairs per method (median of these); default 5")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the parameters and moments live; with cuda the memcpy row is a device-to-host "
+                         "copy of the same bytes into pinned memory; default cpu")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
                     help="folder for bench_checkpoint_<N>.json and .png")
     ap.add_argument("--dir", type=Path, default=None,
@@ -1213,6 +1229,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.pairs < 1:
         ap.error("--pairs must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available here")
+    if args.device == "cuda":
+        METHODS["stall.memcpy"] = ("stall", "device-to-host copy into pinned buffer", "seconds (synchronized)")
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -1262,7 +1282,8 @@ def main(argv: list[str] | None = None) -> int:
             meter = Meter(_block_stat_path(scratch), quiet_timeout=args.quiet_timeout,
                           quiet_share=args.quiet_share,
                           on_wait=lambda text: prog.update(task, description=text))
-            bench = Bench(n, args.pairs, scratch, log, meter, retries=max(0, args.retries), dtype=args.dtype)
+            bench = Bench(n, args.pairs, scratch, log, meter, retries=max(0, args.retries), dtype=args.dtype,
+                          device=args.device)
             prog.advance(task)
             prog.update(task, description="warm-up")
             bench.warmup()
@@ -1365,6 +1386,7 @@ def main(argv: list[str] | None = None) -> int:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "params": n,
             "dtype": args.dtype,
+            "device": args.device if args.device == "cpu" else f"cuda:{torch.cuda.get_device_name(0)}",
             "moments_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(moments, str(moments)),
             "bytes": bench.logical,
             "pairs": args.pairs,
@@ -1391,7 +1413,12 @@ def main(argv: list[str] | None = None) -> int:
             "ratios": ratios,
             "targets_met": {k: v["met"] for k, v in ratios.items() if not v.get("info")},
         }
-        stem = f"bench_checkpoint_{n}" + ("" if args.dtype == "fp32" else f"_{args.dtype}")
+        if args.device == "cuda":
+            result["notes"].append("--device cuda: the state lives on the GPU; stall.memcpy is a synchronized "
+                                   "device-to-host copy of the same bytes into the pinned staging buffer; the "
+                                   "save.raw and hash.sha256 floors read a host copy of the same bytes.")
+        stem = (f"bench_checkpoint_{n}" + ("" if args.dtype == "fp32" else f"_{args.dtype}")
+                + ("" if args.device == "cpu" else f"_{args.device}"))
         json_path = args.out / f"{stem}.json"
         png_path = args.out / f"{stem}.png"
         json_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,958 @@
+"""The soak: real training loops interrupted at random, then compared bitwise with uninterrupted runs.
+
+    make soak                                                   # >= 1,000 interruptions, < 60 min on 2 cores
+    python tests/soak/soak.py --seed 7 --interruptions 20 --lanes general,andrea   # a sample (make test runs one)
+
+Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md, "The soak"):
+
+* ``general``: one process, Adafactor, dropout, a cosine schedule, ``format="general"``
+  (``step_NNNNNN.safetensors`` generations);
+* ``andrea``: one process, fp32 AdamW, an ``EpochSampler`` over 10^9 rows (Feistel, O(1)),
+  ``format="andrea"`` (``step_NNNNNN.bin`` generations);
+* ``ddp``: two ranks under ``python -m ripresa.torchrun`` (gloo, DDP, ``DistributedEpochSampler``).
+
+Each single-process lane writes its run folder on its own small tmpfs (mounted
+here, as root). Interruptions, drawn at random (seeded) at random moments:
+
+* ``sigkill``: SIGKILL of the trainer (of the whole torchrun session; or of one rank),
+  at any moment, some during the start (import, resume);
+* ``sigterm``: the trainer must exit 0 with a stop checkpoint at its last step;
+* ``sigusr1+kill``: SIGUSR1, wait for the signal checkpoint, then SIGKILL;
+* ``enospc``: the tmpfs is filled while the trainer runs: saves fail, training goes on,
+  and the previous generation is deep-checked while the disk is full; then room is freed;
+* ``lost-folder``: SIGKILL, the run folder is deleted, the next start resumes from a
+  local-path mirror (only when ``Checkpointer`` takes ``mirror=``).
+
+Trainers are real processes in their own session: forked from a server that
+imported torch once (one start in ten a fresh interpreter; every torchrun
+start fresh). Each lap of a lane trains to its last step through any number of
+interruptions; its final state (parameters, buffers, optimizer, schedule, data
+position, every random stream) is hashed and compared with the lane's
+uninterrupted run, and every step's loss with the uninterrupted one.
+"Lost" counts restarts that resumed an older step than a generation already
+committed (a lost generation), and laps whose final state differs. Exit 0 only
+when lost is 0. JSON: ``build/soak/soak.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
+LANES = ("general", "andrea", "ddp")
+#: Interruption kinds of each lane (``lost-folder`` is added when the mirror exists).
+KINDS = {
+    "general": ["sigkill", "sigkill-start", "sigterm", "sigusr1+kill", "enospc"],
+    "andrea": ["sigkill", "sigkill-start", "sigterm", "sigusr1+kill", "enospc"],
+    "ddp": ["sigkill-group", "sigkill-rank", "sigkill-start", "sigterm", "sigusr1+kill"],
+}
+#: Lap length and cadence (steps) of each lane.
+TOTAL = {"general": 1000, "andrea": 400, "ddp": 60}
+EVERY = {"general": 10, "andrea": 10, "ddp": 5}
+TMPFS_BYTES = 8 << 20
+FINAL = "soak_final"  # the digest files a finished trainer writes: soak_final.rank{R}.json
+
+
+# ====================================================================== the trainers
+def digest(obj: Any, h: Any = None) -> str:
+    """sha256 of a state tree: every tensor's dtype, shape and bytes; every scalar's repr."""
+    import numpy as np
+    import torch
+
+    top = h is None
+    h = hashlib.sha256() if top else h
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.flatten().view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, np.ndarray):
+        h.update(f"A{obj.dtype}{obj.shape}".encode() + np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, dict):
+        h.update(b"{")
+        for k in sorted(obj, key=repr):
+            h.update(repr(k).encode() + b":")
+            digest(obj[k], h)
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for v in obj:
+            digest(v, h)
+        h.update(b"]")
+    else:
+        h.update(repr(obj).encode() + b";")
+    return h.hexdigest() if top else ""
+
+
+def _checkpointer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {"every": cfg["every"]}
+    if cfg.get("format"):
+        kw["format"] = cfg["format"]
+    if cfg.get("mirror"):
+        kw["mirror"] = cfg["mirror"]
+    return kw
+
+
+def train_single(cfg: dict[str, Any]) -> int:
+    """One process: the ``general`` (Adafactor, general format) or ``andrea`` (AdamW, .bin) loop."""
+    import numpy as np
+    import torch
+
+    import ripresa
+
+    torch.set_num_threads(1)
+    random.seed(0)
+    torch.manual_seed(0)
+    gen = np.random.default_rng(0)
+    andrea = cfg["lane"] == "andrea"
+    X = torch.randn(4096, 16, generator=torch.Generator().manual_seed(1))
+    Y = torch.sin(X @ torch.randn(16, 1, generator=torch.Generator().manual_seed(2)))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 1))
+    if andrea:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sampler = ripresa.EpochSampler(10**9, 16, generator=gen, permutation="feistel")
+        scheduler = None
+    else:
+        optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+        sampler = ripresa.EpochSampler(len(X), 16, generator=gen)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg["total"])
+    state = ripresa.TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, data=sampler,
+                                  rng=ripresa.RandomStreams(numpy={"data": gen}), config={"lane": cfg["lane"]})
+    ckpt = ripresa.Checkpointer(cfg["run"], state, **_checkpointer_kwargs(cfg))
+    start = ckpt.resume(restore_rng=cfg.get("sabotage") != "rng")
+    ckpt.history.event("soak_start", start=start, pid=os.getpid())
+    for step in range(start + 1, cfg["total"] + 1):
+        ids = torch.as_tensor(sampler.next_batch(), dtype=torch.long) % len(X)
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(X[ids]), Y[ids])
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        if ckpt.step_done(step, loss=loss.item()):
+            break
+    ckpt.close(final_save=True)
+    if ckpt.progress.step == cfg["total"]:
+        _write_final(cfg["run"], 0, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "data": sampler.state_dict(), "torch": torch.get_rng_state(), "numpy": gen.bit_generator.state,
+            "random": random.getstate()})
+    return 0
+
+
+def train_ddp(cfg: dict[str, Any]) -> int:
+    """One rank of the 2-rank DDP loop (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    import ripresa
+    from ripresa.core.data import DistributedEpochSampler
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    random.seed(0)
+    torch.manual_seed(0)
+    X = torch.randn(512, 8, generator=torch.Generator().manual_seed(1))
+    Y = X.sum(dim=1, keepdim=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sampler = DistributedEpochSampler(len(X), 8, seed=0, drop_last=True)
+    state = ripresa.TrainingState(model=model, optimizer=optimizer, data=sampler, config={"lane": "ddp"})
+    ckpt = ripresa.Checkpointer(cfg["run"], state, **_checkpointer_kwargs(cfg))
+    start = ckpt.resume(restore_rng=cfg.get("sabotage") != "rng")
+    ckpt.history.event("soak_start", start=start, pid=os.getpid())
+    for step in range(start + 1, cfg["total"] + 1):
+        ids = sampler.next_batch()
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(ddp(X[ids]), Y[ids])
+        loss.backward()
+        optimizer.step()
+        if ckpt.step_done(step, loss=loss.item()):
+            break
+    ckpt.close(final_save=True)
+    if ckpt.progress.step == cfg["total"]:
+        _write_final(cfg["run"], rank, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                        "data": sampler.state_dict(), "torch": torch.get_rng_state(),
+                                        "random": random.getstate()})
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # no gloo teardown at interpreter exit
+
+
+def _write_final(run: str, rank: int, tree: dict[str, Any]) -> None:
+    path = Path(run) / f"{FINAL}.rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"digest": digest(tree)}))
+    os.replace(tmp, path)
+
+
+def run_worker(cfg: dict[str, Any]) -> int:
+    return train_ddp(cfg) if cfg["lane"] == "ddp" else train_single(cfg)
+
+
+# ====================================================================== the fork server
+def fork_server() -> None:
+    """Import torch and ripresa once; fork one trainer per request (stdin JSON lines), report pids and exits."""
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (an optimizer's constructor imports it: 3-5 s in every child otherwise)
+
+    import ripresa  # noqa: F401
+    import ripresa.formats.dcp  # noqa: F401
+    import ripresa.session.checkpointer  # noqa: F401
+    import ripresa.store.general  # noqa: F401
+
+    out = sys.stdout.buffer
+    live: set[int] = set()
+
+    def say(msg: dict[str, Any]) -> None:
+        out.write(json.dumps(msg).encode() + b"\n")
+        out.flush()
+
+    say({"ready": os.getpid()})
+    buf = b""
+    while True:
+        r, _, _ = select.select([0], [], [], 0.02)
+        if r:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                req = json.loads(line)
+                pid = os.fork()
+                if pid == 0:  # the trainer: its own session, its own output, default signals
+                    try:
+                        os.setsid()
+                        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                        os.dup2(fd, 1)
+                        os.dup2(fd, 2)
+                        nul = os.open(os.devnull, os.O_RDONLY)
+                        os.dup2(nul, 0)
+                        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGCHLD):
+                            signal.signal(s, signal.SIG_DFL)
+                        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+                        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+                        rc = run_worker(req["cfg"])
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                    except BaseException:
+                        import traceback
+
+                        traceback.print_exc()
+                        rc = 1
+                    os._exit(rc)
+                live.add(pid)
+                say({"pid": pid})
+        while live:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            live.discard(pid)
+            say({"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
+
+
+class ForkServer:
+    """The driver's side of :func:`fork_server`."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(HERE), "--fork-server"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self.lock = threading.Lock()
+        self.pids: list[int] = []
+        self.cond = threading.Condition()
+        self.exits: dict[int, int] = {}
+        self.ready = False
+
+    def _wait_ready(self) -> None:
+        if not self.ready:
+            first = json.loads(self.proc.stdout.readline() or b"{}")
+            if "ready" not in first:
+                raise RuntimeError("the fork server did not start")
+            self.ready = True
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.cond:
+                if "pid" in msg:
+                    self.pids.append(msg["pid"])
+                else:
+                    self.exits[msg["exit"]] = msg["rc"]
+                self.cond.notify_all()
+
+    def start(self, cfg: dict[str, Any], log: Path) -> int:
+        with self.lock:
+            self._wait_ready()
+            self.proc.stdin.write(json.dumps({"cfg": cfg, "log": str(log)}).encode() + b"\n")
+            self.proc.stdin.flush()
+            with self.cond:
+                while not self.pids:
+                    self.cond.wait()
+                return self.pids.pop(0)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+class Trainer:
+    """One started trainer (a forked child, a fresh interpreter, or a torchrun session): signals, exit status."""
+
+    def __init__(self, lane: str, cfg: dict[str, Any], log: Path, server: ForkServer, env: dict[str, str], fresh: bool):
+        self.server, self.popen = server, None
+        self.how = "torchrun" if lane == "ddp" else "fresh" if fresh else "fork"
+        if lane == "ddp":
+            argv = [sys.executable, "-m", "ripresa.torchrun", "--standalone", "--nproc_per_node=2",
+                    str(HERE), "--worker", json.dumps(cfg)]
+        else:
+            argv = [sys.executable, str(HERE), "--worker", json.dumps(cfg)]
+        if self.how == "fork":
+            self.pid = server.start(cfg, log)
+        else:
+            with open(log, "ab") as f:
+                self.popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              start_new_session=True, env=env)
+            self.pid = self.popen.pid
+        self.t0 = time.monotonic()
+        #: it went through a full disk: stopping with SaveFailed after max_failed_saves is its documented end
+        self.may_fail_saves = False
+        #: a SIGUSR1 that came after its last step, once close() had put the default action back
+        self.ended_by_late_signal = False
+
+    def poll(self) -> int | None:
+        if self.popen is not None:
+            return self.popen.poll()
+        with self.server.cond:
+            return self.server.exits.get(self.pid)
+
+    def wait(self, timeout: float) -> int | None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            rc = self.poll()
+            if rc is not None:
+                return rc
+            time.sleep(0.01)
+        return None
+
+    def signal(self, signum: int, group: bool = False) -> bool:
+        """Send ``signum`` (to the whole session with ``group``); False when it had already exited."""
+        if self.poll() is not None:
+            return False
+        try:
+            if group:
+                os.killpg(self.pid, signum)
+            else:
+                os.kill(self.pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill_all(self) -> int:
+        """SIGKILL the whole session (every rank); wait for the exit."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        rc = self.wait(60)
+        if rc is None:
+            raise RuntimeError(f"trainer {self.pid} did not exit after SIGKILL")
+        return rc
+
+    def ranks(self) -> list[int]:
+        """torchrun: the worker pids (children of the launcher)."""
+        from ripresa.session.torchrun import children
+
+        return children(self.pid)
+
+
+# ====================================================================== reading a lap's history
+class LapHistory:
+    """Follows one lap's ``.loss.jsonl`` as it grows: commits, starts, redone steps, losses, lost generations."""
+
+    def __init__(self, run: Path, ref_losses: dict[int, float] | None) -> None:
+        self.path = run / ".loss.jsonl"
+        self.ref = ref_losses
+        self.offset = 0
+        self.buf = b""
+        self.committed = 0  # newest generation committed (its checkpoint event)
+        self.max_step = 0
+        self.last_step = 0  # the last step line read
+        self.generations = 0
+        self.starts: list[int] = []
+        self.redone = 0
+        self.lost: list[str] = []
+        self.diverged: list[int] = []
+        self.losses: dict[int, float] = {}
+        self.events: list[dict[str, Any]] = []
+
+    def reset_file(self) -> None:
+        """The run folder was lost: a new history begins (what was committed stays the bar)."""
+        self.offset, self.buf = 0, b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        new: list[dict[str, Any]] = []
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return new
+        self.offset += len(data)
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        for raw in lines:
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue  # a torn line (killed mid-write), terminated by the next writer
+            if not isinstance(rec, dict):
+                continue
+            new.append(rec)
+            self._take(rec)
+        return new
+
+    def _take(self, rec: dict[str, Any]) -> None:
+        ev = rec.get("event")
+        if ev is None and isinstance(rec.get("step"), int):
+            step = rec["step"]
+            self.max_step = max(self.max_step, step)
+            self.last_step = step
+            self.losses[step] = rec.get("loss")
+            if self.ref is not None and self.ref.get(step) != rec.get("loss"):
+                self.diverged.append(step)
+            return
+        self.events.append(rec)
+        if ev == "checkpoint":
+            self.generations += 1
+            self.committed = max(self.committed, int(rec["step"]))
+        elif ev == "soak_start":
+            start = int(rec["start"])
+            self.starts.append(start)
+            self.redone += max(0, self.max_step - start)
+            if start < self.committed:
+                self.lost.append(f"resumed step {start} while step {self.committed} was committed")
+
+    def wait_for(self, pred, trainer: Trainer, timeout: float) -> dict[str, Any] | None:
+        """Poll until an event line satisfies ``pred`` (returned), the trainer exits or the time is up (None)."""
+        end = time.monotonic() + timeout
+        while True:
+            for rec in self.poll():
+                if pred(rec):
+                    return rec
+            if trainer.poll() is not None or time.monotonic() > end:
+                for rec in self.poll():
+                    if pred(rec):
+                        return rec
+                return None
+            time.sleep(0.005)
+
+
+# ====================================================================== the driver
+class Tmpfs:
+    """A small real tmpfs mounted for one lane's run folders (root only)."""
+
+    def __init__(self, where: Path, size: int) -> None:
+        where.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise OSError(res.stderr.strip() or f"mount exited {res.returncode}")
+        self.where = where
+
+    def fill(self, leave_pages: int = 4) -> Path | None:
+        """Fill the file system but ``leave_pages`` pages; the filler (None: it was already full)."""
+        st = os.statvfs(self.where)
+        take = max(0, (st.f_bavail - leave_pages) * st.f_frsize)
+        filler = self.where / "filler"
+        try:
+            f = open(filler, "wb")  # noqa: SIM115
+        except OSError:
+            return None
+        with f:
+            while take > 0:
+                n = min(take, 1 << 20)
+                try:
+                    f.write(b"\0" * n)
+                except OSError:
+                    break
+                take -= n
+        return filler
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", str(self.where)], capture_output=True)
+
+
+class Lane:
+    def __init__(self, name: str, args: argparse.Namespace, budget: int, root: Path, server: ForkServer,
+                 env: dict[str, str], mirror_ok: bool) -> None:
+        self.name, self.args, self.budget, self.server, self.env = name, args, budget, server, env
+        self.rng = random.Random(f"{args.seed}/{name}")
+        self.kinds = list(KINDS[name])
+        self.root = root / name
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True)
+        self.tmpfs: Tmpfs | None = None
+        self.notes: list[str] = []
+        if name != "ddp":
+            try:
+                self.tmpfs = Tmpfs(self.root / "mnt", args.tmpfs_bytes)
+            except OSError as exc:
+                self.kinds.remove("enospc")
+                self.notes.append(f"enospc left out: cannot mount a tmpfs here ({exc})")
+        self.mirror = None
+        if mirror_ok and name != "ddp":
+            self.kinds.append("lost-folder")
+        self.delivered: Counter[str] = Counter()
+        self.survived: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self.starts: Counter[str] = Counter()
+        self.generations = self.redone = self.laps = self.equal_laps = 0
+        self.wall_s = 0.0
+        self.diverged = 0
+        self.lost: list[str] = []
+        self.sabotage = args.sabotage.get(name)
+
+    # ------------------------------------------------------------ helpers
+    def cfg(self, run: Path, sabotage: bool) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"lane": self.name, "run": str(run), "total": TOTAL[self.name], "every": EVERY[self.name]}
+        if self.name == "general":
+            cfg["format"] = "general"
+        elif self.name == "andrea":
+            cfg["format"] = "andrea"
+        if self.mirror is not None:
+            cfg["mirror"] = str(self.mirror)
+        if sabotage and self.sabotage == "rng":
+            cfg["sabotage"] = "rng"
+        return cfg
+
+    def start(self, run: Path, sabotage: bool = True) -> Trainer:
+        fresh = self.name != "ddp" and self.rng.random() < self.args.fresh_share
+        t = Trainer(self.name, self.cfg(run, sabotage), self.root / "trainer.log", self.server, self.env, fresh)
+        self.starts[t.how] += 1
+        return t
+
+    def finals(self, run: Path) -> list[str] | None:
+        n = 2 if self.name == "ddp" else 1
+        out = []
+        for r in range(n):
+            p = run / f"{FINAL}.rank{r}.json"
+            if not p.exists():
+                return None
+            out.append(json.loads(p.read_text())["digest"])
+        return out
+
+    def lap_folder(self, n: int) -> Path:
+        base = self.tmpfs.where if self.tmpfs is not None else self.root
+        return base / f"lap{n:04d}"
+
+    # ------------------------------------------------------------ the reference
+    def reference(self) -> None:
+        run = self.root / "reference" if self.tmpfs is None else self.lap_folder(0)
+        t = self.start(run, sabotage=False)
+        rc = t.wait(900)
+        if rc != 0:
+            raise RuntimeError(f"{self.name}: the uninterrupted run exited {rc}; see {self.root / 'trainer.log'}")
+        hist = LapHistory(run, None)
+        hist.poll()
+        self.ref_losses = hist.losses
+        self.ref_final = self.finals(run)
+        if self.ref_final is None or len(self.ref_losses) != TOTAL[self.name]:
+            raise RuntimeError(f"{self.name}: the uninterrupted run left no final state")
+        shutil.rmtree(run)
+
+    # ------------------------------------------------------------ a lap
+    def run(self) -> None:
+        t0 = time.monotonic()
+        self.reference()
+        lap = 0
+        while sum(self.delivered.values()) < self.budget:
+            lap += 1
+            self.lap(lap)
+        self.wall_s = round(time.monotonic() - t0, 1)
+
+    def lap(self, n: int) -> None:
+        run = self.lap_folder(n)
+        if self.name != "ddp" and "lost-folder" in self.kinds:
+            self.mirror = self.root / f"mirror{n:04d}"
+        hist = LapHistory(run, self.ref_losses)
+        trainer = self.start(run)
+        while True:
+            left = self.budget - sum(self.delivered.values())
+            rc = trainer.poll()
+            if rc is not None:
+                hist.poll()
+                if rc != 0 and not (rc == 1 and trainer.may_fail_saves) and not trainer.ended_by_late_signal:
+                    self.failures.append(f"lap {n}: a trainer exited {rc} without being interrupted")
+                if self.finals(run) is not None:
+                    break
+                trainer = self.start(run)
+                continue
+            if left <= 0:  # the budget is spent: let this lap finish undisturbed
+                rc = trainer.wait(900)
+                continue
+            kind = self.rng.choice([k for k in self.kinds if not self.args.kinds or k in self.args.kinds])
+            trainer = self.interrupt(kind, trainer, run, hist)
+        hist.poll()
+        self.laps += 1
+        final = self.finals(run)
+        equal = final == self.ref_final
+        self.equal_laps += equal
+        if not equal:
+            self.lost.append(f"lap {n}: final state differs from the uninterrupted run")
+        self.lost.extend(f"lap {n}: {x}" for x in hist.lost)
+        self.generations += hist.generations
+        self.redone += hist.redone
+        self.diverged += len(hist.diverged)
+        shutil.rmtree(run, ignore_errors=True)
+        if self.mirror is not None:
+            shutil.rmtree(self.mirror, ignore_errors=True)
+
+    def running(self, hist: LapHistory, trainer: Trainer, timeout: float = 120) -> bool:
+        """Wait until this trainer has resumed (its soak_start line): signal handlers are installed."""
+        mine = trainer.pid if trainer.how != "torchrun" else None
+        return hist.wait_for(lambda r: r.get("event") == "soak_start" and (mine is None or r.get("pid") == mine),
+                             trainer, timeout) is not None
+
+    def interrupt(self, kind: str, trainer: Trainer, run: Path, hist: LapHistory) -> Trainer:
+        """Deliver one interruption of ``kind``; return the trainer that runs now (a new one after a stop)."""
+        r = self.rng
+        ok = True
+        delivered = False
+        if kind == "sigkill-start":  # during the start: import, fork, resume
+            time.sleep(r.uniform(0, 2.5 if trainer.how != "fork" else 0.15))
+            delivered = trainer.signal(signal.SIGKILL, group=True)
+            trainer.kill_all()
+        elif kind in ("sigkill", "sigkill-group", "sigkill-rank", "lost-folder"):
+            if not self.running(hist, trainer):
+                return trainer
+            time.sleep(r.uniform(0, 0.6))
+            if kind == "sigkill-rank":
+                ranks = trainer.ranks()
+                delivered = bool(ranks) and trainer.poll() is None
+                if not delivered:
+                    self.notes.append("sigkill-rank: no rank found under the launcher; nothing sent")
+                    return trainer
+                if delivered:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(r.choice(ranks), signal.SIGKILL)
+                    rc = trainer.wait(120)  # the launcher stops the other rank and exits
+                    if rc is None:
+                        self.failures.append("torchrun did not exit after one rank was killed")
+            else:
+                delivered = trainer.signal(signal.SIGKILL, group=True)
+            trainer.kill_all()
+            if delivered and kind == "lost-folder":
+                hist.poll()
+                shutil.rmtree(run, ignore_errors=True)
+                hist.reset_file()
+                hist.committed = newest_mirrored(self.mirror)  # the bar is now what the mirror holds
+        elif kind == "sigterm":
+            if not self.running(hist, trainer):
+                return trainer
+            time.sleep(r.uniform(0, 0.6))
+            hist.poll()
+            seen = len(hist.events)
+            delivered = trainer.signal(signal.SIGTERM)
+            rc = trainer.wait(300)
+            if rc is None:
+                ok = False
+                self.failures.append("SIGTERM: the trainer did not exit")
+                trainer.kill_all()
+            elif delivered:
+                hist.poll()
+                mine = hist.events[seen:]
+                stops = [e["step"] for e in mine if e.get("event") == "signal" and e.get("action") == "stop"]
+                saved = [e["step"] for e in mine if e.get("event") == "checkpoint" and e.get("reason") == "stop"]
+                last = hist.last_step
+                # at its last step the loop is over: the stop lands in close() (exit 0) or after it (default action)
+                at_end = last == TOTAL[self.name] == hist.committed and rc in (0, -signal.SIGTERM)
+                if not at_end and (rc != 0 or stops != [last] or saved != [last]):
+                    ok = False
+                    self.failures.append(f"SIGTERM: exit {rc}, stop signal at {stops}, stop checkpoint {saved}, "
+                                         f"last step {last}")
+                    self.keep(run, f"sigterm-{len(self.failures)}")
+        elif kind == "sigusr1+kill":
+            if not self.running(hist, trainer):
+                return trainer
+            time.sleep(r.uniform(0, 0.4))
+            hist.poll()
+            seen = len(hist.events)
+            delivered = trainer.signal(signal.SIGUSR1)
+            if delivered:
+                def signal_checkpoint(rec: dict[str, Any]) -> bool:
+                    return rec.get("event") == "checkpoint" and rec.get("reason") == "signal"
+                got = hist.wait_for(signal_checkpoint, trainer, 60)
+                if got is None and trainer.poll() is None:
+                    ok = False
+                    self.failures.append("SIGUSR1: no signal checkpoint within 60 s")
+                elif got is None:  # it ended first: the signal came after its last step, not an interruption
+                    delivered = any(signal_checkpoint(e) for e in hist.events[seen:])
+                    rc = trainer.poll()
+                    hist.poll()
+                    if not delivered and rc != 0:
+                        if rc == -signal.SIGUSR1 and hist.last_step == TOTAL[self.name] == hist.committed:
+                            trainer.ended_by_late_signal = True  # after close() the default action ends it
+                        else:
+                            ok, delivered = False, True
+                            self.failures.append(f"SIGUSR1: exit {rc} without a signal checkpoint")
+            trainer.kill_all()
+        elif kind == "enospc":
+            if not self.running(hist, trainer):
+                return trainer
+            if hist.committed == 0 and hist.wait_for(lambda r: r.get("event") == "checkpoint", trainer, 60) is None:
+                return trainer  # a full disk is delivered once a generation exists, to be deep-checked while full
+            time.sleep(r.uniform(0, 0.3))
+            if trainer.poll() is not None:
+                return trainer
+            ok = self.full_disk(trainer, run, hist)
+            trainer.may_fail_saves = True
+            delivered = True
+        hist.poll()  # the lines of a trainer that ended are all on disk: none is taken for the next one's
+        if not delivered:
+            return trainer
+        self.delivered[kind] += 1
+        self.survived[kind] += ok
+        if trainer.poll() is None:
+            return trainer
+        if self.sabotage == "lose" and kind != "sigterm":
+            self.lose_newest(run, hist)
+        if self.finals(run) is not None:
+            return trainer
+        return self.start(run)
+
+    def full_disk(self, trainer: Trainer, run: Path, hist: LapHistory) -> bool:
+        """Fill the tmpfs; wait for a failed save; deep-check the newest generation while full; free the room."""
+        from ripresa.store.backend import latest_valid_any
+
+        assert self.tmpfs is not None
+        filler = self.tmpfs.fill()
+        if filler is None:
+            usage = {p.name: p.stat().st_size for p in self.tmpfs.where.rglob("*") if p.is_file()}
+            self.notes.append(f"the tmpfs was full before the filler: {sorted(usage.items(), key=lambda x: -x[1])[:6]}")
+        try:
+            failed = hist.wait_for(lambda r: r.get("event") == "checkpoint_failed", trainer, 30)
+            if failed is None and trainer.poll() is None:
+                self.failures.append("ENOSPC: no failed save within 30 s on a full disk")
+                return False
+            hist.poll()
+            gen = latest_valid_any(run, deep=True, warn=False)
+            ok = gen is not None and gen.valid and gen.step >= hist.committed
+            if not ok:
+                self.failures.append(f"ENOSPC: deep check while full: {gen and gen.reason}, step "
+                                     f"{gen and gen.step} vs committed {hist.committed}")
+            time.sleep(self.rng.uniform(0, 0.2))
+            return ok
+        finally:
+            if filler is not None:
+                filler.unlink()
+
+    def keep(self, run: Path, name: str) -> None:
+        """Keep a failed lap's history for the post-mortem (build/soak/failed/)."""
+        dest = Path(self.args.out) / "failed"
+        dest.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            shutil.copy(run / ".loss.jsonl", dest / f"{self.name}-{name}.jsonl")
+
+    def lose_newest(self, run: Path, hist: LapHistory) -> None:
+        """Sabotage (tests the soak itself): delete the newest committed generation before the restart."""
+        hist.poll()
+        if hist.committed <= 0:
+            return
+        for p in run.glob(f"step_{hist.committed:06d}*"):
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+
+    def close(self) -> None:
+        if self.tmpfs is not None:
+            self.tmpfs.close()
+
+    def record(self) -> dict[str, Any]:
+        return {"delivered": dict(self.delivered), "survived": dict(self.survived), "starts": dict(self.starts),
+                "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,
+                "equal_laps": self.equal_laps, "diverged_steps": self.diverged, "lost": len(self.lost),
+                "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
+                "wall_s": self.wall_s, "total_steps": TOTAL[self.name], "every": EVERY[self.name], "sabotage": self.sabotage}
+
+
+def newest_mirrored(mirror: Path | None) -> int:
+    """The newest step of a local-path mirror that verifies (its marker last; docs/MIRROR.md), or 0."""
+    from ripresa.store.backend import latest_valid_any
+
+    if mirror is None or not mirror.exists():
+        return 0
+    gen = latest_valid_any(mirror, deep=True, warn=False)
+    return gen.step if gen is not None else 0
+
+
+def mirror_available() -> bool:
+    import inspect
+
+    from ripresa.session.checkpointer import Checkpointer
+
+    return "mirror" in inspect.signature(Checkpointer).parameters
+
+
+def split_budget(total: int, lanes: list[str], ddp_share: float) -> dict[str, int]:
+    out: dict[str, int] = {}
+    single = [x for x in lanes if x != "ddp"]
+    ddp = round(total * ddp_share) if "ddp" in lanes and single else (total if "ddp" in lanes else 0)
+    for i, lane in enumerate(single):
+        out[lane] = (total - ddp) // len(single) + (1 if i < (total - ddp) % len(single) else 0)
+    if "ddp" in lanes:
+        out["ddp"] = ddp
+    return out
+
+
+def report(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"soak — seed {result['seed']}, {result['wall_s']:.0f} s")
+    for col in ("lane", "kind", "delivered", "survived"):
+        table.add_column(col, justify="right" if col in ("delivered", "survived") else "left")
+    for lane, rec in result["lanes"].items():
+        for kind in sorted(rec["delivered"]):
+            table.add_row(lane, kind, str(rec["delivered"][kind]), str(rec["survived"].get(kind, 0)))
+    table.add_section()
+    table.add_row("all", "interruptions", str(result["delivered"]), str(result["survived"]))
+    console = Console(width=120)
+    console.print(table)
+    summary = Table(show_header=True)
+    for col in ("lane", "starts (fork/fresh/torchrun)", "generations", "redone steps", "laps equal", "diverged steps",
+                "lost"):
+        summary.add_column(col)
+    for lane, rec in result["lanes"].items():
+        s = rec["starts"]
+        summary.add_row(lane, f"{s.get('fork', 0)}/{s.get('fresh', 0)}/{s.get('torchrun', 0)}", str(rec["generations"]),
+                        str(rec["redone_steps"]), f"{rec['equal_laps']}/{rec['laps']}", str(rec["diverged_steps"]),
+                        str(rec["lost"]))
+    summary.add_section()
+    summary.add_row("all", "", str(result["generations"]), str(result["redone_steps"]),
+                    f"{result['equal_laps']}/{result['laps']}", str(result["diverged_steps"]), str(result["lost"]))
+    console.print(summary)
+    for lane, rec in result["lanes"].items():
+        for line in rec["notes"] + rec["failures"] + rec["lost_detail"]:
+            console.print(f"  {lane}: {line}", markup=False)
+    console.print(f"verdict: {'PASS' if result['ok'] else 'FAIL'} — lost {result['lost']}; replay: {result['command']}",
+                  markup=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="ripresa's soak: >= 1,000 interruptions, bitwise final states")
+    ap.add_argument("--seed", type=int, default=None, help="seed of every random choice (default: drawn, printed)")
+    ap.add_argument("--interruptions", type=int, default=1000, help="interruptions in total across the lanes")
+    ap.add_argument("--lanes", default=",".join(LANES), help="comma-separated: general, andrea, ddp")
+    ap.add_argument("--ddp-share", type=float, default=0.08, help="share of the interruptions for the ddp lane")
+    ap.add_argument("--fresh-share", type=float, default=0.1, help="single-process starts in a fresh interpreter")
+    ap.add_argument("--kinds", default="", help="comma-separated: only these interruption kinds (a replay)")
+    ap.add_argument("--total", type=int, default=0, help="steps per lap of the single-process lanes (default: 1000, 400)")
+    ap.add_argument("--tmpfs-bytes", type=int, default=TMPFS_BYTES)
+    ap.add_argument("--sabotage", default="", help="LANE=lose|rng,...: break a lane on purpose (the soak must fail)")
+    ap.add_argument("--out", default=str(REPO / "build" / "soak"), help="folder of soak.json and the run folders")
+    ap.add_argument("--progress-every", type=float, default=60.0, help="seconds between progress lines")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--fork-server", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.fork_server:
+        fork_server()
+        return 0
+    if args.worker:
+        return run_worker(json.loads(args.worker))
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 31)
+    lanes = [x for x in args.lanes.split(",") if x]
+    if not lanes or any(x not in LANES for x in lanes):
+        ap.error(f"--lanes takes {', '.join(LANES)}")
+    args.kinds = [x for x in args.kinds.split(",") if x]
+    if args.total:
+        TOTAL.update(general=args.total, andrea=args.total)
+    args.sabotage = dict(x.split("=", 1) for x in args.sabotage.split(",") if x)
+    command = (f"python tests/soak/soak.py --seed {args.seed} --interruptions {args.interruptions} --lanes {','.join(lanes)}"
+               + (f" --kinds {','.join(args.kinds)}" if args.kinds else "") + (f" --total {args.total}" if args.total else "")
+               + (f" --fresh-share {args.fresh_share}" if args.fresh_share != 0.1 else "")
+               + (f" --sabotage {','.join(f'{k}={v}' for k, v in args.sabotage.items())}" if args.sabotage else ""))
+    print(f"soak: seed {args.seed}; replay: {command}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    t0 = time.monotonic()
+    server = ForkServer(env)
+    budget = split_budget(args.interruptions, lanes, args.ddp_share)
+    mirror_ok = mirror_available()
+    objs = {name: Lane(name, args, budget[name], out / "runs", server, env, mirror_ok) for name in lanes}
+    errors: dict[str, str] = {}
+
+    def drive(lane: Lane) -> None:
+        try:
+            lane.run()
+        except Exception as exc:  # reported as a failed soak, never hidden
+            import traceback
+
+            errors[lane.name] = "".join(traceback.format_exception(exc))[-3000:]
+
+    try:
+        threads = [threading.Thread(target=drive, args=(lane,)) for lane in objs.values()]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            deadline = time.monotonic() + args.progress_every
+            for t in threads:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+            if any(t.is_alive() for t in threads):
+                print(f"{time.monotonic() - t0:6.0f} s  " + "  ".join(
+                    f"{lane.name} {sum(lane.delivered.values())}/{lane.budget} (lap {lane.laps + 1})"
+                    for lane in objs.values()), flush=True)
+    finally:
+        for lane in objs.values():
+            lane.close()
+        server.close()
+    lanes_rec = {name: lane.record() for name, lane in objs.items()}
+    for name, err in errors.items():
+        lanes_rec[name]["error"] = err
+    result: dict[str, Any] = {
+        "seed": args.seed, "command": command, "wall_s": round(time.monotonic() - t0, 1), "lanes": lanes_rec,
+        "mirror": mirror_ok,
+        "delivered": sum(sum(r["delivered"].values()) for r in lanes_rec.values()),
+        "survived": sum(sum(r["survived"].values()) for r in lanes_rec.values()),
+    }
+    for key in ("generations", "redone_steps", "laps", "equal_laps", "diverged_steps", "lost"):
+        result[key] = sum(r[key] for r in lanes_rec.values())
+    result["failures"] = sum(len(r["failures"]) for r in lanes_rec.values())
+    result["ok"] = (not errors and result["lost"] == 0 and result["diverged_steps"] == 0 and result["failures"] == 0
+                    and result["survived"] == result["delivered"] and result["equal_laps"] == result["laps"] > 0)
+    (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    report(result)
+    for name, err in errors.items():
+        print(f"{name}: {err}", file=sys.stderr)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

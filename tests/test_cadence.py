@@ -77,6 +77,9 @@ def test_auto_cadence_warms_up_then_records_only_changes_over_5_percent():
         c.saved(200, s)  # median of 0.5, 0.54, 0.9, 0.9 → 0.72: 76 steps, +19 %
     ev = c.reevaluate(200, force=True)
     assert ev is not None and ev["previous"] == 63 and ev["every"] == round(math.sqrt(2 * 0.72 * 10) / 0.05)
+    slow = AutoCadence(mtbf_s=86400.0, max_redo=("seconds", 30.0), background=False)  # 10 s steps, 30 s of work
+    slow.step_time(10.0)
+    assert [slow.due(s) for s in (1, 2, 3)] == [False, False, True]  # the warm-up save within max_redo too
     # background saves: no decision before a write time is known; then not shorter than the write
     b = AutoCadence(mtbf_s=60.0, background=True, warmup=10)
     for _ in range(5):

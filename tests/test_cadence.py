@@ -197,6 +197,34 @@ def test_auto_every_matches_young_daly_in_a_real_loop(tmp_path):
     assert abs(report["choices"][0]["every"] - expected) <= 0.15 * expected  # its step time includes step_done
 
 
+def test_auto_every_with_background_saves_is_not_shorter_than_the_write(tmp_path):
+    """Background saves: a tiny stall but a 0.3 s write (at the fsync, in the writer thread) bounds the interval."""
+    model, state = _tiny_state()
+    run = tmp_path / "run"
+    uninstall = install_delay_hook("fsync:0.3@.bin.tmp")
+    try:
+        ckpt = ripresa.Checkpointer(run, state, every="auto", mtbf=1.0, handle_signals=False)
+        assert ckpt.writer is not None
+        ckpt.resume()
+        for step in range(1, 60):
+            time.sleep(0.02)
+            ckpt.step_done(step)
+            if len(ckpt.save_stalls) == 3:
+                break
+        ckpt.close()
+    finally:
+        uninstall()
+    events = read_history(run / ".loss.jsonl").events
+    decisions = [e for e in events if e["event"] == "cadence"]
+    first = decisions[0]
+    assert first["write_s"] >= 0.3 and first["bound"] == "write_time", first
+    assert first["young_daly_steps"] < first["every"] == math.ceil(first["write_s"] / first["step_s"])
+    for d in decisions:  # never shorter than the write
+        assert d["every"] * d["step_s"] >= d["write_s"]
+    ck = [e for e in events if e["event"] == "checkpoint"]
+    assert all(e["background"] and e["stall"] < e["seconds"] for e in ck), ck
+
+
 def _advise(*args: str) -> subprocess.CompletedProcess:
     return ripresa_cli("advise", *args, timeout=60)
 

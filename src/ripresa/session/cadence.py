@@ -191,6 +191,9 @@ class AutoCadence:
     def due(self, step: int) -> bool:
         if self.anchor is None:
             self.anchor = step - 1  # the first step this session saw: count from the step before it
+        if self.decision is None and self.max_redo is not None and self.max_redo[0] == "seconds" and self.steps:
+            # warming up: the first save is still due within max_redo seconds of work
+            self.every = max(1, min(self.every, math.floor(self.max_redo[1] / max(median(self.steps) or 0.0, 1e-9))))
         return step - self.anchor >= self.every
 
     def steps_to_next(self, step: int) -> int:

@@ -97,7 +97,6 @@ class Deadline:
             raise BadInput("the deadline is more than 100 years ahead", expected="a time within 100 years",
                            found=f"{self.deadline - now:.3g} s from now")
         self.save_s: float | None = None
-        self.export_s: float | None = None  # a known export time (None: the estimate)
         self.plan: Plan | None = None
         self._recorded: Plan | None = None
         self.stopped_at_step: int | None = None
@@ -135,10 +134,8 @@ class Deadline:
             else:
                 upload = save
                 estimated.append("upload")
-        export = self.export_s
-        if export is None:
-            export = EXPORT_FACTOR * save + EXPORT_BASE_S
-            estimated.append("export")
+        export = EXPORT_FACTOR * save + EXPORT_BASE_S  # an estimate (the real time is in deadline_done)
+        estimated.append("export")
         tail = save + upload + export
         margin = max(MARGIN_STEPS * step_s, MARGIN_FRACTION * tail, MARGIN_MIN_S)
         self.plan = Plan(self.deadline, self.deadline - tail - margin, step_s, save, upload, export, margin, tuple(estimated))

@@ -201,7 +201,7 @@ def test_auto_every_with_background_saves_is_not_shorter_than_the_write(tmp_path
     """Background saves: a tiny stall but a 0.3 s write (at the fsync, in the writer thread) bounds the interval."""
     model, state = _tiny_state()
     run = tmp_path / "run"
-    uninstall = install_delay_hook("fsync:0.3@.bin.tmp")
+    uninstall = install_delay_hook("fsync:0.3@.safetensors.tmp")
     try:
         ckpt = ripresa.Checkpointer(run, state, every="auto", mtbf=1.0, handle_signals=False)
         assert ckpt.writer is not None

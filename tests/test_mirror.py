@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -179,26 +180,41 @@ def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tm
 
 
 def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp_path, s3, proxy):
-    ref = train(tmp_path / "ref", 12, 3)
-    proxy.arm("500", "503", "stall", "reset", "500")
-    out = train(tmp_path / "run", 12, 3, mirror=fast(s3.url, timeout=1.0, attempts=8))
-    assert out["step"] == 12 and out["digest"] == ref["digest"]  # training went on, untouched
-    assert proxy.injected == ["500", "503", "stall", "reset", "500"]
+    ref = train(tmp_path / "ref", 24, 3)
+    faults = ["500", "503", "stall", "reset", "500"]
+
+    run = tmp_path / "run"
+    train(run, 3, 3, mirror=fast(s3.url))
+
+    def feed() -> None:  # once this session uploads, one fault every 0.2 s (each drops the live connections)
+        while len(events(run, "mirror_uploaded")) < 2:
+            time.sleep(0.02)
+        for f in faults:
+            proxy.arm(f)
+            time.sleep(0.2)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    out = train(run, 24, 3, mirror=fast(s3.url, timeout=1.0, attempts=8), sleep=0.1)
+    feeder.join()
+    assert out["step"] == 24 and out["digest"] == ref["digest"]  # training went on, untouched
+    assert proxy.injected == faults
     retries = events(tmp_path / "run", "mirror_retry")
     text = " ".join(f"{e['error']} {e.get('found')}" for e in retries)
-    assert len(retries) >= 5, retries
+    assert len(retries) >= len(faults), retries
     assert "HTTP 500 InternalError" in text and "HTTP 503 SlowDown" in text and "Timeout" in text, text
+    assert any(e["step"] is not None for e in retries)  # some hit a generation's upload
     assert not events(tmp_path / "run", "mirror_failed")
-    # nothing lost: every generation is in the store, byte for byte what the local markers vouch for
-    assert s3.committed() == [3, 6, 9, 12]
-    for name in local_generations(tmp_path / "run"):  # 6, 9, 12 (local keep_last=3)
+    # nothing lost: every generation the policy keeps is in the store, byte for byte what the local markers vouch for
+    assert s3.committed() == [9, 12, 15, 18, 21, 24]
+    for name in local_generations(tmp_path / "run"):  # 18, 21, 24 (local keep_last=3)
         marker = (tmp_path / "run" / (name + ".sha256")).read_bytes()
         assert s3.get(name + ".sha256") == marker
         for line in marker.decode().splitlines():
             digest, _, obj = line.partition("  ")
             assert hashlib.sha256(s3.get(obj)).hexdigest() == digest
-    pulled = train(tmp_path / "new", 12, 3, mirror=fast(s3.url))
-    assert pulled["resumed"] == "step_000012.safetensors" and pulled["digest"] == ref["digest"]
+    pulled = train(tmp_path / "new", 24, 3, mirror=fast(s3.url))
+    assert pulled["resumed"] == "step_000024.safetensors" and pulled["digest"] == ref["digest"]
 
 
 def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(tmp_path, s3, proxy):

@@ -22,16 +22,14 @@ from pathlib import Path
 import boto3
 import pytest
 from conftest import REPO, ripresa_cli
+from support.mirror_train import train
+from support.s3server import FaultProxy, MotoServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from mirror_train import train  # noqa: E402
-from s3server import FaultProxy, MotoServer  # noqa: E402
-
-from ripresa.cli import main as cli_main  # noqa: E402
-from ripresa.errors import CheckFailed  # noqa: E402
-from ripresa.io import auth  # noqa: E402
-from ripresa.store.history import read_history  # noqa: E402
-from ripresa.store.mirror import MirrorSpec, local_generations  # noqa: E402
+from ripresa.cli import main as cli_main
+from ripresa.errors import CheckFailed
+from ripresa.io import auth
+from ripresa.store.history import read_history
+from ripresa.store.mirror import MirrorSpec, local_generations
 
 MIRROR_TRAIN = Path(__file__).resolve().parent / "support" / "mirror_train.py"
 

@@ -366,3 +366,35 @@ def test_ripresa_train_mirror_on_a_blank_machine_needs_no_config(tmp_path, s3):
     ref = ripresa_cli("train", "--run", tmp_path / "ref", "--config", "tiny", "--steps", "6", *common, cwd=REPO)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert (tmp_path / "b" / "step_000006.bin").read_bytes() == (tmp_path / "ref" / "step_000006.bin").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_sharded_dcp_generation_is_mirrored_and_pulled_deep_checked(tmp_path, s3):
+    import torch
+
+    from ripresa.core.state import Progress, TrainingState
+    from ripresa.formats import dcp
+    from ripresa.store.mirror import Mirror, pull
+    from ripresa.store.restore import rest_proxy
+    from ripresa.store.retention import KeepLast
+    from ripresa.store.store import CheckpointStore
+
+    run = tmp_path / "run"
+    run.mkdir()
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    part = dcp.partial_path(run, 5)
+    dcp.save_shards(model, opt, part, no_dist=True)  # one rank's shards, as an FSDP2 run writes them
+    rest = rest_proxy(TrainingState(model=model, optimizer=opt)).snapshot(Progress(step=5), None, include_parameters=False)
+    assert dcp.commit_dcp(run, 5, part, world_size=1, n_params=10, state=rest).valid
+    mirror = Mirror(fast(s3.url), run, local_retention=KeepLast(3))
+    assert mirror.round() and s3.committed() == [5]
+    assert {"step_000005.dcp/.metadata", "step_000005.dcp/__0_0.distcp", "step_000005.dcp/ripresa.json"} <= set(s3.keys())
+    new = tmp_path / "new"
+    with CheckpointStore(new) as store:
+        gen = pull(mirror.store, new, store)
+    assert gen.valid and gen.deep_checked and gen.kind == "dcp"
+    for name in ("__0_0.distcp", ".metadata", "ripresa.json"):
+        assert (new / "step_000005.dcp" / name).read_bytes() == (run / "step_000005.dcp" / name).read_bytes()

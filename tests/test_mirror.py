@@ -193,7 +193,7 @@ def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    out = train(run, 24, 3, mirror=fast(s3.url, timeout=1.0, attempts=8), sleep=0.1)
+    out = train(run, 24, 3, mirror=fast(s3.url, timeout=1.0, attempts=12), sleep=0.1)
     feeder.join()
     assert out["step"] == 24 and out["digest"] == ref["digest"]  # training went on, untouched
     assert proxy.injected == faults

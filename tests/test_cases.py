@@ -110,6 +110,9 @@ def test_verify_steered_passes_at_tolerance_zero_and_its_negative_diverges(tmp_p
         assert checks[name]["passed"] and checks[name]["max_abs_gap"] == 0.0 and checks[name]["values_compared"] > 0
     if case in ("loader", "feistel"):  # the data position, compared per step and at the end
         assert checks["data"]["passed"] and checks["data"]["values_compared"] > 0
+    if case == "loader":  # the resumed path crosses into the loader's second epoch (4 batches an epoch)
+        epochs = [s["data"]["sampler"]["epoch"] for s in json.loads((out / "resume" / "summary.json").read_text())["steps"]]
+        assert epochs == [0, 1, 1], epochs
     if case == "fp16_scaler":
         assert checks["scaler"]["passed"] and checks["scaler"]["values_compared"] > 0
     assert r["first_divergence"]["resume"] is None and r["first_divergence"]["resume-without-rng"]

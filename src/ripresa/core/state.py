@@ -115,7 +115,7 @@ def _check_stateful(data: Any, objects: Mapping[str, Any]) -> None:
             raise TypeError(
                 f"data={data!r} is a plain torch.utils.data.DataLoader: it lacks state_dict()/load_state_dict(), "
                 "so its position and its workers' random state cannot be saved; use "
-                "ripresa.core.loader.StatefulLoader(dataset, batch_size, shuffle=..., num_workers=..., seed=...) "
+                "ripresa.StatefulLoader(dataset, batch_size, shuffle=..., num_workers=..., seed=...) "
                 "or any Stateful loader (torchdata's StatefulDataLoader) instead"
             )
         raise TypeError(f"data={type(data).__name__} lacks state_dict()/load_state_dict(), so its position cannot be "

@@ -101,11 +101,6 @@ def _medians(doc, comparator):
     return pick(g[0] for g in got), pick(g[1] for g in got)
 
 
-def test_finishes_quickly(small_run):
-    *_, elapsed = small_run
-    assert elapsed < 60, f"the small benchmark took {elapsed:.1f} s"
-
-
 def test_json_has_every_method_with_positive_medians(small_run):
     out, *_ = small_run
     doc = json.loads((out / f"bench_checkpoint_{N}.json").read_text())

@@ -33,7 +33,7 @@ from ..formats import safetensors_file as st
 from ..formats.generation import Check, Checks, Generation, reason_of
 from ..io import auth
 from ..io.fsio import StagedFile, fsync_dir, ops, read_small, sidecar_line, write_atomic
-from .backend import _Base, _load_full_into
+from .backend import BinBackend, _Base, _load_full_into
 from .restore import Loaded, rest_proxy
 from .retention import plan_deletions
 from .store import (
@@ -222,16 +222,11 @@ class GeneralBackend(_Base):
                                                             to_cpu=stage is None)
         if stage is not None:
             tensors = self._stage(tensors)
-        folder, key, retention = self.folder, self.store.hmac_key, self.store.retention
+        folder, key = self.folder, self.store.hmac_key
 
         def commit() -> Generation:
             gen = save_general(folder, step, tensors, encoded, aliases, hmac_key=key)
-            valid = [g.step for g in self.generations() if g.valid]
-            doomed = plan_deletions(valid, retention, newest_valid=step)
-            for old in doomed:
-                self.delete(old)
-            if doomed:
-                fsync_dir(folder)
+            retain_across_kinds(self.store, newest_valid=step)
             return gen
 
         return commit
@@ -268,3 +263,21 @@ class GeneralBackend(_Base):
 
 def open_general(store: CheckpointStore) -> GeneralBackend:
     return GeneralBackend(store)
+
+
+def retain_across_kinds(store: CheckpointStore, *, newest_valid: int) -> list[int]:
+    """Apply ``store.retention`` to the valid ``.bin`` and general generations together (docs/FORMAT.md,
+    "Retention across kinds"): one sequence of steps; each dropped one is deleted by its own kind, marker
+    first; ``.dcp`` folders are not touched. Returns the steps deleted."""
+    kinds: dict[int, list[_Base]] = {}
+    for backend in (BinBackend(store), GeneralBackend(store)):
+        for g in backend.generations():
+            if g.valid:
+                kinds.setdefault(g.step, []).append(backend)
+    doomed = plan_deletions(sorted(kinds), store.retention, newest_valid=newest_valid)
+    for step in doomed:
+        for backend in kinds[step]:
+            backend.delete(step)
+    if doomed:
+        fsync_dir(store.folder)
+    return doomed

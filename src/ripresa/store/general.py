@@ -265,6 +265,22 @@ def open_general(store: CheckpointStore) -> GeneralBackend:
     return GeneralBackend(store)
 
 
+def check_general_file(path: Path) -> None:
+    """``ripresa inspect --require-signature step_NNNNNN.safetensors``: the generation's deep check with the
+    signature required; :class:`~ripresa.io.auth.SignatureError` (exit 1) when it fails."""
+    p = Path(path)
+    step = parse_general_name(p.name.removesuffix(".json"))
+    if step is None:
+        raise BadInput("not a general generation's file", file=p, expected="step_NNNNNN.safetensors", found=p.name)
+    key = auth.load_key()
+    if key is None:
+        raise auth.missing_key_error("--require-signature")
+    gen = validate_general(p.parent, step, deep=True, key=key).generation
+    if not gen.valid:
+        raise auth.SignatureError(f"generation {step} is not trusted under --require-signature: {gen.reason}",
+                                  file=p, hint="an unsigned, mis-signed or damaged generation is never trusted")
+
+
 def retain_across_kinds(store: CheckpointStore, *, newest_valid: int) -> list[int]:
     """Apply ``store.retention`` to the valid ``.bin`` and general generations together (docs/FORMAT.md,
     "Retention across kinds"): one sequence of steps; each dropped one is deleted by its own kind, marker

@@ -32,7 +32,15 @@ from ..formats import general as general_fmt
 from ..formats import safetensors_file as st
 from ..formats.generation import Check, Checks, Generation, reason_of
 from ..io import auth
-from ..io.fsio import StagedFile, fsync_dir, ops, read_small, sidecar_line, write_atomic
+from ..io.fsio import (
+    StagedFile,
+    fsync_dir,
+    open_run_file,
+    ops,
+    read_small,
+    sidecar_line,
+    write_atomic,
+)
 from .backend import BinBackend, _Base, _load_full_into
 from .restore import Loaded, rest_proxy
 from .retention import plan_deletions
@@ -70,10 +78,11 @@ class GeneralValidation:
     generation: Generation
     checks: list[Check]
     state: Any = None
+    header: st.Header | None = None  # the tensor file's validated header (reused by a load: docs/FORMAT.md)
 
 
 def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool = False, key: bytes | None = None,
-                     raise_first: bool = False) -> GeneralValidation:
+                     raise_first: bool = False, header: st.Header | None = None) -> GeneralValidation:
     """The one validation of a general generation: named checks, each file read once.
 
     ``marker present``, ``marker format``, ``signature`` (with ``key``),
@@ -84,14 +93,25 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
     and the header); with ``deep`` or ``load``: ``tensor sha256`` (every tensor
     read while hashed) and ``companion state`` (references resolved, the state
     passes :func:`~ripresa.core.state.validate_saved_state`).
+
+    A deep check or a load opens the tensor file once and reads it through that
+    descriptor; ``header`` (what an earlier check of this generation parsed) is
+    reused only when the file's header bytes are still exactly those, else the
+    ``tensor header`` check fails.
     """
     f, c, mk = general_paths(Path(folder), step)
     checks = Checks()
     out = GeneralValidation(Generation(step, "st", f, c, mk, valid=False), checks.items)
+    fd: int | None = None
     try:
         f_sha, c_sha = marker_checks(checks, f, c, mk, step, key)
         with checks.run("tensor header") as found:
-            header = st.read_header(f)
+            if deep or load:
+                fd = open_run_file(f, "safetensors file", error=IntegrityError)
+                header = st.header_fd(fd, f, header)
+            else:
+                header = header if header is not None else st.read_header(f)
+            out.header = header
             found["found"] = {"tensors": len(header.entries), "size": header.file_size}
         with checks.run("tensor step", expected={"format": general_fmt.FORMAT, "step": str(step)}) as found:
             got = {"format": header.metadata.get("format"), "step": header.metadata.get("step")}
@@ -108,11 +128,9 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
             if got_rec != want:
                 raise IntegrityError("companion and safetensors file disagree", file=c, expected=want, found=got_rec)
             found["found"] = got_rec
-        if deep or load:
+        if fd is not None:
             with checks.run("tensor sha256", expected=f_sha) as found:
-                header2, tensors, _ = st.read(f, expected_sha256=f_sha)
-                if header2.raw != header.raw:
-                    raise IntegrityError("the safetensors file changed while it was read", file=f)
+                tensors, _ = st.read_fd(fd, f, header, expected_sha256=f_sha)
                 found["found"] = f_sha
             with checks.run("companion state"), _malformed_companion(c):
                 out.state = general_fmt.join_state(doc, tensors, c)
@@ -122,6 +140,9 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
             raise
         out.generation = Generation(step, "st", f, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
         return out
+    finally:
+        if fd is not None:
+            os.close(fd)
     out.generation = Generation(step, "st", f, c, mk, valid=True, size=header.file_size, files={f.name: f_sha, c.name: c_sha},
                                 deep_checked=deep or load, signature_verified=key is not None, checks=tuple(checks))
     return out
@@ -184,7 +205,11 @@ class GeneralBackend(_Base):
         return validate_general(self.folder, step, deep=deep, key=self._key()).generation
 
     def check_to_resume(self, step: int) -> Generation:
-        return self.check(step, deep=False)  # load() hashes the tensor file while reading it
+        """The resume's check (load() hashes the tensor file while reading it); its parsed header is kept for
+        the load, which reuses it only if the file's header bytes are unchanged (one parse per resume)."""
+        v = validate_general(self.folder, step, key=self._key())
+        self._checked[step] = v.header
+        return v.generation
 
     def at_path(self, path: Path) -> Generation:
         src = Path(path)
@@ -198,12 +223,14 @@ class GeneralBackend(_Base):
         return gen
 
     def load(self, gen: Generation, state: TrainingState) -> Loaded:
-        v = validate_general(gen.path.parent, gen.step, load=True, key=self._key(), raise_first=True)
+        known = self._checked.pop(gen.step, None) if gen.path.parent == self.folder else None
+        v = validate_general(gen.path.parent, gen.step, load=True, key=self._key(), raise_first=True, header=known)
         return Loaded(v.state, True, _load_full_into, gen.companion)
 
     def __init__(self, store: CheckpointStore) -> None:
         super().__init__(store)
         self._staging: torch.Tensor | None = None  # reused by background saves (one in flight at most)
+        self._checked: dict[int, st.Header | None] = {}  # step -> header parsed by check_to_resume
 
     def capture(self, step: int, state: TrainingState, progress: Progress, extra: dict[str, Any] | None, *,
                 stage: Callable[[Any], Any] | None = None, world_size: int = 1) -> Callable[[], Generation]:

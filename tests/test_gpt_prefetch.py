@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, run, wait_for_step
+from conftest import EXAMPLES, generation_file, run, wait_for_step
 
 import ripresa
 
@@ -40,16 +40,27 @@ def _start(argv: list[str]) -> subprocess.Popen:
 
 
 def _final(run_dir: Path, step: int) -> tuple[bytes, dict]:
-    """The step-``step`` generation: the .bin's bytes (weights, m, v) and the companion state, identity aside."""
-    store = ripresa.CheckpointStore(run_dir, writer=False)
-    contents, state = store.load(step)
+    """The step-``step`` generation, of either kind: the bytes of weights and optimizer state (a .bin's; the
+    model/ and optimizer/ tensors of a general generation) and the rest of its state, identity aside."""
+    f = generation_file(run_dir, step)
+    if f.suffix == ".bin":
+        contents, state = ripresa.CheckpointStore(run_dir, writer=False).load(step)
+        blob = Path(contents.path).read_bytes()
+    else:
+        from ripresa.formats import safetensors_file as st
+        from ripresa.store.general import validate_general
+
+        state = dict(validate_general(run_dir, step, load=True, raise_first=True).state)
+        raw, header = f.read_bytes(), st.read_header(f)
+        blob = b"".join(raw[header.data_start + e.begin: header.data_start + e.end] for e in header.entries
+                        if e.key.startswith(("model/", "optimizer/")))
     for key in ("versions", "code", "config", "lineage"):
         state.pop(key)
     # the script draws from torch's global generator only; Python's and NumPy's global streams are saved and
     # restored too, but they were seeded by each fresh process from the OS (the script never seeds nor uses them)
     state["rng"] = {k: v for k, v in state["rng"].items() if k.startswith("torch")}
     assert "torch_cpu" in state["rng"]
-    return Path(contents.path).read_bytes(), state
+    return blob, state
 
 
 def _same_state(a, b, where="state"):

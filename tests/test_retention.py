@@ -336,3 +336,51 @@ def test_spec_round_trips(policy, steps) -> None:
     again = parse_retention(policy.spec)
     assert again == policy or (isinstance(policy, KeepAny) and len(policy.policies) == 1)
     assert again.keep(steps) == policy.keep(steps)
+
+
+# ---- retention across kinds (docs/FORMAT.md, "Retention across kinds") --------------------------------------------
+
+
+def test_after_a_format_change_keep_last_counts_bin_and_general_generations_as_one_sequence(tmp_path):
+    """Three .bin generations, then the general format: keep_last=2 keeps the 2 newest whatever their kind, the
+    old .bin ones are deleted as general ones commit; a .dcp folder in the run folder is never touched."""
+    import os
+    import warnings
+
+    import torch
+
+    import ripresa
+    from ripresa.formats import dcp as dcp_fmt
+    from ripresa.store.retention import KeepLast
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    state = ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    part = dcp_fmt.partial_path(tmp_path, 1)
+    dcp_fmt.save_shards(torch.nn.Linear(4, 3), None, part, no_dist=True)
+    dcp_fmt.commit_dcp(tmp_path, 1, part, world_size=1, n_params=15, state={"progress": {"step": 1}})
+
+    def steps_of(suffix: str) -> list[int]:
+        return sorted(int(n[5:11]) for n in os.listdir(tmp_path) if n.endswith(suffix))
+
+    def run(fmt: str, upto: int, seen: list[tuple[list[int], list[int]]]) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the ignored .dcp, the resumed .bin: said, and tested elsewhere
+            with ripresa.Checkpointer(tmp_path, state, every=1, asynchronous=False, handle_signals=False,
+                                      retention=KeepLast(2), format=fmt) as ck:
+                for step in range(ck.resume() + 1, upto + 1):
+                    state.optimizer.zero_grad()
+                    model(torch.randn(2, 4)).sum().backward()
+                    state.optimizer.step()
+                    ck.step_done(step)
+                    seen.append((steps_of(".bin"), steps_of(".safetensors")))
+
+    seen: list[tuple[list[int], list[int]]] = []
+    run("andrea", 3, seen)
+    assert seen[-1] == ([2, 3], [])
+    run("auto", 6, seen)
+    assert seen[3:] == [([3], [4]), ([], [4, 5]), ([], [5, 6])]
+    assert steps_of(".dcp") == [1] and dcp_fmt.check_dcp(tmp_path, 1).valid
+    # and back: a .bin session prunes the general generations with its own
+    run("andrea", 7, seen)
+    assert seen[-1] == ([7], [6])

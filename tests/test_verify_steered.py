@@ -99,12 +99,12 @@ def test_examples_loop_verifies_unchanged_steered(tmp_path):
     assert all(p["argv"][-4:] == ["--run", "IGNORED", "--steps", "2000"] for p in r["paths"].values())
     assert not (tmp_path / "IGNORED").exists()
     for path in ("continuous", "interrupted", "resume", "resume-without-rng"):
-        assert list((out / path / "run").glob("step_*.bin")), path
+        assert list((out / path / "run").glob("step_*.safetensors")), path  # format="auto": the general format
     summary = json.loads((out / "interrupted" / "summary.json").read_text())
     assert [s["step"] for s in summary["steps"]] == [1, 2, 3] and summary["final"]["progress"]["step"] == 3
     assert summary["steps"][0]["data"]["cursor"] == 32  # the EpochSampler's position, per step
     resumed = json.loads((out / "resume" / "summary.json").read_text())
-    assert [s["step"] for s in resumed["steps"]] == [4, 5, 6] and resumed["resumed_from"].endswith("step_000003.bin")
+    assert [s["step"] for s in resumed["steps"]] == [4, 5, 6] and resumed["resumed_from"].endswith("step_000003.safetensors")
     assert "random streams not used" in res.stdout
 
 

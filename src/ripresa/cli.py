@@ -95,14 +95,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = _command(
         sub, "inspect", _cmd_inspect,
-        help="show what a .bin, checkpoint.pt or run folder holds, and whether it is valid",
+        help="show what a .bin, .safetensors, checkpoint.pt or run folder holds, and whether it is valid",
         description="Inspect an ANDREA .bin (header, size, sidecar, companion, statistics of weights/m/v), "
         "a checkpoint.pt (hash, schema, progress, versions, identities, tensor statistics) or a run folder "
         "(generations, which one a resume uses, LOCK holder, leftover temporaries). Read-only. "
         "Exit 0 valid (a run folder: a resume finds a valid generation), 1 a check failed, 2 bad input.",
         usage="ripresa inspect PATH [--json] [--check-finite] [--deep | --no-deep]",
     )
-    p.add_argument("path", type=Path, help="a .bin, a checkpoint.pt or a run folder")
+    p.add_argument("path", type=Path, help="a .bin, a .safetensors (docs/INSPECT.md), a checkpoint.pt or a run folder")
     p.add_argument("--json", action="store_true", help="print one JSON document (keys: docs/INSPECT.md) instead of tables")
     p.add_argument("--check-finite", action="store_true", help="fail (exit 1) on NaN/Inf in weights, m, v or any floating tensor")
     p.add_argument(

@@ -163,7 +163,7 @@ class EpochSampler:
             raise ValueError(f"permutation must be 'auto', 'numpy' or 'feistel', got {permutation!r}")
         if permutation == "feistel" and n_rows > FEISTEL_MAX_ROWS:
             raise ValueError(f"permutation='feistel' covers at most {FEISTEL_MAX_ROWS} rows, got {n_rows}")
-        #: The sampler made its generator (``seed=``): nothing else saves it, so its state does (docs/FORMAT.md).
+        #: True when the sampler made its own generator (``seed=``): nothing else saves it, so its state does.
         self.owns_generator = generator is None
         if generator is None:
             generator = np.random.Generator(np.random.PCG64(0 if seed is None else seed))
@@ -235,11 +235,12 @@ class EpochSampler:
         ``{"kind": "numpy", "generator": <bit-generator state at the epoch's
         start>}`` or ``{"kind": "feistel", "key": <int>}``. After loading a
         legacy state (which carried the permutation itself) the permutation
-        tensor is saved again until the next epoch starts. A passed-in
-        generator's *current* state is not here: it belongs to the random
-        streams, restored last (it may be shared with other draws, such as
-        noise); a generator the sampler made itself (``seed=``) is saved as
-        ``generator``, else the epochs after a resume would differ.
+        tensor is saved again until the next epoch starts. A generator passed
+        in: its *current* state is not here, it belongs to the random streams,
+        restored last (it may be shared with other draws, such as noise). A
+        generator the sampler made itself (``seed=``) is saved nowhere else:
+        its current state is ``generator`` (O(1)), so that the epochs after a
+        resume draw the same permutations.
         """
         if self.epoch < 0:
             perm: Any = None
@@ -248,7 +249,7 @@ class EpochSampler:
         else:  # a legacy state's permutation, not regenerable
             assert self.permutation is not None
             perm = torch.from_numpy(np.ascontiguousarray(self.permutation, dtype=np.int64)).clone()
-        state = {
+        out = {
             "n_rows": self.n_rows,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
@@ -260,21 +261,19 @@ class EpochSampler:
         if self.owns_generator:
             from .rng import _numpy_bitgen_state
 
-            state["generator"] = _numpy_bitgen_state(self.generator.bit_generator.state)
-        return state
+            out["generator"] = _numpy_bitgen_state(self.generator.bit_generator.state)
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the position, regenerating the epoch's permutation; refuses a state for another data set or batch size.
 
         Everything is checked (:func:`validate_sampler_state`) before anything changes.
-        A legacy state that carries the permutation itself (an int64 tensor) is accepted.
+        A legacy state that carries the permutation itself (an int64 tensor) is accepted, and so is one
+        without ``generator`` (written before it was saved: the current epoch is exact, later ones are not).
+        A saved ``generator`` is restored into a generator this sampler owns (``seed=``); a generator passed
+        in is the random streams' to restore.
         """
         validate_sampler_state(state)
-        owned = None
-        if self.owns_generator and state.get("generator") is not None:  # a state without it (older): as before
-            from .rng import validate_numpy_state
-
-            owned = validate_numpy_state(state["generator"], "data.generator")
         for key, mine in (("n_rows", self.n_rows), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
             if state[key] != mine:
                 raise SchemaError(
@@ -320,8 +319,10 @@ class EpochSampler:
             self.permutation_kind = kind
         self.epoch, self.cursor = epoch, cursor
         self.rows_consumed = int(state["rows_consumed"])
-        if owned is not None:
-            self.generator.bit_generator.state = owned
+        if self.owns_generator and state.get("generator") is not None:
+            from .rng import _numpy_bitgen_state_back
+
+            self.generator.bit_generator.state = _numpy_bitgen_state_back(state["generator"], "data.generator")
 
 
 _INT64 = 2**63 - 1
@@ -368,16 +369,13 @@ def validate_sampler_state(state: Any, where: str = "data") -> None:
     elif epoch < 0:
         raise SchemaError(f"{where}: data position has a permutation but no epoch", found=f"epoch {epoch}")
     if state.get("distributed"):
-        from .rng import validate_numpy_state
-
         ws = state.get("world_size")
         if type(ws) is not int or not 1 <= ws <= 1 << 20:
             raise SchemaError(f"{where}.world_size out of range", expected="1..1048576", found=repr(ws)[:80])
-        validate_numpy_state(state.get("generator"), f"{where}.generator")
-    elif state.get("generator") is not None:  # the state of a generator the sampler made itself (seed=)
+    if state.get("distributed") or state.get("generator") is not None:
         from .rng import validate_numpy_state
 
-        validate_numpy_state(state["generator"], f"{where}.generator")
+        validate_numpy_state(state.get("generator"), f"{where}.generator")
 
 
 def _validate_recipe(perm: Mapping[str, Any], n: int, where: str) -> None:

@@ -289,29 +289,57 @@ def read_header(path: str | Path) -> Header:
         os.close(fd)
 
 
-def read(path: str | Path, *, expected_sha256: str | None = None) -> tuple[Header, dict[str, torch.Tensor], str]:
+#: Bytes per read-and-hash hand-off of a load (consecutive small tensors are gathered into one ``readv``).
+READ_PIECE = 16 * 1024 * 1024
+
+
+def header_fd(fd: int, path: Path, known: Header | None = None) -> Header:
+    """The validated header of the open file ``fd``: parsed, or ``known`` (parsed at an earlier check) reused
+    only when the file's header bytes and size are still exactly those; else an IntegrityError."""
+    if known is None:
+        return _read_header_fd(fd, path)
+    size = os.fstat(fd).st_size
+    if size != known.file_size or os.pread(fd, len(known.raw), 0) != known.raw:
+        raise _bad(path, "the header changed between its check and the load", "the header checked",
+                   f"other bytes ({size} bytes in the file)")
+    return known
+
+
+def read_fd(fd: int, path: Path, header: Header, *, expected_sha256: str | None = None,
+            piece: int = READ_PIECE) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of the open file ``fd`` whose ``header`` was validated on this ``fd``: (key -> tensor, sha256).
+
+    Each tensor is read straight into its own buffer, ``piece`` bytes per
+    ``readv`` (small tensors gathered), hashed in the same pass (the header
+    bytes first). With ``expected_sha256`` a different digest is an IntegrityError.
+    """
+    tensors = {e.key: torch.empty(e.shape, dtype=e.torch_dtype) for e in header.entries}
+    h = hashlib.sha256(header.raw)
+    os.lseek(fd, header.data_start, os.SEEK_SET)
+    views = [memoryview(as_bytes(tensors[e.key]).numpy()) for e in header.entries if e.end > e.begin]
+    read_exact_hashing(fd, views, h, path=path, what="safetensors file", piece=piece)
+    if os.read(fd, 1):
+        raise _bad(path, "the file grew while it was read", f"{header.file_size} bytes", "more")
+    digest = h.hexdigest()
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise IntegrityError("sha256 mismatch: the safetensors file changed after it was committed", file=path,
+                             expected=expected_sha256, found=digest,
+                             hint="bit rot or an edit; an older generation will be used")
+    return tensors, digest
+
+
+def read(path: str | Path, *, expected_sha256: str | None = None,
+         piece: int = READ_PIECE) -> tuple[Header, dict[str, torch.Tensor], str]:
     """Read every tensor of ``path`` in one pass, hashed while read: (header, key -> tensor, sha256).
 
     The header is validated first (:func:`parse_header`), so the allocation is
-    bounded by the file's size; each tensor is read straight into its own
-    buffer. With ``expected_sha256`` a different digest is an IntegrityError.
+    bounded by the file's size; then :func:`read_fd`. One open of the file.
     """
     p = Path(path)
     fd = open_run_file(p, "safetensors file", error=IntegrityError)
     try:
         header = _read_header_fd(fd, p)
-        tensors = {e.key: torch.empty(e.shape, dtype=e.torch_dtype) for e in header.entries}
-        h = hashlib.sha256(header.raw)
-        os.lseek(fd, header.data_start, os.SEEK_SET)
-        views = [memoryview(as_bytes(tensors[e.key]).numpy()) for e in header.entries if e.end > e.begin]
-        read_exact_hashing(fd, views, h, path=p, what="safetensors file")
-        if os.read(fd, 1):
-            raise _bad(p, "the file grew while it was read", f"{header.file_size} bytes", "more")
+        tensors, digest = read_fd(fd, p, header, expected_sha256=expected_sha256, piece=piece)
     finally:
         os.close(fd)
-    digest = h.hexdigest()
-    if expected_sha256 is not None and digest != expected_sha256:
-        raise IntegrityError("sha256 mismatch: the safetensors file changed after it was committed", file=p,
-                             expected=expected_sha256, found=digest,
-                             hint="bit rot or an edit; an older generation will be used")
     return header, tensors, digest

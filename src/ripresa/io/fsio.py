@@ -51,6 +51,8 @@ from .lock import pid_alive
 #: Read/write granularity for streaming (bytes). 8 MiB keeps syscalls few
 #: without a large private buffer.
 CHUNK = 8 * 1024 * 1024
+#: Buffers of one ``readv`` (Linux's IOV_MAX is 1024).
+_MAX_IOV = 512
 
 #: A temporary's name: ``.NAME.tmp.PID.RANDOM``. The pid has at most 7
 #: digits without a leading zero (Linux's ``PID_MAX_LIMIT`` is 4194304): a
@@ -794,8 +796,9 @@ def read_exact_hashing(
 ) -> int:
     """Fill every buffer in ``views``, in order, from ``fd``, hashing as it reads.
 
-    One pass: each piece (``piece`` bytes) is read straight into the caller's
-    buffer (``os.readv``, no intermediate copy) and then fed to ``hasher``
+    One pass: each piece (at most ``piece`` bytes; consecutive small buffers are
+    gathered into one piece, one ``os.readv``) is read straight into the caller's
+    buffers (no intermediate copy) and then fed to ``hasher``
     (anything with ``update``, e.g. ``hashlib.sha256()``; ``None`` to only
     read). A reader can so read a 1.4 GB file into preallocated arrays *and*
     verify its sha256 with one read of the disk. With ``overlap`` (and more
@@ -815,17 +818,31 @@ def read_exact_hashing(
     total = sum(len(v) for v in flat)
     if piece < 1:
         raise ValueError("piece must be >= 1")
-    pieces = (v[start : start + piece] for v in flat for start in range(0, len(v), piece))
     use_thread = hasher is not None and overlap and total > 2 * piece
     done = 0
 
-    def fill(buf: memoryview) -> None:
+    def groups() -> Iterator[list[memoryview]]:
+        """Pieces of at most ``piece`` bytes, each one ``readv`` over consecutive buffers (small tensors gathered)."""
+        group: list[memoryview] = []
+        size = 0
+        for v in flat:
+            for start in range(0, len(v), piece):
+                seg = v[start : start + piece]
+                if group and (size + len(seg) > piece or len(group) >= _MAX_IOV):
+                    yield group
+                    group, size = [], 0
+                group.append(seg)
+                size += len(seg)
+        if group:
+            yield group
+
+    def fill(group: list[memoryview]) -> None:
         nonlocal done
-        got_here = 0
-        want = len(buf)
+        want = sum(len(b) for b in group)
+        got_here, i, bufs = 0, 0, list(group)
         while got_here < want:
             try:
-                got = os.readv(fd, [buf[got_here:]])
+                got = os.readv(fd, bufs[i:])
             except InterruptedError:  # pragma: no cover - PEP 475 retries already
                 continue
             except OSError as exc:
@@ -839,24 +856,34 @@ def read_exact_hashing(
                     hint="another process is writing this file; read a committed generation",
                 )
             got_here += got
+            while got and i < len(bufs):  # skip what this read filled; go on inside a partly filled buffer
+                if got >= len(bufs[i]):
+                    got -= len(bufs[i])
+                    i += 1
+                else:
+                    bufs[i] = bufs[i][got:]
+                    got = 0
         done += want
 
-    if not use_thread:
-        for buf in pieces:
-            fill(buf)
-            if hasher is not None:
-                hasher.update(buf)
-        return done
+    def digest(group: list[memoryview]) -> None:
+        for b in group:
+            hasher.update(b)
 
+    if not use_thread:
+        for group in groups():
+            fill(group)
+            if hasher is not None:
+                digest(group)
+        return done
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ripresa-hash") as pool:
         pending: Future[None] | None = None
         try:
-            for buf in pieces:
-                fill(buf)
+            for group in groups():
+                fill(group)
                 if pending is not None:
                     pending.result()  # keep the hash in file order
-                pending = pool.submit(hasher.update, buf)
+                pending = pool.submit(digest, group)
         finally:
             if pending is not None:
                 pending.result()

@@ -254,7 +254,15 @@ class BinBackend(_Base):
         companion = companion_snapshot(state, progress, extra)
         if stage is not None:  # the background writer copies weights, m, v now; the write comes later
             arrays = stage(arrays)
-        return lambda: self.store.save(step, arrays, companion)
+
+        def commit() -> Generation:
+            from .general import retain_across_kinds
+
+            gen = self.store.save(step, arrays, companion)  # retention of the .bin ones, then across kinds
+            retain_across_kinds(self.store, newest_valid=step)
+            return gen
+
+        return commit
 
     def delete(self, step: int) -> None:
         self.store.delete(step)

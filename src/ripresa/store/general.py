@@ -32,8 +32,16 @@ from ..formats import general as general_fmt
 from ..formats import safetensors_file as st
 from ..formats.generation import Check, Checks, Generation, reason_of
 from ..io import auth
-from ..io.fsio import StagedFile, fsync_dir, ops, read_small, sidecar_line, write_atomic
-from .backend import _Base, _load_full_into
+from ..io.fsio import (
+    StagedFile,
+    fsync_dir,
+    open_run_file,
+    ops,
+    read_small,
+    sidecar_line,
+    write_atomic,
+)
+from .backend import BinBackend, _Base, _load_full_into
 from .restore import Loaded, rest_proxy
 from .retention import plan_deletions
 from .store import (
@@ -70,10 +78,11 @@ class GeneralValidation:
     generation: Generation
     checks: list[Check]
     state: Any = None
+    header: st.Header | None = None  # the tensor file's validated header (reused by a load: docs/FORMAT.md)
 
 
 def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool = False, key: bytes | None = None,
-                     raise_first: bool = False) -> GeneralValidation:
+                     raise_first: bool = False, header: st.Header | None = None) -> GeneralValidation:
     """The one validation of a general generation: named checks, each file read once.
 
     ``marker present``, ``marker format``, ``signature`` (with ``key``),
@@ -84,14 +93,25 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
     and the header); with ``deep`` or ``load``: ``tensor sha256`` (every tensor
     read while hashed) and ``companion state`` (references resolved, the state
     passes :func:`~ripresa.core.state.validate_saved_state`).
+
+    A deep check or a load opens the tensor file once and reads it through that
+    descriptor; ``header`` (what an earlier check of this generation parsed) is
+    reused only when the file's header bytes are still exactly those, else the
+    ``tensor header`` check fails.
     """
     f, c, mk = general_paths(Path(folder), step)
     checks = Checks()
     out = GeneralValidation(Generation(step, "st", f, c, mk, valid=False), checks.items)
+    fd: int | None = None
     try:
         f_sha, c_sha = marker_checks(checks, f, c, mk, step, key)
         with checks.run("tensor header") as found:
-            header = st.read_header(f)
+            if deep or load:
+                fd = open_run_file(f, "safetensors file", error=IntegrityError)
+                header = st.header_fd(fd, f, header)
+            else:
+                header = header if header is not None else st.read_header(f)
+            out.header = header
             found["found"] = {"tensors": len(header.entries), "size": header.file_size}
         with checks.run("tensor step", expected={"format": general_fmt.FORMAT, "step": str(step)}) as found:
             got = {"format": header.metadata.get("format"), "step": header.metadata.get("step")}
@@ -108,11 +128,9 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
             if got_rec != want:
                 raise IntegrityError("companion and safetensors file disagree", file=c, expected=want, found=got_rec)
             found["found"] = got_rec
-        if deep or load:
+        if fd is not None:
             with checks.run("tensor sha256", expected=f_sha) as found:
-                header2, tensors, _ = st.read(f, expected_sha256=f_sha)
-                if header2.raw != header.raw:
-                    raise IntegrityError("the safetensors file changed while it was read", file=f)
+                tensors, _ = st.read_fd(fd, f, header, expected_sha256=f_sha)
                 found["found"] = f_sha
             with checks.run("companion state"), _malformed_companion(c):
                 out.state = general_fmt.join_state(doc, tensors, c)
@@ -122,6 +140,9 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
             raise
         out.generation = Generation(step, "st", f, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
         return out
+    finally:
+        if fd is not None:
+            os.close(fd)
     out.generation = Generation(step, "st", f, c, mk, valid=True, size=header.file_size, files={f.name: f_sha, c.name: c_sha},
                                 deep_checked=deep or load, signature_verified=key is not None, checks=tuple(checks))
     return out
@@ -184,7 +205,11 @@ class GeneralBackend(_Base):
         return validate_general(self.folder, step, deep=deep, key=self._key()).generation
 
     def check_to_resume(self, step: int) -> Generation:
-        return self.check(step, deep=False)  # load() hashes the tensor file while reading it
+        """The resume's check (load() hashes the tensor file while reading it); its parsed header is kept for
+        the load, which reuses it only if the file's header bytes are unchanged (one parse per resume)."""
+        v = validate_general(self.folder, step, key=self._key())
+        self._checked[step] = v.header
+        return v.generation
 
     def at_path(self, path: Path) -> Generation:
         src = Path(path)
@@ -198,12 +223,14 @@ class GeneralBackend(_Base):
         return gen
 
     def load(self, gen: Generation, state: TrainingState) -> Loaded:
-        v = validate_general(gen.path.parent, gen.step, load=True, key=self._key(), raise_first=True)
+        known = self._checked.pop(gen.step, None) if gen.path.parent == self.folder else None
+        v = validate_general(gen.path.parent, gen.step, load=True, key=self._key(), raise_first=True, header=known)
         return Loaded(v.state, True, _load_full_into, gen.companion)
 
     def __init__(self, store: CheckpointStore) -> None:
         super().__init__(store)
         self._staging: torch.Tensor | None = None  # reused by background saves (one in flight at most)
+        self._checked: dict[int, st.Header | None] = {}  # step -> header parsed by check_to_resume
 
     def capture(self, step: int, state: TrainingState, progress: Progress, extra: dict[str, Any] | None, *,
                 stage: Callable[[Any], Any] | None = None, world_size: int = 1) -> Callable[[], Generation]:
@@ -222,16 +249,11 @@ class GeneralBackend(_Base):
                                                             to_cpu=stage is None)
         if stage is not None:
             tensors = self._stage(tensors)
-        folder, key, retention = self.folder, self.store.hmac_key, self.store.retention
+        folder, key = self.folder, self.store.hmac_key
 
         def commit() -> Generation:
             gen = save_general(folder, step, tensors, encoded, aliases, hmac_key=key)
-            valid = [g.step for g in self.generations() if g.valid]
-            doomed = plan_deletions(valid, retention, newest_valid=step, protected=self.store.protected_steps(valid))
-            for old in doomed:
-                self.delete(old)
-            if doomed:
-                fsync_dir(folder)
+            retain_across_kinds(self.store, newest_valid=step)
             return gen
 
         return commit
@@ -268,3 +290,39 @@ class GeneralBackend(_Base):
 
 def open_general(store: CheckpointStore) -> GeneralBackend:
     return GeneralBackend(store)
+
+
+def check_general_file(path: Path) -> None:
+    """``ripresa inspect --require-signature step_NNNNNN.safetensors``: the generation's deep check with the
+    signature required; :class:`~ripresa.io.auth.SignatureError` (exit 1) when it fails."""
+    p = Path(path)
+    step = parse_general_name(p.name.removesuffix(".json"))
+    if step is None:
+        raise BadInput("not a general generation's file", file=p, expected="step_NNNNNN.safetensors", found=p.name)
+    key = auth.load_key()
+    if key is None:
+        raise auth.missing_key_error("--require-signature")
+    gen = validate_general(p.parent, step, deep=True, key=key).generation
+    if not gen.valid:
+        raise auth.SignatureError(f"generation {step} is not trusted under --require-signature: {gen.reason}",
+                                  file=p, hint="an unsigned, mis-signed or damaged generation is never trusted")
+
+
+def retain_across_kinds(store: CheckpointStore, *, newest_valid: int) -> list[int]:
+    """Apply ``store.retention`` to the valid ``.bin`` and general generations together (docs/FORMAT.md,
+    "Retention across kinds"): one sequence of steps; each dropped one is deleted by its own kind, marker
+    first; ``.dcp`` folders are not touched, nor a step the store pins (a mirror's pending upload). Returns the
+    steps deleted."""
+    kinds: dict[int, list[_Base]] = {}
+    for backend in (BinBackend(store), GeneralBackend(store)):
+        for g in backend.generations():
+            if g.valid:
+                kinds.setdefault(g.step, []).append(backend)
+    doomed = plan_deletions(sorted(kinds), store.retention, newest_valid=newest_valid,
+                            protected=store.protected_steps(sorted(kinds)))  # a mirror's pending uploads
+    for step in doomed:
+        for backend in kinds[step]:
+            backend.delete(step)
+    if doomed:
+        fsync_dir(store.folder)
+    return doomed

@@ -457,13 +457,18 @@ def check_generation_file(path: str | os.PathLike[str]) -> None:
     is not a generation's file.
     """
     p = Path(path)
+    from .general import check_general_file, parse_general_name
+
+    if parse_general_name(p.name.removesuffix(".json")) is not None:  # a general generation (docs/FORMAT.md)
+        check_general_file(p)
+        return
     name = p.name[: -len(".json")] + ".bin" if p.name.endswith(".json") else p.name
     step = parse_bin_name(name)
     if step is None:
         raise BadInput(
-            "--require-signature checks a run folder or a generation's step_NNNNNN.bin",
+            "--require-signature checks a run folder or a generation's step_NNNNNN.bin or .safetensors",
             file=p,
-            expected="a run folder or step_NNNNNN.bin",
+            expected="a run folder, step_NNNNNN.bin or step_NNNNNN.safetensors",
             found=p.name,
             hint="checkpoint.pt files are not signed; sign generations of a run folder",
         )

@@ -1,6 +1,7 @@
 """``ripresa inspect PATH``: what a checkpoint holds, and whether it can be trusted.
 
-PATH is an ANDREA ``.bin``, a ``checkpoint.pt`` or a run folder; inspection is
+PATH is an ANDREA ``.bin``, a ``.safetensors`` file (a general generation's, or
+a foreign one: :mod:`ripresa.tools.inspect_general`), a ``checkpoint.pt`` or a run folder; inspection is
 read-only (nothing written, locked or deleted). What is checked, the exit
 codes and the stable keys of the ``--json`` document: docs/INSPECT.md.
 """
@@ -214,6 +215,7 @@ def _base(path: str | Path, kind: str | None, check_finite: bool, deep: bool) ->
         "bin": None,
         "checkpoint": None,
         "run": None,
+        "safetensors": None,
     }
 
 
@@ -288,10 +290,14 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
         return _inspect_bin(p, path, check_finite=check_finite, deep=deep)
     if kind == "checkpoint.pt":
         return _inspect_pt(p, path, check_finite=check_finite, deep=deep)
+    if kind == "safetensors":
+        from .inspect_general import inspect_safetensors
+
+        return inspect_safetensors(p, path, check_finite=check_finite, deep=deep)
     raise BadInput(
         "unknown kind of file",
         file=p,
-        expected="an ANDREA .bin, a checkpoint.pt (torch zip archive) or a run folder",
+        expected="an ANDREA .bin, a .safetensors file, a checkpoint.pt (torch zip archive) or a run folder",
         found=f"a file named '{p.name}'",
         hint="for a generation's .json or .sha256, inspect its .bin or the run folder",
     )
@@ -315,6 +321,8 @@ def _inspect_dcp(p: Path, given: str | Path, *, check_finite: bool, deep: bool) 
 def _file_kind(p: Path) -> str | None:
     if p.suffix == ".bin":
         return "bin"
+    if p.suffix == ".safetensors":
+        return "safetensors"
     if p.suffix in (".pt", ".pth"):
         return "checkpoint.pt"
     try:
@@ -984,6 +992,10 @@ def render_report(report: dict[str, Any], console: Any = None) -> None:
         from .inspect_dcp import render_dcp
 
         render_dcp(report["dcp"], console)
+    elif kind == "safetensors":
+        from .inspect_general import render_safetensors
+
+        render_safetensors(report["safetensors"], console)
     for text in report["problems"]:
         console.print(f"[red]problem:[/] {escape(text)}")
     for text in report["warnings"]:

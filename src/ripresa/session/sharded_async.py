@@ -7,8 +7,9 @@ are durable, and rank 0 writes the marker last. What changes is who waits:
 1. every rank finishes its previous write first (one save in flight);
 2. every rank copies its shards out of the live tensors
    (:class:`~ripresa.formats.dcp.ShardStager`: pinned host buffers on CUDA,
-   host memory on CPU) — the only stall the training loop sees — and the
-   ranks agree that every copy succeeded (one small collective);
+   host memory on CPU; allocated once, reused) — the only stall the training
+   loop sees — and the ranks agree that every copy succeeded (one small
+   collective, after rank 0 removed a stale partial folder);
 3. every rank starts ``dcp.async_save`` of its copy on a dedicated gloo
    process group (the save's collectives run in a background thread and must
    not share a communicator with the training's, which may be NCCL);
@@ -80,8 +81,7 @@ def save_async(ck: Checkpointer, step: int, reason: str, must_succeed: bool, ext
     sw.wait()  # a failure of the previous write is rank 0's to record (its commit never ran)
     if d.is_main:
         ck._collect(block=True, must_succeed=False)
-        ck.backend.prepare(step)
-    d.barrier()
+        ck.backend.prepare(step)  # before the agreement below: no rank writes before the stale partial is gone
     staged, error = None, None
     try:
         staged = sw.stager.stage(dcp_fmt.shard_state(ck.state.model, ck.state.optimizer))

@@ -214,6 +214,7 @@ def _base(path: str | Path, kind: str | None, check_finite: bool, deep: bool) ->
         "bin": None,
         "checkpoint": None,
         "run": None,
+        "dcp": None,
     }
 
 

@@ -203,11 +203,11 @@ def _dcp_of_toy(folder: Path, step: int) -> Path:
 
 
 def test_inspect_a_dcp_generation_deeply_and_a_flipped_shard_byte_fails(tmp_path):
+    from ripresa.tools.inspect import inspect_path
+
     d = _dcp_of_toy(tmp_path / "run", 3)
-    cli = [sys.executable, "-m", "ripresa", "inspect", "--json"]
-    res = subprocess.run([*cli, str(d)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    rep = json.loads(res.stdout)
+    rep = inspect_path(d)
+    assert rep["exit_code"] == 0, rep["problems"]
     assert rep["kind"] == "dcp" and rep["dcp"]["valid"] and rep["dcp"]["world_size"] == 1
     assert [c["name"] for c in rep["dcp"]["checks"]][-3:] == ["file sha256", "companion state", "metadata"]
     assert {t["key"] for t in rep["dcp"]["tensors"]} >= {"model.weight", "model.bias"}
@@ -215,9 +215,11 @@ def test_inspect_a_dcp_generation_deeply_and_a_flipped_shard_byte_fails(tmp_path
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 1
     shard.write_bytes(bytes(raw))
-    res = subprocess.run([*cli, str(d)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert "sha256 mismatch" in json.loads(res.stdout)["problems"][0]
+    rep = inspect_path(d)
+    assert rep["exit_code"] == 1 and "sha256 mismatch" in rep["problems"][0]
+    res = subprocess.run([sys.executable, "-m", "ripresa", "inspect", str(d)], capture_output=True, text=True,
+                         timeout=120)  # the command: exit 1, no traceback
+    assert res.returncode == 1 and "Traceback" not in res.stderr + res.stdout and "sha256 mismatch" in res.stdout
 
 
 def _text(tmp_path: Path) -> Path:

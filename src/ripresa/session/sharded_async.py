@@ -63,9 +63,20 @@ class ShardedWriter:
         return None
 
     def all_errors(self, error: str | None) -> list[str]:
-        """Every rank's ``error`` (None: fine), gathered on every rank of the training group."""
+        """Every rank's ``error`` (None: fine), on every rank of the training group.
+
+        One ``all_reduce`` of a flag per rank (the agreement, and the barrier
+        after rank 0's ``prepare``); the messages are gathered only when a
+        rank failed.
+        """
+        import torch
         import torch.distributed as tdist
 
+        flags = torch.zeros(self.dist.world_size, dtype=torch.int32, device=self.dist.device)
+        flags[self.dist.rank] = int(error is not None)
+        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+        if not int(flags.sum()):
+            return []
         out: list[Any] = [None] * self.dist.world_size
         tdist.all_gather_object(out, error)
         return [f"rank {r}: {e}" for r, e in enumerate(out) if e is not None]

@@ -324,3 +324,18 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
     events = read_history(sfork / ".loss.jsonl").events
     assert [e for e in events if e["event"] == "world_size_change"][-1]["world_size"] == 2
     assert valid_dcps(sfork) == [6]
+
+
+def test_fork_refuses_a_tampered_dcp_before_writing_anything(tmp_path):
+    """A shard byte flipped after the commit: the deep check refuses it (exit 1 error), the fork folder is never made."""
+    from ripresa.engine.fork import fork
+    from ripresa.errors import IntegrityError
+
+    d = _dcp_of_toy(tmp_path / "run", 3)
+    shard = d / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[-20] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="not valid") as info:
+        fork(tmp_path / "run", 3, tmp_path / "fork")
+    assert info.value.exit_code == 1 and not (tmp_path / "fork").exists()

@@ -203,11 +203,11 @@ def _dcp_of_toy(folder: Path, step: int) -> Path:
 
 
 def test_inspect_a_dcp_generation_deeply_and_a_flipped_shard_byte_fails(tmp_path):
+    from ripresa.tools.inspect import inspect_path
+
     d = _dcp_of_toy(tmp_path / "run", 3)
-    cli = [sys.executable, "-m", "ripresa", "inspect", "--json"]
-    res = subprocess.run([*cli, str(d)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    rep = json.loads(res.stdout)
+    rep = inspect_path(d)
+    assert rep["exit_code"] == 0, rep["problems"]
     assert rep["kind"] == "dcp" and rep["dcp"]["valid"] and rep["dcp"]["world_size"] == 1
     assert [c["name"] for c in rep["dcp"]["checks"]][-3:] == ["file sha256", "companion state", "metadata"]
     assert {t["key"] for t in rep["dcp"]["tensors"]} >= {"model.weight", "model.bias"}
@@ -215,9 +215,11 @@ def test_inspect_a_dcp_generation_deeply_and_a_flipped_shard_byte_fails(tmp_path
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 1
     shard.write_bytes(bytes(raw))
-    res = subprocess.run([*cli, str(d)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert "sha256 mismatch" in json.loads(res.stdout)["problems"][0]
+    rep = inspect_path(d)
+    assert rep["exit_code"] == 1 and "sha256 mismatch" in rep["problems"][0]
+    res = subprocess.run([sys.executable, "-m", "ripresa", "inspect", str(d)], capture_output=True, text=True,
+                         timeout=120)  # the command: exit 1, no traceback
+    assert res.returncode == 1 and "Traceback" not in res.stderr + res.stdout and "sha256 mismatch" in res.stdout
 
 
 def _text(tmp_path: Path) -> Path:
@@ -322,3 +324,18 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
     events = read_history(sfork / ".loss.jsonl").events
     assert [e for e in events if e["event"] == "world_size_change"][-1]["world_size"] == 2
     assert valid_dcps(sfork) == [6]
+
+
+def test_fork_refuses_a_tampered_dcp_before_writing_anything(tmp_path):
+    """A shard byte flipped after the commit: the deep check refuses it (exit 1 error), the fork folder is never made."""
+    from ripresa.engine.fork import fork
+    from ripresa.errors import IntegrityError
+
+    d = _dcp_of_toy(tmp_path / "run", 3)
+    shard = d / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[-20] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="not valid") as info:
+        fork(tmp_path / "run", 3, tmp_path / "fork")
+    assert info.value.exit_code == 1 and not (tmp_path / "fork").exists()

@@ -423,19 +423,28 @@ def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
 class ShardStager:
     """Copies a rank's shards out of the live tensors (the only stall of an asynchronous sharded save).
 
-    On CUDA the copies land in pinned host buffers allocated once and reused
-    (DCP's ``BlockingAsyncStager`` with its cache); on CPU in fresh host
-    tensors. Either way the staged dict shares no storage with the live
-    model or optimizer, so training may go on while it is written.
+    The host buffers are allocated at the first save — pinned on CUDA — and
+    reused by every later one (one save is in flight at a time, so the
+    previous write is finished before they are overwritten); a state whose
+    structure changed gets new buffers. The staged dict shares no storage
+    with the live model or optimizer, so training may go on while it is
+    written.
     """
 
     def __init__(self, *, pinned: bool) -> None:
-        from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-        self._stager = BlockingAsyncStager(cache_staged_state_dict=pinned)
+        self.pinned = pinned
+        self._cache: dict[str, Any] | None = None
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
-        return self._stager.stage(sd)
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self._cache is not None:
+            try:
+                return _copy_state_dict(sd, self._cache)
+            except Exception:  # CompanionMismatch and kin: the structure changed
+                self._cache = None  # another structure (a new optimizer state): new buffers
+        self._cache = _create_cpu_state_dict(sd, pin_memory=self.pinned)
+        return _copy_state_dict(sd, self._cache)
 
 
 def write_shards_async(staged: dict[str, Any], path: Path, *, group: Any,

@@ -7,8 +7,9 @@ are durable, and rank 0 writes the marker last. What changes is who waits:
 1. every rank finishes its previous write first (one save in flight);
 2. every rank copies its shards out of the live tensors
    (:class:`~ripresa.formats.dcp.ShardStager`: pinned host buffers on CUDA,
-   host memory on CPU) — the only stall the training loop sees — and the
-   ranks agree that every copy succeeded (one small collective);
+   host memory on CPU; allocated once, reused) — the only stall the training
+   loop sees — and the ranks agree that every copy succeeded (one small
+   collective, after rank 0 removed a stale partial folder);
 3. every rank starts ``dcp.async_save`` of its copy on a dedicated gloo
    process group (the save's collectives run in a background thread and must
    not share a communicator with the training's, which may be NCCL);
@@ -62,9 +63,20 @@ class ShardedWriter:
         return None
 
     def all_errors(self, error: str | None) -> list[str]:
-        """Every rank's ``error`` (None: fine), gathered on every rank of the training group."""
+        """Every rank's ``error`` (None: fine), on every rank of the training group.
+
+        One ``all_reduce`` of a flag per rank (the agreement, and the barrier
+        after rank 0's ``prepare``); the messages are gathered only when a
+        rank failed.
+        """
+        import torch
         import torch.distributed as tdist
 
+        flags = torch.zeros(self.dist.world_size, dtype=torch.int32, device=self.dist.device)
+        flags[self.dist.rank] = int(error is not None)
+        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+        if not int(flags.sum()):
+            return []
         out: list[Any] = [None] * self.dist.world_size
         tdist.all_gather_object(out, error)
         return [f"rank {r}: {e}" for r, e in enumerate(out) if e is not None]
@@ -80,8 +92,7 @@ def save_async(ck: Checkpointer, step: int, reason: str, must_succeed: bool, ext
     sw.wait()  # a failure of the previous write is rank 0's to record (its commit never ran)
     if d.is_main:
         ck._collect(block=True, must_succeed=False)
-        ck.backend.prepare(step)
-    d.barrier()
+        ck.backend.prepare(step)  # before the agreement below: no rank writes before the stale partial is gone
     staged, error = None, None
     try:
         staged = sw.stager.stage(dcp_fmt.shard_state(ck.state.model, ck.state.optimizer))

@@ -216,6 +216,7 @@ def _base(path: str | Path, kind: str | None, check_finite: bool, deep: bool) ->
         "checkpoint": None,
         "run": None,
         "safetensors": None,
+        "dcp": None,
     }
 
 

@@ -89,7 +89,7 @@ def test_a_general_run_exports_resumes_bitwise_and_gives_consolidated_inference_
     assert fresh.head.weight.dtype == torch.float32 and fresh.mid.weight.dtype == torch.bfloat16
 
     # the CLI, in-process: the same exports; --verify re-checks them
-    assert cli_main(["export", str(run), "--to", str(tmp_path / "cli"), "--step", "2", "--json"]) == 0
+    assert cli_main(["export", str(run), "--to", str(tmp_path / "cli"), "--step", "2"]) == 0  # the rendered report
     assert cli_main(["export", "--verify", str(tmp_path / "cli"), "--json"]) == 0
     assert cli_main(["export", "--verify", str(tmp_path / "inf"), "--json"]) == 0
 
@@ -119,7 +119,9 @@ def test_damaged_general_sources_and_bundles_are_refused_with_typed_errors(tmp_p
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err
     with pytest.raises(BadInput, match="model factory"):
-        export_run(tmp_path / "nothing", tmp_path / "d")
+        export_run(tmp_path / "b", tmp_path / "d")  # a folder without a general generation
+    with pytest.raises(BadInput):
+        export_run(tmp_path / "nothing", tmp_path / "e")
 
 
 @pytest.mark.slow

@@ -434,7 +434,7 @@ def export_run(run: Path, dest: Path, *, model_factory: ModelFactory | None = No
     if general is not None:
         return export_general(run, dest, general, model_factory=model_factory, inference=inference,
                               show_progress=show_progress)
-    if model_factory is None:
+    if model_factory is None and run.is_dir():
         raise BadInput("exporting a .bin or .dcp generation needs the model factory", file=run,
                        expected="export_run(..., model_factory=GPT_FACTORY)", found="model_factory=None",
                        hint="only a general generation (a Checkpointer's default format) exports without one")

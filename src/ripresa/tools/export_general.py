@@ -158,7 +158,8 @@ def export_general(run: Path, dest: Path, gen: Generation, *, model_factory: Mod
     return {
         "kind": manifest["kind"], "run": str(run), "dest": str(dest), "step": gen.step,
         "source": {"format": GENERAL, "tensors": str(f), "tensors_sha256": f_sha, "tensors_size": gen.size,
-                   "companion_sha256": c_sha, "n_params": info["n_params"], "verified_before_copy": True,
+                   "companion_sha256": c_sha, "n_params": int(info["n_params"] or verification["reload"].get("n_params") or 0),
+                   "verified_before_copy": True,
                    "skipped": []},
         "files": manifest["files"], "bytes": manifest["total_bytes"], "seconds": round(time.monotonic() - t0, 3),
         "verified": bool(verification["verified"]), "verification": verification, "notes": info["notes"],

@@ -20,6 +20,7 @@ from conftest import ripresa_cli
 import ripresa
 from ripresa.cli import main as cli_main
 from ripresa.errors import BadInput, IntegrityError
+from ripresa.io import auth
 from ripresa.tools.export import export_run, verify_export
 
 
@@ -94,7 +95,9 @@ def test_a_general_run_exports_resumes_bitwise_and_gives_consolidated_inference_
     assert cli_main(["export", "--verify", str(tmp_path / "inf"), "--json"]) == 0
 
 
-def test_damaged_general_sources_and_bundles_are_refused_with_typed_errors(tmp_path, capsys):
+def test_damaged_general_sources_and_bundles_are_refused_with_typed_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(auth.ENV_KEY, "k" * 32)  # a signed run: the signature travels into the bundle
+    monkeypatch.delenv(auth.ENV_KEY_FILE, raising=False)
     run = tmp_path / "run"
     train(run, 4)
     newest = run / "step_000004.safetensors"
@@ -108,6 +111,13 @@ def test_damaged_general_sources_and_bundles_are_refused_with_typed_errors(tmp_p
         warnings.simplefilter("always")
         report = export_run(run, tmp_path / "b", show_progress=False)  # the damaged newest is skipped
     assert report["step"] == 2
+    assert (tmp_path / "b" / "checkpoint" / "step_000002.safetensors.hmac").is_file()
+    monkeypatch.setenv(auth.ENV_REQUIRE, "1")
+    assert verify_export(tmp_path / "b")["reload"]["step"] == 2
+    monkeypatch.setenv(auth.ENV_KEY, "x" * 32)  # another key: the bundle's generation is refused
+    with pytest.raises(auth.SignatureError):
+        verify_export(tmp_path / "b")
+    monkeypatch.delenv(auth.ENV_REQUIRE)
     copied = tmp_path / "b" / "checkpoint" / "step_000002.safetensors"
     data = bytearray(copied.read_bytes())
     data[-1] ^= 1

@@ -297,7 +297,9 @@ def reload_resume(dest: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     if path.name != general_paths(path.parent, step)[0].name:
         raise IntegrityError("the manifest names another generation file", file=path,
                              expected=general_paths(path.parent, step)[0].name, found=path.name)
-    v = validate_general(path.parent, step, load=True, raise_first=True)  # every tensor hashed, the state resolved
+    store = CheckpointStore(path.parent, writer=False)  # a required signature (RIPRESA_REQUIRE_SIGNATURE) is checked
+    key = store.hmac_key if store.require_signature else None
+    v = validate_general(path.parent, step, load=True, key=key, raise_first=True)  # every tensor hashed, state resolved
     progress = _as_dict(v.state.get("progress"))
     if progress.get("step") != step:
         raise IntegrityError("the exported generation describes another step", file=path, expected=step,

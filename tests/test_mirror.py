@@ -14,20 +14,19 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO, ripresa_cli
+from support.mirror_train import train
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from mirror_train import train  # noqa: E402
-
-from ripresa.cli import main as cli_main  # noqa: E402
-from ripresa.errors import CheckFailed  # noqa: E402
-from ripresa.io import auth  # noqa: E402
-from ripresa.store.history import read_history  # noqa: E402
-from ripresa.store.mirror import MirrorSpec, local_generations  # noqa: E402
+from ripresa.cli import main as cli_main
+from ripresa.errors import CheckFailed
+from ripresa.io import auth
+from ripresa.store.history import read_history
+from ripresa.store.mirror import MirrorSpec, local_generations
 
 pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3, proxy
 
@@ -121,26 +120,41 @@ def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tm
 
 
 def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp_path, s3, proxy):
-    ref = train(tmp_path / "ref", 12, 3)
-    proxy.arm("500", "503", "stall", "reset", "500")
-    out = train(tmp_path / "run", 12, 3, mirror=fast(s3.url, timeout=1.0, attempts=8))
-    assert out["step"] == 12 and out["digest"] == ref["digest"]  # training went on, untouched
-    assert proxy.injected == ["500", "503", "stall", "reset", "500"]
+    ref = train(tmp_path / "ref", 24, 3)
+    faults = ["500", "503", "stall", "reset", "500"]
+
+    run = tmp_path / "run"
+    train(run, 3, 3, mirror=fast(s3.url))
+
+    def feed() -> None:  # once this session uploads, one fault every 0.2 s (each drops the live connections)
+        while len(events(run, "mirror_uploaded")) < 2:
+            time.sleep(0.02)
+        for f in faults:
+            proxy.arm(f)
+            time.sleep(0.2)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    out = train(run, 24, 3, mirror=fast(s3.url, timeout=1.0, attempts=12), sleep=0.1)
+    feeder.join()
+    assert out["step"] == 24 and out["digest"] == ref["digest"]  # training went on, untouched
+    assert proxy.injected == faults
     retries = events(tmp_path / "run", "mirror_retry")
     text = " ".join(f"{e['error']} {e.get('found')}" for e in retries)
-    assert len(retries) >= 5, retries
+    assert len(retries) >= len(faults), retries
     assert "HTTP 500 InternalError" in text and "HTTP 503 SlowDown" in text and "Timeout" in text, text
+    assert any(e["step"] is not None for e in retries)  # some hit a generation's upload
     assert not events(tmp_path / "run", "mirror_failed")
-    # nothing lost: every generation is in the store, byte for byte what the local markers vouch for
-    assert s3.committed() == [3, 6, 9, 12]
-    for name in local_generations(tmp_path / "run"):  # 6, 9, 12 (local keep_last=3)
+    # nothing lost: every generation the policy keeps is in the store, byte for byte what the local markers vouch for
+    assert s3.committed() == [9, 12, 15, 18, 21, 24]
+    for name in local_generations(tmp_path / "run"):  # 18, 21, 24 (local keep_last=3)
         marker = (tmp_path / "run" / (name + ".sha256")).read_bytes()
         assert s3.get(name + ".sha256") == marker
         for line in marker.decode().splitlines():
             digest, _, obj = line.partition("  ")
             assert hashlib.sha256(s3.get(obj)).hexdigest() == digest
-    pulled = train(tmp_path / "new", 12, 3, mirror=fast(s3.url))
-    assert pulled["resumed"] == "step_000012.safetensors" and pulled["digest"] == ref["digest"]
+    pulled = train(tmp_path / "new", 24, 3, mirror=fast(s3.url))
+    assert pulled["resumed"] == "step_000024.safetensors" and pulled["digest"] == ref["digest"]
 
 
 def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(tmp_path, s3, proxy):
@@ -294,3 +308,35 @@ def test_ripresa_train_mirror_on_a_blank_machine_needs_no_config(tmp_path, s3):
     ref = ripresa_cli("train", "--run", tmp_path / "ref", "--config", "tiny", "--steps", "6", *common, cwd=REPO)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert (tmp_path / "b" / "step_000006.bin").read_bytes() == (tmp_path / "ref" / "step_000006.bin").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_sharded_dcp_generation_is_mirrored_and_pulled_deep_checked(tmp_path, s3):
+    import torch
+
+    from ripresa.core.state import Progress, TrainingState
+    from ripresa.formats import dcp
+    from ripresa.store.mirror import Mirror, pull
+    from ripresa.store.restore import rest_proxy
+    from ripresa.store.retention import KeepLast
+    from ripresa.store.store import CheckpointStore
+
+    run = tmp_path / "run"
+    run.mkdir()
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    part = dcp.partial_path(run, 5)
+    dcp.save_shards(model, opt, part, no_dist=True)  # one rank's shards, as an FSDP2 run writes them
+    rest = rest_proxy(TrainingState(model=model, optimizer=opt)).snapshot(Progress(step=5), None, include_parameters=False)
+    assert dcp.commit_dcp(run, 5, part, world_size=1, n_params=10, state=rest).valid
+    mirror = Mirror(fast(s3.url), run, local_retention=KeepLast(3))
+    assert mirror.round() and s3.committed() == [5]
+    assert {"step_000005.dcp/.metadata", "step_000005.dcp/__0_0.distcp", "step_000005.dcp/ripresa.json"} <= set(s3.keys())
+    new = tmp_path / "new"
+    with CheckpointStore(new) as store:
+        gen = pull(mirror.store, new, store)
+    assert gen.valid and gen.deep_checked and gen.kind == "dcp"
+    for name in ("__0_0.distcp", ".metadata", "ripresa.json"):
+        assert (new / "step_000005.dcp" / name).read_bytes() == (run / "step_000005.dcp" / name).read_bytes()

@@ -12,8 +12,8 @@
   written with the local commit protocol (temporary name, ``fsync``, rename).
 
 Keys are names relative to the prefix: ``config.json``, ``step_000100.bin``,
-``step_000100.dcp/__0_0.distcp`` (:func:`check_key`: no ``..``, no leading
-``.``, at most one ``/``). Everything read from the store is hostile:
+``step_000100.dcp/__0_0.distcp`` (:func:`check_key`: no ``..``, at most one
+``/``, no leading ``.`` but for a ``.dcp`` folder's ``.metadata``). Everything read from the store is hostile:
 :meth:`ObjectStore.get_into` streams at most ``limit`` bytes into the
 caller's writer (never the whole object in memory), :meth:`ObjectStore.get_bytes`
 refuses an object larger than its limit before reading it, and a listing is
@@ -50,8 +50,11 @@ MAX_KEYS = 100_000
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 #: Size of one part of a multipart upload (bytes; S3's minimum is 5 MiB).
 PART_SIZE = 16 * 1024 * 1024
-_KEY_PART = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}"
-_KEY_RE = re.compile(rf"{_KEY_PART}(?:/{_KEY_PART})?")
+_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}(?:/(?!\.\.?\Z)[A-Za-z0-9_.][A-Za-z0-9._-]{0,254})?")
+
+
+def _key_ok(key: object) -> bool:
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None and ".." not in key
 
 
 class RemoteUnavailable(SaveFailed):
@@ -63,8 +66,9 @@ class RemoteNotFound(IntegrityError):
 
 
 def check_key(key: str) -> str:
-    """``key`` if it is a name ripresa writes (no ``..``, no leading ``.``, at most one ``/``), else ``ValueError``."""
-    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None or ".." in key:
+    """``key`` if it is a name ripresa writes, else ``ValueError``: at most one ``/`` (a ``.dcp`` folder's file,
+    which may start with ``.``: ``.metadata``), no ``..``, no other leading ``.``."""
+    if not _key_ok(key):
         raise ValueError(f"not an object key ripresa writes: {key!r:.120}")
     return key
 
@@ -209,9 +213,9 @@ class LocalStore:
             if entry.is_dir(follow_symlinks=False):
                 for sub in os.scandir(entry.path):
                     k = f"{entry.name}/{sub.name}"
-                    if sub.is_file(follow_symlinks=False) and _KEY_RE.fullmatch(k):
+                    if sub.is_file(follow_symlinks=False) and _key_ok(k):
                         out[k] = sub.stat(follow_symlinks=False).st_size
-            elif entry.is_file(follow_symlinks=False) and _KEY_RE.fullmatch(entry.name):
+            elif entry.is_file(follow_symlinks=False) and _key_ok(entry.name):
                 out[entry.name] = entry.stat(follow_symlinks=False).st_size
             if len(out) > MAX_KEYS:
                 raise IntegrityError("the mirror folder holds too many files", file=self.root, expected=f"<= {MAX_KEYS}")
@@ -383,7 +387,7 @@ class S3Store:
             r = self._call("listing", self.client.list_objects_v2, **kw)
             for obj in r.get("Contents", []) or []:
                 k = str(obj.get("Key", ""))[len(self.prefix):]
-                if _KEY_RE.fullmatch(k) and ".." not in k:
+                if _key_ok(k):
                     out[k] = int(obj.get("Size", 0))
             if len(out) > MAX_KEYS:
                 raise IntegrityError("the mirror holds too many objects", file=self.url, expected=f"<= {MAX_KEYS}")

@@ -14,7 +14,9 @@ The planned stop is ``deadline − (save + upload + export) − margin``:
 The session asks :meth:`Deadline.due` at each step boundary; when the next
 step would end past the planned stop it stops through the SIGTERM path (a
 committed stop generation), then :meth:`Deadline.finish` drains the mirror
-and runs the injected export (``on_deadline``). History events:
+(``drain(timeout)``: the time left to the deadline less the export's
+estimate, at least 1 s and never past the deadline) and runs the injected
+export (``on_deadline``). History events:
 ``deadline_plan`` (first plan, and each change of the stop by more than
 ``max(5 s, 5 % of the tail)``), ``deadline_stop`` and ``deadline_done``.
 """
@@ -180,7 +182,9 @@ class Deadline:
         t_saved = time.time()
         fields: dict[str, Any] = {"step": step, "save_s": round(t_saved - self._stop_t0, 3)}
         if mirror is not None and hasattr(mirror, "drain"):
-            budget = max(1.0, self.deadline - t_saved - (self.plan.export_s if self.plan else 0.0))
+            left = self.deadline - t_saved  # the time left, less the export's share (at least 1 s, never past it)
+            budget = max(0.0, min(left, max(1.0, left - (self.plan.export_s if self.plan else 0.0))))
+            fields["drain_budget_s"] = round(budget, 3)
             t0 = time.time()
             fields["mirror_drained"] = bool(mirror.drain(timeout=budget))
             fields["upload_s"] = round(time.time() - t0, 3)

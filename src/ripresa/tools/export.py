@@ -414,8 +414,8 @@ def _copy_signature(bundle: _Bundle, gen: Generation, rel_dir: str) -> str | Non
 # ----------------------------------------------------------------------------- export
 
 
-def export_run(run: Path, dest: Path, *, model_factory: ModelFactory, step: int | None = None, inference: bool = False,
-               show_progress: bool = True) -> dict[str, Any]:
+def export_run(run: Path, dest: Path, *, model_factory: ModelFactory | None = None, step: int | None = None,
+               inference: bool = False, show_progress: bool = True) -> dict[str, Any]:
     """Export one generation of ``run`` (see :func:`_export_run`); a sharded ``.dcp`` one is consolidated first.
 
     When the generation to export (``step``, or the newest valid one of the
@@ -428,6 +428,16 @@ def export_run(run: Path, dest: Path, *, model_factory: ModelFactory, step: int 
     (docs/SHARDED.md).
     """
     run, dest = Path(run), Path(dest)
+    from .export_general import export_general, general_source
+
+    general = general_source(run, step)  # a Checkpointer's default format (docs/FORMAT.md, "Export bundles")
+    if general is not None:
+        return export_general(run, dest, general, model_factory=model_factory, inference=inference,
+                              show_progress=show_progress)
+    if model_factory is None and run.is_dir():
+        raise BadInput("exporting a .bin or .dcp generation needs the model factory", file=run,
+                       expected="export_run(..., model_factory=GPT_FACTORY)", found="model_factory=None",
+                       hint="only a general generation (a Checkpointer's default format) exports without one")
     sharded = _sharded_source(run, step)
     if sharded is None:
         return _export_run(run, dest, model_factory=model_factory, step=step, inference=inference,
@@ -828,7 +838,7 @@ def _hash_bundle_file(path: Path, what: str) -> tuple[Digest, bool]:
     return digest, dropped
 
 
-def verify_export(dest: Path, *, model_factory: ModelFactory, show_progress: bool = False, _expected_weights: np.ndarray | None = None) -> dict[str, Any]:
+def verify_export(dest: Path, *, model_factory: ModelFactory | None = None, show_progress: bool = False, _expected_weights: Any = None) -> dict[str, Any]:
     """Re-hash every file of an export against its manifest, then reload it; return a report.
 
     Every file is read back from the disk (its cached pages dropped first,
@@ -870,6 +880,10 @@ def verify_export(dest: Path, *, model_factory: ModelFactory, show_progress: boo
     listed = {e["path"] for e in manifest["files"]} | {MANIFEST_JSON, MANIFEST_SHA}
     unlisted = sorted(str(p.relative_to(dest)) for p in dest.rglob("*")
                       if (p.is_file() or p.is_symlink()) and str(p.relative_to(dest)) not in listed)
+    general = "general" in (_as_dict(manifest.get("generation")).get("format"), _as_dict(manifest.get("weights")).get("source"))
+    if model_factory is None and not general:
+        raise BadInput("verifying the export of a .bin generation needs the model factory", file=dest,
+                       expected="verify_export(..., model_factory=GPT_FACTORY)", found="model_factory=None")
     if manifest["kind"] == RESUME:
         reload = _reload_resume(dest, manifest, model_factory)
     else:
@@ -884,6 +898,10 @@ def verify_export(dest: Path, *, model_factory: ModelFactory, show_progress: boo
 
 def _reload_resume(dest: Path, manifest: dict[str, Any], model_factory: ModelFactory) -> dict[str, Any]:
     gen = _as_dict(manifest.get("generation"))
+    if gen.get("format") == "general":
+        from .export_general import reload_resume
+
+        return reload_resume(dest, manifest)
     step = manifest.get("step")
     if not isinstance(step, int) or not isinstance(gen.get("bin"), str):
         raise IntegrityError(f"{MANIFEST_JSON} does not name the generation", file=dest / MANIFEST_JSON,
@@ -908,8 +926,12 @@ def _reload_resume(dest: Path, manifest: dict[str, Any], model_factory: ModelFac
     return out
 
 
-def _reload_inference(dest: Path, manifest: dict[str, Any], expected_weights: np.ndarray | None,
+def _reload_inference(dest: Path, manifest: dict[str, Any], expected_weights: Any,
                       model_factory: ModelFactory) -> dict[str, Any]:
+    if _as_dict(manifest.get("weights")).get("source") == "general":
+        from .export_general import reload_inference
+
+        return reload_inference(dest, manifest, expected_weights)
     try:
         from safetensors import safe_open
         from safetensors.torch import load_file

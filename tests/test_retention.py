@@ -356,9 +356,6 @@ def test_after_a_format_change_keep_last_counts_bin_and_general_generations_as_o
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     state = ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    part = dcp_fmt.partial_path(tmp_path, 1)
-    dcp_fmt.save_shards(torch.nn.Linear(4, 3), None, part, no_dist=True)
-    dcp_fmt.commit_dcp(tmp_path, 1, part, world_size=1, n_params=15, state={"progress": {"step": 1}})
 
     def steps_of(suffix: str) -> list[int]:
         return sorted(int(n[5:11]) for n in os.listdir(tmp_path) if n.endswith(suffix))
@@ -378,6 +375,10 @@ def test_after_a_format_change_keep_last_counts_bin_and_general_generations_as_o
     seen: list[tuple[list[int], list[int]]] = []
     run("andrea", 3, seen)
     assert seen[-1] == ([2, 3], [])
+    # an older .dcp generation beside them (a single process resumes a .dcp only when it is the newest)
+    part = dcp_fmt.partial_path(tmp_path, 1)
+    dcp_fmt.save_shards(torch.nn.Linear(4, 3), None, part, no_dist=True)
+    dcp_fmt.commit_dcp(tmp_path, 1, part, world_size=1, n_params=15, state={"progress": {"step": 1}})
     run("auto", 6, seen)
     assert seen[3:] == [([3], [4]), ([], [4, 5]), ([], [5, 6])]
     assert steps_of(".dcp") == [1] and dcp_fmt.check_dcp(tmp_path, 1).valid

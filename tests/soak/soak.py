@@ -532,6 +532,9 @@ class Lane:
         self.starts: Counter[str] = Counter()
         self.generations = self.redone = self.laps = self.equal_laps = 0
         self.wall_s = 0.0
+        self.last_kind: str | None = None
+        self.lost_seen = 0
+        self.lost_by_kind: Counter[str] = Counter()
         self.diverged = 0
         self.lost: list[str] = []
         self.sabotage = args.sabotage.get(name)
@@ -612,11 +615,15 @@ class Lane:
                 trainer = self.start(run)
                 continue
             if left <= 0:  # the budget is spent: let this lap finish undisturbed
-                rc = trainer.wait(900)
+                if trainer.wait(900) is None:
+                    self.failures.append(f"lap {n}: the last trainer did not finish within 900 s")
+                    trainer.kill_all()
                 continue
+            self.blame(hist)
             kind = self.rng.choice([k for k in self.kinds if not self.args.kinds or k in self.args.kinds])
             trainer = self.interrupt(kind, trainer, run, hist)
         hist.poll()
+        self.blame(hist)
         self.laps += 1
         final = self.finals(run)
         equal = final == self.ref_final
@@ -624,6 +631,7 @@ class Lane:
         if not equal:
             self.lost.append(f"lap {n}: final state differs from the uninterrupted run")
         self.lost.extend(f"lap {n}: {x}" for x in hist.lost)
+        self.lost_seen = 0
         self.generations += hist.generations
         self.redone += hist.redone
         self.diverged += len(hist.diverged)
@@ -736,6 +744,7 @@ class Lane:
             return trainer
         self.delivered[kind] += 1
         self.survived[kind] += ok
+        self.last_kind = kind
         if trainer.poll() is None:
             return trainer
         if self.sabotage == "lose" and kind != "sigterm":
@@ -743,6 +752,14 @@ class Lane:
         if self.finals(run) is not None:
             return trainer
         return self.start(run)
+
+    def blame(self, hist: LapHistory) -> None:
+        """A lost generation shows at the next start: the interruption before it did not survive."""
+        new = len(hist.lost) - self.lost_seen
+        if new > 0 and self.last_kind is not None:
+            self.survived[self.last_kind] -= min(new, self.survived[self.last_kind])
+            self.lost_by_kind[self.last_kind] += new
+        self.lost_seen = len(hist.lost)
 
     def full_disk(self, trainer: Trainer, run: Path, hist: LapHistory) -> bool:
         """Fill the tmpfs; wait for a failed save; deep-check the newest generation while full; free the room."""
@@ -793,7 +810,8 @@ class Lane:
             self.tmpfs.close()
 
     def record(self) -> dict[str, Any]:
-        return {"delivered": dict(self.delivered), "survived": dict(self.survived), "starts": dict(self.starts),
+        return {"delivered": dict(self.delivered), "survived": dict(self.survived),
+                "lost_by_kind": dict(self.lost_by_kind), "starts": dict(self.starts),
                 "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,
                 "equal_laps": self.equal_laps, "diverged_steps": self.diverged, "lost": len(self.lost),
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
@@ -834,13 +852,15 @@ def report(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"soak — seed {result['seed']}, {result['wall_s']:.0f} s")
-    for col in ("lane", "kind", "delivered", "survived"):
-        table.add_column(col, justify="right" if col in ("delivered", "survived") else "left")
+    for col in ("lane", "kind", "delivered", "survived", "lost after it"):
+        table.add_column(col, justify="left" if col in ("lane", "kind") else "right")
     for lane, rec in result["lanes"].items():
         for kind in sorted(rec["delivered"]):
-            table.add_row(lane, kind, str(rec["delivered"][kind]), str(rec["survived"].get(kind, 0)))
+            table.add_row(lane, kind, str(rec["delivered"][kind]), str(rec["survived"].get(kind, 0)),
+                          str(rec["lost_by_kind"].get(kind, 0)))
     table.add_section()
-    table.add_row("all", "interruptions", str(result["delivered"]), str(result["survived"]))
+    table.add_row("all", "interruptions", str(result["delivered"]), str(result["survived"]),
+                  str(sum(sum(r["lost_by_kind"].values()) for r in result["lanes"].values())))
     console = Console(width=120)
     console.print(table)
     summary = Table(show_header=True)

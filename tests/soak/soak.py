@@ -342,7 +342,8 @@ class Trainer:
         self.t0 = time.monotonic()
         #: it went through a full disk: stopping with SaveFailed after max_failed_saves is its documented end
         self.may_fail_saves = False
-        #: a SIGUSR1 that came after its last step, once close() had put the default action back
+        #: its end is accounted for: a signal after its last step (close() had put the default action
+        #: back), or an interruption judged when it landed after the lap's final state was written
         self.ended_by_late_signal = False
 
     def poll(self) -> int | None:
@@ -535,6 +536,7 @@ class Lane:
         self.last_kind: str | None = None
         self.lost_seen = 0
         self.lost_by_kind: Counter[str] = Counter()
+        self.rankless = 0  # sigkill-rank found no rank (they had ended): nothing sent
         self.diverged = 0
         self.lost: list[str] = []
         self.sabotage = args.sabotage.get(name)
@@ -661,8 +663,8 @@ class Lane:
             if kind == "sigkill-rank":
                 ranks = trainer.ranks()
                 delivered = bool(ranks) and trainer.poll() is None
-                if not delivered:
-                    self.notes.append("sigkill-rank: no rank found under the launcher; nothing sent")
+                if not delivered:  # the ranks had ended (the lap's last step): not an interruption
+                    self.rankless += 1
                     return trainer
                 if delivered:
                     with contextlib.suppress(ProcessLookupError):
@@ -697,7 +699,8 @@ class Lane:
                 saved = [e["step"] for e in mine if e.get("event") == "checkpoint" and e.get("reason") == "stop"]
                 last = hist.last_step
                 # at its last step the loop is over: the stop lands in close() (exit 0) or after it (default action)
-                at_end = last == TOTAL[self.name] == hist.committed and rc in (0, -signal.SIGTERM)
+                at_end = (rc in (0, -signal.SIGTERM) and last == TOTAL[self.name]
+                          and TOTAL[self.name] in (hist.committed, hist.starts[-1] if hist.starts else None))
                 if not at_end and (rc != 0 or stops != [last] or saved != [last]):
                     ok = False
                     self.failures.append(f"SIGTERM: exit {rc}, stop signal at {stops}, stop checkpoint {saved}, "
@@ -749,7 +752,8 @@ class Lane:
             return trainer
         if self.sabotage == "lose" and kind != "sigterm":
             self.lose_newest(run, hist)
-        if self.finals(run) is not None:
+        if self.finals(run) is not None:  # it had finished its lap before the interruption landed: judged above
+            trainer.ended_by_late_signal = True
             return trainer
         return self.start(run)
 
@@ -810,6 +814,8 @@ class Lane:
             self.tmpfs.close()
 
     def record(self) -> dict[str, Any]:
+        if self.rankless:
+            self.notes.append(f"sigkill-rank sent nothing {self.rankless} time(s): the ranks had ended (not counted)")
         return {"delivered": dict(self.delivered), "survived": dict(self.survived),
                 "lost_by_kind": dict(self.lost_by_kind), "starts": dict(self.starts),
                 "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,

@@ -80,7 +80,39 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float =
 
 
 def valid_steps(run: Path) -> list[int]:
-    """Steps of the committed, valid generations of a run folder."""
+    """Steps of the committed, valid generations of a run folder (ANDREA .bin and general .safetensors alike)."""
+    from ripresa.store.backend import backend_of
     from ripresa.store.store import CheckpointStore
 
-    return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]
+    store = CheckpointStore(run, writer=False)
+    return sorted({g.step for kind in ("bin", "st") for g in backend_of(kind, store).generations() if g.valid})
+
+
+def generation_file(run: Path, step: int) -> Path:
+    """The main file of generation ``step``, of either kind: ``step_N.bin`` or ``step_N.safetensors``."""
+    found = [p for p in (run / f"step_{step:06d}.bin", run / f"step_{step:06d}.safetensors") if p.exists()]
+    assert len(found) == 1, f"generation {step} of {run}: {found}"
+    return found[0]
+
+
+#: Streams a script that never seeds them starts from the OS's entropy in each process: not compared.
+_UNSEEDED = ("rng/python/", "rng/numpy_legacy/")
+
+
+def same_generation(a: Path, b: Path, step: int) -> bool:
+    """Generation ``step`` of run folders ``a`` and ``b`` holds the same state, bit for bit: step, weights, m and v
+    of a .bin; every tensor of a general generation (model, any optimizer state, buffers, torch's random streams),
+    but for Python's ``random`` and NumPy's global streams (:data:`_UNSEEDED`)."""
+    fa, fb = generation_file(a, step), generation_file(b, step)
+    if fa.name != fb.name:
+        return False
+    if fa.suffix == ".bin":
+        return fa.read_bytes() == fb.read_bytes()
+    import torch
+
+    from ripresa.formats import safetensors_file as st
+
+    ta, tb = st.read(fa)[1], st.read(fb)[1]
+    keys = {k for k in ta.keys() | tb.keys() if not k.startswith(_UNSEEDED)}
+    return all(k in ta and k in tb and ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape
+               and torch.equal(ta[k], tb[k]) for k in keys)

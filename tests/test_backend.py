@@ -247,13 +247,14 @@ def pt_backend():
 def test_the_builtin_backends_satisfy_the_protocol_and_are_ordered_by_mode(tmp_path):
     with CheckpointStore(tmp_path) as store:
         single, ignored = backends_for("single", store)
-        assert [b.kind for b in single] == ["bin", "st"] and [b.kind for b in ignored] == ["dcp"]
-        assert [b.kind for b in backends_for("ddp", store)[0]] == ["bin", "st", "dcp"]
+        assert [b.kind for b in single] == ["st", "bin"] and [b.kind for b in ignored] == ["dcp"]
+        assert [b.kind for b in backends_for("ddp", store)[0]] == ["st", "bin", "dcp"]
         assert [b.kind for b in backends_for("fsdp2", store)[0]] == ["dcp", "bin"]
         assert [b.kind for b in backends_for("fsdp2", store)[1]] == ["st"]
-        # the writer is chosen from the state: a .bin when it fits, else the general format
-        assert [b.kind for b in backends_for("single", store, state=_toy())[0]] == ["bin", "st"]
-        assert [b.kind for b in backends_for("single", store, state=_toy(), format="general")[0]] == ["st", "bin"]
+        # auto is the general format for any state; the .bin when asked for ("andrea") and the state fits it
+        assert [b.kind for b in backends_for("single", store, state=_toy())[0]] == ["st", "bin"]
+        assert [b.kind for b in backends_for("single", store, state=_toy(), format="andrea")[0]] == ["bin", "st"]
+        assert [b.kind for b in backends_for("ddp", store, state=_toy(), format="andrea")[0]] == ["bin", "st", "dcp"]
         sgd = TrainingState(model=torch.nn.Linear(2, 2), optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
         assert [b.kind for b in backends_for("single", store, state=sgd)[0]] == ["st", "bin"]
         from ripresa.store.general import GeneralBackend
@@ -265,7 +266,7 @@ def test_the_builtin_backends_satisfy_the_protocol_and_are_ordered_by_mode(tmp_p
 def test_a_third_registered_backend_is_used_by_the_checkpointer(tmp_path, pt_backend):
     state = _toy()
     ck = ripresa.Checkpointer(tmp_path, state, every=2, asynchronous=True, handle_signals=False)
-    assert [b.kind for b in ck.backends] == ["pt", "bin", "st"] and ck.backend.kind == "pt"
+    assert [b.kind for b in ck.backends] == ["pt", "st", "bin"] and ck.backend.kind == "pt"
     assert ck.resume() == 0
     for step in (1, 2):
         _train(state)
@@ -302,13 +303,37 @@ def test_a_damaged_third_backend_generation_falls_back_to_an_older_one(tmp_path,
             assert ck.resume() == 1
 
 
-def test_a_single_process_session_ignores_dcp_generations_through_the_registry(tmp_path):
-    model = torch.nn.Linear(4, 3)
-    part = dcp_fmt.partial_path(tmp_path, 7)
-    dcp_fmt.save_shards(model, None, part, no_dist=True)
-    dcp_fmt.commit_dcp(tmp_path, 7, part, world_size=1, n_params=15, state={"progress": {"step": 7}})
+def test_a_single_process_session_resumes_a_newest_dcp_and_its_retention_keeps_it(tmp_path):
+    """A .dcp (as a 1-rank FSDP2 session writes it) newer than the .bin ones: a single process resumes it, exactly,
+    saying so; its own retention (keep_last=1) deletes its own kind only, never the .dcp."""
+    from ripresa.core.state import Progress
     from ripresa.session.checkpointer import OtherModeWarning
+    from ripresa.store.backend import DcpBackend
+    from ripresa.store.retention import KeepLast
 
-    with pytest.warns(OtherModeWarning, match=r"ignoring \.dcp generation\(s\) \[7\]"):
-        with ripresa.Checkpointer(tmp_path, _toy(), every=0, handle_signals=False) as ck:
-            assert ck.resume() == 0
+    with ripresa.Checkpointer(tmp_path, _toy(), every=1, asynchronous=False, handle_signals=False) as ck:
+        ck.resume()
+        for step in (1, 2):
+            _train(ck.state)
+            ck.step_done(step)
+    saved = _toy()
+    for _ in range(7):
+        _train(saved)
+    with CheckpointStore(tmp_path) as store:
+        dcp_fmt.save_shards(saved.model, saved.optimizer, dcp_fmt.partial_path(tmp_path, 7), no_dist=True)
+        assert DcpBackend(store).capture(7, saved, Progress(step=7), None)().valid
+    state = _toy()
+    with pytest.warns(OtherModeWarning, match=r"resuming step_000007\.dcp"):
+        with ripresa.Checkpointer(tmp_path, state, every=1, asynchronous=False, handle_signals=False,
+                                  retention=KeepLast(1)) as ck:
+            assert ck.resume() == 7 and ck.resumed_from.kind == "dcp"
+            for a, b in zip(state.model.parameters(), saved.model.parameters(), strict=True):
+                assert torch.equal(a, b)
+            for a, b in zip(state.optimizer.state.values(), saved.optimizer.state.values(), strict=True):
+                assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+            for step in (8, 9):
+                _train(state)
+                ck.step_done(step)
+    assert dcp_fmt.check_dcp(tmp_path, 7, deep=True).valid
+    mine = sorted(g.step for g in ck.backend.generations() if g.valid)
+    assert mine == [9] and ck.backend.kind != "dcp"  # keep_last=1 of its own kind; the .dcp stays

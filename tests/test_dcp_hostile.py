@@ -30,9 +30,10 @@ from ripresa.formats import dcp as dcp_fmt
 from ripresa.formats import dcp_safe
 from ripresa.formats.generation import Generation
 from ripresa.io import auth
-from ripresa.session.checkpointer import OtherModeWarning, rank_view
+from ripresa.session.checkpointer import rank_view
 from ripresa.session.distributed import check_distributed_record
 from ripresa.store.history import read_history
+from ripresa.store.store import CheckpointWarning
 
 KEY = b"ripresa-dcp-hostile-test-key-32b"
 
@@ -146,7 +147,7 @@ def _train(run: Path, total: int, **kw) -> ripresa.Checkpointer:
     model, opt = _toy(stepped=False)
     state = ripresa.TrainingState(model=model, optimizer=opt, config={"toy": True})
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
-    ck = ripresa.Checkpointer(run, state, every=5, asynchronous=False, handle_signals=False, **kw)
+    ck = ripresa.Checkpointer(run, state, every=5, asynchronous=False, handle_signals=False, **{"format": "andrea", **kw})
     start = ck.resume()
     for step in range(start + 1, total + 1):
         opt.zero_grad()
@@ -157,8 +158,10 @@ def _train(run: Path, total: int, **kw) -> ripresa.Checkpointer:
     return ck
 
 
-def test_single_process_run_never_reads_a_planted_dcp(tmp_path):
-    """A .dcp planted at the newest step of a .bin run: ignored (named in a warning), the .bin resumes, nothing runs."""
+def test_single_process_run_refuses_a_planted_dcp_through_the_restricted_reader(tmp_path):
+    """A .dcp planted at the newest step of a .bin run: a single process considers it (it resumes .dcp generations),
+    reads its .metadata only through the restricted reader, refuses it (named in a warning) and resumes the .bin;
+    nothing of the payload runs."""
     marker = tmp_path / "EXECUTED"
     run = tmp_path / "run"
     _train(run, 10)
@@ -170,10 +173,10 @@ def test_single_process_run_never_reads_a_planted_dcp(tmp_path):
         warnings.simplefilter("always")
         ck = _train(run, 12)
     assert ck.resumed_from.step == 10 and ck.resumed_from.bin.name == "step_000010.bin"
-    assert any(issubclass(w.category, OtherModeWarning) and "step_000020" not in str(w.message)
-               and "[20]" in str(w.message) for w in caught)
+    assert any(issubclass(w.category, CheckpointWarning) and "20" in str(w.message) and "system" in str(w.message)
+               for w in caught)
     events = read_history(run / ".loss.jsonl").events
-    assert any(e["event"] == "ignored_generations" and e["steps"] == [20] for e in events)
+    assert any(e["event"] == "skipped_generation" and "20" in e["reason"] for e in events)
     assert not marker.exists()
 
 

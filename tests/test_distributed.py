@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import valid_steps
 from support.ripresa_faults import fault_env
 
 from ripresa.core.data import DistributedEpochSampler
@@ -180,13 +181,13 @@ def test_ddp_signals_to_one_rank_then_exact_resume_and_2_to_1(tmp_path, text):
 
 @pytest.mark.slow
 def test_fsdp_rank_killed_mid_save_keeps_previous_then_restart_resumes_and_reshards(tmp_path, text):
-    """FSDP2 with --max-restarts=1: rank 1 dies after writing its shards of step 8, before the barrier.
+    """FSDP2 with --max-restarts=1: rank 1 dies after writing its shards of step 8 (asynchronous save), before DCP gathers every rank's result.
     No marker is written, so step 4 stays the newest valid generation; the restarted group resumes from it,
     cleans the partial folder and finishes. Then 2 → 1 (.dcp into one process) and 1 → 2 (.bin into FSDP2)
     restore weights, m and v exactly."""
     run = tmp_path / "run"
     proc = torchrun("--run", run, "--shard", "fsdp", "--every", "4", "--set", "train.max_steps=12", *common(text),
-                    extra=("--max-restarts=1",), env=fault_env(dist_fault="after_shards:1:8"))
+                    extra=("--max-restarts=1",), env=fault_env(dist_fault="shards_written:1:8"))
     out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
     assert valid_dcps(run) == [4, 8, 12] and valid_bins(run) == []
@@ -400,8 +401,9 @@ def test_checkpointer_in_a_users_ddp_loop_then_resumed_on_one_process(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
     out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
-    assert valid_bins(run) == [4, 7]  # the cadence, and close(final_save=True)
-    ranks = json.loads((run / "step_000007.json").read_text())["state"]["extra"]["distributed"]["ranks"]
+    assert valid_steps(run) == [4, 7]  # the cadence, and close(final_save=True): general generations (format="auto")
+    assert (run / "step_000007.safetensors").is_file() and not list(run.glob("*.bin"))
+    ranks = json.loads((run / "step_000007.safetensors.json").read_text())["state"]["extra"]["distributed"]["ranks"]
     assert [r["data"]["world_size"] for r in ranks] == [2, 2] and ranks[0]["data"]["cursor"] == ranks[1]["data"]["cursor"] == 56
     res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", "18"], capture_output=True, text=True,
                          env={**os.environ, **ENV}, timeout=300)

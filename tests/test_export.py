@@ -421,7 +421,7 @@ def test_a_run_of_another_training_script_exports_without_a_forward_pass(tmp_pat
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run = tmp_path / "plain"
     ckpt = ripresa.Checkpointer(run, ripresa.TrainingState(model=model, optimizer=opt), every=5,
-                                asynchronous=False, handle_signals=False)
+                                asynchronous=False, handle_signals=False, format="andrea")  # export reads a .bin
     for step in range(ckpt.resume() + 1, 11):
         loss = model(torch.randn(8, 4)).pow(2).mean()
         opt.zero_grad()

@@ -322,7 +322,7 @@ def _toy():
 def _train(run: Path, total: int) -> ripresa.Checkpointer:
     state = _toy()
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
-    ck = ripresa.Checkpointer(run, state, every=5, asynchronous=False, handle_signals=False)
+    ck = ripresa.Checkpointer(run, state, every=5, asynchronous=False, handle_signals=False, format="andrea")
     start = ck.resume()
     for step in range(start + 1, total + 1):
         state.optimizer.zero_grad()

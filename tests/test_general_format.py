@@ -109,7 +109,7 @@ def one_step(case: str, state: TrainingState) -> float:
     return float(loss.detach())
 
 
-#: The format each case asks for: the .bin could hold the tied BatchNorm model, so it asks for the general one.
+#: The format each case asks for (auto: the general format; said explicitly where the .bin could hold the state).
 FORMATS = {"bn_tied": "general"}
 
 
@@ -173,22 +173,26 @@ def test_format_andrea_refuses_a_bf16_model_at_construction_naming_it(tmp_path):
     ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False).close()
     with pytest.raises(BadInput, match="amsgrad"):
         ripresa.Checkpointer(tmp_path, build("amsgrad"), every=1, handle_signals=False, format="andrea")
+    with pytest.raises(BadInput, match="SGD"):
+        ripresa.Checkpointer(tmp_path, build("sgd_nesterov"), every=1, handle_signals=False, format="andrea")
     with pytest.raises(ValueError, match="unknown checkpoint format"):
         ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="zip")
 
 
-def test_auto_keeps_the_bin_for_what_it_holds_and_general_is_forced_then_a_format_change_is_recorded(tmp_path):
+def test_auto_is_the_general_format_and_a_bin_folder_goes_on_in_it_recording_the_format_change(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     state = TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
+    with ripresa.Checkpointer(tmp_path / "auto", state, every=1, handle_signals=False) as ck:
+        assert ck.backend.kind == "st"  # auto: the general format, even for a state the .bin holds
+    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="andrea") as ck:
         assert ck.backend.kind == "bin"
         ck.resume()
         state.optimizer.zero_grad()
         model(torch.randn(2, 4)).sum().backward()
         state.optimizer.step()
         ck.step_done(1)
-    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="general") as ck:
+    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
         assert ck.backend.kind == "st" and [b.kind for b in ck.backends] == ["st", "bin"]
         assert ck.resume() == 1 and ck.resumed_from.kind == "bin"  # the .bin generation resumes
         state.optimizer.zero_grad()
@@ -198,8 +202,8 @@ def test_auto_keeps_the_bin_for_what_it_holds_and_general_is_forced_then_a_forma
     assert (tmp_path / "step_000001.bin").exists() and (tmp_path / "step_000002.safetensors").exists()
     events = [json.loads(line) for line in (tmp_path / ".loss.jsonl").read_text().splitlines()]
     changes = [e for e in events if e.get("event") == "format_change"]
-    assert len(changes) == 1 and changes[0]["previous"] == "bin" and changes[0]["now"] == "st"
-    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="general") as ck:
+    assert len(changes) == 1 and changes[0] == {**changes[0], "previous": "bin", "now": "st", "format": "auto"}
+    with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
         assert ck.resume() == 2 and ck.resumed_from.kind == "st"
 
 
@@ -368,6 +372,68 @@ def test_a_companion_reference_to_a_missing_tensor_is_refused(tmp_path):
     mk.write_text("\n".join(lines) + "\n")
     gen = validate_general(tmp_path, 2, deep=True).generation
     assert not gen.valid and gen.failed.name == "companion state"
+
+
+def _long_number_lists(node, out, where=""):
+    """Every JSON list of >= 64 numbers in ``node`` (where it is)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _long_number_lists(v, out, f"{where}/{k}")
+    elif isinstance(node, list):
+        if len(node) >= 64 and all(isinstance(x, int | float) for x in node):
+            out.append(where)
+        for i, v in enumerate(node):
+            _long_number_lists(v, out, f"{where}/{i}")
+    return out
+
+
+def test_random_stream_states_are_binary_and_restored_exactly(tmp_path):
+    """Python's random state (625 words) and NumPy's legacy key (624) are I64 tensors of the file, referenced from
+    a companion of a few KB; the resume restores them bit for bit; a malformed list reference is a SchemaError."""
+    import numpy as np
+
+    from ripresa.errors import SchemaError
+
+    def make() -> TrainingState:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                             rng=RandomStreams(python={"aug": random.Random(5)},
+                                               numpy={"legacy": np.random.Generator(np.random.MT19937(3))}))
+
+    state = make()
+    random.seed(11)
+    np.random.seed(12)
+    random.random(), np.random.random()
+    with ripresa.Checkpointer(tmp_path, state, every=0, handle_signals=False, asynchronous=False) as ck:
+        ck.resume()
+        ck.save_now()
+    want = (random.random(), np.random.random(), state.rng.python["aug"].random(),
+            state.rng.numpy["legacy"].random())
+    f, c, _ = general_paths(tmp_path, 0)
+    doc = json.loads(c.read_bytes())
+    assert _long_number_lists(doc, []) == [] and c.stat().st_size < 4096, c.stat().st_size
+    assert doc["state"]["rng"]["python"]["state"] == {"__ref__": "rng/python/state", "list": "int64"}
+    _, tensors, _ = st.read(f)
+    words = tensors["rng/python/state"]
+    assert words.dtype == torch.int64 and words.shape == (625,)
+    assert tensors["rng/python_random/aug/state"].shape == (625,)
+    assert [k for k in tensors if k.startswith("rng/numpy")] and all(
+        tensors[k].dtype == torch.int64 for k in tensors if k.startswith("rng/numpy"))
+    random.seed(99)
+    np.random.seed(99)
+    again = make()
+    with ripresa.Checkpointer(tmp_path, again, every=0, handle_signals=False) as ck:
+        assert ck.resume() == 0 and ck.resumed_from is not None
+    got = (random.random(), np.random.random(), again.rng.python["aug"].random(), again.rng.numpy["legacy"].random())
+    assert got == want
+    for bad in ({"__ref__": "rng/python/state", "list": "int32"}, {"__ref__": "rng/python/state", "list": None},
+                {"__ref__": "model/weight", "list": "int64"}, {"__ref__": "rng/torch_cpu", "list": "int64"},
+                {"__ref__": "rng/nope", "list": "int64"}):
+        crafted = json.loads(c.read_bytes())
+        crafted["state"]["rng"]["python"]["state"] = bad
+        with pytest.raises(SchemaError):
+            general_fmt.join_state(crafted, tensors, c)
 
 
 def test_an_ops_hook_sees_the_general_commit_and_a_failure_keeps_the_old_generation(tmp_path):
@@ -583,7 +649,7 @@ def test_convert_bin_to_general_and_back_is_bitwise(tmp_path):
     cfg = GPT_FACTORY.config("tiny")
     model, opt = GPT_FACTORY.build(cfg)
     state = TrainingState(model=model, optimizer=opt, config=cfg)
-    with ripresa.Checkpointer(tmp_path / "run", state, every=2, handle_signals=False) as ck:
+    with ripresa.Checkpointer(tmp_path / "run", state, every=2, handle_signals=False, format="andrea") as ck:
         assert ck.backend.kind == "bin"
         ck.resume()
         for step in (1, 2):

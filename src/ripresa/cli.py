@@ -158,7 +158,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-3")
     p.add_argument("--source", dest="sources", action="append", default=[], metavar="NAME=PATH", help="add a text file or folder as a data arm")
     p.add_argument("--steps", type=int, help="steps to run in this process (default: until train.max_steps)")
-    p.add_argument("--every", type=int, help="checkpoint cadence in steps (default 100; 0 = signals only)")
+    p.add_argument("--every", type=_every, help="checkpoint cadence in steps (default 100; 0 = signals only), or auto: "
+                   "chosen from the measured step time and save cost (Young–Daly, docs/CADENCE.md)")
+    p.add_argument("--mtbf", help="--every auto: mean time between failures, e.g. 6h, 24h (default), 7d")
+    p.add_argument("--max-redo", help="--every auto: at most this much work lost: N steps or a duration such as 30m")
+    p.add_argument("--deadline", help="stop, save, upload and export (RUN/exports/) before this time: "
+                   "2026-12-24T18:00Z or a duration such as 72h (docs/CADENCE.md)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--fresh", action="store_true", help="refuse a non-empty run folder instead of resuming")
     p.add_argument("--resume", type=Path, help="start from this step_NNNNNN.bin (another folder's generation, or a foreign .bin)")
@@ -175,15 +180,36 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "(FSDP2 fully_shard; every rank writes step_NNNNNN.dcp generations)")
     p.add_argument("--require-signature", action="store_true",
                    help="sign every generation and resume only from validly signed ones (key: RIPRESA_HMAC_KEY[_FILE])")
+    p.add_argument("--mirror", metavar="URL",
+                   help="copy every generation to s3://bucket/prefix (AWS_* environment) or a path, in the background; "
+                   "a blank --run folder resumes from it, config included (docs/MIRROR.md)")
+
+
+def _every(text: str) -> int | str:
+    """``--every``: ``auto`` or an int (checked in :func:`_cmd_train`)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from .engine.gpt.train import TrainArgs, run
+    from .session.cadence import parse_duration, parse_max_redo
+    from .session.deadline import deadline_time
 
     if args.steps is not None and args.steps < 0:
         raise BadInput("--steps must be >= 0", found=args.steps)
-    if args.every is not None and args.every < 0:
+    if args.every is not None and args.every != "auto" and args.every < 0:
         raise BadInput("--every must be >= 0", expected="--every >= 0 (0: checkpoint on signals only)", found=args.every)
+    if args.every != "auto" and (args.mtbf is not None or args.max_redo is not None):
+        raise BadInput("--mtbf and --max-redo need --every auto", hint="add --every auto (docs/CADENCE.md)")
+    if args.mtbf is not None:
+        parse_duration(args.mtbf, "--mtbf")
+    parse_max_redo(args.max_redo)
+    deadline = deadline_time(args.deadline) if args.deadline is not None else None
     if args.require_signature:
         from .io.auth import require_from_cli
 
@@ -194,8 +220,36 @@ def _cmd_train(args: argparse.Namespace) -> int:
         omit_rng_restore=args.omit_rng_restore, audit=not args.no_audit, asynchronous=not args.sync,
         quiet=args.quiet, threads=args.threads, allow_version_change=args.allow_version_change,
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
-        shard=args.shard,
+        shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,
     ))
+
+
+# ----------------------------------------------------------------------------- advise
+def _add_advise(sub: argparse._SubParsersAction) -> None:
+    p = _command(
+        sub, "advise", _cmd_advise,
+        help="the checkpoint cadence a run should use, from its history: interval, work lost per failure, overhead",
+        description="Read RUN/.loss.jsonl (step times, checkpoint stalls and write times) and print, for each MTBF, "
+        "the interval --every auto would choose (round(√(2·stall·MTBF)/step), bounded: docs/CADENCE.md), the "
+        "expected work lost per failure and the overhead. Read-only. Exit 0, or 2 when the history cannot tell.",
+    )
+    p.add_argument("run", type=Path, help="run folder")
+    p.add_argument("--mtbf", default="1h,6h,24h,7d", help="comma-separated MTBF values (default 1h,6h,24h,7d)")
+    p.add_argument("--max-redo", help="bound: at most N steps or a duration such as 30m of work lost")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    from .session.cadence import advise, render_advice
+
+    report = advise(args.run, args.mtbf.split(","), max_redo=args.max_redo)
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2))
+    else:
+        print(render_advice(report))
+    return 0
 
 
 # ----------------------------------------------------------------------------- signal
@@ -258,7 +312,8 @@ def _cmd_fork(args: argparse.Namespace) -> int:
     from .engine.fork import fork
 
     r = fork(args.run, args.step, args.into, args.sets)
-    print(f"forked {args.run} at step {r['step']} into {r['into']} (bin sha256 {r['bin_sha256'][:16]}…, overrides {r['overrides']})")
+    what = f"bin sha256 {r['bin_sha256'][:16]}" if "bin_sha256" in r else f".dcp marker sha256 {r['dcp_marker_sha256'][:16]}"
+    print(f"forked {args.run} at step {r['step']} into {r['into']} ({what}…, overrides {r['overrides']})")
     print(f"continue with: {r['command']}")
     return 0
 
@@ -375,6 +430,55 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- mirror
+def _add_mirror(sub: argparse._SubParsersAction) -> None:
+    p = _command(
+        sub, "mirror", _cmd_mirror,
+        help="a run's second store: what is where, push what is missing, pull a generation (docs/MIRROR.md)",
+        description="status: the run's committed generations locally and in the mirror, half uploads, what is pending. "
+        "push: upload what the mirror lacks (not while a trainer holds RUN: it uploads itself). pull: download the "
+        "newest (or --step) remote generation whose marker verifies into RUN, with config.json. The URL defaults to "
+        "RUN/mirror.json's. Exit 0 done, 1 nothing verifies, 2 bad URL, missing credentials or boto3, store unreachable.",
+    )
+    p.add_argument("action", choices=["status", "push", "pull"])
+    p.add_argument("run", type=Path, help="run folder")
+    p.add_argument("--mirror", metavar="URL", help="s3://bucket/prefix, file:///path or a path")
+    p.add_argument("--step", type=int, help="pull: this generation (default: the newest that verifies)")
+    p.add_argument("--keep", help="push: the mirror's retention, e.g. last=6 (default: twice the local last=3)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _cmd_mirror(args: argparse.Namespace) -> int:
+    from .store import mirror
+
+    if args.action == "status":
+        r = mirror.cli_status(args.run, args.mirror)
+    elif args.action == "push":
+        from .store.retention import parse_retention
+
+        keep = parse_retention(args.keep, source="--keep") if args.keep else None
+        r = mirror.cli_push(args.run, args.mirror, keep)
+    else:
+        r = mirror.cli_pull(args.run, args.mirror, args.step)
+    if args.json:
+        import json
+
+        print(json.dumps(r, indent=2))
+    elif args.action == "status":
+        print(f"run {r['run']}  mirror {r['url']}")
+        print(f"  local:  {r['local'] or 'none'}")
+        print(f"  remote: {r['remote'] or 'none'}" + ("  (+ config.json)" if r["config_remote"] else ""))
+        print(f"  {'in flight (the trainer uploads them)' if r['trainer_running'] else 'missing (push uploads them)'}: "
+              f"{r['pending'] or 'none'}")
+        if r["half_uploaded"]:
+            print(f"  half uploaded (no marker; never used, cleaned by the next writer): {r['half_uploaded']}")
+    elif args.action == "push":
+        print(f"pushed {r['uploaded'] or 'nothing (the mirror had everything)'} to {r['url']}")
+    else:
+        print(f"pulled {r['file']} (step {r['step']}, verified) into {r['run']}" + (" with config.json" if r["config"] else ""))
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -388,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_train(sub)
     _add_signal(sub)
+    _add_advise(sub)
     _add_pivot(sub)
     _add_fork(sub)
     _add_plot(sub)
@@ -396,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_inspect(sub)
     _add_convert(sub)
+    _add_mirror(sub)
     return parser
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -216,10 +217,42 @@ def install_fail_hook(spec: str) -> None:
     fsio.ops.hook = hook
 
 
+def install_delay_hook(spec: str) -> Callable[[], None]:
+    """Make chosen operations slow: ``op:SECONDS[@TEXT]`` sleeps before each ``op`` (whose path contains ``TEXT``).
+
+    A save of known cost for the cadence tests (e.g. ``fsync:0.25@.bin.tmp``:
+    each ``.bin``'s fsync takes 0.25 s more), in this process. Chains to the
+    hook already installed; returns the function that uninstalls it.
+    """
+    try:
+        body, _, where = spec.strip().partition("@")
+        op, seconds = body.split(":")
+        delay = float(seconds)
+        if op not in _OPS or not 0 <= delay < 60:
+            raise ValueError
+    except ValueError:
+        raise BadInput("invalid delay", expected="op:SECONDS[@TEXT], e.g. fsync:0.25@.bin.tmp", found=spec) from None
+    previous = fsio.ops.hook
+
+    def hook(name: str, path: str) -> None:
+        if previous is not None:
+            previous(name, path)
+        if (op == "any" or name == op) and (not where or where in path):
+            time.sleep(delay)
+
+    fsio.ops.hook = hook
+
+    def uninstall() -> None:
+        fsio.ops.hook = previous
+
+    return uninstall
+
+
 def install_dist_fault(spec: str, *, kill: Callable[[], None] = _kill_self) -> None:
     """Kill rank ``RANK`` at ``POINT`` of the save of step ``STEP`` (``RIPRESA_DIST_FAULT=POINT:RANK:STEP``).
 
-    Points: ``before_gather``, ``after_shards`` (where
+    Points: ``before_gather``, ``after_shards`` (synchronous saves), ``shards_written`` (asynchronous ones, in the
+    background write, after the rank's file and before DCP gathers every rank's result; where
     ``ripresa.session.distributed.fault_point`` is called). Only in the first
     attempt of a ``torchrun --max-restarts`` group
     (``TORCHELASTIC_RESTART_COUNT`` = 0), so the restarted group completes.

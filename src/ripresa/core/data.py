@@ -163,6 +163,8 @@ class EpochSampler:
             raise ValueError(f"permutation must be 'auto', 'numpy' or 'feistel', got {permutation!r}")
         if permutation == "feistel" and n_rows > FEISTEL_MAX_ROWS:
             raise ValueError(f"permutation='feistel' covers at most {FEISTEL_MAX_ROWS} rows, got {n_rows}")
+        #: The sampler made its generator (``seed=``): nothing else saves it, so its state does (docs/FORMAT.md).
+        self.owns_generator = generator is None
         if generator is None:
             generator = np.random.Generator(np.random.PCG64(0 if seed is None else seed))
         self.n_rows = int(n_rows)
@@ -233,9 +235,11 @@ class EpochSampler:
         ``{"kind": "numpy", "generator": <bit-generator state at the epoch's
         start>}`` or ``{"kind": "feistel", "key": <int>}``. After loading a
         legacy state (which carried the permutation itself) the permutation
-        tensor is saved again until the next epoch starts. The generator's
-        *current* state is not here: it belongs to the random streams,
-        restored last (it may be shared with other draws, such as noise).
+        tensor is saved again until the next epoch starts. A passed-in
+        generator's *current* state is not here: it belongs to the random
+        streams, restored last (it may be shared with other draws, such as
+        noise); a generator the sampler made itself (``seed=``) is saved as
+        ``generator``, else the epochs after a resume would differ.
         """
         if self.epoch < 0:
             perm: Any = None
@@ -244,7 +248,7 @@ class EpochSampler:
         else:  # a legacy state's permutation, not regenerable
             assert self.permutation is not None
             perm = torch.from_numpy(np.ascontiguousarray(self.permutation, dtype=np.int64)).clone()
-        return {
+        state = {
             "n_rows": self.n_rows,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
@@ -253,6 +257,11 @@ class EpochSampler:
             "rows_consumed": self.rows_consumed,
             "permutation": perm,
         }
+        if self.owns_generator:
+            from .rng import _numpy_bitgen_state
+
+            state["generator"] = _numpy_bitgen_state(self.generator.bit_generator.state)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the position, regenerating the epoch's permutation; refuses a state for another data set or batch size.
@@ -261,6 +270,11 @@ class EpochSampler:
         A legacy state that carries the permutation itself (an int64 tensor) is accepted.
         """
         validate_sampler_state(state)
+        owned = None
+        if self.owns_generator and state.get("generator") is not None:  # a state without it (older): as before
+            from .rng import validate_numpy_state
+
+            owned = validate_numpy_state(state["generator"], "data.generator")
         for key, mine in (("n_rows", self.n_rows), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
             if state[key] != mine:
                 raise SchemaError(
@@ -306,6 +320,8 @@ class EpochSampler:
             self.permutation_kind = kind
         self.epoch, self.cursor = epoch, cursor
         self.rows_consumed = int(state["rows_consumed"])
+        if owned is not None:
+            self.generator.bit_generator.state = owned
 
 
 _INT64 = 2**63 - 1
@@ -358,6 +374,10 @@ def validate_sampler_state(state: Any, where: str = "data") -> None:
         if type(ws) is not int or not 1 <= ws <= 1 << 20:
             raise SchemaError(f"{where}.world_size out of range", expected="1..1048576", found=repr(ws)[:80])
         validate_numpy_state(state.get("generator"), f"{where}.generator")
+    elif state.get("generator") is not None:  # the state of a generator the sampler made itself (seed=)
+        from .rng import validate_numpy_state
+
+        validate_numpy_state(state["generator"], f"{where}.generator")
 
 
 def _validate_recipe(perm: Mapping[str, Any], n: int, where: str) -> None:

@@ -108,6 +108,26 @@ def _tensor_tree_clone(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def _check_stateful(data: Any, objects: Mapping[str, Any]) -> None:
+    """TypeError naming a data object or user object without ``state_dict()``/``load_state_dict()``, and the fix."""
+    if data is not None and not isinstance(data, Stateful):
+        if isinstance(data, torch.utils.data.DataLoader):
+            raise TypeError(
+                f"data={data!r} is a plain torch.utils.data.DataLoader: it lacks state_dict()/load_state_dict(), "
+                "so its position and its workers' random state cannot be saved; use "
+                "ripresa.StatefulLoader(dataset, batch_size, shuffle=..., num_workers=..., seed=...) "
+                "or any Stateful loader (torchdata's StatefulDataLoader) instead"
+            )
+        raise TypeError(f"data={type(data).__name__} lacks state_dict()/load_state_dict(), so its position cannot be "
+                        "saved; give it both methods (the Stateful protocol), or use ripresa.EpochSampler or "
+                        "ripresa.StatefulLoader")
+    for name, obj in objects.items():
+        if not isinstance(obj, Stateful):
+            raise TypeError(f"object {name!r} ({type(obj).__name__}) lacks state_dict()/load_state_dict(), so it "
+                            "cannot be saved; give it both methods (the Stateful protocol), or keep its values "
+                            "in a ripresa.ScriptState")
+
+
 class TrainingState:
     """Everything that determines the next updates of a run.
 
@@ -145,15 +165,7 @@ class TrainingState:
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         if rng is not None and not isinstance(rng, RandomStreams):
             raise TypeError(f"rng must be a ripresa.RandomStreams, not {type(rng).__name__}")
-        if data is not None and not isinstance(data, Stateful):
-            if isinstance(data, torch.utils.data.DataLoader):
-                raise TypeError(
-                    f"data={data!r} is a plain torch.utils.data.DataLoader: it lacks state_dict()/load_state_dict(), "
-                    "so its position and its workers' random state cannot be saved; use "
-                    "ripresa.core.loader.StatefulLoader(dataset, batch_size, shuffle=..., num_workers=..., seed=...) "
-                    "or any Stateful loader (torchdata's StatefulDataLoader) instead"
-                )
-            raise TypeError(f"data {type(data).__name__} lacks state_dict()/load_state_dict()")
+        _check_stateful(data, dict(objects or {}))
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -161,15 +173,16 @@ class TrainingState:
         self.data = data
         self.rng = rng if rng is not None else RandomStreams()
         self.objects = dict(objects or {})
-        for name, obj in self.objects.items():
-            if not isinstance(obj, Stateful):
-                raise TypeError(f"object {name!r} lacks state_dict()/load_state_dict()")
         self.config = dict(config or {})
         self.code = code_identity(code_files)
         self.data_identity = {**compute_data_identity(data_sources or {}), **dict(data_identity or {})}
         self.versions = versions(device)
         #: changes accepted at resumes (versions/code/data), carried forward.
         self.lineage: list[dict[str, Any]] = []
+
+    def check_stateful(self) -> None:
+        """TypeError naming ``data`` or a user object that cannot be saved (the Checkpointer checks at construction)."""
+        _check_stateful(self.data, self.objects)
 
     # ------------------------------------------------------------------ capture
     def snapshot(

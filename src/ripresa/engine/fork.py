@@ -11,6 +11,7 @@ converges lower.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -106,9 +107,12 @@ def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[
         raise OutputExists("fork destination is not empty", file=into, expected="a new or empty folder",
                            hint="choose a new --into folder")
     store = CheckpointStore(parent, writer=False)
+    if step not in store.steps_on_disk() and step in _dcp_steps(parent):
+        return _fork_dcp(parent, step, into, sets)
     if step not in store.steps_on_disk():
         raise BadInput(f"the parent has no generation {step}", file=parent,
-                       expected=[g.step for g in store.generations() if g.valid], found=step)
+                       expected=sorted({g.step for g in store.generations() if g.valid} | set(_dcp_steps(parent))),
+                       found=step)
     gen = store.check(step, deep=True)
     if not gen.valid:
         raise IntegrityError(f"generation {step} of the parent is not valid: {gen.reason}", file=gen.bin)
@@ -149,3 +153,73 @@ def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[
         raise IntegrityError(f"the forked generation does not verify: {check.reason}", file=into)
     return {"into": str(into), "step": step, "bin_sha256": gen.bin_sha256, "overrides": list(sets),
             "command": f"ripresa train --run {into}"}
+
+
+def _dcp_steps(parent: Path) -> list[int]:
+    from ..formats import dcp as dcp_fmt
+
+    return dcp_fmt.dcp_steps_on_disk(parent)
+
+
+def _new_config(parent: Path, sets: Sequence[str]) -> dict[str, Any]:
+    cfg = apply_sets(read_run_config(parent / "config.json"), sets)
+    if any(s.startswith("mixture.") for s in sets):
+        cfg["mixture"]["phase"] = int(cfg["mixture"].get("phase", 0)) + 1  # a new policy: fresh bandit
+    validate(cfg)
+    return cfg
+
+
+def _fork_dcp(parent: Path, step: int, into: Path, sets: Sequence[str]) -> dict[str, Any]:
+    """Fork a sharded generation: every file of ``step_NNNNNN.dcp`` copied and re-hashed against its marker.
+
+    The parent generation is checked deeply first (every file's sha256, the
+    companion, ``.metadata`` through the restricted reader); the copy lands in
+    a partial folder, is renamed, the signature (if any) is copied, and the
+    marker is written last, as a sharded save commits (docs/SHARDED.md).
+    """
+    from ..formats import dcp as dcp_fmt
+    from ..io.fsio import ops
+
+    gen = dcp_fmt.check_dcp(parent, step, deep=True)
+    if not gen.valid or gen.files is None:
+        raise IntegrityError(f".dcp generation {step} of the parent is not valid: {gen.reason}", file=gen.path)
+    cfg = _new_config(parent, sets)
+    src, src_marker = dcp_fmt.dcp_paths(parent, step)
+    sig = dcp_fmt.signature_path(parent, step)
+    signature = read_small(sig, "generation signature", auth.MAX_SIGNATURE, error=IntegrityError) if os.path.lexists(sig) else None
+    history_lines = _history_up_to(parent, step)
+    into.mkdir(parents=True, exist_ok=True)
+    part = dcp_fmt.partial_path(into, step)
+    part.mkdir()
+    for name, sha in sorted(gen.files.items()):
+        _copy_verified(src / name, part / name, sha)
+    fsync_dir(part)
+    dst, dst_marker = dcp_fmt.dcp_paths(into, step)
+    ops.rename(part, dst)
+    if signature is not None:  # written before the marker, as a save does
+        write_atomic(dcp_fmt.signature_path(into, step), [signature], sync_dir=False)
+    fsync_dir(into)
+    write_atomic(dst_marker, [sidecar_line(h, f"{dst.name}/{name}") for name, h in sorted(gen.files.items())])
+    marker_sha = hashlib.sha256(dst_marker.read_bytes()).hexdigest()
+    lineage = {
+        "parent_run": str(parent.resolve()), "step": step, "dcp": dst.name, "marker_sha256": marker_sha,
+        "files_sha256": dict(sorted(gen.files.items())), "world_size": gen.world_size, "signed": signature is not None,
+        "overrides": list(sets), "created": time.time(), "ripresa": __version__,
+    }
+    write_atomic(into / "lineage.json", [json.dumps(lineage, indent=2).encode() + b"\n"])
+    write_atomic(into / "config.json", [json.dumps(cfg, indent=2).encode() + b"\n"])
+    history = History(into / HISTORY_NAME)
+    for obj in history_lines:
+        history.append(obj)
+    history.event("fork", step=step, parent_step=step, parent_run=str(parent.resolve()), dcp_marker_sha256=marker_sha,
+                  overrides=list(sets))
+    history.sync()
+    history.close()
+    check = dcp_fmt.check_dcp(into, step, deep=True)
+    if not check.valid:
+        raise IntegrityError(f"the forked .dcp generation does not verify: {check.reason}", file=dst)
+    world = gen.world_size or 1
+    return {"into": str(into), "step": step, "dcp_marker_sha256": marker_sha, "overrides": list(sets),
+            "world_size": world,
+            "command": f"python -m ripresa.torchrun --standalone --nproc_per_node={world} -m -- ripresa train "
+                       f"--run {into} --shard fsdp  (or: ripresa train --run {into}, one process)"}

@@ -56,8 +56,15 @@ def new_policy(cfg: dict[str, Any], caps: Sequence[str], floors: Sequence[str]) 
 
 
 def _newest_valid(run: Path) -> int | None:
-    gen = CheckpointStore(run, writer=False).latest_valid(deep=False, warn=False)
+    gen = _newest_generation(run)
     return gen.step if gen else None
+
+
+def _newest_generation(run: Path) -> Any:
+    """The newest valid generation of any kind (``.bin``, general, a sharded ``.dcp``): what a resume takes."""
+    from ..store.backend import latest_valid_of, registered
+
+    return latest_valid_of(run, tuple(registered()), deep=False, warn=False, store=CheckpointStore(run, writer=False))
 
 
 def _wait(predicate, timeout: float, what: str, run: Path, *, gone=None) -> None:
@@ -153,7 +160,7 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
         write_atomic(cfg_path, [json.dumps(cfg, indent=2).encode() + b"\n"])
     finally:
         lock.release()
-    command = [sys.executable, "-m", "ripresa", "train", "--run", str(run)]
+    command = _train_command(run)
     report = {"step": step, "phase": phase, "archive": str(archive), "archived": moved, "policy": policy.to_dict(),
               "stopped": stopped, "command": " ".join(command), "restarted": None}
     if restart:
@@ -163,3 +170,13 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
         log.close()
         report["restarted"] = proc.pid
     return report
+
+
+def _train_command(run: Path) -> list[str]:
+    """How the run goes on: ``ripresa train --run RUN``; a sharded run (newest generation a ``.dcp``) under
+    ``python -m ripresa.torchrun`` with its saved world size and ``--shard fsdp`` (docs/SHARDED.md)."""
+    gen = _newest_generation(run)
+    if gen is not None and gen.kind == "dcp":
+        return [sys.executable, "-m", "ripresa.torchrun", "--standalone", f"--nproc_per_node={gen.world_size or 1}",
+                "-m", "--", "ripresa", "train", "--run", str(run), "--shard", "fsdp"]
+    return [sys.executable, "-m", "ripresa", "train", "--run", str(run)]

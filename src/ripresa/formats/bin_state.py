@@ -45,13 +45,13 @@ def bin_fits(state: TrainingState) -> str | None:
     return None
 
 
-#: ``format="auto"`` writes a general generation rather than a ``.bin`` whose companion would carry more
-#: buffer elements than this as JSON numbers (two 1024x1024 masks: an 8 MB companion).
+#: ``ripresa train`` asks for a ``.bin`` only when its companion would carry at most this many buffer elements
+#: as JSON numbers (two 1024x1024 masks: an 8 MB companion); docs/FORMAT.md, "Which format a session writes".
 AUTO_MAX_BUFFER_ELEMENTS = 1 << 16
 
 
 def bin_suits(state: TrainingState) -> str | None:
-    """:func:`bin_fits`, and for ``format="auto"`` model buffers small enough for the JSON companion."""
+    """:func:`bin_fits`, and model buffers small enough for the JSON companion (``ripresa train``'s choice)."""
     why = bin_fits(state)
     if why is not None:
         return why

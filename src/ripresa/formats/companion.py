@@ -47,15 +47,23 @@ MAX_COMPANION_BYTES = 256 * 1024 * 1024
 
 
 def encode_tree(obj: Any, *, tensor: Callable[[tuple[Any, ...], torch.Tensor], Any] | None = None,
+                int_list: Callable[[tuple[Any, ...], list[Any]], Any] | None = None,
                 _path: tuple[Any, ...] = ()) -> Any:
     """State tree → JSON-able tree (lossless, see module doc).
 
     ``tensor(path, t)``, when given, encodes each tensor instead (a general
     generation replaces it by a reference to its key in the tensor file);
     ``path`` is the tuple of dict keys and list indices leading to it.
+    ``int_list(path, items)``, when given, may encode a list instead (a
+    general generation stores a long list of ints as a tensor); None keeps it.
     """
     if tensor is not None and isinstance(obj, torch.Tensor):
         return tensor(_path, obj)
+    if int_list is not None and isinstance(obj, list):
+        done = int_list(_path, obj)
+        if done is not None:
+            return done
+    kw = {"tensor": tensor, "int_list": int_list}
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu()
         name = str(t.dtype).removeprefix("torch.")
@@ -67,12 +75,12 @@ def encode_tree(obj: Any, *, tensor: Callable[[tuple[Any, ...], torch.Tensor], A
         return {"__tensor__": name, "shape": list(t.shape), "data": flat.tolist()}
     if isinstance(obj, Mapping):
         if all(isinstance(k, str) for k in obj) and not any(k.startswith("__") and k.endswith("__") for k in obj):
-            return {k: encode_tree(v, tensor=tensor, _path=(*_path, k)) for k, v in obj.items()}
-        return {"__dict__": [[k, encode_tree(v, tensor=tensor, _path=(*_path, k))] for k, v in obj.items()]}
+            return {k: encode_tree(v, **kw, _path=(*_path, k)) for k, v in obj.items()}
+        return {"__dict__": [[k, encode_tree(v, **kw, _path=(*_path, k))] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode_tree(v, tensor=tensor, _path=(*_path, i)) for i, v in enumerate(obj)]}
+        return {"__tuple__": [encode_tree(v, **kw, _path=(*_path, i)) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [encode_tree(v, tensor=tensor, _path=(*_path, i)) for i, v in enumerate(obj)]
+        return [encode_tree(v, **kw, _path=(*_path, i)) for i, v in enumerate(obj)]
     if isinstance(obj, bool | int | str) or obj is None:
         return obj
     if isinstance(obj, float):

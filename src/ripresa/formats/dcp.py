@@ -410,6 +410,77 @@ def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         ctx.__exit__(None, None, None)
 
 
+def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The state DCP saves: ``{"model": ..., "optim": ...}`` keyed by parameter name (DTensors on FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+class ShardStager:
+    """Copies a rank's shards out of the live tensors (the only stall of an asynchronous sharded save).
+
+    On CUDA the copies land in pinned host buffers allocated once and reused
+    (DCP's ``BlockingAsyncStager`` with its cache); on CPU in fresh host
+    tensors. Either way the staged dict shares no storage with the live
+    model or optimizer, so training may go on while it is written.
+    """
+
+    def __init__(self, *, pinned: bool) -> None:
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        self._stager = BlockingAsyncStager(cache_staged_state_dict=pinned)
+
+    def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
+        return self._stager.stage(sd)
+
+
+def write_shards_async(staged: dict[str, Any], path: Path, *, group: Any,
+                       after_write: Any = None) -> Any:
+    """Start ``dcp.async_save`` of a staged dict into ``path``; return its future (collective on ``group``).
+
+    DCP writes and fsyncs each rank's file (``sync_files``) in a background
+    thread, gathers every rank's result, then rank 0 writes ``.metadata``:
+    the future of rank 0 succeeds only once every rank's shards are durable.
+    ``after_write()`` runs on each rank once its own shards are written and
+    before that gather (a fault hook point).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    class _Staged(AsyncStager):
+        """Passes on the dict :class:`ShardStager` already staged (nothing is staged twice)."""
+
+        _synchronize_after_execute = False
+
+        def stage(self, sd: Any) -> Any:
+            return sd
+
+        def synchronize_staging(self) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+    class _Writer(dcp.FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            fut = super().write_data(plan, planner)
+            fut.wait()
+            if after_write is not None:
+                after_write()
+            return fut
+
+    ctx = _quiet_dcp()
+    try:
+        return dcp.async_save(staged, storage_writer=_Writer(str(path), sync_files=True), process_group=group,
+                              async_stager=_Staged())  # type: ignore[arg-type]
+    finally:
+        ctx.__exit__(None, None, None)
+
+
 def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, *, no_dist: bool = False) -> None:
     """``dcp.load`` into the live model and optimizer (any number of ranks: DCP reshards).
 

@@ -7,8 +7,10 @@ and the companion's state tree, in which each tensor is a reference
 ``{"__ref__": key}``. Tied weights (model entries that are the same view of
 the same storage) are stored once; the companion names the alias. A tensor
 whose dtype safetensors cannot name is stored as its raw bytes (``U8``) and
-its reference carries the real dtype and shape. :func:`join_state` is the
-inverse, checking every reference before it resolves it.
+its reference carries the real dtype and shape. A list of at least
+:data:`MIN_LIST_REF` ints (a random stream's state words) is an int64 tensor of
+the file too, referenced as ``{"__ref__": key, "list": "int64"}``.
+:func:`join_state` is the inverse, checking every reference before it resolves it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ MAX_COMPANION_BYTES = 16 * 1024 * 1024
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _INTLIKE = re.compile(r"^-?[0-9]+$")
 _DTYPE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+#: A list of at least this many ints (all in int64's range) is stored as an int64 tensor of the file, never as
+#: JSON numbers: Python's ``random`` state (625 words), NumPy's legacy key (624), their copies per rank.
+MIN_LIST_REF = 64
+#: ... and at most this many (a reader turns each back into a Python list: its memory is bounded).
+MAX_LIST_REF = 1 << 22
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 def key_part(k: Any) -> str:
@@ -105,7 +113,14 @@ def split_state(snapshot: Mapping[str, Any], aliases: Mapping[str, str] | None =
                               hint="a general generation stores tensors whose bytes can be viewed as uint8") from exc
         return {"__ref__": key, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
 
-    encoded = companion_fmt.encode_tree(dict(snapshot), tensor=encode)
+    def int_list(path: tuple[Any, ...], items: list[Any]) -> dict[str, Any] | None:
+        if not MIN_LIST_REF <= len(items) <= MAX_LIST_REF or not all(type(x) is int and _I64_MIN <= x <= _I64_MAX for x in items):
+            return None
+        key = key_of(path)
+        tensors[key] = torch.tensor(items, dtype=torch.int64)
+        return {"__ref__": key, "list": "int64"}
+
+    encoded = companion_fmt.encode_tree(dict(snapshot), tensor=encode, int_list=int_list)
     return tensors, encoded, alias_keys
 
 
@@ -161,16 +176,23 @@ def join_state(doc: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], path
                               expected="alias keys absent from the file, targets present", found=f"{alias} -> {target}"[:160])
     used: set[str] = set()
 
-    def ref(node: dict[str, Any], where: str) -> torch.Tensor:
+    def ref(node: dict[str, Any], where: str) -> torch.Tensor | list[int]:
         key = node.get("__ref__")
         extra = set(node) - {"__ref__"}
-        if not isinstance(key, str) or key not in tensors or extra not in (set(), {"dtype", "shape"}):
+        if not isinstance(key, str) or key not in tensors or extra not in (set(), {"dtype", "shape"}, {"list"}):
             raise SchemaError(f"{where}: a tensor reference that names no tensor of the file", file=path,
                               expected='{"__ref__": key of the file}', found=str(node)[:160])
         used.add(key)
         t = tensors[key]
         if not extra:
             return t
+        if extra == {"list"}:  # a long list of ints, stored as a 1-D int64 tensor
+            if (node["list"] != "int64" or t.dtype != torch.int64 or t.dim() != 1 or t.numel() > MAX_LIST_REF
+                    or key in aliases.values()):
+                raise SchemaError(f"{where}: malformed list reference", file=path,
+                                  expected='{"__ref__": key of a 1-D I64 tensor, "list": "int64"}',
+                                  found=f"{str(node)[:120]} -> {t.dtype} {list(t.shape)}")
+            return t.tolist()
         name, shape = node["dtype"], node["shape"]
         dt = getattr(torch, name, None) if isinstance(name, str) and _DTYPE_NAME.match(name) else None
         if (not isinstance(dt, torch.dtype) or not isinstance(shape, list) or len(shape) > companion_fmt.MAX_NDIM

@@ -11,8 +11,8 @@ Five added lines in a loop::
     ckpt.close()
 
 Each checkpoint is a generation of the run folder's :class:`~ripresa.store.store.CheckpointStore`
-(``step_NNNNNN.bin`` + companion + marker, or for a state a ``.bin`` cannot hold a
-general ``step_NNNNNN.safetensors`` one: the ``format`` argument), written asynchronously by default.
+(by default a general ``step_NNNNNN.safetensors`` + companion + marker, for any state; with
+``format="andrea"`` an ANDREA ``step_NNNNNN.bin`` one), written asynchronously by default.
 
 Failed saves: a save that fails (full disk, I/O error) is reported as a
 warning and a ``checkpoint_failed`` history event, training goes on and the
@@ -24,9 +24,9 @@ and the run stops with its last valid checkpoint. A save requested by
 SIGTERM that fails always raises: the operator asked for a durable stop.
 
 Which generations a resume considers (docs/FORMAT.md, docs/FAULTS.md): the
-kind the session writes — a single-process session only ``.bin`` generations
-(a ``.dcp`` folder in its run folder is never read, and a warning names it),
-an FSDP2 session ``.dcp`` ones, and a generation of another format (``.bin`` against
+kind the session writes first, then the others registered for its mode — a
+single-process session also resumes a ``.dcp`` that is the newest valid
+generation (docs/SHARDED.md), an FSDP2 session ``.dcp`` ones first; a generation of another format (``.bin`` against
 ``.safetensors``) or another mode (``.dcp`` against the others) only while
 saying so (a warning and an ``other_mode_generation`` history event). The
 newest candidate that fails any check — at the choice or while it is loaded —
@@ -50,6 +50,7 @@ import json
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -67,17 +68,28 @@ from ..store.backend import (
     newest_kind,
 )
 from ..store.history import HISTORY_NAME, History
+from ..store.mirror import Mirror, has_local_generation, open_mirror, pull, record_url
 from ..store.restore import rank_view, saved_record
 from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
 from ..store.store import CheckpointStore, CheckpointWarning, Generation
+from .cadence import (
+    DEFAULT_MTBF_S,
+    STEP_WINDOW,
+    AutoCadence,
+    median,
+    parse_duration,
+    parse_max_redo,
+)
+from .deadline import Deadline
 from .distributed import (
     WORLD_CHANGE_NOTE,
     DistContext,
     NullHistory,
     fault_point,
 )
+from .sharded_async import ShardedWriter, save_async
 from .signals import SignalRequests
-from .steer import SteeredRecorder, Steering
+from .steer import DistSteeredRecorder, SteeredRecorder, Steering
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view"]
 
@@ -101,7 +113,13 @@ class Checkpointer:
     Args:
         run_dir: the run folder (created if needed; locked for this process).
         state: the run's :class:`~ripresa.TrainingState` (any model and optimizer; see ``format``).
-        every: checkpoint cadence in optimizer steps (0 = only on signals and at close).
+        every: checkpoint cadence in optimizer steps (0 = only on signals and at close), or
+            ``"auto"``: chosen from the measured step time and save cost (Young–Daly,
+            docs/CADENCE.md), with ``mtbf`` (seconds or ``"24h"``; default 24 h) and
+            ``max_redo`` (at most this many steps, or seconds such as ``"30m"``, of work lost).
+        deadline: an aware ``datetime``, seconds from now, or ``"72h"``: stop in time to
+            save, drain ``mirror`` and run ``on_deadline(step)`` (an export) before it
+            (docs/CADENCE.md, "Deadline").
         asynchronous: stage at the step boundary, write in the background.
         retention: which generations to keep.
         on_checkpoint: called as ``on_checkpoint(step)`` at every checkpoint
@@ -117,12 +135,20 @@ class Checkpointer:
             (world size > 1, or a sharded FSDP2 model); False forces a
             single-process session; True requires a group.
         format: which kind of generation this session writes, decided here
-            (docs/FORMAT.md): ``"auto"`` an ANDREA ``.bin`` when the state fits
-            it (float32 parameters, Adam/AdamW without amsgrad), else a general
-            ``.safetensors`` generation; ``"andrea"`` always the ``.bin`` (a
-            state that does not fit is a :class:`~ripresa.errors.BadInput` now,
-            naming what does not fit); ``"general"`` always the general format.
-            Generations of the other kinds in the folder are still resumed.
+            (docs/FORMAT.md, "Which format a session writes"): ``"auto"`` the
+            general ``.safetensors`` format for any state (FSDP2: ``.dcp``);
+            ``"andrea"`` the ANDREA ``.bin`` (float32 parameters, Adam/AdamW
+            without amsgrad; a state that does not fit is a
+            :class:`~ripresa.errors.BadInput` now, naming what does not fit);
+            ``"general"`` the general format. Generations of the other kinds in
+            the folder are still resumed (a ``format_change`` event).
+        mirror: a second store for every committed generation (docs/MIRROR.md):
+            ``"s3://bucket/prefix"``, ``"file:///path"``, a path, or a
+            :class:`~ripresa.store.mirror.MirrorSpec`. Uploads run in the
+            background; :meth:`resume` of an empty folder pulls the newest
+            verified remote generation. :attr:`mirror` is None or the
+            :class:`~ripresa.store.mirror.Mirror` (``drain(timeout)``,
+            ``last_upload_seconds``).
 
     Distributed attributes: :attr:`dist` (None in a single process),
     :attr:`world_change` (after :meth:`resume`: None, or the saved and current
@@ -135,7 +161,7 @@ class Checkpointer:
         run_dir: str | Path,
         state: TrainingState,
         *,
-        every: int = 100,
+        every: int | str = 100,
         asynchronous: bool = True,
         retention: RetentionPolicy = DEFAULT_RETENTION,
         on_checkpoint: Callable[[int], None] | None = None,
@@ -148,11 +174,26 @@ class Checkpointer:
         max_failed_saves: int = 3,
         distributed: bool | None = None,
         format: str = "auto",
+        mirror: Any = None,
+        mtbf: float | str | None = None,
+        max_redo: int | float | str | None = None,
+        deadline: Any = None,
+        on_deadline: Callable[[int], Any] | None = None,
     ) -> None:
+        auto = every == "auto"
+        if auto:
+            every = 0
         if not isinstance(state, TrainingState) or not isinstance(every, int) or isinstance(every, bool):
             raise TypeError(f"need a ripresa.TrainingState and an int every, got {type(state).__name__}, {type(every).__name__}")
         if every < 0 or max_failed_saves < 1:  # misuse of the API: TypeError/ValueError (docs/FAULTS.md)
             raise ValueError(f"need every >= 0 (0: on signals only) and max_failed_saves >= 1, got {every}, {max_failed_saves}")
+        state.check_stateful()  # data or objects swapped in after the TrainingState was built: refused here, before any lock
+        if not auto and (mtbf is not None or max_redo is not None):
+            raise ValueError("mtbf and max_redo apply to every='auto' only")
+        #: ``every="auto"``: the measured cadence (docs/CADENCE.md), else None; :attr:`deadline` likewise.
+        self.cadence = AutoCadence(mtbf_s=parse_duration(DEFAULT_MTBF_S if mtbf is None else mtbf, "mtbf"),
+                                   max_redo=parse_max_redo(max_redo)) if auto else None
+        self.deadline = Deadline(deadline) if deadline is not None else None  # both checked before the folder is locked
         #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
         self.steering = Steering.take_from_env()
         self.run_dir = Path(run_dir) if self.steering is None else self.steering.run_dir
@@ -161,6 +202,7 @@ class Checkpointer:
                            expected="an empty or new folder", found=sorted(p.name for p in self.run_dir.iterdir())[:8],
                            hint="choose a new --run folder, or drop --fresh to resume this one")
         self.state = state
+        self._fresh = fresh
         self.every = int(every)
         self.on_checkpoint = on_checkpoint
         self.sidecars = dict(sidecars or {})
@@ -177,9 +219,7 @@ class Checkpointer:
         self.fresh_streams = False
         self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
-        if self.steering is not None and self.dist is not None:
-            raise BadInput("ripresa verify steers single-process scripts only", found=f"a {_MODE_NAMES[self.mode]} run",
-                           hint="verify the script in one process, or implement the verification contract (docs/VERIFY.md)")
+        self._shards: ShardedWriter | None = None  # FSDP2, asynchronous: every rank's background DCP writes
         choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
@@ -198,8 +238,20 @@ class Checkpointer:
                 self.store = CheckpointStore(self.run_dir, writer=False)
                 self._open_backends()
                 self.history = NullHistory()  # type: ignore[assignment]
+            if asynchronous and self.mode == "fsdp2":
+                self._shards = ShardedWriter(self.dist)
             asynchronous = asynchronous and self.dist.is_main
         asynchronous = asynchronous and self.backend.background
+        self.mirror: Mirror | None = None
+        if mirror is not None and (self.dist is None or self.dist.is_main):
+            try:
+                self.mirror = open_mirror(mirror, self.run_dir, local_retention=retention, event=self.history.event)
+                record_url(self.run_dir, self.mirror.spec.url)
+            except BaseException:
+                self.history.close()
+                self.store.close()
+                raise
+            self.store.pinned = self.mirror.pinned  # local retention keeps what the mirror still lacks
         if self.history.repaired_torn_line:
             self.history.event("torn_line_terminated")
         previous = newest_kind(self.backends)
@@ -215,7 +267,13 @@ class Checkpointer:
         self._deferred_error: SaveFailed | None = None  # distributed: a stop-save failure, raised on every rank
         self._last_gen: Any = None
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
-        self._recorder = SteeredRecorder(self.steering, state) if self.steering is not None else None
+        if self.cadence is not None:
+            self.cadence.background, self.cadence.follow = self.writer is not None, self.dist is None
+        self.on_deadline = on_deadline
+        self._step_exit: float | None = None  # when step_done last returned (the step time is measured outside it)
+        self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._recorder = (None if self.steering is None else SteeredRecorder(self.steering, state) if self.dist is None
+                          else DistSteeredRecorder(self.steering, state, self.dist))  # every rank is steered
         if self.steering is not None:
             self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,
                                restore_rng=self.steering.restore_rng)
@@ -249,6 +307,11 @@ class Checkpointer:
         return self._resume(from_path, restore_rng)
 
     def _resume(self, from_path: str | Path | None, restore_rng: bool) -> int:
+        if self.mirror is not None:
+            if from_path is None and not self._fresh and not has_local_generation(self.run_dir):  # a new machine
+                pull(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
+                     event=self.history.event, spec=self.mirror.spec)
+            self.mirror.start()
         if self.dist is not None:
             return self._resume_dist(from_path, restore_rng)
         if from_path is not None:
@@ -454,6 +517,11 @@ class Checkpointer:
         ``epoch`` sets it. Returns True when the loop must stop (a stop signal
         was handled: the checkpoint is committed).
         """
+        entered = time.perf_counter()
+        if self._step_exit is not None:  # the step itself, measured outside step_done
+            self._step_times.append(entered - self._step_exit)
+            if self.cadence is not None:
+                self.cadence.step_time(entered - self._step_exit)
         p = self.progress
         p.step = int(step)
         if "tokens" in metrics:
@@ -469,23 +537,42 @@ class Checkpointer:
             steered_stop = step >= self._recorder.steer.stop_at
         self._collect(block=False)
         who: dict[str, Any] = {}
+        deadline_stop = self.deadline is not None and self.deadline.check(
+            step, median(self._step_times), getattr(self, "mirror", None), self.history.event)
         if self.dist is None:
-            stop = self.signals.stop_requested
+            stop = self.signals.stop_requested or deadline_stop
             asked = self.signals.take_checkpoint_request()
         else:
             # The agreement: a signal on any rank is a signal on every rank, at this step.
-            stop_ranks, ask_ranks = self.dist.agree(self.signals.stop_requested, self.signals.take_checkpoint_request())
+            stop_ranks, ask_ranks = self.dist.agree(self.signals.stop_requested or deadline_stop,
+                                                    self.signals.take_checkpoint_request())
             stop, asked = bool(stop_ranks), bool(ask_ranks)
             who = {"ranks_stop": stop_ranks, "ranks_checkpoint": ask_ranks}
-        if asked or stop:
+            if stop and not deadline_stop and self.deadline is not None and not self.signals.received:
+                self.history.event("deadline_stop", **self.deadline.stop(step, time.time()))  # another rank's clock
+                deadline_stop = True
+        if (asked or stop) and not (deadline_stop and not self.signals.received):
             self.history.event("signal", step=step, signals=list(self.signals.received), action="stop" if stop else "checkpoint", **who)
             self.signals.received.clear()
         if steered_stop:  # ripresa verify's cut (or end): saved and stopped as on SIGTERM
             self.history.event("verify_stop", step=step, path=self._recorder.steer.path)
             stop = True
-        due = self.every > 0 and step % self.every == 0
+        if self.cadence is not None:
+            due = self.cadence.due(step)
+        else:
+            due = self.every > 0 and step % self.every == 0
+        if self.deadline is not None and self.deadline.needs_probe(len(self._step_times) + 1):
+            due = True  # one save to measure what the deadline plan needs (docs/CADENCE.md)
         if due or asked or stop:
+            n = len(self.save_stalls)
             self._save(step, "stop" if stop else "signal" if asked else "cadence", must_succeed=stop)
+            if self.cadence is not None and not stop:
+                self.cadence.saved(step, self.save_stalls[-1] if len(self.save_stalls) > n else float("nan"))
+                self._cadence_event(step, force=True)
+                if self.dist is not None:  # every rank adopts rank 0's interval, at the same step
+                    self.cadence.every = self.dist.broadcast(self.cadence.proposed)
+        elif self.cadence is not None:
+            self._cadence_event(step, force=False)
         if stop:
             if self.dist is None:
                 self._collect(block=True, must_succeed=True)
@@ -493,10 +580,21 @@ class Checkpointer:
                 self._collect_all()
             if self._recorder is not None:
                 self._recorder.finish(self.progress)  # the state saved is the state recorded: nothing ran between
+            if deadline_stop and self.deadline is not None and (self.dist is None or self.dist.is_main):
+                self.deadline.finish(step, getattr(self, "mirror", None), self.on_deadline, self.history.event)
             return True
+        self._step_exit = time.perf_counter()
         return False
 
+    def _cadence_event(self, step: int, *, force: bool) -> None:
+        """``every="auto"``: re-evaluate the interval; record a ``cadence`` event when it changed (docs/CADENCE.md)."""
+        fields = self.cadence.reevaluate(step, force=force) if self.cadence is not None else None
+        if fields is not None:
+            self.history.event("cadence", **fields)
+
     def steps_to_next_checkpoint(self) -> int | None:
+        if self.cadence is not None:
+            return self.cadence.steps_to_next(self.progress.step)
         if self.every <= 0:
             return None
         return self.every - (self.progress.step % self.every)
@@ -570,9 +668,18 @@ class Checkpointer:
         self.failed_saves = 0
         self.last_saved_step = gen.step
         self._last_gen = gen
+        background = self.writer is not None
+        stall = self.save_stalls[-1] if self.save_stalls else seconds
+        if self.cadence is not None and background:
+            self.cadence.written(seconds)
+            self._cadence_event(self.progress.step, force=True)
+        if self.deadline is not None:
+            self.deadline.saved(stall + seconds if background else seconds)
         self.history.event("checkpoint", step=gen.step, reason=reason, file=gen.path.name, bytes=gen.size,
-                           seconds=round(seconds, 4))
+                           seconds=round(seconds, 4), stall=round(stall, 4), background=background)
         self.history.sync()
+        if self.mirror is not None:
+            self.mirror.notify(gen.step)
 
     def _failed(self, step: int, exc: SaveFailed, must_succeed: bool) -> None:
         if self._captured_step == step:
@@ -630,6 +737,8 @@ class Checkpointer:
         """Every rank writes its part (FSDP2: its shards), a barrier, then rank 0 commits (companion, rename, marker)."""
         d = self.dist
         assert d is not None
+        if self._shards is not None:  # staged now, written in the background (session/sharded_async.py)
+            return save_async(self, step, reason, must_succeed, extra, t0)
         if d.is_main:
             self.backend.prepare(step)
         d.barrier()
@@ -663,6 +772,8 @@ class Checkpointer:
         d = self.dist
         assert d is not None
         err: SaveFailed | None = None
+        if self._shards is not None:
+            self._shards.wait()  # this rank's write; a failure anywhere fails rank 0's commit, broadcast below
         if d.is_main:
             err, self._deferred_error = self._deferred_error, None
             if err is None:
@@ -692,6 +803,8 @@ class Checkpointer:
                 if final_save and self.last_saved_step != self.progress.step:
                     self._save(self.progress.step, "final", must_succeed=True)
                     self._collect(block=True, must_succeed=True)
+            if self.mirror is not None:
+                self.mirror.close()  # waits for the pending uploads (MirrorSpec.close_timeout)
         finally:
             try:
                 self.history.sync()
@@ -714,6 +827,8 @@ class Checkpointer:
 
     def _release(self) -> None:
         """Close the history, restore the signal handlers, release the run folder's lock."""
+        if self.mirror is not None:
+            self.mirror.close(timeout=0)
         self.history.close()
         self.signals.uninstall()
         self.store.close()

@@ -131,7 +131,7 @@ fault_hook: Callable[[str, int, int], None] | None = None
 
 
 def fault_point(point: str, step: int, rank: int) -> None:
-    """A named point of a distributed save (``before_gather``, ``after_shards``): calls :data:`fault_hook` if set."""
+    """A named point of a distributed save (``before_gather``, ``after_shards``, ``shards_written``): calls :data:`fault_hook` if set."""
     hook = fault_hook
     if hook is not None:
         hook(point, step, rank)

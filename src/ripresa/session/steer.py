@@ -140,3 +140,106 @@ class SteeredRecorder:
         self.finished = True
         self.steer.output.mkdir(parents=True, exist_ok=True)
         self.trajectory.write(self.steer.output / "summary.json")
+
+
+def _full(obj: Any) -> Any:
+    """Every DTensor of a tree gathered whole (``DTensor.full_tensor()``: a collective, same order on every rank)."""
+    import torch
+
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()  # type: ignore[assignment,misc]
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, Mapping):
+        return {k: _full(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_full(v) for v in obj]
+    return obj
+
+
+class DistSteeredRecorder(SteeredRecorder):
+    """The recorder of a steered distributed run (DDP or FSDP2 under torchrun; docs/SHARDED.md).
+
+    Every rank takes the steering and calls each method (they hold
+    collectives); rank 0 records and writes ``summary.json``. A state block
+    holds the whole parameters and optimizer state (FSDP2 shards gathered with
+    ``DTensor.full_tensor()`` — never through ``get_optimizer_state_dict``,
+    which would initialise a fresh optimizer's state), the data position and
+    ``Stateful`` objects of every rank (a list by rank) and the next draws of
+    every rank's streams (``rankR/stream``). Each step holds rank 0's loss
+    (as the script passes it), the LR, every rank's data position and
+    ``loss_per_rank``, so a divergence on any rank is seen.
+    """
+
+    def __init__(self, steer: Steering, state: TrainingState, dist: Any) -> None:
+        super().__init__(steer, state)
+        self.dist = dist
+
+    def _observe(self, progress: Progress) -> dict[str, Any] | None:
+        from .trajectory import to_json_tree
+
+        s, opt = self.state, self.state.optimizer
+        params = _full(s.model.state_dict())
+        optim = _full(opt.state_dict()) if opt is not None else None
+        mine = {"data": to_json_tree(s.data.state_dict()) if s.data is not None else None,
+                "objects": {n: to_json_tree(o.state_dict()) for n, o in s.objects.items()},
+                "next_draws": s.rng.peek()}
+        every = self.dist.gather(mine)
+        if not self.dist.is_main:
+            return None
+        return {
+            "progress": progress.as_dict(),
+            "data": [r["data"] for r in every],
+            "parameters": to_json_tree(params),
+            "optimizer": to_json_tree(optim),
+            "scheduler": to_json_tree(s.scheduler.state_dict()) if s.scheduler is not None else None,
+            "scaler": to_json_tree(s.scaler.state_dict()) if s.scaler is not None else None,
+            "objects": [r["objects"] for r in every],
+            "next_lr": [float(g["lr"]) for g in opt.param_groups] if opt is not None else None,
+            "next_draws": {f"rank{i}/{k}": v for i, r in enumerate(every) for k, v in (r["next_draws"] or {}).items()},
+            "evaluation": {},
+        }
+
+    def start(self, progress: Progress, resumed_from: str | None) -> None:
+        self.trajectory.doc["resumed_from"] = resumed_from
+        block = self._observe(progress)
+        if block is not None:
+            self.trajectory.doc["start"] = block
+        self.started = True
+
+    def step(self, step: int, metrics: Mapping[str, Any]) -> None:
+        from .trajectory import to_json_tree
+
+        if not self.started:
+            super().step(step, metrics)  # raises: resume() first
+        if self.finished:
+            return
+        loss = _float_or_none(metrics.get("loss"))
+        data = to_json_tree(self.state.data.state_dict()) if self.state.data is not None else None
+        every = self.dist.gather({"loss": loss, "data": data})
+        self.last_loss = loss
+        if not self.dist.is_main:
+            return
+        opt = self.state.optimizer
+        self.trajectory.doc["steps"].append({
+            "step": int(step), "rows": [],
+            "lr": [float(g["lr"]) for g in opt.param_groups] if opt is not None else [],
+            "loss": loss, "data": [r["data"] for r in every], "loss_per_rank": [r["loss"] for r in every],
+        })
+
+    def finish(self, progress: Progress) -> None:
+        if self.finished:
+            return
+        block = self._observe(progress)
+        self.finished = True
+        if block is None:
+            return
+        if self.last_loss is not None:
+            block["evaluation"] = {"last_loss": self.last_loss}
+        self.trajectory.doc["final"] = block
+        self.steer.output.mkdir(parents=True, exist_ok=True)
+        self.trajectory.write(self.steer.output / "summary.json")

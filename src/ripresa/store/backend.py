@@ -267,6 +267,7 @@ class DcpBackend(_Base):
     label = ".dcp generation"
     written_by = ".dcp ones are written by sharded FSDP2 runs"
     collective = True
+    background = True  # rank 0 commits in the background once every rank's shards are durable
 
     @staticmethod
     def _fmt() -> Any:
@@ -327,7 +328,8 @@ class DcpBackend(_Base):
             gen = dcp.commit_dcp(self.folder, step, dcp.partial_path(self.folder, step), world_size=world_size,
                                  n_params=n, state=rest, hmac_key=self.store.hmac_key)
             valid = [g.step for g in self.generations() if g.valid]
-            for old in plan_deletions(valid, self.store.retention, newest_valid=step):
+            for old in plan_deletions(valid, self.store.retention, newest_valid=step,
+                                      protected=self.store.protected_steps(valid)):
                 self.delete(old)
             return gen
 
@@ -406,22 +408,17 @@ def _bin_fits(state: TrainingState) -> str | None:
     return bin_fits(state)
 
 
-def _bin_suits(state: TrainingState) -> str | None:
-    from ..formats.bin_state import bin_suits
-
-    return bin_suits(state)
-
-
 def _open_general(store: CheckpointStore) -> StorageBackend:
     from .general import GeneralBackend
 
     return GeneralBackend(store)
 
 
-register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits,
-                             _bin_suits))
-register_backend(BackendSpec("dcp", DcpBackend, {"ddp": 20, "fsdp2": 10}))
-register_backend(BackendSpec("st", _open_general, {"single": 15, "ddp": 15}, "general"))
+# format="auto" is the general format for any state (docs/FORMAT.md, "Which format a session writes"); the .bin
+# is written when a session asks for "andrea" (ripresa train does), and resumed by every mode.
+register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits))
+register_backend(BackendSpec("dcp", DcpBackend, {"single": 30, "ddp": 20, "fsdp2": 10}))
+register_backend(BackendSpec("st", _open_general, {"single": 5, "ddp": 5}, "general"))
 
 #: The formats a session may ask for besides the registered kinds' names: ``auto``.
 AUTO = "auto"
@@ -436,8 +433,8 @@ def choose_writer(mode: str, state: TrainingState | None = None, format: str = A
     """The registered kind a ``mode`` session writes (no run folder needed: every rank decides it alike).
 
     With ``format="auto"`` the most preferred kind of the mode that suits
-    ``state`` (its spec's ``suits``, else ``fits``: a ``.bin`` when the state
-    fits it and its buffers are small, else a general generation); with a
+    ``state`` (its spec's ``suits``, else ``fits``: the general format in a
+    single-process or DDP session, ``.dcp`` in an FSDP2 one); with a
     format name, the kind of that name, and a
     :class:`~ripresa.errors.BadInput` naming what does not fit when it cannot
     hold ``state``. ``ValueError`` for an unknown mode or format.

@@ -227,7 +227,7 @@ class GeneralBackend(_Base):
         def commit() -> Generation:
             gen = save_general(folder, step, tensors, encoded, aliases, hmac_key=key)
             valid = [g.step for g in self.generations() if g.valid]
-            doomed = plan_deletions(valid, retention, newest_valid=step)
+            doomed = plan_deletions(valid, retention, newest_valid=step, protected=self.store.protected_steps(valid))
             for old in doomed:
                 self.delete(old)
             if doomed:

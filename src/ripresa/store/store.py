@@ -132,6 +132,8 @@ class CheckpointStore:
         self.folder = Path(folder)
         self.retention = retention
         self.lock: RunLock | None = None
+        #: steps retention must keep besides its policy (a mirror's pending uploads: docs/MIRROR.md), or None
+        self.pinned: Callable[[Iterable[int]], Iterable[int]] | None = None
         self.removed_temporaries: list[Path] = []
         self.require_signature = auth.require_signature_from_env() if require_signature is None else bool(require_signature)
         # A writer loads the key now (a misconfigured key fails at start, not at the
@@ -234,11 +236,16 @@ class CheckpointStore:
         self.apply_retention(newest_valid=step)
         return gen
 
+    def protected_steps(self, valid: Iterable[int]) -> set[int]:
+        """The steps of ``valid`` that :attr:`pinned` keeps (a mirror's pending uploads)."""
+        return set(self.pinned(list(valid))) if self.pinned is not None else set()
+
     def apply_retention(self, *, newest_valid: int, protected: tuple[int, ...] = ()) -> list[int]:
-        """Delete generations the policy drops (never ``newest_valid``); return their steps."""
+        """Delete generations the policy drops (never ``newest_valid``, nor a pinned one); return their steps."""
         self._require_writer()
         valid = [g.step for g in self.generations() if g.valid]
-        doomed = plan_deletions(valid, self.retention, newest_valid=newest_valid, protected=protected)
+        doomed = plan_deletions(valid, self.retention, newest_valid=newest_valid,
+                                protected=(*protected, *self.protected_steps(valid)))
         for step in doomed:
             self.delete(step)
         if doomed:

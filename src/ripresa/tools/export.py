@@ -416,6 +416,67 @@ def _copy_signature(bundle: _Bundle, gen: Generation, rel_dir: str) -> str | Non
 
 def export_run(run: Path, dest: Path, *, model_factory: ModelFactory, step: int | None = None, inference: bool = False,
                show_progress: bool = True) -> dict[str, Any]:
+    """Export one generation of ``run`` (see :func:`_export_run`); a sharded ``.dcp`` one is consolidated first.
+
+    When the generation to export (``step``, or the newest valid one of the
+    run) is a ``step_NNNNNN.dcp`` of an FSDP2 run, it is checked deeply
+    (every file's sha256; ``.metadata`` through the restricted reader), read
+    into one process and written as a ``.bin`` generation in a staging folder
+    beside ``dest`` (``ripresa convert``: re-read and compared bitwise), which
+    is then exported like any other and removed: the bundle resumes on any
+    number of ranks, ``--inference`` gives consolidated safetensors
+    (docs/SHARDED.md).
+    """
+    run, dest = Path(run), Path(dest)
+    sharded = _sharded_source(run, step)
+    if sharded is None:
+        return _export_run(run, dest, model_factory=model_factory, step=step, inference=inference,
+                           show_progress=show_progress)
+    import shutil
+    import tempfile
+
+    from .convert import convert
+
+    _check_dest(dest, run)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.consolidate-", dir=dest.parent))
+    try:
+        convert(sharded.path, stage / bin_name(sharded.step), model_factory=model_factory)
+        report = _export_run(run, dest, model_factory=model_factory, step=sharded.step, inference=inference,
+                             show_progress=show_progress, store=CheckpointStore(stage, writer=False))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    report["source"]["consolidated_from"] = {"dcp": str(sharded.path), "world_size": sharded.world_size,
+                                             "files_sha256": dict(sharded.files or {})}
+    report["notes"].append(f"consolidated from the sharded generation {sharded.path.name} "
+                           f"({sharded.world_size} rank(s)), compared bitwise after conversion")
+    return report
+
+
+def _sharded_source(run: Path, step: int | None) -> Generation | None:
+    """The ``.dcp`` generation to export, deep-checked, or None when the export is of a ``.bin``."""
+    from ..formats import dcp as dcp_fmt
+    from ..store.backend import latest_valid_of
+
+    dcp_steps = dcp_fmt.dcp_steps_on_disk(run) if run.is_dir() else []
+    if not dcp_steps:
+        return None
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int) or step in CheckpointStore(run, writer=False).steps_on_disk() \
+                or step not in dcp_steps:
+            return None
+        gen = dcp_fmt.check_dcp(run, step, deep=True)
+        if not gen.valid:
+            raise IntegrityError(f".dcp generation {step} is damaged or uncommitted: not exported", file=gen.path,
+                                 expected="a committed generation whose files match its marker", found=gen.reason,
+                                 hint="export another step (`ripresa inspect RUN` shows which are valid)")
+        return gen
+    newest = latest_valid_of(run, ("bin", "dcp"), deep=True)
+    return newest if newest is not None and newest.kind == "dcp" else None
+
+
+def _export_run(run: Path, dest: Path, *, model_factory: ModelFactory, step: int | None = None, inference: bool = False,
+                show_progress: bool = True, store: CheckpointStore | None = None) -> dict[str, Any]:
     """Export one generation of ``run`` to the new folder ``dest``; verify it there; return a report.
 
     ``step=None`` exports the newest valid generation (a damaged newer one is
@@ -429,7 +490,7 @@ def export_run(run: Path, dest: Path, *, model_factory: ModelFactory, step: int 
     """
     t0 = time.monotonic()
     run, dest = Path(run), Path(dest)
-    store = CheckpointStore(run, writer=False)
+    store = store if store is not None else CheckpointStore(run, writer=False)
     _check_dest(dest, run)
     gen, skipped = _select_generation(store, step)
     assert gen.size is not None and gen.bin_sha256 is not None and gen.companion_sha256 is not None

@@ -271,6 +271,8 @@ def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = T
 
 
 def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bool, deep: bool) -> dict[str, Any]:
+    if stat.S_ISDIR(st.st_mode) and p.name.endswith(".dcp"):  # one sharded generation (tools/inspect_dcp.py)
+        return _inspect_dcp(p, path, check_finite=check_finite, deep=deep)
     if stat.S_ISDIR(st.st_mode):
         return _inspect_folder(p, path, check_finite=check_finite, deep=deep)
     if not stat.S_ISREG(st.st_mode):
@@ -293,6 +295,21 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
         found=f"a file named '{p.name}'",
         hint="for a generation's .json or .sha256, inspect its .bin or the run folder",
     )
+
+
+def _inspect_dcp(p: Path, given: str | Path, *, check_finite: bool, deep: bool) -> dict[str, Any]:
+    from .inspect_dcp import inspect_dcp
+
+    report = _base(given, "dcp", check_finite, deep)
+    v = _Verdict()
+    report["dcp"], problems, warns = inspect_dcp(p, given, deep=deep)
+    for text, code in problems:
+        v.fail(text, code)
+    for text in warns:
+        v.warn(text)
+    if check_finite:
+        v.warn("--check-finite is not applied to .dcp shards (the tensors are not read); export or convert first")
+    return _finish(report, v)
 
 
 def _file_kind(p: Path) -> str | None:
@@ -865,8 +882,8 @@ def _inspect_folder(p: Path, given: str | Path, *, check_finite: bool, deep: boo
             elif not g.valid:
                 v.warn(f"older generation {g.step} is invalid: {g.reason}")
     if mixed:
-        v.warn("this folder holds .bin and .dcp generations: a single-process or DDP resume considers only "
-               "the .bin ones, an FSDP2 resume prefers the .dcp ones (see docs/FORMAT.md)")
+        v.warn("this folder holds .bin and .dcp generations: every resume takes the newest valid one; at equal "
+               "steps a single-process or DDP run prefers the .bin, an FSDP2 run the .dcp (see docs/SHARDED.md)")
     if not deep and gens:
         v.warn("--no-deep: .bin files were not re-hashed; a flipped bit inside one goes unnoticed")
     for t in temps:
@@ -963,6 +980,10 @@ def render_report(report: dict[str, Any], console: Any = None) -> None:
         _render_pt(report["checkpoint"], console)
     elif kind == "run":
         _render_run(report["run"], console)
+    elif kind == "dcp" and report.get("dcp"):
+        from .inspect_dcp import render_dcp
+
+        render_dcp(report["dcp"], console)
     for text in report["problems"]:
         console.print(f"[red]problem:[/] {escape(text)}")
     for text in report["warnings"]:

@@ -60,7 +60,7 @@ PATHS = ("continuous", "interrupted", "resume", "resume-without-rng")
 STATE_PARTS = ("progress", "data", "parameters", "optimizer", "scheduler", "scaler", "objects", "next_lr", "next_draws")
 STEP_PARTS = ("rows", "lr", "loss")
 #: Step parts compared only when a trajectory records them (a steered Checkpointer records the data position).
-OPTIONAL_STEP_PARTS = ("data",)
+OPTIONAL_STEP_PARTS = ("data", "loss_per_rank")
 
 
 def _step_parts(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, ...]:

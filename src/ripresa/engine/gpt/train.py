@@ -38,6 +38,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from ...core.rng import RandomStreams
 from ...core.state import TrainingState
 from ...errors import BadInput, OutputExists
 from ...formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, parse_bin_name
+from ...formats.bin_state import bin_suits
 from ...io.fsio import open_run_file, read_json_small, write_atomic
 from ...session.checkpointer import Checkpointer
 from ...session.distributed import (
@@ -84,7 +86,7 @@ class TrainArgs:
     sets: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
     steps: int | None = None
-    every: int | None = None
+    every: int | str | None = None  # steps, or "auto" (docs/CADENCE.md)
     device: str = "auto"
     fresh: bool = False
     resume: Path | None = None
@@ -97,6 +99,10 @@ class TrainArgs:
     allow_code_change: bool = False
     allow_data_change: bool = False
     shard: str = "ddp"
+    mirror: str | None = None
+    mtbf: str | None = None  # --every auto: mean time between failures (default 24h)
+    max_redo: str | None = None  # --every auto: at most N steps or a duration of work lost
+    deadline: float | None = None  # POSIX time: stop, save, upload and export before it
 
 
 def pick_device(choice: str) -> torch.device:
@@ -299,12 +305,16 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     if args.fresh and run_dir.exists() and any(run_dir.iterdir()):
         raise BadInput("--fresh refuses a run folder that is not empty", file=run_dir,
                        hint="choose a new --run folder, or drop --fresh to resume this one")
+    if args.mirror is not None and args.run is not None and rank == 0 and not args.fresh:
+        from ...store.mirror import prefetch
+
+        prefetch(run_dir, args.mirror)  # a blank machine: the newest verified remote generation and config.json
     if args.run is not None and os.path.lexists(run_dir):
         check_run_files(run_dir)
     if group:
         tdist.barrier()  # every rank has looked at the folder before rank 0 creates anything in it
     cfg = resolve_config(args.config, args.sets, run_dir if args.output is None else None, args.sources)
-    if args.every is not None:
+    if args.every is not None and args.every != "auto":
         cfg["train"]["every"] = args.every
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -400,11 +410,22 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         if rank == 0:
             write_samples(run_dir, samples_doc)
 
+    def export_at_deadline(step: int) -> dict[str, Any]:  # the deadline's export bundle (docs/CADENCE.md)
+        from ...tools.export import export_run
+        from .factory import GPT_FACTORY
+
+        return export_run(run_dir, run_dir / "exports" / f"deadline-step_{step:06d}", model_factory=GPT_FACTORY,
+                          step=step, show_progress=False)
+
     ckpt = Checkpointer(
-        run_dir, state, every=t["every"], asynchronous=args.asynchronous,
+        run_dir, state, every="auto" if args.every == "auto" else t["every"], asynchronous=args.asynchronous,
+        mtbf=args.mtbf, max_redo=args.max_redo, on_deadline=export_at_deadline,
+        deadline=None if args.deadline is None else datetime.fromtimestamp(args.deadline, UTC),
         on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
-        allow_data_change=args.allow_data_change or bool(dropped),
+        allow_data_change=args.allow_data_change or bool(dropped), mirror=args.mirror,
+        # the ANDREA .bin whenever the state fits it (docs/FORMAT.md, "Which format a session writes"); FSDP2: .dcp
+        format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",
     )
     try:
         for note in notes:
@@ -429,7 +450,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         goal = start + args.steps if args.steps is not None else t["max_steps"]
         where = f"{device}" if not group else f"{world} rank(s) on {device.type} ({args.shard}, {tdist.get_backend()})"
         say(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {where}, steps {start}→{goal}, "
-            f"checkpoint every {t['every']} → {run_dir}")
+            f"checkpoint every {'auto (docs/CADENCE.md)' if ckpt.cadence else t['every']} → {run_dir}")
         traj = None
         if args.output is not None:
             eval_loss = evaluate(model, sampler, device, amp_dtype)  # every rank: a sharded forward is collective
@@ -456,7 +477,12 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         ckpt.abort()  # no collective on an error path: another rank may be gone
         raise
     ckpt.close(final_save=False)
-    say(f"{'stopped by signal' if stopped else 'done'} at step {last}; checkpoints, .loss.jsonl, "
+    done = ckpt.deadline.done if ckpt.deadline is not None else None
+    why = "stopped for the deadline" if done else "stopped by signal" if stopped else "done"
+    if done:
+        say(f"deadline: {'met' if done['met'] else 'MISSED'}, {done['seconds_before_deadline']:.1f} s before it; "
+            f"export bundle {done.get('export')} (ripresa export --verify DIR)")
+    say(f"{why} at step {last}; checkpoints, .loss.jsonl, "
         f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
     return 0
 
@@ -511,10 +537,12 @@ def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, 
     tokens_per_step = t["batch_size"] * sampler.block_size * world
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                TextColumn("{task.fields[rate]} steps/s"), TextColumn("next ckpt {task.fields[next]}"), TimeElapsedColumn()]
+    if ckpt.deadline is not None:  # the time left to the planned stop (docs/CADENCE.md, "Deadline")
+        columns.insert(-1, TextColumn("planned stop in {task.fields[stop]}"))
     last_t, last_step = time.perf_counter(), start
     rate = 0.0
     with Progress(*columns, disable=quiet, transient=False) as bar:
-        task = bar.add_task("train", total=goal, completed=start, loss="—", rate="—", next="—")
+        task = bar.add_task("train", total=goal, completed=start, loss="—", rate="—", next="—", stop="—")
         for step in range(start + 1, goal + 1):
             arm = mixture.choose()
             x, y, offsets = sampler.batch(arm)
@@ -550,7 +578,9 @@ def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, 
                 last_t, last_step = now, step
                 nxt = ckpt.steps_to_next_checkpoint()
                 eta = f"{nxt / rate:.0f}s" if nxt is not None and rate > 0 else "—"
-                bar.update(task, completed=step, loss=f"{loss_value:.4f}", rate=f"{rate:.1f}", next=eta)
+                left = ckpt.deadline.seconds_to_stop() if ckpt.deadline is not None else None
+                bar.update(task, completed=step, loss=f"{loss_value:.4f}", rate=f"{rate:.1f}", next=eta,
+                           stop="—" if left is None else f"{max(0.0, left):.0f}s")
             if stop:
                 return True
     return False

@@ -1,0 +1,423 @@
+"""A second store for a run's generations: a local folder or an S3-compatible object store (docs/MIRROR.md).
+
+:func:`open_store` turns a URL into an :class:`ObjectStore`:
+
+* ``s3://bucket/prefix`` — :class:`S3Store`, through boto3 (the optional extra
+  ``ripresa[s3]``). Endpoint, region and credentials come from the standard
+  AWS environment (``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``,
+  ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+  ``AWS_DEFAULT_REGION``, profiles). boto3's own retries are switched off:
+  the mirror retries, with back-off, and records every retry in the history.
+* a path or ``file:///path`` — :class:`LocalStore` (another disk, an NFS mount),
+  written with the local commit protocol (temporary name, ``fsync``, rename).
+
+Keys are names relative to the prefix: ``config.json``, ``step_000100.bin``,
+``step_000100.dcp/__0_0.distcp`` (:func:`check_key`: no ``..``, at most one
+``/``, no leading ``.`` but for a ``.dcp`` folder's ``.metadata``). Everything read from the store is hostile:
+:meth:`ObjectStore.get_into` streams at most ``limit`` bytes into the
+caller's writer (never the whole object in memory), :meth:`ObjectStore.get_bytes`
+refuses an object larger than its limit before reading it, and a listing is
+bounded (:data:`MAX_KEYS`). :meth:`ObjectStore.put_file` re-hashes the file
+as it reads it and completes the object only when the sha256 is the one the
+caller expects (a multipart upload above :attr:`ObjectStore.multipart_threshold`
+is aborted otherwise).
+
+Failures are typed: :class:`RemoteUnavailable` (network, timeout, reset,
+5xx, throttling: retried by the mirror), :class:`RemoteNotFound` (a missing
+key), :class:`~ripresa.errors.BadInput` for a bad URL or missing credentials,
+:class:`~ripresa.errors.MissingDependency` without boto3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from ..errors import BadInput, IntegrityError, MissingDependency, SaveFailed
+from .fsio import CHUNK, StagedFile, fsync_dir, open_run_file, ops
+
+__all__ = ["MAX_KEYS", "LocalStore", "ObjectStore", "RemoteNotFound", "RemoteUnavailable", "S3Store", "check_key",
+           "open_store"]
+
+#: Most keys a listing returns before it is refused as hostile.
+MAX_KEYS = 100_000
+#: Objects above this size are uploaded in parts (bytes).
+MULTIPART_THRESHOLD = 64 * 1024 * 1024
+#: Size of one part of a multipart upload (bytes; S3's minimum is 5 MiB).
+PART_SIZE = 16 * 1024 * 1024
+_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}(?:/(?!\.\.?\Z)[A-Za-z0-9_.][A-Za-z0-9._-]{0,254})?")
+
+
+def _key_ok(key: object) -> bool:
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None and ".." not in key
+
+
+class RemoteUnavailable(SaveFailed):
+    """The store could not be reached or refused for now (network, timeout, reset, 5xx, throttling): retry later."""
+
+
+class RemoteNotFound(IntegrityError):
+    """A key the caller expected is not in the store."""
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a name ripresa writes, else ``ValueError``: at most one ``/`` (a ``.dcp`` folder's file,
+    which may start with ``.``: ``.metadata``), no ``..``, no other leading ``.``."""
+    if not _key_ok(key):
+        raise ValueError(f"not an object key ripresa writes: {key!r:.120}")
+    return key
+
+
+class Writer(Protocol):
+    def write(self, data: bytes | bytearray | memoryview) -> int: ...
+
+
+class ObjectStore(Protocol):
+    """What the mirror needs from a second store."""
+
+    url: str
+    multipart_threshold: int
+
+    def put_file(self, key: str, path: Path, *, sha256: str) -> int:
+        """Upload the file at ``path`` as ``key``, re-hashed as read; complete it only if its sha256 is ``sha256``."""
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Upload a small object whole."""
+
+    def get_into(self, key: str, out: Writer, *, limit: int) -> int:
+        """Stream object ``key`` into ``out`` (at most ``limit`` bytes, else refused); return its size."""
+
+    def get_bytes(self, key: str, *, limit: int) -> bytes:
+        """A small object whole (refused above ``limit`` bytes)."""
+
+    def list(self) -> dict[str, int]:
+        """Every key under the prefix that :func:`check_key` accepts, with its size."""
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (absent: nothing happens)."""
+
+
+class _Hashed:
+    """The pieces of a run folder's file (no symlink, no FIFO), hashed as they are read; :meth:`check` compares."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.sha = hashlib.sha256()
+
+    def __iter__(self) -> Iterator[memoryview]:
+        fd = open_run_file(self.path, "generation file", error=IntegrityError)
+        buf = memoryview(bytearray(CHUNK))
+        try:
+            while True:
+                n = os.readv(fd, [buf])
+                if not n:
+                    return
+                self.sha.update(buf[:n])
+                yield buf[:n]
+        finally:
+            os.close(fd)
+
+    def check(self, want: str) -> None:
+        if self.sha.hexdigest() != want:
+            raise _changed(self.path, want, self.sha.hexdigest())
+
+
+def _changed(path: Path, want: str, found: str) -> IntegrityError:
+    return IntegrityError("the local file does not match its commit marker: not uploaded", file=path, expected=want,
+                          found=found, hint="it changed after its commit (bit rot, an edit); `ripresa inspect` the run")
+
+
+class LocalStore:
+    """A folder (another disk, an NFS mount) as a second store, written with the local commit protocol."""
+
+    multipart_threshold = MULTIPART_THRESHOLD
+
+    def __init__(self, root: Path, url: str) -> None:
+        self.root = Path(root)
+        self.url = url
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _ensure(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RemoteUnavailable(f"cannot create the mirror folder: {exc}", file=path.parent) from exc
+
+    def put_file(self, key: str, path: Path, *, sha256: str) -> int:
+        dst = self._path(key)
+        self._ensure(dst)
+        with StagedFile(dst) as f:
+            src = _Hashed(path)
+            for piece in src:
+                f.write(piece)
+            src.check(sha256)
+            f.finish()
+            f.publish()
+        fsync_dir(dst.parent)
+        return f.size
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        dst = self._path(key)
+        self._ensure(dst)
+        with StagedFile(dst) as f:
+            f.write(data)
+            f.finish()
+            f.publish()
+        fsync_dir(dst.parent)
+
+    def get_into(self, key: str, out: Writer, *, limit: int) -> int:
+        p = self._path(key)
+        if not os.path.lexists(p):
+            raise RemoteNotFound("object not in the mirror", file=p)
+        fd = open_run_file(p, "mirror object", error=IntegrityError)
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise IntegrityError("mirror object is larger than allowed", file=p, expected=f"<= {limit} bytes",
+                                     found=f"{size} bytes")
+            total = 0
+            while True:
+                piece = os.read(fd, min(CHUNK, limit + 1 - total))
+                if not piece:
+                    return total
+                total += len(piece)
+                if total > limit:
+                    raise IntegrityError("mirror object grew while read", file=p, expected=f"<= {limit} bytes")
+                out.write(piece)
+        finally:
+            os.close(fd)
+
+    def get_bytes(self, key: str, *, limit: int) -> bytes:
+        buf = bytearray()
+
+        class _W:
+            def write(self, data: Any) -> int:
+                buf.extend(data)
+                return len(data)
+
+        self.get_into(key, _W(), limit=limit)
+        return bytes(buf)
+
+    def list(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if not self.root.is_dir():
+            return out
+        for entry in os.scandir(self.root):
+            if entry.is_dir(follow_symlinks=False):
+                for sub in os.scandir(entry.path):
+                    k = f"{entry.name}/{sub.name}"
+                    if sub.is_file(follow_symlinks=False) and _key_ok(k):
+                        out[k] = sub.stat(follow_symlinks=False).st_size
+            elif entry.is_file(follow_symlinks=False) and _key_ok(entry.name):
+                out[entry.name] = entry.stat(follow_symlinks=False).st_size
+            if len(out) > MAX_KEYS:
+                raise IntegrityError("the mirror folder holds too many files", file=self.root, expected=f"<= {MAX_KEYS}")
+        return out
+
+    def delete(self, key: str) -> None:
+        p = self._path(key)
+        try:
+            ops.unlink(p)
+        except FileNotFoundError:
+            return
+        if "/" in key:
+            try:
+                p.parent.rmdir()  # the last file of a .dcp folder's objects
+            except OSError:
+                pass
+
+
+def _s3_error(exc: BaseException, what: str, url: str) -> Exception:
+    """A boto3/botocore failure as a typed error (RemoteUnavailable is retried)."""
+    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+
+    if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+        return _no_credentials(url)
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = err.get("Code", "?")
+        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+            return RemoteNotFound(f"{what}: not in the mirror", file=url, found=f"HTTP {status} {code}")
+        return RemoteUnavailable(f"{what} failed: HTTP {status} {code}", file=url, found=str(err.get("Message", ""))[:200])
+    return RemoteUnavailable(f"{what} failed: {type(exc).__name__}", file=url, found=str(exc)[:200])
+
+
+def _no_credentials(url: str) -> BadInput:
+    return BadInput("no credentials for the S3 mirror", file=url,
+                    expected="AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, AWS_PROFILE)", found="none",
+                    hint="export the credentials (and AWS_ENDPOINT_URL for a non-AWS store) before starting")
+
+
+_LOADER: Any = None
+
+
+class S3Store:
+    """``s3://bucket/prefix`` through boto3 (its own retries off: the mirror retries and records them)."""
+
+    multipart_threshold = MULTIPART_THRESHOLD
+    part_size = PART_SIZE
+
+    def __init__(self, bucket: str, prefix: str, url: str, *, timeout: float = 30.0) -> None:
+        try:
+            import boto3
+            import botocore.session
+            from botocore.config import Config
+        except ImportError as exc:
+            raise MissingDependency("the S3 mirror needs boto3", file=url, expected="boto3 installed",
+                                    found="not installed", hint="pip install 'ripresa[s3]'") from exc
+        self.url, self.bucket = url, bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        global _LOADER
+        core = botocore.session.get_session()  # a new session: the environment of now (endpoint, credentials)
+        if _LOADER is None:
+            _LOADER = core.get_component("data_loader")
+        else:
+            core.register_component("data_loader", _LOADER)  # the service models, parsed once per process
+        session = boto3.session.Session(botocore_session=core)
+        if session.get_credentials() is None:
+            raise _no_credentials(url)
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=timeout,
+                        read_timeout=timeout, s3={"addressing_style": "path"} if endpoint else {},
+                        max_pool_connections=4)
+        self.client = session.client("s3", endpoint_url=endpoint, config=config,
+                                     region_name=session.region_name or "us-east-1")
+
+    def _call(self, what: str, fn: Any, **kw: Any) -> Any:
+        try:
+            return fn(Bucket=self.bucket, **kw)
+        except Exception as exc:  # botocore's and urllib3's many failures: typed here
+            raise _s3_error(exc, what, self.url) from None
+
+    def put_file(self, key: str, path: Path, *, sha256: str) -> int:
+        k = self.prefix + check_key(key)
+        size = os.stat(path, follow_symlinks=False).st_size
+        if size <= self.multipart_threshold:
+            data = bytearray()
+            src = _Hashed(path)
+            for piece in src:
+                data.extend(piece)
+            src.check(sha256)
+            self._call(f"upload of {key}", self.client.put_object, Key=k, Body=bytes(data))
+            return len(data)
+        up = self._call(f"start of the multipart upload of {key}", self.client.create_multipart_upload, Key=k)
+        uid = up["UploadId"]
+        try:
+            parts: list[dict[str, Any]] = []
+            part, total, src = bytearray(), 0, _Hashed(path)
+
+            def send() -> None:
+                n = len(parts) + 1
+                r = self._call(f"part {n} of {key}", self.client.upload_part, Key=k, UploadId=uid, PartNumber=n,
+                               Body=bytes(part))
+                parts.append({"ETag": r["ETag"], "PartNumber": n})
+                part.clear()
+
+            for piece in src:
+                part.extend(piece)
+                total += len(piece)
+                if len(part) >= self.part_size:
+                    send()
+            if part or not parts:
+                send()
+            src.check(sha256)
+            self._call(f"completion of {key}", self.client.complete_multipart_upload, Key=k, UploadId=uid,
+                       MultipartUpload={"Parts": parts})
+            return total
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=uid)
+            except Exception:  # noqa: BLE001 - the store's lifecycle rules clean what an abort could not
+                pass
+            raise
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._call(f"upload of {key}", self.client.put_object, Key=self.prefix + check_key(key), Body=bytes(data))
+
+    def get_into(self, key: str, out: Writer, *, limit: int) -> int:
+        r = self._call(f"download of {key}", self.client.get_object, Key=self.prefix + check_key(key))
+        body = r["Body"]
+        try:
+            announced = int(r.get("ContentLength") or 0)
+            if announced > limit:
+                raise IntegrityError("mirror object is larger than allowed", file=f"{self.url}/{key}",
+                                     expected=f"<= {limit} bytes", found=f"{announced} bytes")
+            total = 0
+            while True:
+                try:
+                    piece = body.read(min(CHUNK, limit + 1 - total))
+                except Exception as exc:  # a reset or timeout in the middle of the body
+                    raise _s3_error(exc, f"download of {key}", self.url) from None
+                if not piece:
+                    return total
+                total += len(piece)
+                if total > limit:
+                    raise IntegrityError("mirror object is larger than it announced", file=f"{self.url}/{key}",
+                                         expected=f"<= {limit} bytes")
+                out.write(piece)
+        finally:
+            body.close()
+
+    def get_bytes(self, key: str, *, limit: int) -> bytes:
+        buf = bytearray()
+
+        class _W:
+            def write(self, data: Any) -> int:
+                buf.extend(data)
+                return len(data)
+
+        self.get_into(key, _W(), limit=limit)
+        return bytes(buf)
+
+    def list(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Prefix": self.prefix, "MaxKeys": 1000}
+            if token:
+                kw["ContinuationToken"] = token
+            r = self._call("listing", self.client.list_objects_v2, **kw)
+            for obj in r.get("Contents", []) or []:
+                k = str(obj.get("Key", ""))[len(self.prefix):]
+                if _key_ok(k):
+                    out[k] = int(obj.get("Size", 0))
+            if len(out) > MAX_KEYS:
+                raise IntegrityError("the mirror holds too many objects", file=self.url, expected=f"<= {MAX_KEYS}")
+            token = r.get("NextContinuationToken") if r.get("IsTruncated") else None
+            if not token:
+                return out
+
+    def delete(self, key: str) -> None:
+        self._call(f"deletion of {key}", self.client.delete_object, Key=self.prefix + check_key(key))
+
+
+def open_store(url: str | os.PathLike[str], *, timeout: float = 30.0) -> ObjectStore:
+    """The store a mirror URL names: ``s3://bucket/prefix``, ``file:///path`` or a path."""
+    text = os.fspath(url) if isinstance(url, os.PathLike) else url
+    if not isinstance(text, str) or not text.strip():
+        raise BadInput("empty mirror URL", expected="s3://bucket/prefix, file:///path or a path", found=repr(text))
+    if "://" not in text:
+        return LocalStore(Path(text).expanduser().absolute(), text)
+    u = urlparse(text)
+    if u.scheme == "file":
+        if u.netloc not in ("", "localhost") or not u.path:
+            raise BadInput("bad file:// mirror URL", expected="file:///absolute/path", found=text)
+        return LocalStore(Path(u.path), text)
+    if u.scheme == "s3":
+        bucket = u.netloc
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket or "") or u.query or u.fragment:
+            raise BadInput("bad S3 mirror URL", expected="s3://bucket/prefix (a valid bucket name)", found=text)
+        prefix = u.path.strip("/")
+        if prefix and any(not p or p in (".", "..") for p in prefix.split("/")):
+            raise BadInput("bad S3 mirror prefix", expected="s3://bucket/a/b", found=text)
+        return S3Store(bucket, prefix, text, timeout=timeout)
+    raise BadInput("unknown mirror URL scheme", expected="s3://bucket/prefix, file:///path or a path", found=text,
+                   hint="an S3-compatible store (MinIO, R2, Ceph...) is s3:// with AWS_ENDPOINT_URL set")

@@ -1,0 +1,121 @@
+"""Asynchronous sharded (FSDP2) saves: stage at the step boundary, every rank writes in the background.
+
+The commit rule is the synchronous one's (docs/ARCHITECTURE.md, "Distributed
+runs"): a ``step_NNNNNN.dcp`` generation counts only once every rank's shards
+are durable, and rank 0 writes the marker last. What changes is who waits:
+
+1. every rank finishes its previous write first (one save in flight);
+2. every rank copies its shards out of the live tensors
+   (:class:`~ripresa.formats.dcp.ShardStager`: pinned host buffers on CUDA,
+   host memory on CPU) — the only stall the training loop sees — and the
+   ranks agree that every copy succeeded (one small collective);
+3. every rank starts ``dcp.async_save`` of its copy on a dedicated gloo
+   process group (the save's collectives run in a background thread and must
+   not share a communicator with the training's, which may be NCCL);
+   each rank's file is written and fsynced, DCP gathers every rank's result
+   and rank 0 writes ``.metadata`` — so rank 0's future succeeds only once
+   every rank's part is durable;
+4. rank 0's background writer waits for that future, then commits
+   (``formats.dcp.commit_dcp``: companion, rename, signature, marker last;
+   retention) and the session records the checkpoint at the next step
+   boundary, as for a single-process save.
+
+A rank killed during the write (the hook point ``shards_written``, after its
+file and before the gather) fails rank 0's future: nothing is committed, the
+previous generation stays the newest valid one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import SaveFailed
+from .distributed import DistContext, fault_point
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpointer import Checkpointer
+
+
+class ShardedWriter:
+    """Every rank: its asynchronous DCP writes, one at a time, on a gloo group of their own."""
+
+    def __init__(self, dist: DistContext) -> None:
+        import torch.distributed as tdist
+
+        from ..formats.dcp import ShardStager
+
+        self.dist = dist
+        self.group = tdist.new_group(backend="gloo")  # collective: every rank builds it, in the same order
+        self.stager = ShardStager(pinned=dist.device.type == "cuda")
+        self.future: Any = None
+
+    def wait(self) -> str | None:
+        """Finish this rank's in-flight write; its error (a message) or None."""
+        fut, self.future = self.future, None
+        if fut is None:
+            return None
+        try:
+            fut.result()
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            return f"{type(exc).__name__}: {str(exc)[:300]}"
+        return None
+
+    def all_errors(self, error: str | None) -> list[str]:
+        """Every rank's ``error`` (None: fine), gathered on every rank of the training group."""
+        import torch.distributed as tdist
+
+        out: list[Any] = [None] * self.dist.world_size
+        tdist.all_gather_object(out, error)
+        return [f"rank {r}: {e}" for r, e in enumerate(out) if e is not None]
+
+
+def save_async(ck: Checkpointer, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None,
+               t0: float) -> bool:
+    """One asynchronous sharded save (every rank); False when it failed before the write started."""
+    from ..formats import dcp as dcp_fmt
+
+    d, sw = ck.dist, ck._shards
+    assert d is not None and sw is not None
+    sw.wait()  # a failure of the previous write is rank 0's to record (its commit never ran)
+    if d.is_main:
+        ck._collect(block=True, must_succeed=False)
+        ck.backend.prepare(step)
+    d.barrier()
+    staged, error = None, None
+    try:
+        staged = sw.stager.stage(dcp_fmt.shard_state(ck.state.model, ck.state.optimizer))
+    except Exception as exc:  # staging failed on this rank (memory): no rank may start writing
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    errors = sw.all_errors(error)
+    if errors:
+        if d.is_main:
+            ck.backend.abandon(step)
+        ck._failed(step, SaveFailed(f"sharded save of step {step} failed while staging: {'; '.join(errors)[:600]}",
+                                    file=ck.run_dir, hint="the previous generation is intact"), must_succeed)
+        return False
+    partial = dcp_fmt.partial_path(ck.run_dir, step)
+    sw.future = dcp_fmt.write_shards_async(staged, partial, group=sw.group,
+                                           after_write=lambda: fault_point("shards_written", step, d.rank))
+    if d.is_main:
+        assert ck.writer is not None
+        commit = ck.backend.capture(step, ck.state, ck.progress, extra, world_size=d.world_size)
+        ck.writer.submit(step, _commit_after(ck, step, sw.future, commit))
+        ck._pending = (step, reason, t0)
+    ck.save_stalls.append(time.perf_counter() - t0)
+    return True
+
+
+def _commit_after(ck: Checkpointer, step: int, future: Any, commit: Any) -> Any:
+    """Rank 0's background write: wait until every rank's shards are durable, then commit."""
+
+    def write() -> Any:
+        try:
+            future.result()
+        except BaseException as exc:
+            ck.backend.abandon(step)
+            raise SaveFailed(f"sharded save of step {step} failed: {type(exc).__name__}: {str(exc)[:400]}",
+                             file=ck.run_dir, hint="a rank failed or died while writing; the previous generation is intact") from None
+        return commit()
+
+    return write

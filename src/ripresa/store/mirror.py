@@ -1,0 +1,762 @@
+"""The mirror: a run's committed generations copied to a second store, and a resume from it (docs/MIRROR.md).
+
+Upload (a :class:`Mirror`'s background thread, never the training thread):
+after each commit the thread wakes, lists what the store holds, and uploads
+each local generation it lacks — every file its local commit marker names,
+re-hashed as read and required to match the marker's sha256, then the
+signature (if any), then **the marker object last**. A reader trusts a remote
+generation only through its marker. A failure (network, timeout, reset, 5xx,
+throttling) is retried with exponential back-off and jitter (``mirror_retry``
+in the history); a round that gives up records ``mirror_failed`` and the
+generation stays *pending*, retried at the next round or commit. Training is
+never stopped or slowed by the store. Local retention never deletes a pending
+generation (:meth:`Mirror.pinned`); the remote keeps its own policy (default:
+twice the local ``keep_last``), deleting a generation marker first. Objects
+without a marker (an upload cut short) are deleted by the next writer.
+
+Resume (:func:`pull`): the newest remote generation whose marker verifies is
+downloaded into the run folder through the local commit protocol (temporary
+names, ``fsync``, marker last), deep-checked there (every hash; the signature
+when signatures are required), and resumed like any local generation. One that
+fails is removed again, recorded (``mirror_refused``) and the previous remote
+generation is tried.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInput, CheckFailed, IntegrityError, RipresaError, SaveFailed
+from ..formats.generation import Generation
+from ..io import auth
+from ..io.fsio import StagedFile, fsync_dir, ops, parse_sha256sum, read_small, write_atomic
+from ..io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
+from .retention import KeepAny, KeepLast, RetentionPolicy
+from .store import CheckpointStore
+
+__all__ = ["Mirror", "MirrorSpec", "RemoteView", "local_generations", "open_mirror", "pull", "pull_config"]
+
+_MAIN = r"step_(\d{6,})\.(bin|safetensors|dcp)"
+_OF_MAIN = re.compile(rf"(?P<main>{_MAIN})(?:\.json|\.hmac|\.sha256|/[^/]+)?")
+_BIN_COMPANION = re.compile(r"step_(\d{6,})\.json")
+_MARKER = re.compile(rf"({_MAIN})\.sha256")
+_KIND = {"bin": "bin", "safetensors": "st", "dcp": "dcp"}
+#: Largest marker read (bytes): a ``.dcp`` marker has one line per file.
+MAX_MARKER = 1 << 20
+#: Largest ``config.json`` pulled (bytes).
+MAX_CONFIG = 1 << 20
+#: The run folder's record of its mirror URL (read by ``ripresa mirror`` when no --mirror is given).
+MIRROR_RECORD = "mirror.json"
+
+
+@dataclass(frozen=True)
+class MirrorSpec:
+    """Where and how a run mirrors its generations.
+
+    ``url``: ``s3://bucket/prefix``, ``file:///path`` or a path. ``keep``: the
+    remote retention (None: twice the local ``keep_last``). ``timeout``: seconds
+    per request (connect and read). ``attempts``: tries of one object in a
+    round; ``backoff``/``max_backoff``: the first and largest wait between
+    tries (exponential, with jitter). ``close_timeout``: how long
+    :meth:`Checkpointer.close` waits for pending uploads.
+    """
+
+    url: str
+    keep: RetentionPolicy | None = None
+    timeout: float = 30.0
+    attempts: int = 5
+    backoff: float = 0.5
+    max_backoff: float = 30.0
+    close_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.timeout <= 0 or self.backoff < 0 or self.max_backoff < self.backoff:
+            raise ValueError(f"bad MirrorSpec: {self}")
+
+
+def main_of(key: str) -> tuple[str, int] | None:
+    """(the generation's main name, its step) that object ``key`` belongs to, or None."""
+    m = _BIN_COMPANION.fullmatch(key)
+    if m:
+        return f"step_{m.group(1)}.bin", int(m.group(1))
+    m = _OF_MAIN.fullmatch(key)
+    return (m.group("main"), int(m.group(2))) if m else None
+
+
+def kind_of(main: str) -> str:
+    return _KIND[main.rsplit(".", 1)[1]]
+
+
+def local_generations(run_dir: Path) -> dict[str, int]:
+    """The committed generations of a run folder (those with a marker): main name → step."""
+    out: dict[str, int] = {}
+    if not Path(run_dir).is_dir():
+        return out
+    for entry in os.scandir(run_dir):
+        m = _MARKER.fullmatch(entry.name)
+        if m and entry.is_file(follow_symlinks=False):
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
+def marker_files(main: str, raw: bytes, where: str) -> list[tuple[str, str]]:
+    """The (sha256, name) lines of ``main``'s marker, each name one of that generation's own files."""
+    parsed = parse_sha256sum(raw, in_folder=True)
+    ok = parsed is not None and len(parsed) >= 2 and len({n for _, n in parsed}) == len(parsed)
+    if ok:
+        for _, name in parsed:
+            of = main_of(name)
+            if of is None or of[0] != main or name.endswith((".sha256", ".hmac")) or name == main + ".json" and main.endswith(".bin"):
+                ok = False
+            if main.endswith(".dcp") != ("/" in name):
+                ok = False
+    if not ok:
+        raise IntegrityError("malformed commit marker", file=where, expected=f"sha256sum lines naming the files of {main}",
+                             found=repr(raw[:160]), hint="this generation cannot be trusted")
+    return parsed  # type: ignore[return-value]
+
+
+class RemoteView:
+    """What the store holds, grouped by generation: committed (a marker object) and half-uploaded ones."""
+
+    def __init__(self, listing: dict[str, int]) -> None:
+        self.objects = dict(listing)
+        self.groups: dict[str, set[str]] = {}
+        self.steps: dict[str, int] = {}
+        for key in listing:
+            of = main_of(key)
+            if of is not None:
+                self.groups.setdefault(of[0], set()).add(key)
+                self.steps[of[0]] = of[1]
+
+    @property
+    def committed(self) -> dict[str, int]:
+        return {m: s for m, s in self.steps.items() if m + ".sha256" in self.groups[m]}
+
+    @property
+    def half(self) -> dict[str, int]:
+        return {m: s for m, s in self.steps.items() if m + ".sha256" not in self.groups[m]}
+
+    def add(self, main: str, step: int, keys: Iterable[tuple[str, int]]) -> None:
+        for k, size in keys:
+            self.objects[k] = size
+            self.groups.setdefault(main, set()).add(k)
+        self.steps[main] = step
+
+    def drop(self, main: str) -> None:
+        for k in self.groups.pop(main, set()):
+            self.objects.pop(k, None)
+        self.steps.pop(main, None)
+
+
+def default_remote_policy(local: RetentionPolicy) -> RetentionPolicy:
+    """Twice the local ``keep_last`` (and whatever else the local policy keeps); the local policy when it has none."""
+    parts = local.policies if isinstance(local, KeepAny) else (local,)
+    doubled = tuple(KeepLast(2 * p.n) if isinstance(p, KeepLast) else p for p in parts)
+    return doubled[0] if len(doubled) == 1 else KeepAny(doubled)
+
+
+def _safe(event: Callable[..., None] | None) -> Callable[..., None]:
+    """A history writer the thread may call at any time (a closed history: the line is dropped)."""
+
+    def write(name: str, **fields: Any) -> None:
+        if event is not None:
+            try:
+                event(name, **fields)
+            except (OSError, ValueError):
+                pass
+
+    return write
+
+
+class _Stopped(Exception):
+    """The mirror is being closed: leave the round now."""
+
+
+class Mirror:
+    """Uploads a run folder's committed generations in the background (see the module doc).
+
+    The session calls :meth:`start`, :meth:`notify` after each commit,
+    :meth:`pinned` from retention, and :meth:`close`; :meth:`drain` waits until
+    nothing is pending (e.g. before a deadline). :attr:`last_upload_seconds`
+    is the measured time of the last generation upload (None before the first).
+    """
+
+    def __init__(self, spec: MirrorSpec, run_dir: Path, *, local_retention: RetentionPolicy,
+                 event: Callable[..., None] | None = None, store: ObjectStore | None = None) -> None:
+        self.spec = spec
+        self.run_dir = Path(run_dir)
+        self.store = store if store is not None else open_store(spec.url, timeout=spec.timeout)
+        self.policy = spec.keep if spec.keep is not None else default_remote_policy(local_retention)
+        self._event = _safe(event)
+        self.last_upload_seconds: float | None = None
+        self.uploaded: list[int] = []
+        self._remote: RemoteView | None = None
+        self._pending: set[int] = set()
+        self._horizon = -1  # local steps above it were not planned yet: pinned
+        self._refused: set[str] = set()
+        self._superseded: set[str] = set()
+        self._config_sha: str | None = None
+        self._lock = threading.Condition()
+        self._dirty = True
+        self._busy = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failures = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ session hooks
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ripresa-mirror", daemon=True)
+            self._thread.start()
+            self._wake.set()
+
+    def notify(self, step: int | None = None) -> None:
+        """A generation was committed: upload it (in the background)."""
+        with self._lock:
+            self._dirty = True
+        self.start()
+        self._wake.set()
+
+    def pinned(self, valid: Iterable[int]) -> set[int]:
+        """The steps of ``valid`` local retention must keep: pending, or not planned yet."""
+        with self._lock:
+            return {s for s in valid if s in self._pending or s > self._horizon}
+
+    @property
+    def pending(self) -> list[int]:
+        with self._lock:
+            return sorted(self._pending)
+
+    def drain(self, timeout: float) -> bool:
+        """Upload what is pending now; wait at most ``timeout`` seconds. True when nothing is pending."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        self.notify()
+        with self._lock:
+            while self._dirty or self._busy or self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    break
+                self._lock.wait(min(left, 0.5))
+                if not (self._dirty or self._busy):
+                    self._wake.set()
+            return not (self._dirty or self._busy or self._pending)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Drain (at most ``timeout``, default the spec's ``close_timeout``), then stop the thread."""
+        if self._closed:
+            return True
+        self._closed = True
+        done = True
+        if self._thread is not None:
+            done = self.drain(self.spec.close_timeout if timeout is None else timeout)
+            self._stop.set()
+            self._wake.set()
+            self._thread.join(timeout=self.spec.timeout + 5)
+        if not done:
+            self._event("mirror_pending", steps=self.pending, url=self.spec.url,
+                        note="not uploaded before the session ended; the next session (or `ripresa mirror push`) uploads them")
+        return done
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        wait: float | None = None
+        while not self._stop.is_set():
+            self._wake.wait(timeout=wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                self._dirty, self._busy = False, True
+            ok = False
+            try:
+                ok = self.round()
+            except _Stopped:
+                return
+            except Exception as exc:  # noqa: BLE001 - the thread never dies; the round is retried
+                self._event("mirror_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._lock.notify_all()
+            self._failures = 0 if ok else self._failures + 1
+            wait = None if ok else min(self.spec.max_backoff, self.spec.backoff * 2 ** min(self._failures, 16))
+
+    def _retry(self, step: int | None, what: str, fn: Callable[[], Any]) -> Any:
+        s = self.spec
+        for attempt in range(1, s.attempts + 1):
+            if self._stop.is_set():
+                raise _Stopped
+            try:
+                return fn()
+            except (RemoteUnavailable, RemoteNotFound) as exc:
+                if attempt == s.attempts:
+                    raise RemoteUnavailable(exc.message, file=exc.file, found=exc.found) from None
+                wait = min(s.max_backoff, s.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+                self._event("mirror_retry", step=step, object=what, attempt=attempt, error=exc.message,
+                            found=None if exc.found is None else str(exc.found)[:200], wait=round(wait, 3))
+                if self._stop.wait(wait):
+                    raise _Stopped from None
+        raise AssertionError("unreachable")
+
+    def round(self) -> bool:
+        """One pass: list the store (first time), clean half uploads, upload what is pending, apply remote
+        retention. True when nothing is left pending. Also what ``ripresa mirror push`` runs."""
+        local = local_generations(self.run_dir)
+        self._plan(local)
+        try:
+            if self._remote is None:
+                self._remote = RemoteView(self._retry(None, "listing", self.store.list))
+                self._clean_half()
+                self._plan(local)
+            self._push_config()
+            for step, main in self._order():
+                self._upload(main, step)
+                self._apply_remote_retention()
+            pending = set(self.pending)
+            for main, step in self._remote.half.items():  # our own cut-short uploads of what is no longer pending
+                if step not in pending:
+                    self._delete_group(main)
+        except RemoteUnavailable as exc:
+            self._event("mirror_failed", error=exc.message, found=None if exc.found is None else str(exc.found)[:200],
+                        pending=self.pending, note="training goes on; the pending generations are kept and retried")
+            return False
+        self._plan(local_generations(self.run_dir))
+        return not self._pending
+
+    def _plan(self, local: dict[str, int]) -> None:
+        """Which local generations the remote still needs (those its policy would keep): pending, pinned locally."""
+        remote = self._remote.committed if self._remote is not None else {}
+        candidates = {m: s for m, s in local.items() if m not in remote and m not in self._refused}
+        every = sorted(set(remote.values()) | set(candidates.values()))
+        keep = self.policy.keep(every) | ({every[-1]} if every else set())
+        for m, s in candidates.items():
+            if s not in keep and m not in self._superseded:
+                self._superseded.add(m)
+                self._event("mirror_skipped", step=s, file=m, reason="remote retention would not keep it (newer ones are kept)")
+        with self._lock:
+            self._pending = {s for m, s in candidates.items() if s in keep}
+            self._horizon = max([self._horizon, *local.values()])
+
+    def _order(self) -> list[tuple[int, str]]:
+        remote = self._remote.committed if self._remote is not None else {}
+        local = local_generations(self.run_dir)
+        with self._lock:
+            pending = set(self._pending)
+        return sorted((s, m) for m, s in local.items() if s in pending and m not in remote and m not in self._refused)
+
+    def _push_config(self) -> None:
+        cfg = self.run_dir / "config.json"
+        if not os.path.lexists(cfg):
+            return
+        try:
+            raw = read_small(cfg, "config.json", MAX_CONFIG)
+        except RipresaError:
+            return
+        import hashlib
+
+        sha = hashlib.sha256(raw).hexdigest()
+        if sha != self._config_sha:
+            self._retry(None, "config.json", lambda: self.store.put_bytes("config.json", raw))
+            self._config_sha = sha
+
+    def _upload(self, main: str, step: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            raw = read_small(self.run_dir / (main + ".sha256"), "commit marker", MAX_MARKER, error=IntegrityError)
+            files = marker_files(main, raw, str(self.run_dir / (main + ".sha256")))
+            sig_path = self.run_dir / (main + auth.SUFFIX)
+            sig = read_small(sig_path, "signature", auth.MAX_SIGNATURE, error=IntegrityError) if os.path.lexists(sig_path) else None
+        except (IntegrityError, BadInput) as exc:
+            self._refuse_local(main, step, exc)
+            return
+        assert self._remote is not None
+        if main in self._remote.groups:  # a half upload of ours (an earlier round): its objects are overwritten
+            pass
+        total, done = 0, []
+        try:
+            for sha, name in files:
+                n = self._retry(step, name, lambda name=name, sha=sha: self.store.put_file(name, self.run_dir / name, sha256=sha))
+                total += n
+                done.append((name, n))
+            if sig is not None:
+                self._retry(step, main + auth.SUFFIX, lambda: self.store.put_bytes(main + auth.SUFFIX, sig))
+                done.append((main + auth.SUFFIX, len(sig)))
+        except (IntegrityError, BadInput) as exc:  # the local file changed after its commit, or vanished
+            self._refuse_local(main, step, exc)
+            return
+        finally:
+            self._remote.add(main, step, done)
+        self._retry(step, main + ".sha256", lambda: self.store.put_bytes(main + ".sha256", raw))
+        self._remote.add(main, step, [(main + ".sha256", len(raw))])
+        self.last_upload_seconds = time.perf_counter() - t0
+        self.uploaded.append(step)
+        with self._lock:
+            self._pending.discard(step)
+        self._event("mirror_uploaded", step=step, file=main, bytes=total, objects=len(done) + 1,
+                    seconds=round(self.last_upload_seconds, 4), url=self.spec.url)
+
+    def _refuse_local(self, main: str, step: int, exc: RipresaError) -> None:
+        self._refused.add(main)
+        with self._lock:
+            self._pending.discard(step)
+        self._event("mirror_skipped", step=step, file=main, reason=f"the local generation cannot be uploaded: {exc.message}",
+                    found=None if exc.found is None else str(exc.found)[:200])
+
+    def _delete_group(self, main: str) -> int:
+        """Delete a remote generation's objects, its marker first (an interrupted deletion reads as uncommitted)."""
+        assert self._remote is not None
+        keys = sorted(self._remote.groups.get(main, set()), key=lambda k: (not k.endswith(".sha256"), k))
+        for k in keys:
+            self._retry(self._remote.steps.get(main), f"deletion of {k}", lambda k=k: self.store.delete(k))
+        self._remote.drop(main)
+        return len(keys)
+
+    def _clean_half(self) -> None:
+        assert self._remote is not None
+        for main, step in sorted(self._remote.half.items(), key=lambda x: x[1]):
+            n = self._delete_group(main)
+            self._event("mirror_cleaned", step=step, file=main, objects=n,
+                        reason="objects without a marker (an upload cut short): never used, removed by the next writer")
+
+    def _apply_remote_retention(self) -> None:
+        assert self._remote is not None
+        committed = self._remote.committed
+        steps = sorted(set(committed.values()))
+        if not steps:
+            return
+        keep = self.policy.keep(steps) | {steps[-1]}
+        for main, step in sorted(committed.items(), key=lambda x: x[1]):
+            if step not in keep:
+                self._delete_group(main)
+                self._event("mirror_retention", step=step, file=main, policy=self.policy.spec)
+
+
+# ---------------------------------------------------------------------------- opening
+
+
+def open_mirror(mirror: Any, run_dir: Path, *, local_retention: RetentionPolicy,
+                event: Callable[..., None] | None = None) -> Mirror:
+    """A :class:`Mirror` from a URL, a path or a :class:`MirrorSpec` (a bad URL, missing credentials or
+    boto3: :class:`~ripresa.errors.BadInput`, exit 2)."""
+    spec = mirror if isinstance(mirror, MirrorSpec) else MirrorSpec(os.fspath(mirror))
+    return Mirror(spec, run_dir, local_retention=local_retention, event=event)
+
+
+def record_url(run_dir: Path, url: str) -> None:
+    """Write ``RUN/mirror.json`` (the URL, so ``ripresa mirror status RUN`` needs no --mirror)."""
+    import json
+
+    path = Path(run_dir) / MIRROR_RECORD
+    data = json.dumps({"url": url}).encode() + b"\n"
+    if os.path.lexists(path):
+        try:
+            if read_small(path, MIRROR_RECORD, 1 << 16) == data:
+                return
+        except RipresaError:
+            pass
+    write_atomic(path, [data])
+
+
+def recorded_url(run_dir: Path) -> str | None:
+    import json
+
+    path = Path(run_dir) / MIRROR_RECORD
+    if not os.path.lexists(path):
+        return None
+    try:
+        doc = json.loads(read_small(path, MIRROR_RECORD, 1 << 16))
+    except (ValueError, RipresaError):
+        return None
+    url = doc.get("url") if isinstance(doc, dict) else None
+    return url if isinstance(url, str) else None
+
+
+# ---------------------------------------------------------------------------- pulling
+
+
+_PULL = MirrorSpec("", attempts=4, backoff=0.25, max_backoff=8.0)
+
+
+def _retrying(fn: Callable[[], Any], event: Callable[..., None] | None = None, what: str = "",
+              spec: MirrorSpec = _PULL) -> Any:
+    for attempt in range(1, spec.attempts + 1):
+        try:
+            return fn()
+        except RemoteUnavailable as exc:
+            if attempt == spec.attempts:
+                raise
+            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+            if event is not None:
+                event("mirror_retry", step=None, object=what, attempt=attempt, error=exc.message, wait=round(wait, 3))
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, event: Callable[..., None],
+           spec: MirrorSpec) -> StagedFile:
+    """Object ``name`` streamed into a temporary sibling of ``target`` (at most ``limit`` bytes), fsync'd,
+    its sha256 compared with the marker's; the caller publishes it. A failed try starts a new temporary."""
+    for attempt in range(1, spec.attempts + 1):
+        sf = StagedFile(target)
+        try:
+            remote.get_into(name, sf, limit=limit)
+            d = sf.finish()
+        except RemoteUnavailable as exc:
+            sf.discard()
+            if attempt == spec.attempts:
+                raise
+            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+            event("mirror_retry", step=None, object=name, attempt=attempt, error=exc.message, wait=round(wait, 3))
+            time.sleep(wait)
+            continue
+        except BaseException:
+            sf.discard()
+            raise
+        if d.sha256 != sha:
+            sf.discard()
+            raise IntegrityError("a remote object differs from its marker", file=f"{remote.url}/{name}",
+                                 expected=sha, found=d.sha256,
+                                 hint="it was changed in the store; an older remote generation is used")
+        return sf
+    raise AssertionError("unreachable")
+
+
+def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step: int, ckpt: CheckpointStore,
+          event: Callable[..., None], spec: MirrorSpec) -> Generation:
+    """Download ``main`` into ``run_dir`` through the local commit protocol, marker last; deep-check it there."""
+    from .backend import backend_of
+
+    kind = kind_of(main)
+    backend = backend_of(kind, ckpt)
+    where = f"{remote.url}/{main}.sha256"
+    raw = _retrying(lambda: remote.get_bytes(main + ".sha256", limit=MAX_MARKER), event=event, what=main + ".sha256", spec=spec)
+    files = marker_files(main, raw, where)
+    missing = [n for _, n in files if n not in view.objects]
+    if missing:
+        raise IntegrityError("the marker names objects the mirror does not hold", file=where, expected=missing[:4],
+                             found="missing")
+    sig_key = main + auth.SUFFIX
+    if ckpt.require_signature and sig_key not in view.objects:
+        raise auth.SignatureError("the remote generation is not signed, and signatures are required", file=where,
+                                  expected=f"{sig_key} beside the marker", found="nothing",
+                                  hint="only generations saved with the key are trusted")
+    need = sum(view.objects[n] for _, n in files)
+    free = shutil.disk_usage(run_dir).free
+    if need > free:
+        raise SaveFailed("not enough disk space to pull the generation", file=run_dir, expected=f"{need} bytes free",
+                         found=f"{free} bytes free")
+    if os.path.lexists(run_dir / (main + ".sha256")):
+        local = backend.check(step, deep=True)
+        if local.valid:
+            return local  # already here and intact: nothing to download
+    if os.path.lexists(run_dir / (main + ".sha256")) or os.path.lexists(run_dir / main):
+        backend.delete(step)  # a local generation of that step that failed its checks: replaced (marker first)
+    partial = run_dir / f".{main}.partial" if kind == "dcp" else None
+    if partial is not None:
+        if partial.exists():
+            ops.rmtree(partial)
+        partial.mkdir()
+    staged: list[StagedFile] = []
+    try:
+        for sha, name in files:
+            target = run_dir / name if partial is None else partial / name.split("/", 1)[1]
+            staged.append(_fetch(remote, name, target, view.objects[name], sha, event, spec))
+        for sf in staged:
+            sf.publish()
+        if partial is not None:
+            fsync_dir(partial)
+            ops.rename(partial, run_dir / main)
+            partial = None
+        fsync_dir(run_dir)
+    finally:
+        for sf in staged:
+            sf.discard()
+        if partial is not None and partial.exists():
+            ops.rmtree(partial)
+    if sig_key in view.objects:
+        sig = _retrying(lambda: remote.get_bytes(sig_key, limit=auth.MAX_SIGNATURE), event=event, what=sig_key, spec=spec)
+        write_atomic(run_dir / sig_key, [sig])
+    write_atomic(run_dir / (main + ".sha256"), [raw])  # the commit marker, last
+    gen = backend.check(step, deep=True)
+    if not gen.valid:
+        backend.delete(step)
+        fsync_dir(run_dir)
+        raise IntegrityError(f"the pulled generation fails its checks: {gen.reason}", file=where,
+                             hint="an older remote generation is used")
+    return gen
+
+
+def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,
+         kinds: Iterable[str] = ("bin", "st", "dcp"), event: Callable[..., None] | None = None,
+         spec: MirrorSpec = _PULL) -> Generation | None:
+    """Land the newest remote generation (or ``step``'s) whose marker verifies; None when the store holds none.
+
+    Each one that fails (a flipped byte, a bad or missing signature under
+    require-signature, a malformed marker) is recorded as ``mirror_refused``
+    and the previous one is tried; when committed remote generations exist but
+    none verifies: :class:`~ripresa.errors.CheckFailed` (exit 1).
+    """
+    ev = event or (lambda name, **kw: None)
+    kinds = tuple(kinds)
+    view = RemoteView(_retrying(remote.list, event=ev, what="listing", spec=spec))
+    order = {"bin": 0, "st": 1, "dcp": 2}
+    cands = sorted(((s, m) for m, s in view.committed.items() if kind_of(m) in kinds and (step is None or s == step)),
+                   key=lambda x: (-x[0], order[kind_of(x[1])]))
+    refused: list[str] = []
+    for s, main in cands:
+        try:
+            gen = _land(remote, view, Path(run_dir), main, s, ckpt, ev, spec)
+        except IntegrityError as exc:
+            msg = f"{main}: {exc.message}" + (f" (found {str(exc.found)[:80]})" if exc.found is not None else "")
+            refused.append(msg)
+            ev("mirror_refused", step=s, file=main, reason=msg, url=remote.url)
+            continue
+        ev("mirror_pulled", step=s, file=main, url=remote.url)
+        return gen
+    if refused:
+        raise CheckFailed(f"none of the {len(refused)} remote generation(s) verifies", file=remote.url,
+                          expected="a generation whose objects match its marker (and signature, when required)",
+                          found="; ".join(refused[:3])[:600], hint="`ripresa mirror status RUN --mirror URL` lists them")
+    if step is not None:
+        raise BadInput(f"the mirror holds no committed generation of step {step}", file=remote.url,
+                       expected=sorted(view.committed.values())[-8:], found=step)
+    return None
+
+
+def pull_config(remote: ObjectStore, run_dir: Path) -> bool:
+    """Fetch ``config.json`` into ``run_dir`` when it has none (a blank machine); True when fetched."""
+    dst = Path(run_dir) / "config.json"
+    if os.path.lexists(dst):
+        return False
+    try:
+        raw = _retrying(lambda: remote.get_bytes("config.json", limit=MAX_CONFIG), what="config.json")
+    except RemoteNotFound:
+        return False
+    write_atomic(dst, [raw])
+    return True
+
+
+def has_local_generation(run_dir: Path) -> bool:
+    """True when the run folder holds a committed generation (any kind) that passes its checks."""
+    from .backend import backend_of
+
+    if not Path(run_dir).is_dir():
+        return False
+    store = CheckpointStore(run_dir, writer=False)
+    for main, step in local_generations(run_dir).items():
+        if backend_of(kind_of(main), store).check(step).valid:
+            return True
+    return False
+
+
+def status(remote: ObjectStore, run_dir: Path) -> dict[str, Any]:
+    """What is where: local committed generations, remote committed and half-uploaded ones, what is missing."""
+    from ..io.lock import is_locked
+
+    local = local_generations(run_dir)
+    view = RemoteView(remote.list())
+    committed = view.committed
+    missing = sorted(s for m, s in local.items() if m not in committed)
+    running = Path(run_dir).is_dir() and is_locked(run_dir)
+    return {
+        "run": str(run_dir), "url": remote.url,
+        "local": sorted(local.values()),
+        "remote": sorted(committed.values()),
+        "remote_files": {m: sorted(view.groups[m]) for m in sorted(committed, key=committed.get)},
+        "half_uploaded": sorted(view.half.values()),
+        "pending": missing,
+        "trainer_running": running,
+        "config_remote": "config.json" in view.objects,
+    }
+
+
+# ---------------------------------------------------------------------------- ripresa train / ripresa mirror
+
+
+def _resolve_url(run_dir: Path, url: str | None) -> str:
+    url = url or recorded_url(run_dir)
+    if not url:
+        raise BadInput("no mirror URL", file=Path(run_dir) / MIRROR_RECORD, expected="--mirror URL",
+                       found="no --mirror and no mirror.json in the run folder",
+                       hint="ripresa mirror status RUN --mirror s3://bucket/prefix")
+    return url
+
+
+def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Generation | None, bool]:
+    """Land a remote generation (and config.json when missing) in ``run_dir`` under its writer lock."""
+    from .history import HISTORY_NAME, History
+
+    store = CheckpointStore(run_dir, writer=True)
+    try:
+        hist = History(Path(run_dir) / HISTORY_NAME)
+        try:
+            gen = pull(remote, Path(run_dir), store, step=step, event=hist.event)
+            config = pull_config(remote, Path(run_dir)) if gen is not None else False
+        finally:
+            hist.close()
+    finally:
+        store.close()
+    return gen, config
+
+
+def prefetch(run_dir: Path, url: Any) -> Generation | None:
+    """``ripresa train --run DIR --mirror URL``: on a blank machine (no local generation that passes its checks),
+    pull the newest verified remote generation and ``config.json`` before the config is resolved."""
+    if has_local_generation(Path(run_dir)):
+        return None
+    spec = url if isinstance(url, MirrorSpec) else MirrorSpec(os.fspath(url))
+    gen, _ = _pull_into(Path(run_dir), open_store(spec.url, timeout=spec.timeout), None)
+    return gen
+
+
+def cli_status(run_dir: Path, url: str | None) -> dict[str, Any]:
+    """``ripresa mirror status``."""
+    return status(open_store(_resolve_url(run_dir, url)), Path(run_dir))
+
+
+def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None) -> dict[str, Any]:
+    """``ripresa mirror push``: upload what the mirror lacks (under the run's writer lock), one round."""
+    from .history import HISTORY_NAME, History
+    from .retention import DEFAULT_RETENTION
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise BadInput("run folder not found", file=run_dir, expected="an existing run folder", found="nothing")
+    spec = MirrorSpec(_resolve_url(run_dir, url), keep=keep)
+    store = CheckpointStore(run_dir, writer=True)
+    try:
+        hist = History(run_dir / HISTORY_NAME)
+        try:
+            m = Mirror(spec, run_dir, local_retention=DEFAULT_RETENTION, event=hist.event)
+            ok = m.round()
+        finally:
+            hist.close()
+    finally:
+        store.close()
+    if not ok:
+        raise SaveFailed("the push did not complete: the mirror could not be reached (retries in RUN/.loss.jsonl)",
+                         file=spec.url, expected="every missing generation uploaded", found=f"pending {m.pending}",
+                         hint="run `ripresa mirror push` again when the store is reachable")
+    return {"run": str(run_dir), "url": spec.url, "uploaded": m.uploaded, "pending": m.pending}
+
+
+def cli_pull(run_dir: Path, url: str | None, step: int | None = None) -> dict[str, Any]:
+    """``ripresa mirror pull``: land a verified remote generation in RUN (for inspection or export)."""
+    url = _resolve_url(run_dir, url)
+    gen, config = _pull_into(Path(run_dir), open_store(url), step)
+    if gen is None:
+        raise CheckFailed("the mirror holds no committed generation", file=url, expected="at least one marker object",
+                          found="none")
+    return {"run": str(run_dir), "url": url, "step": gen.step, "file": gen.path.name, "config": config}

@@ -409,6 +409,8 @@ class LapHistory:
         self.diverged: list[int] = []
         self.losses: dict[int, float] = {}
         self.events: list[dict[str, Any]] = []
+        self.from_mirror = False
+        self.mirror_resumes = 0  # starts after a lost folder that resumed a pulled generation (step > 0)
 
     def reset_file(self) -> None:
         """The run folder was lost: a new history begins (what was committed stays the bar)."""
@@ -452,6 +454,9 @@ class LapHistory:
             self.committed = max(self.committed, int(rec["step"]))
         elif ev == "soak_start":
             start = int(rec["start"])
+            if self.from_mirror:  # the first start after the folder was lost
+                self.mirror_resumes += start > 0
+                self.from_mirror = False
             self.starts.append(start)
             self.redone += max(0, self.max_step - start)
             if start < self.committed:
@@ -536,6 +541,7 @@ class Lane:
         self.last_kind: str | None = None
         self.lost_seen = 0
         self.lost_by_kind: Counter[str] = Counter()
+        self.mirror_resumes = 0
         self.rankless = 0  # sigkill-rank found no rank (they had ended): nothing sent
         self.diverged = 0
         self.lost: list[str] = []
@@ -635,6 +641,7 @@ class Lane:
         self.lost.extend(f"lap {n}: {x}" for x in hist.lost)
         self.lost_seen = 0
         self.generations += hist.generations
+        self.mirror_resumes += hist.mirror_resumes
         self.redone += hist.redone
         self.diverged += len(hist.diverged)
         shutil.rmtree(run, ignore_errors=True)
@@ -680,6 +687,7 @@ class Lane:
                 shutil.rmtree(run, ignore_errors=True)
                 hist.reset_file()
                 hist.committed = newest_mirrored(self.mirror)  # the bar is now what the mirror holds
+                hist.from_mirror = True
         elif kind == "sigterm":
             if not self.running(hist, trainer):
                 return trainer
@@ -814,10 +822,13 @@ class Lane:
             self.tmpfs.close()
 
     def record(self) -> dict[str, Any]:
+        if self.delivered.get("lost-folder"):
+            self.notes.append(f"lost-folder: {self.mirror_resumes} of {self.delivered['lost-folder']} restarts resumed "
+                              "a generation pulled from the mirror (the others: none uploaded yet, step 0)")
         if self.rankless:
             self.notes.append(f"sigkill-rank sent nothing {self.rankless} time(s): the ranks had ended (not counted)")
         return {"delivered": dict(self.delivered), "survived": dict(self.survived),
-                "lost_by_kind": dict(self.lost_by_kind), "starts": dict(self.starts),
+                "lost_by_kind": dict(self.lost_by_kind), "mirror_resumes": self.mirror_resumes, "starts": dict(self.starts),
                 "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,
                 "equal_laps": self.equal_laps, "diverged_steps": self.diverged, "lost": len(self.lost),
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, ripresa_cli, wait_for_step
+from conftest import FIXTURES, ripresa_cli
 
 DEVICE = os.environ.get("RIPRESA_TEST_DEVICE", "cuda")
 CUDA = DEVICE == "cuda"
@@ -140,16 +141,10 @@ def test_a_mixed_precision_run_killed_and_restarted_ends_bitwise_equal(tmp_path,
     _loop(ref, "--steps", 16, "--every", 2, "--amp", amp, *fmt)
     argv = [sys.executable, "-B", str(LOOP), "--run", str(run), "--device", DEVICE, "--steps", "16", "--every", "2",
             "--amp", amp, *fmt]
-    proc = subprocess.Popen([*argv, "--sleep", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
-    try:
-        wait_for_step(run, 5, proc, timeout=300)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    killed_at = max(_steps(run))
-    assert killed_at < 16
+    kill_at = random.randint(3, 13)  # SIGKILL at the end of a random step, a background save possibly in flight
+    res = subprocess.run([*argv, "--kill-at", str(kill_at)], capture_output=True, text=True, timeout=600, env=_env())
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    assert max(_steps(run)) == kill_at and not (run / "final.rank0.json").exists()
     res = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=_env())
     assert res.returncode == 0, res.stderr[-4000:]
     a, b = _final(ref), _final(run)
@@ -187,14 +182,11 @@ def test_a_two_process_nccl_run_killed_and_restarted_ends_bitwise_equal(tmp_path
     ref, run = tmp_path / "ref", tmp_path / "run"
     res = subprocess.run(torchrun(ref), capture_output=True, text=True, timeout=600, env=_env())
     assert res.returncode == 0, res.stderr[-4000:]
-    proc = subprocess.Popen(torchrun(run, "--sleep", "0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env(), start_new_session=True)
-    try:
-        wait_for_step(run, 5, proc, timeout=300)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks
-        proc.communicate()
-    assert not (run / "final.rank0.json").exists()
+    kill_at = random.randint(3, 11)  # rank 0 SIGKILLs the launcher and both ranks at the end of this step
+    res = subprocess.run(torchrun(run, "--kill-at", str(kill_at)), capture_output=True, text=True, timeout=600,
+                         env=_env(), start_new_session=True)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    assert max(_steps(run)) == kill_at and not (run / "final.rank0.json").exists()
     res = subprocess.run(torchrun(run), capture_output=True, text=True, timeout=600, env=_env())
     assert res.returncode == 0, res.stderr[-4000:]
     for rank in (0, 1):

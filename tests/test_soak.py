@@ -22,7 +22,7 @@ SOAK = Path(__file__).resolve().parent / "soak" / "soak.py"
 
 def _soak(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", COLUMNS="160")
-    res = subprocess.run([sys.executable, str(SOAK), "--out", str(out), "--fresh-share", "0", "--total", "150", *args],
+    res = subprocess.run([sys.executable, str(SOAK), "--out", str(out), "--fresh-share", "0", "--total", "100", *args],
                          capture_output=True, text=True, timeout=600, env=env)
     return res, json.loads((out / "soak.json").read_text())
 
@@ -38,7 +38,7 @@ def test_soak_sample_survives_twenty_interruptions_and_ends_bitwise_equal(tmp_pa
 
 
 def test_soak_reports_lost_generations_and_a_different_final_state(tmp_path):
-    res, rec = _soak(tmp_path, "--seed", "15", "--interruptions", "6", "--lanes", "general,andrea",
+    res, rec = _soak(tmp_path, "--seed", "15", "--interruptions", "4", "--lanes", "general,andrea",
                      "--kinds", "sigkill", "--sabotage", "general=lose,andrea=rng")
     assert res.returncode == 1, res.stdout[-3000:]
     general, andrea = rec["lanes"]["general"], rec["lanes"]["andrea"]

@@ -342,7 +342,8 @@ class Trainer:
         self.t0 = time.monotonic()
         #: it went through a full disk: stopping with SaveFailed after max_failed_saves is its documented end
         self.may_fail_saves = False
-        #: a SIGUSR1 that came after its last step, once close() had put the default action back
+        #: its end is accounted for: a signal after its last step (close() had put the default action
+        #: back), or an interruption judged when it landed after the lap's final state was written
         self.ended_by_late_signal = False
 
     def poll(self) -> int | None:
@@ -408,6 +409,8 @@ class LapHistory:
         self.diverged: list[int] = []
         self.losses: dict[int, float] = {}
         self.events: list[dict[str, Any]] = []
+        self.from_mirror = False
+        self.mirror_resumes = 0  # starts after a lost folder that resumed a pulled generation (step > 0)
 
     def reset_file(self) -> None:
         """The run folder was lost: a new history begins (what was committed stays the bar)."""
@@ -451,6 +454,9 @@ class LapHistory:
             self.committed = max(self.committed, int(rec["step"]))
         elif ev == "soak_start":
             start = int(rec["start"])
+            if self.from_mirror:  # the first start after the folder was lost
+                self.mirror_resumes += start > 0
+                self.from_mirror = False
             self.starts.append(start)
             self.redone += max(0, self.max_step - start)
             if start < self.committed:
@@ -532,6 +538,11 @@ class Lane:
         self.starts: Counter[str] = Counter()
         self.generations = self.redone = self.laps = self.equal_laps = 0
         self.wall_s = 0.0
+        self.last_kind: str | None = None
+        self.lost_seen = 0
+        self.lost_by_kind: Counter[str] = Counter()
+        self.mirror_resumes = 0
+        self.rankless = 0  # sigkill-rank found no rank (they had ended): nothing sent
         self.diverged = 0
         self.lost: list[str] = []
         self.sabotage = args.sabotage.get(name)
@@ -612,11 +623,15 @@ class Lane:
                 trainer = self.start(run)
                 continue
             if left <= 0:  # the budget is spent: let this lap finish undisturbed
-                rc = trainer.wait(900)
+                if trainer.wait(900) is None:
+                    self.failures.append(f"lap {n}: the last trainer did not finish within 900 s")
+                    trainer.kill_all()
                 continue
+            self.blame(hist)
             kind = self.rng.choice([k for k in self.kinds if not self.args.kinds or k in self.args.kinds])
             trainer = self.interrupt(kind, trainer, run, hist)
         hist.poll()
+        self.blame(hist)
         self.laps += 1
         final = self.finals(run)
         equal = final == self.ref_final
@@ -624,7 +639,9 @@ class Lane:
         if not equal:
             self.lost.append(f"lap {n}: final state differs from the uninterrupted run")
         self.lost.extend(f"lap {n}: {x}" for x in hist.lost)
+        self.lost_seen = 0
         self.generations += hist.generations
+        self.mirror_resumes += hist.mirror_resumes
         self.redone += hist.redone
         self.diverged += len(hist.diverged)
         shutil.rmtree(run, ignore_errors=True)
@@ -653,8 +670,8 @@ class Lane:
             if kind == "sigkill-rank":
                 ranks = trainer.ranks()
                 delivered = bool(ranks) and trainer.poll() is None
-                if not delivered:
-                    self.notes.append("sigkill-rank: no rank found under the launcher; nothing sent")
+                if not delivered:  # the ranks had ended (the lap's last step): not an interruption
+                    self.rankless += 1
                     return trainer
                 if delivered:
                     with contextlib.suppress(ProcessLookupError):
@@ -670,6 +687,7 @@ class Lane:
                 shutil.rmtree(run, ignore_errors=True)
                 hist.reset_file()
                 hist.committed = newest_mirrored(self.mirror)  # the bar is now what the mirror holds
+                hist.from_mirror = True
         elif kind == "sigterm":
             if not self.running(hist, trainer):
                 return trainer
@@ -689,7 +707,8 @@ class Lane:
                 saved = [e["step"] for e in mine if e.get("event") == "checkpoint" and e.get("reason") == "stop"]
                 last = hist.last_step
                 # at its last step the loop is over: the stop lands in close() (exit 0) or after it (default action)
-                at_end = last == TOTAL[self.name] == hist.committed and rc in (0, -signal.SIGTERM)
+                at_end = (rc in (0, -signal.SIGTERM) and last == TOTAL[self.name]
+                          and TOTAL[self.name] in (hist.committed, hist.starts[-1] if hist.starts else None))
                 if not at_end and (rc != 0 or stops != [last] or saved != [last]):
                     ok = False
                     self.failures.append(f"SIGTERM: exit {rc}, stop signal at {stops}, stop checkpoint {saved}, "
@@ -736,13 +755,23 @@ class Lane:
             return trainer
         self.delivered[kind] += 1
         self.survived[kind] += ok
+        self.last_kind = kind
         if trainer.poll() is None:
             return trainer
         if self.sabotage == "lose" and kind != "sigterm":
             self.lose_newest(run, hist)
-        if self.finals(run) is not None:
+        if self.finals(run) is not None:  # it had finished its lap before the interruption landed: judged above
+            trainer.ended_by_late_signal = True
             return trainer
         return self.start(run)
+
+    def blame(self, hist: LapHistory) -> None:
+        """A lost generation shows at the next start: the interruption before it did not survive."""
+        new = len(hist.lost) - self.lost_seen
+        if new > 0 and self.last_kind is not None:
+            self.survived[self.last_kind] -= min(new, self.survived[self.last_kind])
+            self.lost_by_kind[self.last_kind] += new
+        self.lost_seen = len(hist.lost)
 
     def full_disk(self, trainer: Trainer, run: Path, hist: LapHistory) -> bool:
         """Fill the tmpfs; wait for a failed save; deep-check the newest generation while full; free the room."""
@@ -793,7 +822,13 @@ class Lane:
             self.tmpfs.close()
 
     def record(self) -> dict[str, Any]:
-        return {"delivered": dict(self.delivered), "survived": dict(self.survived), "starts": dict(self.starts),
+        if self.delivered.get("lost-folder"):
+            self.notes.append(f"lost-folder: {self.mirror_resumes} of {self.delivered['lost-folder']} restarts resumed "
+                              "a generation pulled from the mirror (the others: none uploaded yet, step 0)")
+        if self.rankless:
+            self.notes.append(f"sigkill-rank sent nothing {self.rankless} time(s): the ranks had ended (not counted)")
+        return {"delivered": dict(self.delivered), "survived": dict(self.survived),
+                "lost_by_kind": dict(self.lost_by_kind), "mirror_resumes": self.mirror_resumes, "starts": dict(self.starts),
                 "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,
                 "equal_laps": self.equal_laps, "diverged_steps": self.diverged, "lost": len(self.lost),
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
@@ -834,13 +869,15 @@ def report(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"soak — seed {result['seed']}, {result['wall_s']:.0f} s")
-    for col in ("lane", "kind", "delivered", "survived"):
-        table.add_column(col, justify="right" if col in ("delivered", "survived") else "left")
+    for col in ("lane", "kind", "delivered", "survived", "lost after it"):
+        table.add_column(col, justify="left" if col in ("lane", "kind") else "right")
     for lane, rec in result["lanes"].items():
         for kind in sorted(rec["delivered"]):
-            table.add_row(lane, kind, str(rec["delivered"][kind]), str(rec["survived"].get(kind, 0)))
+            table.add_row(lane, kind, str(rec["delivered"][kind]), str(rec["survived"].get(kind, 0)),
+                          str(rec["lost_by_kind"].get(kind, 0)))
     table.add_section()
-    table.add_row("all", "interruptions", str(result["delivered"]), str(result["survived"]))
+    table.add_row("all", "interruptions", str(result["delivered"]), str(result["survived"]),
+                  str(sum(sum(r["lost_by_kind"].values()) for r in result["lanes"].values())))
     console = Console(width=120)
     console.print(table)
     summary = Table(show_header=True)

@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(PY) -m ripresa demo $(if $(DEMO_OUT),--output $(DEMO_OUT))
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=20
 
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m slow

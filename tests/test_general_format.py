@@ -599,6 +599,9 @@ def test_ddp_writes_general_generations_and_resumes_every_rank_exactly(tmp_path)
     _, c, _ = general_paths(tmp_path / "run", 6)
     ranks = json.loads(c.read_bytes())["state"]["extra"]["distributed"]["ranks"]
     assert len(ranks) == 2 and ranks[1]["rng"]["torch_cpu"] == {"__ref__": "extra/distributed/ranks/1/rng/torch_cpu"}
+    # every rank's copy of Python's random state is a tensor of the file too, not 625 JSON numbers
+    assert ranks[1]["rng"]["python"]["state"] == {"__ref__": "extra/distributed/ranks/1/rng/python/state", "list": "int64"}
+    assert c.stat().st_size < 8192, c.stat().st_size
     torchrun(tmp_path / "run", 12)
     assert_bitwise_equal(_final(tmp_path / "ref"), _final(tmp_path / "run"))
 

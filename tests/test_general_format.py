@@ -573,6 +573,7 @@ def kill_and_resume(tmp_path: Path, case: str, seed: int | None = None) -> None:
     assert_bitwise_equal(_final(tmp_path / "ref"), _final(folder))
 
 
+@pytest.mark.slow  # the default tier's general-format SIGKILL sample is tests/test_cases.py's fp16 + GradScaler case
 def test_sigkill_at_a_random_step_then_restart_is_bitwise_equal_lion(tmp_path):
     kill_and_resume(tmp_path, "lion")
 

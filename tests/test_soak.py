@@ -1,4 +1,4 @@
-"""The soak (tests/soak/soak.py, ``make soak``) in the default tier: a sample, and the soak failing when it must.
+"""The soak (tests/soak/soak.py, ``make soak``): a sample in the default tier, and the soak failing when it must (long tier).
 
 The sample is 20 real interruptions of two real training loops (general format
 with Adafactor, ANDREA ``.bin`` with AdamW over 10^9 rows): SIGKILL (some
@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SOAK = Path(__file__).resolve().parent / "soak" / "soak.py"
 
@@ -37,6 +39,7 @@ def test_soak_sample_survives_twenty_interruptions_and_ends_bitwise_equal(tmp_pa
     assert rec["generations"] > 0 and "replay: python tests/soak/soak.py --seed 14" in " ".join(res.stdout.split())
 
 
+@pytest.mark.slow  # the default tier keeps the 20-interruption sample; this proves the soak can fail
 def test_soak_reports_lost_generations_and_a_different_final_state(tmp_path):
     res, rec = _soak(tmp_path, "--seed", "15", "--interruptions", "4", "--lanes", "general,andrea",
                      "--kinds", "sigkill", "--sabotage", "general=lose,andrea=rng")

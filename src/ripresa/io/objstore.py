@@ -132,7 +132,22 @@ def _changed(path: Path, want: str, found: str) -> IntegrityError:
                           found=found, hint="it changed after its commit (bit rot, an edit); `ripresa inspect` the run")
 
 
-class LocalStore:
+class _GetBytes:
+    """``get_bytes`` for a store: its ``get_into`` into memory (bounded by ``limit``, like every read)."""
+
+    def get_bytes(self, key: str, *, limit: int) -> bytes:
+        buf = bytearray()
+
+        class _W:
+            def write(self, data: Any) -> int:
+                buf.extend(data)
+                return len(data)
+
+        self.get_into(key, _W(), limit=limit)  # type: ignore[attr-defined]
+        return bytes(buf)
+
+
+class LocalStore(_GetBytes):
     """A folder (another disk, an NFS mount) as a second store, written with the local commit protocol."""
 
     multipart_threshold = MULTIPART_THRESHOLD
@@ -194,17 +209,6 @@ class LocalStore:
         finally:
             os.close(fd)
 
-    def get_bytes(self, key: str, *, limit: int) -> bytes:
-        buf = bytearray()
-
-        class _W:
-            def write(self, data: Any) -> int:
-                buf.extend(data)
-                return len(data)
-
-        self.get_into(key, _W(), limit=limit)
-        return bytes(buf)
-
     def list(self) -> dict[str, int]:
         out: dict[str, int] = {}
         if not self.root.is_dir():
@@ -259,7 +263,7 @@ def _no_credentials(url: str) -> BadInput:
 _LOADER: Any = None
 
 
-class S3Store:
+class S3Store(_GetBytes):
     """``s3://bucket/prefix`` through boto3 (its own retries off: the mirror retries and records them)."""
 
     multipart_threshold = MULTIPART_THRESHOLD
@@ -365,17 +369,6 @@ class S3Store:
                 out.write(piece)
         finally:
             body.close()
-
-    def get_bytes(self, key: str, *, limit: int) -> bytes:
-        buf = bytearray()
-
-        class _W:
-            def write(self, data: Any) -> int:
-                buf.extend(data)
-                return len(data)
-
-        self.get_into(key, _W(), limit=limit)
-        return bytes(buf)
 
     def list(self) -> dict[str, int]:
         out: dict[str, int] = {}

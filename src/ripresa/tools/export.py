@@ -525,18 +525,7 @@ def _export_run(run: Path, dest: Path, *, model_factory: ModelFactory, step: int
         except BaseException:
             bundle.abort(dest_created)
             raise
-    try:
-        verification = verify_export(dest, model_factory=model_factory, show_progress=show_progress,
-                                     _expected_weights=info.get("weights"))
-    except RipresaError as exc:
-        try:
-            os.unlink(dest / MANIFEST_SHA)
-            fsync_dir(dest)
-        except OSError:
-            pass
-        note = f"the export in {dest} did not verify and is incomplete ({MANIFEST_SHA} removed): delete it and export again"
-        exc.hint = f"{exc.hint}; {note}" if exc.hint else note
-        raise
+    verification = verify_or_uncommit(dest, model_factory, show_progress, info.get("weights"))
     return {
         "kind": manifest["kind"],
         "run": str(run),
@@ -1165,3 +1154,19 @@ def render_export(report: dict[str, Any], console: Any = None) -> None:
         console.print(f"[bold green]OK[/] {escape(str(report.get('dest')))} verified (exit 0)")
     else:  # pragma: no cover - a failed verification raises
         console.print(f"[bold red]FAILED[/] {escape(str(report.get('dest')))}")
+
+
+def verify_or_uncommit(dest: Path, model_factory: Any, show_progress: bool, expected: Any) -> dict[str, Any]:
+    """Verify a just-written bundle; one that does not verify loses its MANIFEST.sha256 (incomplete) and says so."""
+    try:
+        return verify_export(dest, model_factory=model_factory, show_progress=show_progress,
+                             _expected_weights=expected)
+    except RipresaError as exc:
+        try:
+            os.unlink(dest / MANIFEST_SHA)
+            fsync_dir(dest)
+        except OSError:
+            pass
+        note = f"the export in {dest} did not verify and is incomplete ({MANIFEST_SHA} removed): delete it and export again"
+        exc.hint = f"{exc.hint}; {note}" if exc.hint else note
+        raise

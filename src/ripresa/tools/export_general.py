@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from ..errors import BadInput, IntegrityError, MissingDependency, RipresaError, SchemaError
+from ..errors import BadInput, IntegrityError, MissingDependency, SchemaError
 from ..formats.generation import Generation
 from ..io.fsio import Digest, fsync_dir, parse_json_bytes, read_small
 from ..store.backend import backend_of, latest_valid_of
@@ -44,7 +44,6 @@ from .export import (
     INFERENCE,
     JSON_MAX,
     MANIFEST_JSON,
-    MANIFEST_SHA,
     RESUME,
     _archived_files,
     _as_dict,
@@ -57,7 +56,7 @@ from .export import (
     _now,
     _safe_rel,
     _size_or_zero,
-    verify_export,
+    verify_or_uncommit,
 )
 from .models import ModelFactory
 
@@ -143,18 +142,7 @@ def export_general(run: Path, dest: Path, gen: Generation, *, model_factory: Mod
         except BaseException:
             bundle.abort(dest_created)
             raise
-    try:
-        verification = verify_export(dest, model_factory=model_factory, show_progress=show_progress,
-                                     _expected_weights=info.get("tensors"))
-    except RipresaError as exc:
-        try:
-            os.unlink(dest / MANIFEST_SHA)
-            fsync_dir(dest)
-        except OSError:
-            pass
-        note = f"the export in {dest} did not verify and is incomplete ({MANIFEST_SHA} removed): delete it and export again"
-        exc.hint = f"{exc.hint}; {note}" if exc.hint else note
-        raise
+    verification = verify_or_uncommit(dest, model_factory, show_progress, info.get("tensors"))
     return {
         "kind": manifest["kind"], "run": str(run), "dest": str(dest), "step": gen.step,
         "source": {"format": GENERAL, "tensors": str(f), "tensors_sha256": f_sha, "tensors_size": gen.size,

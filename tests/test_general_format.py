@@ -29,30 +29,7 @@ from ripresa.store.general import general_paths, validate_general
 CASES = ("bf16", "sgd_nesterov", "amsgrad", "bn_tied", "lion")
 
 
-class Lion(torch.optim.Optimizer):
-    """A user-written optimizer with its own per-parameter state (sign momentum, an int64 step, a float)."""
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for g in self.param_groups:
-            b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                s = self.state[p]
-                if not s:
-                    s["momentum"] = torch.zeros_like(p)
-                    s["step"] = torch.zeros((), dtype=torch.int64)  # an int tensor step (torch keeps its dtype)
-                    s["last_norm"] = 0.0
-                m = s["momentum"]
-                p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-g["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
-                s["step"] += 1
-                s["last_norm"] = float(p.grad.norm())
+from support.cases import Lion  # noqa: E402  (tests/ is on the path under pytest and as a script)
 
 
 class Tied(torch.nn.Module):

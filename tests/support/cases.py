@@ -56,10 +56,10 @@ DESCRIPTIONS = {
     "feistel": "EpochSampler over 10^9 rows (Feistel, O(1))",
 }
 
-#: The ``format=`` each case passes to its Checkpointer — the one place to change it.
-#: ``"general"`` forces the general .safetensors generation (``"auto"`` would choose the .bin for the
-#: fp32 AdamW states); the 10^9-row sampler case is the ANDREA ``.bin`` (fp32 AdamW).
-FORMATS: dict[str, str] = {case: "general" for case in CASES} | {"feistel": "andrea"}
+#: The ``format=`` each case passes to its Checkpointer — the one place to change it. ``"auto"``, the
+#: default, is the general .safetensors generation for any state (docs/FORMAT.md, "Which format a session
+#: writes"); the 10^9-row sampler case asks for the ANDREA ``.bin`` (fp32 AdamW).
+FORMATS: dict[str, str] = {case: "auto" for case in CASES} | {"feistel": "andrea"}
 
 #: The cases that run under torchrun with DDP (the data-loader cases draw their data per process).
 DDP_CASES = ("bf16", "fp16_scaler", "sgd_nesterov", "amsgrad", "adafactor", "lion", "bn_tied")

@@ -593,7 +593,9 @@ def main(argv: list[str]) -> None:
     if not ddp or torch.distributed.get_rank() == 0:
         torch.save(final_tensors(state), run / "final.pt")
     if ddp:
-        torch.distributed.destroy_process_group()
+        from ripresa.session.distributed import exit_rank
+
+        exit_rank(0)  # not interpreter finalization: gloo can abort there (docs/ARCHITECTURE.md, "Distributed runs")
 
 
 if __name__ == "__main__":

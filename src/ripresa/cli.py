@@ -525,6 +525,21 @@ def _unexpected(command: str, exc: BaseException) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ripresa`` and ``python -m ripresa``; returns the exit code.
 
+    A ``torchrun`` rank whose process group ``ripresa train`` created leaves
+    through ``session.distributed.leave`` instead (docs/ARCHITECTURE.md,
+    "Distributed runs": the gloo exit abort).
+    """
+    code = _main(argv)
+    if "torch.distributed" in sys.modules:  # only a command that used torch.distributed can have created a group
+        from .session.distributed import leave
+
+        return leave(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """:func:`main`, without the exit of a distributed rank.
+
     Every failure maps to exit 1 (a check failed: :class:`~ripresa.errors.CheckFailed`)
     or 2 (bad input or work not completed); an unexpected exception gets a
     one-paragraph report and exit 2, never a traceback (docs/FAULTS.md).

@@ -360,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"case": args.case, **case.extra["ckpt"]}), flush=True)
     if ddp:
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        from ripresa.session.distributed import exit_rank
+
+        exit_rank(0)  # not interpreter finalization: gloo can abort there (docs/ARCHITECTURE.md, "Distributed runs")
     return 0
 
 

@@ -805,6 +805,8 @@ class Checkpointer:
                     self._collect(block=True, must_succeed=True)
             if self.mirror is not None:
                 self.mirror.close()  # waits for the pending uploads (MirrorSpec.close_timeout)
+            if self._shards is not None:
+                self._shards.close()  # its gloo save group ends now, not at interpreter exit
         finally:
             try:
                 self.history.sync()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -25,9 +25,11 @@ from ..errors import BadInput
 __all__ = [
     "DistContext",
     "NullHistory",
+    "exit_rank",
     "fault_point",
     "init_from_env",
     "is_sharded",
+    "leave",
     "rank_generator",
     "rank_seed",
     "torchrun_env",
@@ -96,7 +98,56 @@ def init_from_env(device_type: str, *, need_group: bool = False) -> bool:
         dist.init_process_group("nccl", device_id=torch.device("cuda", env["local_rank"]), **kwargs)
     else:
         dist.init_process_group("gloo", **kwargs)
+    global _CREATED_GROUP
+    _CREATED_GROUP = True
     return True
+
+
+_CREATED_GROUP = False  # init_from_env created this process's group: leave() exits through exit_rank()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """Leave this rank with ``code`` without interpreter finalization (docs/ARCHITECTURE.md, "Distributed runs").
+
+    A gloo rank can abort (SIGABRT, "terminate called without an active
+    exception") in interpreter finalization, after a complete run and
+    ``destroy_process_group()``: a ProcessGroupGloo worker thread that is
+    still alive (any object, e.g. a DDP wrapper or a cached device mesh,
+    keeps the group) drops its last finished collective, whose captured
+    thread-local state holds a Python object; the decref waits for the GIL,
+    the finalizing interpreter ends the thread with ``pthread_exit``, and the
+    forced unwind through a ``noexcept`` destructor calls ``std::terminate``.
+    Here, in the order of a normal exit: the group destroyed (if still
+    initialised), the non-daemon threads joined, the ``atexit`` handlers run
+    (logging's, the caller's), stdio flushed, then ``os._exit(code)``.
+    Call it after ``Checkpointer.close`` (which makes every commit and the
+    history durable) instead of ``destroy_process_group()`` and returning.
+    """
+    import atexit
+    import sys
+    import threading
+
+    import torch.distributed as dist
+
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's exit does first
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def leave(code: int) -> int:
+    """``ripresa``'s exit: :func:`exit_rank` in a rank whose group :func:`init_from_env` created, else ``code``."""
+    if _CREATED_GROUP:
+        exit_rank(code)
+    return code
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

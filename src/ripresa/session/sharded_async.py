@@ -62,6 +62,21 @@ class ShardedWriter:
             return f"{type(exc).__name__}: {str(exc)[:300]}"
         return None
 
+    def close(self) -> None:
+        """Finish the in-flight write, then destroy the save group and drop it (``Checkpointer.close``).
+
+        The group's gloo worker threads end here, while the interpreter is
+        alive, not at its finalization (docs/ARCHITECTURE.md, "Distributed
+        runs", exit). Not a collective.
+        """
+        self.wait()
+        group, self.group = self.group, None
+        if group is not None:
+            import torch.distributed as tdist
+
+            if tdist.is_initialized():
+                tdist.destroy_process_group(group)
+
     def all_errors(self, error: str | None) -> list[str]:
         """Every rank's ``error`` (None: fine), on every rank of the training group.
 

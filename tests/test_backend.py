@@ -249,8 +249,8 @@ def test_the_builtin_backends_satisfy_the_protocol_and_are_ordered_by_mode(tmp_p
         single, ignored = backends_for("single", store)
         assert [b.kind for b in single] == ["st", "bin", "dcp"] and [b.kind for b in ignored] == []  # a .dcp newest resumes too
         assert [b.kind for b in backends_for("ddp", store)[0]] == ["st", "bin", "dcp"]
-        assert [b.kind for b in backends_for("fsdp2", store)[0]] == ["dcp", "bin"]
-        assert [b.kind for b in backends_for("fsdp2", store)[1]] == ["st"]
+        assert [b.kind for b in backends_for("fsdp2", store)[0]] == ["dcp", "st", "bin"]  # 1 -> 2 resumes st too
+        assert [b.kind for b in backends_for("fsdp2", store)[1]] == []
         # auto is the general format for any state; the .bin when asked for ("andrea") and the state fits it
         assert [b.kind for b in backends_for("single", store, state=_toy())[0]] == ["st", "bin", "dcp"]
         assert [b.kind for b in backends_for("single", store, state=_toy(), format="andrea")[0]] == ["bin", "st", "dcp"]

@@ -104,7 +104,8 @@ def test_async_sharded_saves_commit_every_ranks_shards(tmp_path):
 def test_one_process_resumes_the_newest_dcp_2_to_1_then_back_to_2(tmp_path):
     """The same loop in ONE process resumes the newest .dcp of a 2-rank run (2 → 1: it is the newest valid
     generation), records the world-size change and writes its own kind beside it (its retention never deletes a
-    .dcp); then 2 ranks resume that single-process generation (1 → 2) and write .dcp generations again."""
+    .dcp); then 2 ranks resume that single-process generation (general .safetensors, the default format; 1 → 2)
+    and write .dcp generations again."""
     run = tmp_path / "run"
     ok(launch(run, "--steps", 8, "--every", 4))
     res = one(run, "--steps", 10, "--every", 5)
@@ -115,9 +116,12 @@ def test_one_process_resumes_the_newest_dcp_2_to_1_then_back_to_2(tmp_path):
     change = [e for e in events if e["event"] == "world_size_change"]
     assert change[-1]["saved_world_size"] == 2 and change[-1]["world_size"] == 1
     assert valid_dcps(run) == [4, 8]
+    assert (run / "step_000010.safetensors.sha256").exists()  # format="auto" in one process: the general format
     ok(launch(run, "--steps", 12, "--every", 4))
     events = read_history(run / ".loss.jsonl").events
-    assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 10
+    resume = [e for e in events if e["event"] == "resume"][-1]
+    assert resume["from_step"] == 10 and resume["file"].endswith("step_000010.safetensors")  # not ignored by FSDP2
+    assert not [e for e in events if e["event"] == "ignored_generations"]
     assert [e for e in events if e["event"] == "world_size_change"][-1]["world_size"] == 2
     assert valid_dcps(run) == [4, 8, 12] and sorted(read_history(run / ".loss.jsonl").steps) == list(range(1, 13))
 

@@ -423,10 +423,11 @@ def _open_general(store: CheckpointStore) -> StorageBackend:
 
 
 # format="auto" is the general format for any state (docs/FORMAT.md, "Which format a session writes"); the .bin
-# is written when a session asks for "andrea" (ripresa train does), and resumed by every mode.
+# is written when a session asks for "andrea" (ripresa train does). Every mode resumes every kind: an FSDP2 session
+# loads a .bin or general generation whole and shards it (docs/SHARDED.md, "Resuming": 2 -> 1 -> 2).
 register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits))
 register_backend(BackendSpec("dcp", DcpBackend, {"single": 30, "ddp": 20, "fsdp2": 10}))
-register_backend(BackendSpec("st", _open_general, {"single": 5, "ddp": 5}, "general"))
+register_backend(BackendSpec("st", _open_general, {"single": 5, "ddp": 5, "fsdp2": 15}, "general"))
 
 #: The formats a session may ask for besides the registered kinds' names: ``auto``.
 AUTO = "auto"

@@ -180,7 +180,8 @@ def save_general(folder: Path, step: int, tensors: dict[str, Any], encoded_state
 
 
 class GeneralBackend(_Base):
-    """``step_NNNNNN.safetensors`` + companion + marker: any model, any optimizer (single process, DDP)."""
+    """``step_NNNNNN.safetensors`` + companion + marker: any model, any optimizer (written by single-process and
+    DDP sessions; every mode resumes it, an FSDP2 one loads it whole and shards it)."""
 
     kind = "st"
     label = ".safetensors generation"

@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", help="override the case's format= (default: FORMATS[case])")
     ap.add_argument("--sizes", metavar="DIR", help="run every case 6 steps under DIR and print its companion sizes")
     args = ap.parse_args(argv)
+    # one intra-op thread in every process of a comparison: a CPU reduction's order (BatchNorm statistics, an
+    # embedding's gradient) may depend on the thread count, and a restart must not differ from its reference
+    torch.set_num_threads(1)
     if args.sizes:
         return _sizes(Path(args.sizes))
     if args.case is None or args.run is None:

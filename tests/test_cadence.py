@@ -329,7 +329,7 @@ def test_ripresa_train_deadline_in_a_real_process_stops_saves_exports_in_time(tm
     deadline = datetime.now(UTC) + timedelta(seconds=40)  # on a loaded 2-core machine the start alone can take 20 s
     text = deadline.isoformat(timespec="seconds").replace("+00:00", "Z")
     res = ripresa_cli("train", "--run", run, "--config", "tiny", "--threads", "1", "--set", "train.batch_size=4",
-                      "--no-audit", "--quiet", "--every", "auto", "--mtbf", "1h", "--deadline", text, timeout=120)
+                      "--no-audit", "--quiet", "--steps", "10000000", "--every", "auto", "--mtbf", "1h", "--deadline", text, timeout=120)
     finished = datetime.now(UTC)
     assert res.returncode == 0, res.stderr
     assert "stopped for the deadline" in res.stdout

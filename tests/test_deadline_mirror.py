@@ -83,7 +83,7 @@ def test_ripresa_train_deadline_with_an_s3_mirror_stops_saves_uploads_exports_be
     deadline = datetime.now(UTC) + timedelta(seconds=60)
     text = deadline.isoformat(timespec="seconds").replace("+00:00", "Z")
     res = ripresa_cli("train", "--run", run, "--config", "tiny", "--threads", "1", "--set", "train.batch_size=4",
-                      "--no-audit", "--quiet", "--every", "auto", "--mtbf", "1h", "--deadline", text,
+                      "--no-audit", "--quiet", "--steps", "10000000", "--every", "auto", "--mtbf", "1h", "--deadline", text,
                       "--mirror", s3.url, timeout=180)
     finished = datetime.now(UTC)
     assert res.returncode == 0, res.stderr

@@ -116,3 +116,22 @@ def same_generation(a: Path, b: Path, step: int) -> bool:
     keys = {k for k in ta.keys() | tb.keys() if not k.startswith(_UNSEEDED)}
     return all(k in ta and k in tb and ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape
                and torch.equal(ta[k], tb[k]) for k in keys)
+
+
+def ranks_of(launcher_pid: int) -> dict[int, int]:
+    """``{rank: pid}`` of the workers a torchrun launcher started (from /proc)."""
+    kids: set[int] = set()
+    for tid in os.listdir(f"/proc/{launcher_pid}/task"):
+        try:
+            kids.update(int(x) for x in Path(f"/proc/{launcher_pid}/task/{tid}/children").read_text().split())
+        except OSError:
+            pass
+    out = {}
+    for pid in kids:
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env:
+            out[int(env["RANK"])] = pid
+    return out

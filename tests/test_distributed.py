@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import valid_steps
+from conftest import ranks_of, valid_steps
 from support.ripresa_faults import fault_env
 
 from ripresa.core.data import DistributedEpochSampler
@@ -69,25 +69,6 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-
-
-def ranks_of(launcher_pid: int) -> dict[int, int]:
-    """``{rank: pid}`` of the workers a torchrun launcher started (from /proc)."""
-    kids: set[int] = set()
-    for tid in os.listdir(f"/proc/{launcher_pid}/task"):
-        try:
-            kids.update(int(x) for x in Path(f"/proc/{launcher_pid}/task/{tid}/children").read_text().split())
-        except OSError:
-            pass
-    out = {}
-    for pid in kids:
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if "RANK" in env:
-            out[int(env["RANK"])] = pid
-    return out
 
 
 def wait_history(run: Path, proc: subprocess.Popen, cond, timeout: float = 120):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ranks_of
 from support.ripresa_faults import fault_env
 
 from ripresa.formats import dcp as dcp_fmt
@@ -67,25 +68,6 @@ def same_shards(a: Path, b: Path) -> None:
 
 def losses(run: Path) -> dict[int, float]:
     return {s: r["loss"] for s, r in read_history(run / ".loss.jsonl").steps.items()}
-
-
-def ranks_of(launcher_pid: int) -> dict[int, int]:
-    """``{rank: pid}`` of the workers a torchrun launcher started (from /proc)."""
-    kids: set[int] = set()
-    for tid in os.listdir(f"/proc/{launcher_pid}/task"):
-        try:
-            kids.update(int(x) for x in Path(f"/proc/{launcher_pid}/task/{tid}/children").read_text().split())
-        except OSError:
-            pass
-    out = {}
-    for pid in kids:
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if "RANK" in env:
-            out[int(env["RANK"])] = pid
-    return out
 
 
 def test_async_sharded_saves_commit_every_ranks_shards(tmp_path):

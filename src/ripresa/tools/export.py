@@ -582,18 +582,7 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, n_params: int, mo
                     "[offset, offset + numel) of the weights region (and of m and v) of the .bin",
             "dtype": "float32, little-endian", "n_params": n_params, "parameters": params}))
 
-    metrics: list[str] = []
-    for src, rel in ((".loss.jsonl", "metrics/loss.jsonl"), (".samples.json", "metrics/samples.json"),
-                     (".state.json", "metrics/state.json")):
-        if os.path.lexists(run / src):  # a link or FIFO in its place is refused, never skipped
-            bundle.copy(run / src, rel, what=f"the run's {src}")
-            metrics.append(rel)
-        elif src == ".loss.jsonl":
-            notes.append("the run has no .loss.jsonl: no training history exported")
-    for phase, src, name in _archived_files(run):
-        rel = f"metrics/archive/{phase}/{name}"
-        bundle.copy(run / "archive" / phase / src, rel, what=f"archived {src}")
-        metrics.append(rel)
+    metrics = copy_metrics(bundle, run, notes)
 
     identity = _as_dict(state.get("data_identity"))
     sources = _model_sources(state.get("config"), config)
@@ -1170,3 +1159,20 @@ def verify_or_uncommit(dest: Path, model_factory: Any, show_progress: bool, expe
         note = f"the export in {dest} did not verify and is incomplete ({MANIFEST_SHA} removed): delete it and export again"
         exc.hint = f"{exc.hint}; {note}" if exc.hint else note
         raise
+
+
+def copy_metrics(bundle: _Bundle, run: Path, notes: list[str]) -> list[str]:
+    """Copy the run's sidecars and archived phases into ``metrics/``; the bundle paths written."""
+    metrics: list[str] = []
+    for src, rel in ((".loss.jsonl", "metrics/loss.jsonl"), (".samples.json", "metrics/samples.json"),
+                     (".state.json", "metrics/state.json")):
+        if os.path.lexists(run / src):  # a link or FIFO in its place is refused, never skipped
+            bundle.copy(run / src, rel, what=f"the run's {src}")
+            metrics.append(rel)
+        elif src == ".loss.jsonl":
+            notes.append("the run has no .loss.jsonl: no training history exported")
+    for phase, src, name in _archived_files(run):
+        rel = f"metrics/archive/{phase}/{name}"
+        bundle.copy(run / "archive" / phase / src, rel, what=f"archived {src}")
+        metrics.append(rel)
+    return metrics

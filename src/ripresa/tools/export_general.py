@@ -45,7 +45,6 @@ from .export import (
     JSON_MAX,
     MANIFEST_JSON,
     RESUME,
-    _archived_files,
     _as_dict,
     _Bundle,
     _check_dest,
@@ -56,6 +55,7 @@ from .export import (
     _now,
     _safe_rel,
     _size_or_zero,
+    copy_metrics,
     verify_or_uncommit,
 )
 from .models import ModelFactory
@@ -182,17 +182,7 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_sha
             notes.append("config.json was taken from the generation's companion (the run has none)")
     else:
         notes.append("no config.json: neither the run nor the generation records one")
-    metrics: list[str] = []
-    for src, name in ((".loss.jsonl", "metrics/loss.jsonl"), (".samples.json", "metrics/samples.json"),
-                      (".state.json", "metrics/state.json")):
-        if os.path.lexists(run / src):  # a link or FIFO in its place is refused, never skipped
-            bundle.copy(run / src, name, what=f"the run's {src}")
-            metrics.append(name)
-        elif src == ".loss.jsonl":
-            notes.append("the run has no .loss.jsonl: no training history exported")
-    for phase, src, name in _archived_files(run):
-        bundle.copy(run / "archive" / phase / src, f"metrics/archive/{phase}/{name}", what=f"archived {src}")
-        metrics.append(f"metrics/archive/{phase}/{name}")
+    metrics = copy_metrics(bundle, run, notes)
     bundle.write("versions.json", _json_bytes({
         "what": "software that wrote this checkpoint and the identity of the training code and data",
         "versions": state.get("versions"), "code": state.get("code"), "data_identity": state.get("data_identity"),

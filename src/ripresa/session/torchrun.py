@@ -10,7 +10,9 @@ Same arguments as ``torchrun``; two differences:
   save it, and then all continue (SIGUSR1) or all exit 0 (SIGTERM/SIGINT), so
   the launcher exits 0 too — a requested stop is a success, and
   ``--max-restarts`` does not restart it. A second SIGTERM only sets the
-  ranks' flag again; it never aborts their save.
+  ranks' flag again; it never aborts their save. A SIGUSR1 that arrives while
+  a rank is still starting (no handler yet: its default action would end the
+  rank) waits until the rank's handler is installed, then is delivered.
 * **Options.** Abbreviated options are not accepted, so a trainer option
   such as ``--run`` is never mistaken for torchrun's ``--run-path``.
 
@@ -26,6 +28,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 
@@ -84,9 +88,40 @@ def _send_to_child(pid: int, signum: int) -> None:
             os.close(pidfd)
 
 
+#: How long a SIGUSR1 waits for a starting rank to install its handler (then it is dropped, never fatal).
+USR1_WAIT_S = 300.0
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether ``pid`` has a handler installed for ``signum`` (``SigCgt`` of ``/proc/PID/status``)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f.read(8192).splitlines():
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _send_when_caught(pid: int, signum: int) -> None:
+    """Deliver ``signum`` once ``pid`` catches it; give up when it exits or after :data:`USR1_WAIT_S`."""
+    deadline = time.monotonic() + USR1_WAIT_S
+    while time.monotonic() < deadline and _parent_of(pid) == os.getpid():
+        if catches(pid, signum):
+            _send_to_child(pid, signum)
+            return
+        time.sleep(0.05)
+
+
 def _forward(signum: int, frame: FrameType | None) -> None:
     for child in children():
-        _send_to_child(child, signum)
+        if signum == signal.SIGUSR1 and not catches(child, signum):
+            # a rank still starting has no handler yet, and SIGUSR1's default action would end it:
+            # the signal waits until the rank's Checkpointer installs its handler
+            threading.Thread(target=_send_when_caught, args=(child, signum), daemon=True).start()
+        else:
+            _send_to_child(child, signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

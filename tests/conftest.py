@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -135,3 +136,12 @@ def ranks_of(launcher_pid: int) -> dict[int, int]:
         if "RANK" in env:
             out[int(env["RANK"])] = pid
     return out
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
+    """A launched process group's output; on a timeout the whole group is killed."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise

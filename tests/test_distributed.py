@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ranks_of, valid_steps
+from conftest import finish, ranks_of, valid_steps
 from support.ripresa_faults import fault_env
 
 from ripresa.core.data import DistributedEpochSampler
@@ -61,14 +61,6 @@ def torchrun(*args, nproc: int = 2, launcher: tuple[str, ...] = ("-m", "torch.di
 def single(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ripresa", "train", *map(str, args)], capture_output=True, text=True,
                           env={**os.environ, **ENV}, timeout=300)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
 
 
 def wait_history(run: Path, proc: subprocess.Popen, cond, timeout: float = 120):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ranks_of
+from conftest import finish, ranks_of
 from support.ripresa_faults import fault_env
 
 from ripresa.formats import dcp as dcp_fmt
@@ -38,14 +38,6 @@ def one(run: Path, *args) -> subprocess.CompletedProcess:
     """The same loop in one process (no process group, no sharding)."""
     return subprocess.run([sys.executable, str(LOOP), "--run", str(run), *map(str, args)], capture_output=True,
                           text=True, env={**os.environ, **ENV}, timeout=300)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
 
 
 def ok(proc: subprocess.Popen) -> str:

@@ -505,13 +505,7 @@ def _export_run(run: Path, dest: Path, *, model_factory: ModelFactory, step: int
     gen, skipped = _select_generation(store, step)
     assert gen.size is not None and gen.bin_sha256 is not None and gen.companion_sha256 is not None
     n_params = (gen.size - HEADER_SIZE) // BYTES_PER_PARAM
-    dest_created = not os.path.lexists(dest)
-    if dest_created:
-        try:
-            dest.mkdir(parents=True)
-        except OSError as exc:
-            raise BadInput("export destination cannot be created", file=dest, found=str(exc)) from exc
-        fsync_dir(dest.parent)
+    dest_created = make_dest(dest)
     total = 0 if inference else sum(_size_or_zero(p) for p in (
         gen.bin, gen.companion, gen.marker, run / "config.json", run / ".loss.jsonl", run / ".samples.json", run / ".state.json"))
     with _meter(total, f"export step {gen.step}", show_progress) as advance:
@@ -1176,3 +1170,15 @@ def copy_metrics(bundle: _Bundle, run: Path, notes: list[str]) -> list[str]:
         bundle.copy(run / "archive" / phase / src, rel, what=f"archived {src}")
         metrics.append(rel)
     return metrics
+
+
+def make_dest(dest: Path) -> bool:
+    """Create the (checked) export folder ``dest`` if it is missing, durably; whether it was created here."""
+    if os.path.lexists(dest):
+        return False
+    try:
+        dest.mkdir(parents=True)
+    except OSError as exc:
+        raise BadInput("export destination cannot be created", file=dest, found=str(exc)) from exc
+    fsync_dir(dest.parent)
+    return True

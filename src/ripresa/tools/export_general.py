@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from ..errors import BadInput, IntegrityError, MissingDependency, SchemaError
+from ..errors import IntegrityError, MissingDependency, SchemaError
 from ..formats.generation import Generation
-from ..io.fsio import Digest, fsync_dir, parse_json_bytes, read_small
+from ..io.fsio import Digest, parse_json_bytes, read_small
 from ..store.backend import backend_of, latest_valid_of
 from ..store.general import general_paths, validate_general
 from ..store.store import CheckpointStore
@@ -56,6 +56,7 @@ from .export import (
     _safe_rel,
     _size_or_zero,
     copy_metrics,
+    make_dest,
     verify_or_uncommit,
 )
 from .models import ModelFactory
@@ -125,13 +126,7 @@ def export_general(run: Path, dest: Path, gen: Generation, *, model_factory: Mod
     f, c, mk = general_paths(run, gen.step)
     f_sha, c_sha = gen.files.get(f.name), gen.files.get(c.name)
     assert gen.valid and gen.size is not None and f_sha is not None and c_sha is not None
-    dest_created = not os.path.lexists(dest)
-    if dest_created:
-        try:
-            dest.mkdir(parents=True)
-        except OSError as exc:
-            raise BadInput("export destination cannot be created", file=dest, found=str(exc)) from exc
-        fsync_dir(dest.parent)
+    dest_created = make_dest(dest)
     total = 0 if inference else sum(_size_or_zero(p) for p in (
         f, c, mk, run / "config.json", run / ".loss.jsonl", run / ".samples.json", run / ".state.json"))
     with _meter(total, f"export step {gen.step}", show_progress) as advance:

@@ -529,6 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     through ``session.distributed.leave`` instead (docs/ARCHITECTURE.md,
     "Distributed runs": the gloo exit abort).
     """
+    from .session.signals import hold
+
+    hold()  # first: a SIGUSR1 while ripresa starts (imports, resume) is deferred to the run's first step, never fatal
     code = _main(argv)
     if "torch.distributed" in sys.modules:  # only a command that used torch.distributed can have created a group
         from .session.distributed import leave

@@ -88,7 +88,8 @@ from .distributed import (
     fault_point,
 )
 from .sharded_async import ShardedWriter, save_async
-from .signals import SignalRequests
+from .signals import SignalRequests, hold
+from .torchrun import bind_to_launcher
 from .steer import DistSteeredRecorder, SteeredRecorder, Steering
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view"]
@@ -180,6 +181,9 @@ class Checkpointer:
         deadline: Any = None,
         on_deadline: Callable[[int], Any] | None = None,
     ) -> None:
+        if handle_signals:
+            hold()  # a SIGUSR1 before the handlers below (lock, resume of the mirror) is deferred, never fatal
+        bind_to_launcher()  # a rank of python -m ripresa.torchrun dies with its launcher, never trains on orphaned
         auto = every == "auto"
         if auto:
             every = 0
@@ -828,7 +832,7 @@ class Checkpointer:
         self._release()
 
     def _release(self) -> None:
-        """Close the history, restore the signal handlers, release the run folder's lock."""
+        """Close the history, restore the signal handlers (SIGUSR1: ignored, never fatal), release the lock."""
         if self.mirror is not None:
             self.mirror.close(timeout=0)
         self.history.close()

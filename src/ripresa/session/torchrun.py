@@ -10,9 +10,19 @@ Same arguments as ``torchrun``; two differences:
   save it, and then all continue (SIGUSR1) or all exit 0 (SIGTERM/SIGINT), so
   the launcher exits 0 too — a requested stop is a success, and
   ``--max-restarts`` does not restart it. A second SIGTERM only sets the
-  ranks' flag again; it never aborts their save. A SIGUSR1 that arrives while
-  a rank is still starting (no handler yet: its default action would end the
-  rank) waits until the rank's handler is installed, then is delivered.
+  ranks' flag again; it never aborts their save.
+* **SIGUSR1 never ends anything.** The launcher blocks SIGUSR1 as its first
+  act (before it imports torch) and takes it with ``sigwait`` in a thread of
+  its own; every rank (and every restart of a rank) is started with it
+  blocked, so a SIGUSR1 sent to a rank that is still starting stays pending
+  until the rank's Checkpointer installs its handler and unblocks it — there
+  is no moment at which its default action could apply
+  (docs/ARCHITECTURE.md, "Signals through the launcher").
+* **Ranks die with the launcher.** torchrun starts each rank in a session of
+  its own, so a SIGKILL of the launcher (or of its process group) used to
+  leave the ranks training on, unsupervised, in the run folder. A rank's
+  Checkpointer asks the kernel to SIGKILL it when the launcher dies, and a
+  rank whose launcher is already gone stops before it touches the run folder.
 * **Options.** Abbreviated options are not accepted, so a trainer option
   such as ``--run`` is never mistaken for torchrun's ``--run-path``.
 
@@ -114,17 +124,85 @@ def _send_when_caught(pid: int, signum: int) -> None:
         time.sleep(0.05)
 
 
+def blocks(pid: int, signum: int) -> bool:
+    """Whether ``pid``'s main thread blocks ``signum`` (``SigBlk`` of ``/proc/PID/status``): it stays pending there."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f.read(8192).splitlines():
+                if line.startswith(b"SigBlk:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def _forward(signum: int, frame: FrameType | None) -> None:
     for child in children():
-        if signum == signal.SIGUSR1 and not catches(child, signum):
-            # a rank still starting has no handler yet, and SIGUSR1's default action would end it:
-            # the signal waits until the rank's Checkpointer installs its handler
+        if signum == signal.SIGUSR1 and not catches(child, signum) and not blocks(child, signum):
+            # not started by this launcher (its ranks start with SIGUSR1 blocked), no handler yet, and the
+            # default action would end it: the signal waits until its Checkpointer installs the handler
             threading.Thread(target=_send_when_caught, args=(child, signum), daemon=True).start()
         else:
-            _send_to_child(child, signum)
+            _send_to_child(child, signum)  # caught, or blocked: pending until the rank's handler unblocks it
+
+
+#: The environment variable that tells a rank its launcher's pid (:func:`bind_to_launcher`).
+LAUNCHER_ENV = "RIPRESA_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def block_checkpoint_signal() -> None:
+    """Block SIGUSR1 in this thread; threads and processes started from it afterwards inherit the block."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+
+def _usr1_forwarder() -> None:
+    while True:
+        signal.sigwait({signal.SIGUSR1})
+        _forward(signal.SIGUSR1, None)
+
+
+def bind_to_launcher() -> None:
+    """In a rank of ``python -m ripresa.torchrun``: die with the launcher; if it is gone already, stop here.
+
+    Does nothing outside such a rank (no :data:`LAUNCHER_ENV`), in a process
+    that is not the launcher's direct child (a grandchild inherits the
+    variable), or off Linux.
+    """
+    raw = os.environ.get(LAUNCHER_ENV, "")
+    if not raw.isdigit() or not sys.platform.startswith("linux"):
+        return
+    launcher = int(raw)
+    try:
+        os.kill(launcher, 0)
+    except ProcessLookupError:
+        from ..errors import BadInput
+
+        raise BadInput(f"the launcher of this rank (pid {launcher}) has ended: this rank is an orphan and stops "
+                       "before it touches the run folder", hint="start the run again with python -m ripresa.torchrun") from None
+    except PermissionError:
+        return
+    if os.getppid() != launcher:
+        return  # a grandchild of the launcher: not one of its ranks
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:  # it died between the check and the prctl
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First: no moment without a disposition for the forwarded signals (SIGUSR1 is blocked until the
+    # forwarder thread waits for it; ranks start with it blocked; SIGTERM/SIGINT are forwarded).
+    block_checkpoint_signal()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _forward)
+    threading.Thread(target=_usr1_forwarder, name="ripresa-usr1", daemon=True).start()
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
     from torch.distributed import run as trun
 
     parser = trun.get_args_parser()
@@ -132,8 +210,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     # torchrun keeps SIGHUP/SIGQUIT (tear the group down); the three below are ours to forward.
     args.signals_to_handle = "SIGHUP,SIGQUIT"
-    for sig in FORWARDED:
-        signal.signal(sig, _forward)
     trun.run(args)
     return 0
 

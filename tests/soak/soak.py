@@ -9,7 +9,9 @@ Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md
   (``step_NNNNNN.safetensors`` generations);
 * ``andrea``: one process, fp32 AdamW, an ``EpochSampler`` over 10^9 rows (Feistel, O(1)),
   ``format="andrea"`` (``step_NNNNNN.bin`` generations);
-* ``ddp``: two ranks under ``python -m ripresa.torchrun`` (gloo, DDP, ``DistributedEpochSampler``).
+* ``ddp``: two ranks under ``python -m ripresa.torchrun`` (gloo, DDP, ``DistributedEpochSampler``);
+* ``s3``: one process, fp32 AdamW, ``format="andrea"``, mirrored to a real S3 server (moto, on
+  127.0.0.1) through a fault proxy (tests/support/s3server.py) that the soak breaks.
 
 Each single-process lane writes its run folder on its own small tmpfs (mounted
 here, as root). Interruptions, drawn at random (seeded) at random moments:
@@ -21,7 +23,19 @@ here, as root). Interruptions, drawn at random (seeded) at random moments:
 * ``enospc``: the tmpfs is filled while the trainer runs: saves fail, training goes on,
   and the previous generation is deep-checked while the disk is full; then room is freed;
 * ``lost-folder``: SIGKILL, the run folder is deleted, the next start resumes from a
-  local-path mirror (only when ``Checkpointer`` takes ``mirror=``).
+  local-path mirror (only when ``Checkpointer`` takes ``mirror=``);
+* ``sigusr1-start``: SIGUSR1 at a random moment from the first line of ripresa's code in the
+  process (the launcher's first act, the trainer's ``hold()``): start, import, resume, training
+  (for torchrun: to the launcher or to a rank); it must lead to a signal checkpoint (or, after
+  the last step, be ignored), never end the process;
+* ``outage`` (``s3``): the store goes away for a random 0.5-8 s while the trainer trains: the
+  proxy resets every connection (``down``), stalls every request (``stall``), resets each request
+  (``reset``), or the S3 server itself is stopped and restarted (``restart``);
+* ``outage-close`` (``s3``): an outage, then SIGTERM: the trainer closes with the store down and
+  must exit within :data:`HANG_S` seconds (a stop checkpoint, exit 0).
+
+Every trainer must end within :data:`HANG_S` seconds after SIGTERM (else "hung"); the ``s3``
+lane reports the most history lines of mirror events in one lap.
 
 Trainers are real processes in their own session: forked from a server that
 imported torch once (one start in ten a fresh interpreter; every torchrun
@@ -55,16 +69,24 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
-LANES = ("general", "andrea", "ddp")
+LANES = ("general", "andrea", "ddp", "s3")
 #: Interruption kinds of each lane (``lost-folder`` is added when the mirror exists).
 KINDS = {
     "general": ["sigkill", "sigkill-start", "sigterm", "sigusr1+kill", "enospc"],
     "andrea": ["sigkill", "sigkill-start", "sigterm", "sigusr1+kill", "enospc"],
-    "ddp": ["sigkill-group", "sigkill-rank", "sigkill-start", "sigterm", "sigusr1+kill"],
+    "ddp": ["sigkill-group", "sigkill-rank", "sigkill-start", "sigterm", "sigusr1+kill", "sigusr1-start"],
+    "s3": ["outage", "outage-close", "sigkill", "sigterm", "sigusr1+kill", "sigusr1-start"],
 }
+for _k in ("general", "andrea"):
+    KINDS[_k].append("sigusr1-start")
+#: Seconds a trainer may take to exit after SIGTERM (a store outage included) before it counts as hung.
+HANG_S = 90.0
+OUTAGES = ("down", "stall", "reset", "restart")
+#: Mirror events may take a few history lines per outage (failed, pending, recovered), never one per wake-up.
+MIRROR_LINES_BASE, MIRROR_LINES_PER_OUTAGE = 20, 10
 #: Lap length and cadence (steps) of each lane.
-TOTAL = {"general": 1000, "andrea": 400, "ddp": 60}
-EVERY = {"general": 10, "andrea": 10, "ddp": 5}
+TOTAL = {"general": 1000, "andrea": 400, "ddp": 60, "s3": 300}
+EVERY = {"general": 10, "andrea": 10, "ddp": 5, "s3": 10}
 TMPFS_BYTES = 8 << 20
 FINAL = "soak_final"  # the digest files a finished trainer writes: soak_final.rank{R}.json
 
@@ -103,7 +125,11 @@ def _checkpointer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {"every": cfg["every"]}
     if cfg.get("format"):
         kw["format"] = cfg["format"]
-    if cfg.get("mirror"):
+    if isinstance(cfg.get("mirror"), dict):  # the s3 lane: short requests, the default close wait
+        from ripresa.store.mirror import MirrorSpec
+
+        kw["mirror"] = MirrorSpec(**cfg["mirror"])
+    elif cfg.get("mirror"):
         kw["mirror"] = cfg["mirror"]
     return kw
 
@@ -119,7 +145,7 @@ def train_single(cfg: dict[str, Any]) -> int:
     random.seed(0)
     torch.manual_seed(0)
     gen = np.random.default_rng(0)
-    andrea = cfg["lane"] == "andrea"
+    andrea = cfg["lane"] in ("andrea", "s3")
     X = torch.randn(4096, 16, generator=torch.Generator().manual_seed(1))
     Y = torch.sin(X @ torch.randn(16, 1, generator=torch.Generator().manual_seed(2)))
     model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.GELU(), torch.nn.Dropout(0.1),
@@ -251,6 +277,9 @@ def fork_server() -> None:
                         os.dup2(nul, 0)
                         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGCHLD):
                             signal.signal(s, signal.SIG_DFL)
+                        from ripresa.session.signals import hold
+
+                        hold()  # the trainer's first line (docs/ARCHITECTURE.md, "Signals through the launcher")
                         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
                         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
                         rc = run_worker(req["cfg"])
@@ -345,6 +374,7 @@ class Trainer:
         #: its end is accounted for: a signal after its last step (close() had put the default action
         #: back), or an interruption judged when it landed after the lap's final state was written
         self.ended_by_late_signal = False
+        self.orphans = 0  # ranks still alive 20 s after their launcher was killed
 
     def poll(self) -> int | None:
         if self.popen is not None:
@@ -375,12 +405,21 @@ class Trainer:
         return True
 
     def kill_all(self) -> int:
-        """SIGKILL the whole session (every rank); wait for the exit."""
+        """SIGKILL the whole session; wait for the exit. torchrun's ranks (sessions of their own) must die with it."""
+        ranks = self.ranks() if self.how == "torchrun" and self.poll() is None else []
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         rc = self.wait(60)
         if rc is None:
             raise RuntimeError(f"trainer {self.pid} did not exit after SIGKILL")
+        end = time.monotonic() + 20
+        while ranks and time.monotonic() < end:
+            ranks = [p for p in ranks if alive(p)]
+            time.sleep(0.02)
+        for p in ranks:  # an orphan would train on in the run folder, unsupervised
+            self.orphans += 1
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
         return rc
 
     def ranks(self) -> list[int]:
@@ -388,6 +427,88 @@ class Trainer:
         from ripresa.session.torchrun import children
 
         return children(self.pid)
+
+
+def alive(pid: int) -> bool:
+    """A live process (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
+    except (OSError, ValueError):
+        return False
+
+
+def ripresa_started(pid: int) -> bool:
+    """ripresa's first line has run in ``pid``: SIGUSR1 blocked (the launcher) or caught (``hold()``)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read(8192).splitlines() if b":" in line)
+        bit = 1 << (signal.SIGUSR1 - 1)
+        return bool((int(fields[b"SigBlk"], 16) | int(fields[b"SigCgt"], 16)) & bit)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+class Store:
+    """The s3 lane's store: moto on 127.0.0.1 behind the fault proxy; outages on demand."""
+
+    def __init__(self) -> None:
+        sys.path.insert(0, str(REPO / "tests"))
+        import boto3
+        from support.s3server import FaultProxy, MotoServer
+
+        import logging
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+        self.moto = MotoServer().start()
+        self.proxy = FaultProxy(self.moto.port)
+        self.bucket = "soak"
+        boto3.client("s3", endpoint_url=self.moto.url, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=self.bucket)
+        self.lock = threading.Lock()
+        self.outages: Counter[str] = Counter()
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def break_(self, how: str) -> None:
+        with self.lock:
+            self.outages[how] += 1
+            if how == "down":
+                self.proxy.mode = "down"
+                self.proxy.drop_all()
+            elif how in ("stall", "reset"):
+                self.proxy.arm(*[how] * 100000)
+            else:  # the server itself stops (its objects stay in this process's moto backend)
+                self.moto.stop()
+
+    def mend(self, how: str) -> None:
+        with self.lock:
+            if how == "down":
+                self.proxy.mode = "pass"
+            elif how in ("stall", "reset"):
+                with self.proxy._lock:
+                    self.proxy.faults.clear()
+                self.proxy.drop_all()
+            else:
+                from moto.server import ThreadedMotoServer
+
+                for _ in range(100):  # the port may linger a moment
+                    try:
+                        self.moto.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.moto.port, verbose=False)
+                        self.moto.start()
+                        break
+                    except (OSError, RuntimeError, SystemExit):
+                        time.sleep(0.1)
+
+    def close(self) -> None:
+        self.proxy.close()
+        with contextlib.suppress(Exception):
+            self.moto.stop()
 
 
 # ====================================================================== reading a lap's history
@@ -411,6 +532,8 @@ class LapHistory:
         self.events: list[dict[str, Any]] = []
         self.from_mirror = False
         self.mirror_resumes = 0  # starts after a lost folder that resumed a pulled generation (step > 0)
+        self.mirror_lines = 0  # history lines of mirror events (mirror_failed, mirror_pending, ...)
+        self.start_pids: set[int] = set()  # pids of the soak_start lines read
 
     def reset_file(self) -> None:
         """The run folder was lost: a new history begins (what was committed stays the bar)."""
@@ -449,10 +572,13 @@ class LapHistory:
                 self.diverged.append(step)
             return
         self.events.append(rec)
+        if isinstance(ev, str) and "mirror" in ev:
+            self.mirror_lines += 1
         if ev == "checkpoint":
             self.generations += 1
             self.committed = max(self.committed, int(rec["step"]))
         elif ev == "soak_start":
+            self.start_pids.add(rec.get("pid"))
             start = int(rec["start"])
             if self.from_mirror:  # the first start after the folder was lost
                 self.mirror_resumes += start > 0
@@ -514,7 +640,7 @@ class Tmpfs:
 
 class Lane:
     def __init__(self, name: str, args: argparse.Namespace, budget: int, root: Path, server: ForkServer,
-                 env: dict[str, str], mirror_ok: bool) -> None:
+                 env: dict[str, str], mirror_ok: bool, store: Store | None = None) -> None:
         self.name, self.args, self.budget, self.server, self.env = name, args, budget, server, env
         self.rng = random.Random(f"{args.seed}/{name}")
         self.kinds = list(KINDS[name])
@@ -523,14 +649,18 @@ class Lane:
         self.root.mkdir(parents=True)
         self.tmpfs: Tmpfs | None = None
         self.notes: list[str] = []
-        if name != "ddp":
+        self.store = store
+        self.max_mirror_lines = 0  # the most history lines of mirror events in one lap
+        self.lap_outages = 0
+        self.orphans = 0
+        if name in ("general", "andrea"):
             try:
                 self.tmpfs = Tmpfs(self.root / "mnt", args.tmpfs_bytes)
             except OSError as exc:
                 self.kinds.remove("enospc")
                 self.notes.append(f"enospc left out: cannot mount a tmpfs here ({exc})")
         self.mirror = None
-        if mirror_ok and name != "ddp":
+        if mirror_ok and name in ("general", "andrea"):
             self.kinds.append("lost-folder")
         self.delivered: Counter[str] = Counter()
         self.survived: Counter[str] = Counter()
@@ -541,6 +671,7 @@ class Lane:
         self.last_kind: str | None = None
         self.lost_seen = 0
         self.lost_by_kind: Counter[str] = Counter()
+        self.close_s: list[float] = []  # outage-close: seconds from SIGTERM to exit with the store down
         self.mirror_resumes = 0
         self.rankless = 0  # sigkill-rank found no rank (they had ended): nothing sent
         self.diverged = 0
@@ -552,8 +683,11 @@ class Lane:
         cfg: dict[str, Any] = {"lane": self.name, "run": str(run), "total": TOTAL[self.name], "every": EVERY[self.name]}
         if self.name == "general":
             cfg["format"] = "general"
-        elif self.name == "andrea":
+        elif self.name in ("andrea", "s3"):
             cfg["format"] = "andrea"
+        if self.name == "s3" and self.store is not None:
+            cfg["mirror"] = {"url": f"s3://{self.store.bucket}/{self.args.seed}/{run.name}", "timeout": 2.0,
+                             "attempts": 2, "backoff": 0.2, "max_backoff": 1.0}
         if self.mirror is not None:
             cfg["mirror"] = str(self.mirror)
         if sabotage and self.sabotage == "rng":
@@ -642,6 +776,12 @@ class Lane:
         self.lost_seen = 0
         self.generations += hist.generations
         self.mirror_resumes += hist.mirror_resumes
+        self.max_mirror_lines = max(self.max_mirror_lines, hist.mirror_lines)
+        bound = MIRROR_LINES_BASE + MIRROR_LINES_PER_OUTAGE * self.lap_outages
+        if self.store is not None and hist.mirror_lines > bound:
+            self.failures.append(f"lap {n}: {hist.mirror_lines} history lines of mirror events through "
+                                 f"{self.lap_outages} outage(s) (bound {bound})")
+        self.lap_outages = 0
         self.redone += hist.redone
         self.diverged += len(hist.diverged)
         shutil.rmtree(run, ignore_errors=True)
@@ -650,9 +790,13 @@ class Lane:
 
     def running(self, hist: LapHistory, trainer: Trainer, timeout: float = 120) -> bool:
         """Wait until this trainer has resumed (its soak_start line): signal handlers are installed."""
-        mine = trainer.pid if trainer.how != "torchrun" else None
-        return hist.wait_for(lambda r: r.get("event") == "soak_start" and (mine is None or r.get("pid") == mine),
-                             trainer, timeout) is not None
+        def mine(r: dict[str, Any]) -> bool:  # torchrun: one of this launcher's ranks, never an orphan of a previous one
+            return r.get("pid") in trainer.ranks() if trainer.how == "torchrun" else r.get("pid") == trainer.pid
+
+        hist.poll()
+        if any(mine({"pid": p}) for p in hist.start_pids):  # it had started already (an interruption it survived)
+            return trainer.poll() is None
+        return hist.wait_for(lambda r: r.get("event") == "soak_start" and mine(r), trainer, timeout) is not None
 
     def interrupt(self, kind: str, trainer: Trainer, run: Path, hist: LapHistory) -> Trainer:
         """Deliver one interruption of ``kind``; return the trainer that runs now (a new one after a stop)."""
@@ -695,10 +839,10 @@ class Lane:
             hist.poll()
             seen = len(hist.events)
             delivered = trainer.signal(signal.SIGTERM)
-            rc = trainer.wait(300)
+            rc = trainer.wait(HANG_S)
             if rc is None:
                 ok = False
-                self.failures.append("SIGTERM: the trainer did not exit")
+                self.failures.append(f"SIGTERM: hung (no exit within {HANG_S:.0f} s)")
                 trainer.kill_all()
             elif delivered:
                 hist.poll()
@@ -732,13 +876,42 @@ class Lane:
                     delivered = any(signal_checkpoint(e) for e in hist.events[seen:])
                     rc = trainer.poll()
                     hist.poll()
-                    if not delivered and rc != 0:
-                        if rc == -signal.SIGUSR1 and hist.last_step == TOTAL[self.name] == hist.committed:
-                            trainer.ended_by_late_signal = True  # after close() the default action ends it
-                        else:
-                            ok, delivered = False, True
-                            self.failures.append(f"SIGUSR1: exit {rc} without a signal checkpoint")
+                    if not delivered and rc != 0:  # after close() SIGUSR1 is ignored: no exit is explained by it
+                        ok, delivered = False, True
+                        self.failures.append(f"SIGUSR1: exit {rc} without a signal checkpoint")
             trainer.kill_all()
+        elif kind == "sigusr1-start":
+            ok, delivered = self.usr1_at_start(trainer, hist)
+        elif kind in ("outage", "outage-close"):
+            if self.store is None or not self.running(hist, trainer):
+                return trainer
+            how = r.choice(OUTAGES)
+            time.sleep(r.uniform(0, 0.6))
+            self.store.break_(how)
+            self.lap_outages += 1
+            delivered = True
+            try:
+                if kind == "outage":
+                    time.sleep(r.uniform(0.5, 8.0))
+                else:  # the close runs with the store down
+                    time.sleep(r.uniform(0, 2.0))
+                    t0 = time.monotonic()
+                    sent = trainer.signal(signal.SIGTERM)
+                    rc = trainer.wait(HANG_S)
+                    if rc is None:
+                        ok = False
+                        self.failures.append(f"outage-close ({how}): hung (no exit within {HANG_S:.0f} s of SIGTERM)")
+                        trainer.kill_all()
+                    elif sent and rc != 0:
+                        ok = False
+                        self.failures.append(f"outage-close ({how}): exit {rc} after SIGTERM")
+                    elif sent:
+                        self.close_s.append(round(time.monotonic() - t0, 1))
+            finally:
+                self.store.mend(how)
+            if trainer.poll() not in (None, 0):
+                ok = False
+                self.failures.append(f"outage ({how}): the trainer exited {trainer.poll()}")
         elif kind == "enospc":
             if not self.running(hist, trainer):
                 return trainer
@@ -751,6 +924,10 @@ class Lane:
             trainer.may_fail_saves = True
             delivered = True
         hist.poll()  # the lines of a trainer that ended are all on disk: none is taken for the next one's
+        if trainer.orphans:
+            self.orphans += trainer.orphans
+            self.failures.append(f"{kind}: {trainer.orphans} rank(s) trained on after their launcher was killed")
+            trainer.orphans = 0
         if not delivered:
             return trainer
         self.delivered[kind] += 1
@@ -764,6 +941,41 @@ class Lane:
             trainer.ended_by_late_signal = True
             return trainer
         return self.start(run)
+
+    def usr1_at_start(self, trainer: Trainer, hist: LapHistory) -> tuple[bool, bool]:
+        """SIGUSR1 at a random moment from ripresa's first line in the process; (survived, delivered)."""
+        r = self.rng
+        t0 = time.monotonic()
+        while not ripresa_started(trainer.pid):
+            if trainer.poll() is not None or time.monotonic() - t0 > 120:
+                return True, False
+            time.sleep(0.001)
+        time.sleep(r.uniform(0, 0.3 if trainer.how == "fork" else 3.0))
+        hist.poll()
+        seen = len(hist.events)
+        target = trainer.pid
+        if trainer.how == "torchrun" and r.random() < 0.5:
+            ranks = trainer.ranks()
+            target = r.choice(ranks) if ranks else target
+        if trainer.poll() is not None:
+            return True, False
+        try:
+            os.kill(target, signal.SIGUSR1)
+        except ProcessLookupError:
+            return True, False
+
+        def signal_checkpoint(rec: dict[str, Any]) -> bool:
+            return rec.get("event") == "checkpoint" and rec.get("reason") == "signal"
+
+        got = hist.wait_for(signal_checkpoint, trainer, 120)
+        rc = trainer.poll()
+        if got is None and rc is None:
+            self.failures.append("SIGUSR1 at start: no signal checkpoint within 120 s")
+            return False, True
+        if got is None and rc != 0 and not any(signal_checkpoint(e) for e in hist.events[seen:]):
+            self.failures.append(f"SIGUSR1 at start: exit {rc} without a signal checkpoint")
+            return False, True
+        return True, True
 
     def blame(self, hist: LapHistory) -> None:
         """A lost generation shows at the next start: the interruption before it did not survive."""
@@ -825,6 +1037,12 @@ class Lane:
         if self.delivered.get("lost-folder"):
             self.notes.append(f"lost-folder: {self.mirror_resumes} of {self.delivered['lost-folder']} restarts resumed "
                               "a generation pulled from the mirror (the others: none uploaded yet, step 0)")
+        if self.store is not None:
+            self.notes.append(f"mirror-event history lines: at most {self.max_mirror_lines} in one lap; outages "
+                              f"{dict(self.store.outages)}; SIGTERM to exit with the store down: "
+                              f"{max(self.close_s) if self.close_s else '-'} s at most ({len(self.close_s)} closes)")
+        if self.orphans:
+            self.notes.append(f"{self.orphans} rank(s) outlived their killed launcher (SIGKILLed by the soak)")
         if self.rankless:
             self.notes.append(f"sigkill-rank sent nothing {self.rankless} time(s): the ranks had ended (not counted)")
         return {"delivered": dict(self.delivered), "survived": dict(self.survived),
@@ -832,7 +1050,8 @@ class Lane:
                 "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,
                 "equal_laps": self.equal_laps, "diverged_steps": self.diverged, "lost": len(self.lost),
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
-                "wall_s": self.wall_s, "total_steps": TOTAL[self.name], "every": EVERY[self.name], "sabotage": self.sabotage}
+                "wall_s": self.wall_s, "total_steps": TOTAL[self.name], "every": EVERY[self.name], "sabotage": self.sabotage,
+                "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s, "orphans": self.orphans}
 
 
 def newest_mirrored(mirror: Path | None) -> int:
@@ -904,11 +1123,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="ripresa's soak: >= 1,000 interruptions, bitwise final states")
     ap.add_argument("--seed", type=int, default=None, help="seed of every random choice (default: drawn, printed)")
     ap.add_argument("--interruptions", type=int, default=1000, help="interruptions in total across the lanes")
-    ap.add_argument("--lanes", default=",".join(LANES), help="comma-separated: general, andrea, ddp")
+    ap.add_argument("--lanes", default=",".join(LANES), help="comma-separated: general, andrea, ddp, s3")
     ap.add_argument("--ddp-share", type=float, default=0.08, help="share of the interruptions for the ddp lane")
     ap.add_argument("--fresh-share", type=float, default=0.1, help="single-process starts in a fresh interpreter")
     ap.add_argument("--kinds", default="", help="comma-separated: only these interruption kinds (a replay)")
-    ap.add_argument("--total", type=int, default=0, help="steps per lap of the single-process lanes (default: 1000, 400)")
+    ap.add_argument("--total", type=int, default=0, help="steps per lap of the single-process lanes (default: 1000, 400, 300)")
     ap.add_argument("--tmpfs-bytes", type=int, default=TMPFS_BYTES)
     ap.add_argument("--sabotage", default="", help="LANE=lose|rng,...: break a lane on purpose (the soak must fail)")
     ap.add_argument("--out", default=str(REPO / "build" / "soak"), help="folder of soak.json and the run folders")
@@ -920,6 +1139,9 @@ def main(argv: list[str] | None = None) -> int:
         fork_server()
         return 0
     if args.worker:
+        from ripresa.session.signals import hold
+
+        hold()  # the trainer's first line (docs/ARCHITECTURE.md, "Signals through the launcher")
         return run_worker(json.loads(args.worker))
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
@@ -928,7 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--lanes takes {', '.join(LANES)}")
     args.kinds = [x for x in args.kinds.split(",") if x]
     if args.total:
-        TOTAL.update(general=args.total, andrea=args.total)
+        TOTAL.update(general=args.total, andrea=args.total, s3=args.total)
     args.sabotage = dict(x.split("=", 1) for x in args.sabotage.split(",") if x)
     command = (f"python tests/soak/soak.py --seed {args.seed} --interruptions {args.interruptions} --lanes {','.join(lanes)}"
                + (f" --kinds {','.join(args.kinds)}" if args.kinds else "") + (f" --total {args.total}" if args.total else "")
@@ -940,10 +1162,15 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     t0 = time.monotonic()
+    store = Store() if "s3" in lanes else None
+    if store is not None:
+        env.update(store.env(), AWS_ENDPOINT_URL=store.proxy.url)  # the trainers reach the store through the proxy
+        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+            env.pop(k, None)
     server = ForkServer(env)
     budget = split_budget(args.interruptions, lanes, args.ddp_share)
     mirror_ok = mirror_available()
-    objs = {name: Lane(name, args, budget[name], out / "runs", server, env, mirror_ok) for name in lanes}
+    objs = {name: Lane(name, args, budget[name], out / "runs", server, env, mirror_ok, store) for name in lanes}
     errors: dict[str, str] = {}
 
     def drive(lane: Lane) -> None:
@@ -970,6 +1197,8 @@ def main(argv: list[str] | None = None) -> int:
         for lane in objs.values():
             lane.close()
         server.close()
+        if store is not None:
+            store.close()
     lanes_rec = {name: lane.record() for name, lane in objs.items()}
     for name, err in errors.items():
         lanes_rec[name]["error"] = err

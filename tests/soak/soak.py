@@ -455,10 +455,10 @@ class Store:
 
     def __init__(self) -> None:
         sys.path.insert(0, str(REPO / "tests"))
+        import logging
+
         import boto3
         from support.s3server import FaultProxy, MotoServer
-
-        import logging
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
         self.moto = MotoServer().start()
@@ -772,6 +772,7 @@ class Lane:
         self.equal_laps += equal
         if not equal:
             self.lost.append(f"lap {n}: final state differs from the uninterrupted run")
+            self.keep(run, f"lap{n}-differs")
         self.lost.extend(f"lap {n}: {x}" for x in hist.lost)
         self.lost_seen = 0
         self.generations += hist.generations

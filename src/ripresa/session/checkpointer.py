@@ -89,8 +89,8 @@ from .distributed import (
 )
 from .sharded_async import ShardedWriter, save_async
 from .signals import SignalRequests, hold
-from .torchrun import bind_to_launcher
 from .steer import DistSteeredRecorder, SteeredRecorder, Steering
+from .torchrun import bind_to_launcher
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view"]
 

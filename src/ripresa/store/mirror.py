@@ -43,6 +43,11 @@ from ..io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable, open_s
 from .retention import KeepAny, KeepLast, RetentionPolicy
 from .store import CheckpointStore
 
+#: The back-off jitter's own stream: drawing from the global ``random`` would change the training's random
+#: stream (checkpointed, restored on resume) with every retry, so a store outage would alter the run (the soak's
+#: outage kind caught it: a final state that differs from the uninterrupted run).
+_JITTER = random.Random()
+
 __all__ = ["Mirror", "MirrorSpec", "RemoteView", "local_generations", "open_mirror", "pull", "pull_config"]
 
 _MAIN = r"step_(\d{6,})\.(bin|safetensors|dcp)"
@@ -303,7 +308,7 @@ class Mirror:
             except (RemoteUnavailable, RemoteNotFound) as exc:
                 if attempt == s.attempts:
                     raise RemoteUnavailable(exc.message, file=exc.file, found=exc.found) from None
-                wait = min(s.max_backoff, s.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+                wait = min(s.max_backoff, s.backoff * 2 ** (attempt - 1)) * _JITTER.uniform(0.5, 1.5)
                 self._event("mirror_retry", step=step, object=what, attempt=attempt, error=exc.message,
                             found=None if exc.found is None else str(exc.found)[:200], wait=round(wait, 3))
                 if self._stop.wait(wait):
@@ -497,7 +502,7 @@ def _retrying(fn: Callable[[], Any], event: Callable[..., None] | None = None, w
         except RemoteUnavailable as exc:
             if attempt == spec.attempts:
                 raise
-            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * _JITTER.uniform(0.5, 1.5)
             if event is not None:
                 event("mirror_retry", step=None, object=what, attempt=attempt, error=exc.message, wait=round(wait, 3))
             time.sleep(wait)
@@ -517,7 +522,7 @@ def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, e
             sf.discard()
             if attempt == spec.attempts:
                 raise
-            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * _JITTER.uniform(0.5, 1.5)
             event("mirror_retry", step=None, object=name, attempt=attempt, error=exc.message, wait=round(wait, 3))
             time.sleep(wait)
             continue

@@ -325,12 +325,18 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     cfg = resolve_config(args.config, args.sets, run_dir if args.output is None else None, args.sources)
     if args.every is not None and args.every != "auto":
         cfg["train"]["every"] = args.every
+    # The run's experiment config: its config.json (a fork or a pivot writes it), else the config.json beside
+    # the generation --resume names. A change is refused here, before anything is built or restored (it is not
+    # damage: no generation is skipped for it); without either file the generation's own config is the reference.
+    reference = run_dir / "config.json" if args.run is not None else None
+    if (reference is None or not os.path.lexists(reference)) and args.resume is not None:
+        reference = Path(args.resume).parent / "config.json"
     run_config = None
-    if args.run is not None and os.path.lexists(run_dir / "config.json"):
-        run_config = load_config_file(run_dir / "config.json")
+    if reference is not None and os.path.lexists(reference):
+        run_config = load_config_file(reference)
         changed = config_changes(run_config, cfg, OPERATIONAL_CONFIG)
-        if changed and not args.allow_config_change:  # before anything is built or restored: not damage
-            raise config_change_error(changed, run_dir / "config.json", against="the run's config.json")
+        if changed and not args.allow_config_change:
+            raise config_change_error(changed, reference, against=f"the run's {reference.name}")
     if args.threads:
         torch.set_num_threads(args.threads)
     t = cfg["train"]
@@ -439,9 +445,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
         allow_data_change=args.allow_data_change or bool(dropped), mirror=args.mirror,
-        # config.json, checked above, is the run's experiment config (a fork or a pivot writes it): a generation
-        # saved under another one is resumed and the difference recorded; without config.json, the generation's
-        # own config is the reference and a change is refused unless allowed.
+        # config.json, checked above, is the run's experiment config: a generation saved under another one (before
+        # a fork or a pivot) is resumed and the difference recorded; without it, a change is refused unless allowed.
         allow_config_change=True if run_config is not None or args.allow_config_change else False,
         # the ANDREA .bin whenever the state fits it (docs/FORMAT.md, "Which format a session writes"); FSDP2: .dcp
         format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",

@@ -205,13 +205,11 @@ def test_a_changed_config_is_refused_not_skipped_and_an_allowed_one_recorded(tmp
     ck.close()
     ev = [e for e in read_history(run / ".loss.jsonl").events if e["event"] == "config_change"]
     assert ev and ev[-1]["changes"] == {"batch": {"saved": 8, "now": 4}}
-    lineage = json.loads((run / "step_000004.safetensors").with_suffix(".json").read_text()) if False else None
     _, _, again = _fresh(config={"lr": 1e-2, "batch": 4})
     ck = ripresa.Checkpointer(run, again, every=100, handle_signals=False, allow_config_change=False)
     assert ck.resume() == 4  # the generation saved after the change carries the new config, and its lineage
     ck.abort()
     assert again.lineage[-1]["accepted_changes"] == {"config.batch": {"saved": 8, "now": 4}}
-    assert lineage is None
 
 
 def test_train_refuses_a_changed_config_with_exit_2_before_building_anything(tmp_path):

@@ -238,7 +238,7 @@ def test_ripresa_torchrun_forwards_sigusr1_and_sigterm_to_every_rank(tmp_path, t
 def test_fsdp_same_world_resume_is_bit_identical(tmp_path, text):
     ref = torchrun("--run", tmp_path / "ref", "--shard", "fsdp", "--every", "5", "--steps", "15", *common(text))
     assert finish(ref) and ref.returncode == 0
-    for steps in (10, 5):
+    for steps in (10, 15):  # --steps: the run's end step
         p = torchrun("--run", tmp_path / "run", "--shard", "fsdp", "--every", "5", "--steps", steps, *common(text))
         out, err = finish(p)
         assert p.returncode == 0, err[-3000:]
@@ -259,7 +259,7 @@ def test_fsdp_signed_generations_save_resume_and_refuse_a_forged_newest(tmp_path
     assert p.returncode == 0, err[-3000:]
     assert (run / "step_000004.dcp.hmac").is_file() and (run / "step_000008.dcp.hmac").is_file()
     (run / "step_000008.dcp.hmac").unlink()  # the newest is now unsigned: refused under the requirement
-    p = torchrun("--run", run, "--shard", "fsdp", "--every", "4", "--steps", "4", *common(text), env=key)
+    p = torchrun("--run", run, "--shard", "fsdp", "--every", "4", "--steps", "8", *common(text), env=key)
     out, err = finish(p)
     assert p.returncode == 0, err[-3000:]
     resumes = [e for e in read_history(run / ".loss.jsonl").events if e.get("event") == "resume"]

@@ -366,7 +366,7 @@ def test_training_resumes_from_the_bundle_following_its_readme(bundle, run_dir, 
             assert res.returncode == 0, res.stderr
     original = tmp_path / "original"
     shutil.copytree(run_dir, original)
-    args = ("--quiet", "--threads", "1", "--steps", "2", "--no-audit")
+    args = ("--quiet", "--threads", "1", "--steps", "22", "--no-audit")  # --steps: the run's end step
     res = ripresa_cli("train", "--run", new, *args, timeout=120)
     assert res.returncode == 0, res.stderr
     assert f"resumed {new} at step 20" in res.stdout

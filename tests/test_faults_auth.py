@@ -379,7 +379,7 @@ def test_ripresa_train_require_signature_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in run.glob("*.hmac")) == ["step_000002.bin.hmac", "step_000004.bin.hmac"]
     _tamper_bin_at(run, 4)
-    r = subprocess.run([*args, "--steps", "2"], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([*args, "--steps", "4"], capture_output=True, text=True, timeout=600, env=env)  # end step
     assert r.returncode == 0, r.stderr
     resume = [e for e in read_history(run / ".loss.jsonl").events if e["event"] == "resume"]
     assert resume[-1]["from_step"] == 2

@@ -21,7 +21,7 @@ import torch
 import ripresa
 from ripresa.core.rng import RandomStreams
 from ripresa.core.state import TrainingState
-from ripresa.errors import BadInput, IntegrityError
+from ripresa.errors import BadInput, IntegrityError, SaveFailed
 from ripresa.formats import general as general_fmt
 from ripresa.formats import safetensors_file as st
 from ripresa.store.general import general_paths, validate_general
@@ -427,7 +427,9 @@ def test_an_ops_hook_sees_the_general_commit_and_a_failure_keeps_the_old_generat
     ops.hook = hook
     try:
         with pytest.warns(UserWarning, match="checkpoint at step 4 failed"):
-            train("lion", tmp_path, 4, 2, asynchronous=False)
+            # the cadence save at step 4 fails (a warning); close()'s final save retries it, must succeed, fails too
+            with pytest.raises(SaveFailed, match="rename into place failed"):
+                train("lion", tmp_path, 4, 2, asynchronous=False)
     finally:
         ops.hook = None
     assert any(op == "rename" and p.endswith("step_000004.safetensors") for op, p in seen)

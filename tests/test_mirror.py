@@ -302,7 +302,7 @@ def test_ripresa_train_mirror_on_a_blank_machine_needs_no_config(tmp_path, s3):
     assert a.returncode == 0, a.stderr[-3000:]
     assert {2, 4} <= set(s3.committed()) and "config.json" in s3.keys()
     shutil.rmtree(tmp_path / "a")
-    b = ripresa_cli("train", "--run", tmp_path / "b", "--steps", "2", "--mirror", s3.url, *common, cwd=REPO)
+    b = ripresa_cli("train", "--run", tmp_path / "b", "--steps", "6", "--mirror", s3.url, *common, cwd=REPO)  # the end step
     assert b.returncode == 0, b.stderr[-3000:]
     assert "resumed" in b.stdout and "at step 4" in b.stdout
     ref = ripresa_cli("train", "--run", tmp_path / "ref", "--config", "tiny", "--steps", "6", *common, cwd=REPO)

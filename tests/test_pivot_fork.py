@@ -65,7 +65,7 @@ def test_pivot_on_a_live_trainer(tmp_path):
     assert res.returncode == 0, res.stderr
     assert same_arrays(run / f"step_{step:06d}.bin", out_dir / f"step_{step:06d}.bin")
     # Restart: the bandit is fresh under the new policy, the history goes on.
-    res = ripresa_cli("train", "--run", run, *FAST, "--steps", "20", "--every", "10")
+    res = ripresa_cli("train", "--run", run, *FAST, "--steps", step + 20, "--every", "10")  # the end step
     assert res.returncode == 0, res.stderr
     view = read_history(run / ".loss.jsonl")
     assert sorted(view.steps) == list(range(1, step + 21))
@@ -119,7 +119,7 @@ def test_forks_from_one_step_start_identical_and_diverge(tmp_path):
     assert max(hist.steps) == 20 and hist.events[-1]["event"] == "fork"
     assert subprocess.run(["sha256sum", "-c", "step_000020.bin.sha256"], cwd=a, capture_output=True).returncode == 0
     for d in (a, b):
-        res = ripresa_cli("train", "--run", d, *FAST, "--steps", "10", "--every", "10", "--no-audit")
+        res = ripresa_cli("train", "--run", d, *FAST, "--steps", "30", "--every", "10", "--no-audit")  # end step
         assert res.returncode == 0, res.stderr
         assert "resumed" in res.stdout and "step 20" in res.stdout
     assert not same_arrays(a / "step_000030.bin", b / "step_000030.bin")

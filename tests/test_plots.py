@@ -62,7 +62,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     # Two processes at a time (each on one thread).
     finish(train("--run", hi, *FAST, *HI, "--steps", 20, "--every", 10),
            train("--run", lo, *FAST, *LO, "--steps", 40, "--every", 10))
-    resumed = train("--run", hi, *FAST, *HI, "--steps", 20, "--every", 10)
+    resumed = train("--run", hi, *FAST, *HI, "--steps", 40, "--every", 10)  # --steps: the run's end step
     p = train("--run", sig, *FAST, "--steps", 2000, "--every", 0)
     try:
         wait_for(lambda: last_step(sig) >= 8, p)

@@ -258,7 +258,7 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
     assert "--nproc_per_node=2" in res.stdout and dcp_fmt.check_dcp(fork, 4, deep=True).valid
     lineage = json.loads((fork / "lineage.json").read_text())
     assert lineage["files_sha256"] == dcp_fmt.check_dcp(run, 4).files
-    res = _ripresa("train", "--run", fork, "--steps", "2", "--every", "2", *common)
+    res = _ripresa("train", "--run", fork, "--steps", "6", "--every", "2", *common)  # the end step: 4 + 2
     assert res.returncode == 0, res.stderr[-3000:]
     events = read_history(fork / ".loss.jsonl").events
     assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 4

@@ -44,12 +44,13 @@ def test_train_writes_generations_audits_sidecars_and_resumes(tmp_path):
     view = read_history(run / ".loss.jsonl")
     assert sorted(view.steps) == list(range(1, 21))
     assert all({"loss", "lr", "arm", "tokens"} <= set(r) for r in view.steps.values())
-    # Starting again on the folder resumes automatically, and says so.
-    res = ripresa_cli("train", "--run", run, *FAST, "--steps", "5", "--every", "10")
+    # Starting again on the folder resumes automatically, and says so; --steps is the run's end step.
+    res = ripresa_cli("train", "--run", run, *FAST, "--steps", "25", "--every", "10")
     assert res.returncode == 0, res.stderr
     assert "resumed" in res.stdout and "step 20" in res.stdout
     events = read_history(run / ".loss.jsonl").events
     assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 20
+    assert valid_steps(run) == [10, 20, 25]  # the end between cadence points is saved
     # --fresh refuses it.
     res = ripresa_cli("train", "--run", run, *FAST, "--steps", "1", "--fresh")
     assert res.returncode == 2 and "--fresh" in res.stderr
@@ -108,7 +109,7 @@ def test_sigkill_at_random_moments_then_identical_to_uninterrupted(tmp_path):
         done = max(valid_steps(run) or [0]) if run.exists() else 0
         if done >= total - 8:
             break
-        proc = ripresa_train_proc("--run", run, *FAST, "--steps", total - done, "--every", "4", "--no-audit")
+        proc = ripresa_train_proc("--run", run, *FAST, "--steps", total, "--every", "4", "--no-audit")  # the same command
         try:
             wait_for_step(run, done + 1, proc)  # training has started in this process
             time.sleep(rnd.uniform(0.0, 0.4))
@@ -119,7 +120,7 @@ def test_sigkill_at_random_moments_then_identical_to_uninterrupted(tmp_path):
             proc.wait()
     assert kills >= 1
     done = max(valid_steps(run) or [0])
-    res = ripresa_cli("train", "--run", run, *FAST, "--steps", total - done, "--every", "4", "--no-audit")
+    res = ripresa_cli("train", "--run", run, *FAST, "--steps", total, "--every", "4", "--no-audit")
     assert res.returncode == 0, res.stderr
     a, b = read_bin(ref / f"step_{total:06d}.bin"), read_bin(run / f"step_{total:06d}.bin")
     assert np.array_equal(a.weights, b.weights) and np.array_equal(a.m, b.m) and np.array_equal(a.v, b.v)
@@ -148,7 +149,7 @@ def test_zombie_arm_is_dropped_with_a_warning_and_an_event(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "extra" in json.loads((run / ".state.json").read_text())["arms"]
     extra.unlink()  # the source is gone
-    res = ripresa_cli("train", "--run", run, "--quiet", "--threads", "1", "--steps", "4", "--every", "4", "--no-audit")
+    res = ripresa_cli("train", "--run", run, "--quiet", "--threads", "1", "--steps", "12", "--every", "4", "--no-audit")
     assert res.returncode == 0, res.stderr
     assert "zombie" in res.stderr.lower()
     events = read_history(run / ".loss.jsonl").events

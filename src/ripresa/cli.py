@@ -148,8 +148,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         sub, "train", _cmd_train,
         help="train the ANDREA byte-level GPT with checkpoints, signals, sample audits and a data mixture",
         description="Train the ANDREA byte-level GPT. With --run, resumes automatically from the newest valid "
-        "generation. With --output (the `ripresa verify` contract), --steps counts this process's steps and the "
-        "folder must not exist. SIGTERM/Ctrl-C: checkpoint and exit 0; SIGUSR1: checkpoint and continue.",
+        "generation, --steps N is the run's end step (the same command after a kill ends where an uninterrupted run "
+        "ends; after the end it trains nothing), and a normal end saves the final step. With --output (the "
+        "`ripresa verify` contract), --steps counts this process's steps and the folder must not exist. "
+        "SIGTERM/Ctrl-C: checkpoint and exit 0; SIGUSR1: checkpoint and continue.",
     )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", type=Path, help="run folder (created, or resumed)")
@@ -157,7 +159,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="tiny | andrea-12m | andrea-120m | FILE.toml (default: the run's config.json, else tiny)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.lr=1e-3")
     p.add_argument("--source", dest="sources", action="append", default=[], metavar="NAME=PATH", help="add a text file or folder as a data arm")
-    p.add_argument("--steps", type=int, help="steps to run in this process (default: until train.max_steps)")
+    p.add_argument("--steps", type=int, help="--run: the step the run ends at, counted from its start, resumes "
+                   "included (default train.max_steps; the LR schedule follows train.max_steps, not --steps); "
+                   "--output: the steps of this process")
     p.add_argument("--every", type=_every, help="checkpoint cadence in steps (default 100; 0 = signals only), or auto: "
                    "chosen from the measured step time and save cost (Young–Daly, docs/CADENCE.md)")
     p.add_argument("--mtbf", help="--every auto: mean time between failures, e.g. 6h, 24h (default), 7d")
@@ -175,6 +179,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-version-change", action="store_true")
     p.add_argument("--allow-code-change", action="store_true")
     p.add_argument("--allow-data-change", action="store_true")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume under another experiment config than the run's (--set, --config); the change is "
+                   "recorded in the history and the lineage (docs/FORMAT.md)")
     p.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp",
                    help="under torchrun: ddp (replicated; rank 0 writes .bin generations, default) or fsdp "
                    "(FSDP2 fully_shard; every rank writes step_NNNNNN.dcp generations)")
@@ -220,6 +227,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         omit_rng_restore=args.omit_rng_restore, audit=not args.no_audit, asynchronous=not args.sync,
         quiet=args.quiet, threads=args.threads, allow_version_change=args.allow_version_change,
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
+        allow_config_change=args.allow_config_change,
         shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,
     ))
 

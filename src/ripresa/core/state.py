@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import IdentityMismatch, RipresaError, SchemaError
+from ..errors import BadInput, IdentityMismatch, IntegrityError, RipresaError, SchemaError
 from .identity import COMPARED_VERSIONS, code_identity, versions
 from .identity import data_identity as compute_data_identity
 from .rng import RandomStreams
@@ -108,6 +108,167 @@ def _tensor_tree_clone(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+#: Per-parameter optimizer entries that have the parameter's shape and dtype (Adam/AdamW, SGD, RMSprop, Adagrad, ...).
+PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum", "grad_avg")
+
+
+def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in the order of its ``state_dict()`` indices."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name in the model (a tied parameter keeps the first)."""
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    return names
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return float(v.item())
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    return None
+
+
+def optimizer_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
+    """Which parameters the optimizer holds state for, captured with the state (docs/FORMAT.md, "optimizer_params").
+
+    One entry per parameter with state: its index in ``optimizer.state_dict()``,
+    name, shape, dtype, the names of its entries and its per-parameter step.
+    Saved beside the optimizer's own state, so a state whose ``optimizer.state``
+    lost (or gained) an entry after the save is refused at the resume
+    (:func:`check_optimizer_state`), never trained on fresh moments.
+    """
+    if optimizer is None:
+        return None
+    names = _param_names(model)
+    out = []
+    for i, p in enumerate(_flat_params(optimizer)):
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        out.append({"index": i, "name": names.get(id(p), f"#{i}"), "shape": [int(d) for d in p.shape],
+                    "dtype": str(p.dtype).removeprefix("torch."), "keys": sorted(map(str, st)),
+                    "step": _number(st.get("step"))})
+    return out
+
+
+def check_optimizer_state(saved: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          source: Path | None = None) -> None:
+    """THE check that a saved optimizer state fits the live model and is whole (every kind of generation).
+
+    Called by :meth:`TrainingState.check_structure`, so ``checkpoint.pt``, the
+    general ``.safetensors`` generation and the ANDREA ``.bin`` (its companion
+    joined with its moments) all pass through it before anything is restored.
+    :class:`~ripresa.errors.IntegrityError` (exit 1) naming the parameter when
+
+    * the saved ``optimizer_params`` record (what the optimizer held state for
+      at the save) and ``optimizer.state`` disagree: an entry missing (it would
+      train on fresh moments) or an extra one, other entry names, another
+      per-parameter step;
+    * the record names another parameter, shape or dtype than the live model's
+      parameter at that index;
+    * a parameter-shaped entry (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
+      ...) has another shape or dtype than its parameter.
+
+    A state written before the record existed (no ``optimizer_params``) gets the
+    last check only (docs/FORMAT.md).
+    """
+    opt = saved.get("optimizer")
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping):
+        return
+    params = _flat_params(optimizer)
+    names = _param_names(model)
+
+    def name_of(i: int) -> str:
+        return names.get(id(params[i]), f"#{i}") if 0 <= i < len(params) else f"#{i}"
+
+    def refuse(what: str, i: int, expected: Any, found: Any) -> IntegrityError:
+        return IntegrityError(f"optimizer state of parameter '{name_of(i)}' (index {i}) {what}", file=source,
+                              expected=expected, found=found,
+                              hint="the optimizer state does not match what was saved with it or the model (edited, "
+                                   "or mixed from two checkpoints); it is refused rather than trained on fresh or "
+                                   "wrong moments — resume from another generation")
+
+    state = opt["state"]
+    record = saved.get("optimizer_params")
+    if record is not None:
+        if not isinstance(record, list) or not all(isinstance(r, Mapping) and type(r.get("index")) is int
+                                                   for r in record):
+            raise IntegrityError("the saved optimizer_params record is malformed", file=source,
+                                 expected="a list of {index, name, shape, dtype, keys, step}", found=repr(record)[:120])
+        by_index = {int(r["index"]): r for r in record}
+        for i in sorted(set(by_index) - set(state)):
+            raise refuse("is missing", i, f"an entry with {by_index[i].get('keys')} (the saved optimizer had state "
+                         "for this parameter)", "no entry in optimizer.state")
+        for i in sorted(set(state) - set(by_index)):
+            raise refuse("is an extra entry", i, "no entry (the saved optimizer had no state for this parameter)",
+                         f"an entry with {sorted(map(str, state[i])) if isinstance(state[i], Mapping) else state[i]!r}")
+        for i, r in sorted(by_index.items()):
+            entry = state[i]
+            if i >= len(params):
+                raise refuse("names a parameter the optimizer does not have", i, f"an index < {len(params)}", i)
+            p = params[i]
+            live = {"name": name_of(i), "shape": [int(d) for d in p.shape], "dtype": str(p.dtype).removeprefix("torch.")}
+            saved_p = {k: r.get(k) for k in live}
+            if saved_p != live:
+                raise refuse("was saved for another parameter", i, live, saved_p)
+            keys = sorted(map(str, entry)) if isinstance(entry, Mapping) else None
+            if keys != r.get("keys"):
+                raise refuse("has other entries than were saved", i, r.get("keys"), keys)
+            if _number(entry.get("step")) != r.get("step"):
+                raise refuse("has another step count than was saved", i, r.get("step"), _number(entry.get("step")))
+    for i, entry in state.items():
+        if not isinstance(entry, Mapping) or type(i) is not int or not 0 <= i < len(params):
+            continue  # validate_saved_state refuses these
+        p = params[i]
+        for k in PARAM_SHAPED:
+            t = entry.get(k)
+            if isinstance(t, torch.Tensor) and (tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype):
+                raise refuse(f"entry '{k}' does not fit the parameter", i, f"{tuple(p.shape)} {p.dtype}",
+                             f"{tuple(t.shape)} {t.dtype}")
+
+
+def _flatten_config(cfg: Any, prefix: str, out: dict[str, Any], depth: int = 0) -> dict[str, Any]:
+    if isinstance(cfg, Mapping) and cfg and depth < 16:
+        for k, v in cfg.items():
+            _flatten_config(v, f"{prefix}.{k}" if prefix else str(k), out, depth + 1)
+    else:
+        out[prefix] = cfg
+    return out
+
+
+def config_changes(saved: Any, now: Any, ignore: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+    """The dotted keys whose values differ between two configs: ``{"train.batch_size": {"saved": 16, "now": 8}}``.
+
+    Keys in ``ignore`` (and everything under them) are operational settings
+    that may change between processes (``train.every``): never compared.
+    """
+    a = _flatten_config(saved if saved is not None else {}, "", {})
+    b = _flatten_config(now if now is not None else {}, "", {})
+    skip = tuple(ignore)
+
+    def ignored(k: str) -> bool:
+        return any(k == s or k.startswith(s + ".") for s in skip)
+
+    return {k: {"saved": a.get(k), "now": b.get(k)} for k in sorted(set(a) | set(b))
+            if not ignored(k) and (k not in a or k not in b or a[k] != b[k])}
+
+
+def config_change_error(changes: Mapping[str, Mapping[str, Any]], source: Path | None, *, against: str) -> BadInput:
+    """The refusal of a changed experiment config (exit 2): one line naming the keys, and the ways on."""
+    shown = ", ".join(f"{k} ({v['saved']!r} -> {v['now']!r})" for k, v in list(changes.items())[:6])
+    more = f" and {len(changes) - 6} more" if len(changes) > 6 else ""
+    return BadInput(f"the experiment config differs from {against}: {shown}{more}", file=source,
+                    expected={k: v["saved"] for k, v in changes.items()}, found={k: v["now"] for k, v in changes.items()},
+                    hint="resume with the run's config; to change it knowingly pass --allow-config-change "
+                         "(allow_config_change=True: recorded in the history and the lineage), or start a variant "
+                         "with `ripresa fork RUN --set ...` (a mixture change: `ripresa pivot`)")
+
+
 def _check_stateful(data: Any, objects: Mapping[str, Any]) -> None:
     """TypeError naming a data object or user object without ``state_dict()``/``load_state_dict()``, and the fix."""
     if data is not None and not isinstance(data, Stateful):
@@ -144,6 +305,8 @@ class TrainingState:
         code_files: the training code files whose sha256 is the code identity.
         data_sources: ``name -> path or bytes`` hashed into the data identity.
         data_identity: ``name -> sha256`` already computed by the caller.
+        config_ignore: dotted config keys that are operational, not part of the
+            experiment (e.g. ``"train.every"``): a resume never compares them.
     """
 
     def __init__(
@@ -160,6 +323,7 @@ class TrainingState:
         data_sources: Mapping[str, str | Path | bytes] | None = None,
         data_identity: Mapping[str, str] | None = None,
         device: str | None = None,
+        config_ignore: Iterable[str] = (),
     ) -> None:
         if not isinstance(model, torch.nn.Module):  # misuse of the API: TypeError (docs/FAULTS.md)
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -174,6 +338,9 @@ class TrainingState:
         self.rng = rng if rng is not None else RandomStreams()
         self.objects = dict(objects or {})
         self.config = dict(config or {})
+        self.config_ignore = tuple(config_ignore)
+        #: the config changes the last restore accepted (``{dotted key: {"saved", "now"}}``).
+        self.accepted_config_changes: dict[str, dict[str, Any]] = {}
         self.code = code_identity(code_files)
         self.data_identity = {**compute_data_identity(data_sources or {}), **dict(data_identity or {})}
         self.versions = versions(device)
@@ -223,6 +390,7 @@ class TrainingState:
             "data_identity": dict(self.data_identity),
             "lineage": copy.deepcopy(self.lineage),
             "extra": _tensor_tree_clone(dict(extra or {})),
+            "optimizer_params": optimizer_record(self.model, self.optimizer),
         }
 
     # ------------------------------------------------------------------ restore
@@ -290,6 +458,7 @@ class TrainingState:
                     raise SchemaError("optimizer hyper-parameters do not fit the optimizer", file=source,
                                       expected=sorted(k for k in gl if k != "params"), found=bad,
                                       hint="build the same optimizer as the run that saved")
+            check_optimizer_state(state, self.model, self.optimizer, source)
         for key, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
             if obj is not None:
                 bad = _like(state[key], obj.state_dict(), key)
@@ -312,13 +481,18 @@ class TrainingState:
         allow_version_change: bool = False,
         allow_code_change: bool = False,
         allow_data_change: bool = False,
+        allow_config_change: bool | None = None,
     ) -> Progress:
         """Restore everything, random streams last; return the saved progress.
 
         ``restore_rng=False`` deliberately omits the random streams (the
         verifier's negative case). A difference in versions, code or data is
         refused unless allowed, and an allowed one is recorded in the lineage
-        carried by every later checkpoint.
+        carried by every later checkpoint. The experiment ``config`` (less
+        ``config_ignore``) is compared too: ``allow_config_change=False``
+        refuses a change (:class:`~ripresa.errors.BadInput`, exit 2, naming the
+        keys); ``True`` or ``None`` (the default) accept it and record it in the
+        lineage (``config.KEY``) and in :attr:`accepted_config_changes`.
         """
         # A loaded Checkpoint (formats/torch_pt, a layer above) is recognised by its fields.
         loaded = not isinstance(checkpoint, Mapping) and hasattr(checkpoint, "state") and hasattr(checkpoint, "path")
@@ -326,7 +500,8 @@ class TrainingState:
         state = checkpoint.state if loaded else checkpoint
         try:
             return self._restore(state, source, restore_rng=restore_rng, allow_version_change=allow_version_change,
-                                 allow_code_change=allow_code_change, allow_data_change=allow_data_change)
+                                 allow_code_change=allow_code_change, allow_data_change=allow_data_change,
+                                 allow_config_change=allow_config_change)
         except RipresaError:
             raise
         except _UNEXPECTED as exc:
@@ -336,10 +511,17 @@ class TrainingState:
                               hint="the checkpoint does not fit this run (or was edited); build the same objects as "
                               "the run that saved, or resume from another generation") from exc
 
-    def _restore(self, state: Mapping[str, Any], source: Path | None, *, restore_rng: bool, allow_version_change: bool,
-                 allow_code_change: bool, allow_data_change: bool) -> Progress:
-        validate_saved_state(state, where=source)
-        self.check_structure(state, source)
+    def check_identity(self, state: Mapping[str, Any], source: Path | None = None, *,
+                       allow_version_change: bool = False, allow_code_change: bool = False,
+                       allow_data_change: bool = False,
+                       allow_config_change: bool | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Refuse what is not allowed to differ; return ``(identity changes, config changes)`` to record.
+
+        The one identity check of every restore (whole, or the rest of a
+        ``.dcp``/sharded one): a config change is a :class:`~ripresa.errors.BadInput`
+        (exit 2) — never an integrity failure, so a resume never skips healthy
+        generations for it.
+        """
         changes = self.identity_changes(state)
         refused = {
             k: v
@@ -359,9 +541,23 @@ class TrainingState:
                 found={k: v["now"] for k, v in refused.items()},
                 hint=f"an exact resume needs the same; to accept the change knowingly pass {' '.join(flags)} (it is recorded)",
             )
+        cfg = config_changes(state.get("config"), self.config, self.config_ignore)
+        if cfg and allow_config_change is False:
+            raise config_change_error(cfg, source, against="the checkpoint's")
+        return changes, cfg
+
+    def _restore(self, state: Mapping[str, Any], source: Path | None, *, restore_rng: bool, allow_version_change: bool,
+                 allow_code_change: bool, allow_data_change: bool, allow_config_change: bool | None = None) -> Progress:
+        validate_saved_state(state, where=source)
+        self.check_structure(state, source)
+        changes, cfg = self.check_identity(state, source, allow_version_change=allow_version_change,
+                                           allow_code_change=allow_code_change, allow_data_change=allow_data_change,
+                                           allow_config_change=allow_config_change)
         self.lineage = list(state.get("lineage", []))
-        if changes:
-            self.lineage.append({"at_step": int(state["progress"]["step"]), "accepted_changes": changes})
+        accepted = {**changes, **{f"config.{k}": v for k, v in cfg.items()}}
+        if accepted:
+            self.lineage.append({"at_step": int(state["progress"]["step"]), "accepted_changes": accepted})
+        self.accepted_config_changes = cfg
 
         # The order of the module doc. The scheduler was constructed by the caller
         # before this call, so optimizer.load_state_dict's LRs are final.

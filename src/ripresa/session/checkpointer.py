@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import warnings
 from collections import deque
@@ -131,6 +132,16 @@ class Checkpointer:
         fresh: refuse a run folder that already holds checkpoints or history.
         allow_version_change, allow_code_change, allow_data_change: see
             :meth:`TrainingState.restore`.
+        allow_config_change: a resume whose ``state.config`` differs from the
+            saved one: ``False`` refuses it (:class:`~ripresa.errors.BadInput`,
+            exit 2, naming the keys); ``None`` (the default) and ``True`` accept
+            it and record it (a ``config_change`` history event, and the lineage
+            of every later generation).
+        save_on_close: :meth:`close` saves the last step that :meth:`step_done`
+            completed when no generation holds it yet (default True; False, or
+            ``close(final_save=False)``, opts out). Never after an exception:
+            ``__exit__`` with an exception and :meth:`abort` do not save
+            (docs/FAULTS.md, "The end of a run").
         max_failed_saves: consecutive failed saves tolerated before raising.
         distributed: None (the default) detects an initialised process group
             (world size > 1, or a sharded FSDP2 model); False forces a
@@ -172,6 +183,8 @@ class Checkpointer:
         allow_version_change: bool = False,
         allow_code_change: bool = False,
         allow_data_change: bool = False,
+        allow_config_change: bool | None = None,
+        save_on_close: bool = True,
         max_failed_saves: int = 3,
         distributed: bool | None = None,
         format: str = "auto",
@@ -211,7 +224,10 @@ class Checkpointer:
         self.on_checkpoint = on_checkpoint
         self.sidecars = dict(sidecars or {})
         self.allow = {"allow_version_change": allow_version_change, "allow_code_change": allow_code_change,
-                      "allow_data_change": allow_data_change}
+                      "allow_data_change": allow_data_change, "allow_config_change": allow_config_change}
+        self.save_on_close = bool(save_on_close)
+        self._resumed_step: int | None = None  # the step resume() returned: step_done must go beyond it
+        self._done_step: int | None = None  # the last step step_done() completed (returned from)
         self.max_failed_saves = max_failed_saves
         self.retention = retention
         self.format = format
@@ -340,6 +356,7 @@ class Checkpointer:
                 self._refuse_if_only_damaged()
         if gen is None or restored is None:
             self.history.event("start", step=0, rng_restored=restore_rng)
+            self._resumed_step = 0
             self._write_config()
             return 0
         return self._resumed(gen, restored, from_path, restore_rng, world_size=1)
@@ -347,6 +364,7 @@ class Checkpointer:
     def _resumed(self, gen: Generation, restored: Any, from_path: Any, restore_rng: bool, *, world_size: int) -> int:
         """Record a restored generation: progress, history event, world change, config."""
         self.progress = restored.progress
+        self._resumed_step = self.progress.step
         if gen.foreign:  # weights, m and v only: no generation of this run was resumed
             self.history.event("resume", from_step=gen.step, file=str(gen.path), **restored.event)
             self._write_config()
@@ -360,6 +378,9 @@ class Checkpointer:
         self.history.event("resume", from_step=gen.step, file=str(gen.path), rng_restored=restore_rng, **dist_fields,
                            lineage=self.state.lineage[-1] if self.state.lineage else None)
         self._note_world_change(restored.extra, world_size=world_size, fresh=restored.fresh)
+        if self.state.accepted_config_changes:  # allowed (allow_config_change): recorded, as in the lineage
+            self.history.event("config_change", step=gen.step, changes=self.state.accepted_config_changes,
+                               allowed="explicitly" if self.allow["allow_config_change"] else "by default")
         self._write_config()
         return self.progress.step
 
@@ -484,6 +505,7 @@ class Checkpointer:
             raise BadInput(f"rank 0 could not choose a generation to resume: {error}", file=self.run_dir)
         if choice is None:
             self.history.event("start", step=0, rng_restored=restore_rng, world_size=d.world_size)
+            self._resumed_step = 0
             self._write_config()
             return 0
         restored = self._restore(choice, restore_rng, wrap=False)
@@ -520,7 +542,13 @@ class Checkpointer:
         ``tokens`` and ``samples`` also advance the progress counters and
         ``epoch`` sets it. Returns True when the loop must stop (a stop signal
         was handled: the checkpoint is committed).
+
+        Steps must increase: a ``step`` lower than or equal to the one
+        :meth:`resume` returned, or to the previous ``step_done``'s, is a
+        ``ValueError`` naming both (it would write generations older than the
+        run's newest beside them).
         """
+        step = self._check_step(step)
         entered = time.perf_counter()
         if self._step_exit is not None:  # the step itself, measured outside step_done
             self._step_times.append(entered - self._step_exit)
@@ -586,9 +614,24 @@ class Checkpointer:
                 self._recorder.finish(self.progress)  # the state saved is the state recorded: nothing ran between
             if deadline_stop and self.deadline is not None and (self.dist is None or self.dist.is_main):
                 self.deadline.finish(step, getattr(self, "mirror", None), self.on_deadline, self.history.event)
+            self._done_step = step
             return True
         self._step_exit = time.perf_counter()
+        self._done_step = step
         return False
+
+    def _check_step(self, step: Any) -> int:
+        """``step`` as an int, refused unless it goes beyond the resumed step and the previous step_done's."""
+        if isinstance(step, bool) or not isinstance(step, int | float) and not hasattr(step, "__index__"):
+            raise TypeError(f"step_done needs an int step, got {type(step).__name__}")
+        step = int(step)
+        if self._done_step is not None and step <= self._done_step:
+            raise ValueError(f"step_done({step}) after step_done({self._done_step}): steps must increase "
+                             "(each call records one completed optimizer step)")
+        if self._resumed_step is not None and step <= self._resumed_step:
+            raise ValueError(f"step_done({step}) but resume() returned step {self._resumed_step}: the next step is "
+                             f"{self._resumed_step + 1} (loop over range(start + 1, total + 1))")
+        return step
 
     def _cadence_event(self, step: int, *, force: bool) -> None:
         """``every="auto"``: re-evaluate the interval; record a ``cadence`` event when it changed (docs/CADENCE.md)."""
@@ -792,20 +835,33 @@ class Checkpointer:
             raise SaveFailed(f"rank 0 could not commit the checkpoint: {msg}", hint="the previous generation is intact")
 
     # ------------------------------------------------------------------ end
-    def close(self, *, final_save: bool = False) -> None:
-        """Finish the in-flight save (and optionally save the last step), release the folder."""
+    def close(self, *, final_save: bool | None = None) -> None:
+        """Finish the in-flight save, save the final state, release the folder.
+
+        The final save (``final_save``, default :attr:`save_on_close`, True)
+        commits the last step that :meth:`step_done` completed, when no
+        generation holds it yet: a run that ends between cadence points keeps
+        its last steps. It is skipped — a ``final_save_skipped`` history event
+        and a warning — when the live state may be past that step: ``close()``
+        called while an exception is being handled (in a ``finally`` or
+        ``except`` block), or after a ``step_done`` that raised. On an error
+        path call :meth:`abort` (or use the ``with`` block, which does), never
+        a save (docs/FAULTS.md, "The end of a run").
+        """
+        final = self.save_on_close if final_save is None else bool(final_save)
         try:
             if self._recorder is not None and self._recorder.started:
                 self._recorder.finish(self.progress)  # the script stopped before the steered step: record where
+            step = self._final_step() if final else None
             if self.dist is not None:
                 self._collect_all()
-                if final_save:
-                    self._save(self.progress.step, "final", must_succeed=True)
+                if step is not None:
+                    self._save(step, "final", must_succeed=True)
                     self._collect_all()
             else:
                 self._collect(block=True, must_succeed=True)
-                if final_save and self.last_saved_step != self.progress.step:
-                    self._save(self.progress.step, "final", must_succeed=True)
+                if step is not None and self.last_saved_step != step:
+                    self._save(step, "final", must_succeed=True)
                     self._collect(block=True, must_succeed=True)
             if self.mirror is not None:
                 self.mirror.close()  # waits for the pending uploads (MirrorSpec.close_timeout)
@@ -818,8 +874,26 @@ class Checkpointer:
                 pass
             self._release()
 
+    def _final_step(self) -> int | None:
+        """The step a final save may commit: the last one step_done completed, if the live state is still it."""
+        step = self._done_step
+        if step is None:
+            return None  # no step in this process: nothing new to save
+        why = None
+        if sys.exc_info()[1] is not None:
+            why = f"close() was called while {type(sys.exc_info()[1]).__name__} was being handled"
+        elif self.progress.step != step:
+            why = f"step_done({self.progress.step}) did not complete"
+        if why is None:
+            return step
+        msg = (f"no final checkpoint: {why}, so the state may be past step {step} (use abort() or a with block on "
+               "an error path)")
+        warnings.warn(msg, CheckpointWarning, stacklevel=3)
+        self.history.event("final_save_skipped", step=step, reason=msg)
+        return None
+
     def abort(self) -> None:
-        """Release the folder on an error path: no collective, no new save.
+        """Release the folder on an error path: no collective, no new save (no final save either).
 
         An in-flight background write is let finish (a generation is never
         left half-written by choice); its failure, if any, is not raised.

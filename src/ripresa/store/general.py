@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..core.state import Progress, TrainingState
+from ..core.state import Progress, TrainingState, optimizer_record
 from ..errors import BadInput, IntegrityError, RipresaError
 from ..formats import companion as companion_fmt
 from ..formats import general as general_fmt
@@ -246,6 +246,7 @@ class GeneralBackend(_Base):
         snap = rest_proxy(state).snapshot(progress, extra)  # small: copies of scheduler, data, streams, objects
         snap["model"] = dict(state.model.state_dict(keep_vars=True))
         snap["optimizer"] = state.optimizer.state_dict() if state.optimizer is not None else None
+        snap["optimizer_params"] = optimizer_record(state.model, state.optimizer)  # what the resume checks it against
         tensors, encoded, aliases = general_fmt.split_state(snap, general_fmt.model_aliases(state.model),
                                                             to_cpu=stage is None)
         if stage is not None:

@@ -21,7 +21,7 @@ import torch
 
 from ..core.schema import check_distributed_record
 from ..core.state import Progress, TrainingState
-from ..errors import IdentityMismatch, IntegrityError
+from ..errors import IntegrityError
 
 
 @dataclass
@@ -118,18 +118,10 @@ def validate_rest(state: TrainingState, rest: Mapping[str, Any], allow: Mapping[
     proxy = rest_proxy(state)
     r = _strip(rest)
     proxy.check_structure(r)
-    changes = proxy.identity_changes(r)
-    refused = {k: v for k, v in changes.items()
-               if (k.startswith("versions.") and not allow["allow_version_change"])
-               or (k.startswith("code.") and not allow["allow_code_change"])
-               or (k == "data_identity" and not allow["allow_data_change"])}
-    if refused:
-        flags = sorted({"--allow-version-change" if k.startswith("versions.") else "--allow-code-change"
-                        if k.startswith("code.") else "--allow-data-change" for k in refused})
-        raise IdentityMismatch("the checkpoint was written by different versions, code or data",
-                               expected={k: v["saved"] for k, v in refused.items()},
-                               found={k: v["now"] for k, v in refused.items()},
-                               hint=f"an exact resume needs the same; to accept the change knowingly pass {' '.join(flags)} (it is recorded)")
+    proxy.check_identity(r, allow_version_change=allow.get("allow_version_change", False),
+                         allow_code_change=allow.get("allow_code_change", False),
+                         allow_data_change=allow.get("allow_data_change", False),
+                         allow_config_change=allow.get("allow_config_change"))
 
 
 def restore_rest(state: TrainingState, rest: Mapping[str, Any], restore_rng: bool, allow: Mapping[str, bool]) -> Progress:
@@ -137,4 +129,5 @@ def restore_rest(state: TrainingState, rest: Mapping[str, Any], restore_rng: boo
     proxy = rest_proxy(state)
     progress = proxy.restore(_strip(rest), restore_rng=restore_rng, **allow)
     state.lineage = proxy.lineage
+    state.accepted_config_changes = proxy.accepted_config_changes
     return progress

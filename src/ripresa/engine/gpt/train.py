@@ -10,6 +10,12 @@ Two ways to name the run folder:
 
 * ``--run runs/NAME`` — a long run: resumes from the newest valid generation
   if there is one (and says so); ``--fresh`` refuses a non-empty folder.
+  ``--steps N`` is the run's end step (default ``train.max_steps``), not a
+  count of this process's steps: a killed run started again with the same
+  command ends at the same step as one never interrupted, and a finished run
+  started again trains nothing ("already at step N"). A normal end saves the
+  final step. The experiment config (``config.json``, less ``train.every``)
+  may not change on a resume without ``--allow-config-change``.
 * ``--output DIR`` — the ``ripresa verify`` contract: ``DIR`` must not exist,
   ``--steps N`` counts the steps of this process, ``--resume step_NNNNNN.bin``
   starts from another folder's generation, ``--omit-rng-restore`` is the
@@ -52,7 +58,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ...core.rng import RandomStreams
-from ...core.state import TrainingState
+from ...core.state import TrainingState, config_change_error, config_changes
 from ...errors import BadInput, OutputExists
 from ...formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, parse_bin_name
 from ...formats.bin_state import bin_suits
@@ -68,11 +74,13 @@ from ...session.distributed import (
 from ...store.history import HISTORY_NAME
 from ...verify.trajectory import Trajectory
 from ..mixture import BanditMixture, MixturePolicy, ZombieArmWarning
-from .config import resolve_config
+from .config import load_config_file, resolve_config
 from .model import GPT, from_config_dict
 from .sources import TextSource, source_from_spec
 
 SAMPLES_NAME = ".samples.json"
+#: Config keys that are operational settings, not the experiment: a resume may change them.
+OPERATIONAL_CONFIG = ("train.every",)
 STATE_NAME = ".state.json"
 
 
@@ -98,6 +106,7 @@ class TrainArgs:
     allow_version_change: bool = False
     allow_code_change: bool = False
     allow_data_change: bool = False
+    allow_config_change: bool = False
     shard: str = "ddp"
     mirror: str | None = None
     mtbf: str | None = None  # --every auto: mean time between failures (default 24h)
@@ -316,6 +325,18 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     cfg = resolve_config(args.config, args.sets, run_dir if args.output is None else None, args.sources)
     if args.every is not None and args.every != "auto":
         cfg["train"]["every"] = args.every
+    # The run's experiment config: its config.json (a fork or a pivot writes it), else the config.json beside
+    # the generation --resume names. A change is refused here, before anything is built or restored (it is not
+    # damage: no generation is skipped for it); without either file the generation's own config is the reference.
+    reference = run_dir / "config.json" if args.run is not None else None
+    if (reference is None or not os.path.lexists(reference)) and args.resume is not None:
+        reference = Path(args.resume).parent / "config.json"
+    run_config = None
+    if reference is not None and os.path.lexists(reference):
+        run_config = load_config_file(reference)
+        changed = config_changes(run_config, cfg, OPERATIONAL_CONFIG)
+        if changed and not args.allow_config_change:
+            raise config_change_error(changed, reference, against=f"the run's {reference.name}")
     if args.threads:
         torch.set_num_threads(args.threads)
     t = cfg["train"]
@@ -381,9 +402,9 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     mixture_slot = MixtureSlot(mixture)
     state = TrainingState(
         model=model, optimizer=optimizer, scaler=scaler,
-        data=SamplerSlot(sampler, strict=not dropped),
+        data=SamplerSlot(sampler, strict=not dropped and not args.allow_config_change),
         rng=RandomStreams(numpy={"data": data_gen, "mixture": mix_gen}),
-        objects={"mixture": mixture_slot}, config=cfg,
+        objects={"mixture": mixture_slot}, config=cfg, config_ignore=OPERATIONAL_CONFIG,
         code_files=[Path(__file__), Path(__file__).with_name("model.py"), Path(__file__).with_name("sources.py")],
         data_identity=sampler.data_identity(), device=str(device),
     )
@@ -424,6 +445,9 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
         allow_data_change=args.allow_data_change or bool(dropped), mirror=args.mirror,
+        # config.json, checked above, is the run's experiment config: a generation saved under another one (before
+        # a fork or a pivot) is resumed and the difference recorded; without it, a change is refused unless allowed.
+        allow_config_change=True if run_config is not None or args.allow_config_change else False,
         # the ANDREA .bin whenever the state fits it (docs/FORMAT.md, "Which format a session writes"); FSDP2: .dcp
         format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",
     )
@@ -447,7 +471,14 @@ def _run(args: TrainArgs, device: torch.device) -> int:
             origin = ckpt.resumed_from
             say(f"resumed {run_dir} at step {start} ({_gen_name(origin) if origin else args.resume})")
         n_params = sum(p.numel() for p in model.parameters())
-        goal = start + args.steps if args.steps is not None else t["max_steps"]
+        # --run: --steps is the run's end step; --output (the verify contract): this process's steps.
+        if args.steps is None:
+            goal = t["max_steps"]
+        else:
+            goal = start + args.steps if args.output is not None else args.steps
+        if start >= goal and args.output is None:
+            say(f"already at step {start} (the end is step {goal}{'' if args.steps is not None else ', train.max_steps'}):"
+                " nothing to train; a longer run: --steps N")
         where = f"{device}" if not group else f"{world} rank(s) on {device.type} ({args.shard}, {tdist.get_backend()})"
         say(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {where}, steps {start}→{goal}, "
             f"checkpoint every {'auto (docs/CADENCE.md)' if ckpt.cadence else t['every']} → {run_dir}")
@@ -476,7 +507,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     except BaseException:
         ckpt.abort()  # no collective on an error path: another rank may be gone
         raise
-    ckpt.close(final_save=False)
+    ckpt.close()  # a normal end: saves the last step when no generation holds it yet
     done = ckpt.deadline.done if ckpt.deadline is not None else None
     why = "stopped for the deadline" if done else "stopped by signal" if stopped else "done"
     if done:

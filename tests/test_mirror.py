@@ -167,7 +167,7 @@ def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(
     # five saves while the store was down: local keep_last=3, yet all are kept (this session could not even
     # list the store, so step 3 is kept too)
     assert sorted(local_generations(run).values()) == [3, 6, 9, 12, 15, 18]
-    assert events(run, "mirror_failed") and events(run, "mirror_pending")[-1]["steps"] == [3, 6, 9, 12, 15, 18]
+    assert events(run, "mirror_outage") and events(run, "mirror_pending")[-1]["steps"] == [3, 6, 9, 12, 15, 18]
     assert s3.committed() == [3]
     proxy.mode = "pass"
     assert cli_main(["mirror", "push", str(run)]) == 0  # the URL from RUN/mirror.json

@@ -28,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -140,17 +141,18 @@ class RemoteView:
 
     @property
     def committed(self) -> dict[str, int]:
-        return {m: s for m, s in self.steps.items() if m + ".sha256" in self.groups[m]}
+        return {m: s for m, s in self.steps.items() if m + ".sha256" in self.groups.get(m, ())}
 
     @property
     def half(self) -> dict[str, int]:
-        return {m: s for m, s in self.steps.items() if m + ".sha256" not in self.groups[m]}
+        return {m: s for m, s in self.steps.items() if m + ".sha256" not in self.groups.get(m, ())}
 
     def add(self, main: str, step: int, keys: Iterable[tuple[str, int]]) -> None:
+        """Record objects the store now holds; a generation exists in the view only with at least one object."""
         for k, size in keys:
             self.objects[k] = size
             self.groups.setdefault(main, set()).add(k)
-        self.steps[main] = step
+            self.steps[main] = step
 
     def drop(self, main: str) -> None:
         for k in self.groups.pop(main, set()):
@@ -182,6 +184,40 @@ class _Stopped(Exception):
     """The mirror is being closed: leave the round now."""
 
 
+#: During :meth:`Mirror.close`, the longest wait between two tries of a request (seconds): the close stays short.
+CLOSE_RETRY_WAIT = 1.0
+#: The shortest pause between two rounds after a failed one (seconds), whatever ``MirrorSpec.backoff`` says.
+MIN_ROUND_WAIT = 0.05
+
+
+def _notice(text: str) -> None:
+    """One line on stderr (never raises: a closed or broken stderr drops it)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _isatty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _clear_line() -> None:
+    try:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _steps_text(steps: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(s) for s in steps[:most])
+    return shown + (f" and {len(steps) - most} more" if len(steps) > most else "")
+
+
 class Mirror:
     """Uploads a run folder's committed generations in the background (see the module doc).
 
@@ -189,6 +225,13 @@ class Mirror:
     :meth:`pinned` from retention, and :meth:`close`; :meth:`drain` waits until
     nothing is pending (e.g. before a deadline). :attr:`last_upload_seconds`
     is the measured time of the last generation upload (None before the first).
+
+    Failures: a round that gives up starts an *outage* (one ``mirror_outage``
+    history line and one line on stderr); while it lasts, each round tries
+    each request once, rounds are spaced by a capped, jittered exponential
+    back-off, and nothing more is recorded; the first round that completes
+    ends it (one ``mirror_recovered`` line: failed attempts, duration, what
+    was uploaded). The history stays O(1) through an outage of any length.
     """
 
     def __init__(self, spec: MirrorSpec, run_dir: Path, *, local_retention: RetentionPolicy,
@@ -212,8 +255,15 @@ class Mirror:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._failures = 0
         self._closed = False
+        self._closing = False
+        self._rounds = 0  # rounds started by the thread
+        self._last_round: tuple[int, bool] = (0, True)  # (number, succeeded) of the last finished round
+        self._failed_requests = 0  # every request that failed, this session
+        self._outage: dict[str, Any] | None = None
+        self._last_error: str | None = None
+        self._current: int | None = None  # the step being uploaded now
+        self.outages = 0  # outages this session (each recorded once)
 
     # ------------------------------------------------------------------ session hooks
     def start(self) -> None:
@@ -239,8 +289,16 @@ class Mirror:
         with self._lock:
             return sorted(self._pending)
 
+    @property
+    def in_outage(self) -> bool:
+        """True while the store cannot be reached (a round gave up and none has completed since)."""
+        return self._outage is not None
+
     def drain(self, timeout: float) -> bool:
-        """Upload what is pending now; wait at most ``timeout`` seconds. True when nothing is pending."""
+        """Upload what is pending now; wait at most ``timeout`` seconds. True when nothing is pending.
+
+        It wakes the thread once; a failed round is retried by the thread after its back-off, never
+        sooner (a drain never turns an outage into a busy loop)."""
         deadline = time.monotonic() + max(0.0, timeout)
         self.notify()
         with self._lock:
@@ -249,28 +307,97 @@ class Mirror:
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
                     break
                 self._lock.wait(min(left, 0.5))
-                if not (self._dirty or self._busy):
-                    self._wake.set()
             return not (self._dirty or self._busy or self._pending)
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Drain (at most ``timeout``, default the spec's ``close_timeout``), then stop the thread."""
+    def close(self, timeout: float | None = None, *, interrupted: Callable[[], bool] | None = None) -> bool:
+        """Upload what is pending, then stop the thread. True when nothing was left pending.
+
+        Bounded: at most ``timeout`` seconds (default the spec's ``close_timeout``); at once when
+        ``interrupted()`` turns true (a signal received during the close) or on Ctrl-C; and after one
+        more round when the store cannot be reached (an outage: each request tried once). On a
+        terminal, a progress line on stderr says what is being uploaded and that Ctrl-C leaves it
+        pending; elsewhere only a final one-line summary when something was pending. What is left is
+        recorded (``mirror_pending``) and named, with ``ripresa mirror push RUN``.
+        """
         if self._closed:
             return True
         self._closed = True
-        done = True
-        if self._thread is not None:
-            done = self.drain(self.spec.close_timeout if timeout is None else timeout)
-            self._stop.set()
-            self._wake.set()
-            self._thread.join(timeout=self.spec.timeout + 5)
-        if not done:
-            self._event("mirror_pending", steps=self.pending, url=self.spec.url,
+        if self._thread is None:
+            return True
+        budget = self.spec.close_timeout if timeout is None else max(0.0, timeout)
+        self._closing = True
+        with self._lock:
+            first = self._rounds  # a round numbered above it started after the close began
+        self.notify()  # one round now, whatever the back-off
+        t0 = time.monotonic()
+        tty = _isatty()
+        why: str | None = None
+        waited = drawn = False
+        last_draw = 0.0
+        ctrl_c: BaseException | None = None
+        try:
+            while True:
+                with self._lock:
+                    idle = not (self._dirty or self._busy)
+                    done = idle and not self._pending
+                    failed = idle and self._last_round[0] > first and not self._last_round[1]
+                    pending = sorted(self._pending)
+                if done:
+                    break
+                if self._thread is None or not self._thread.is_alive():
+                    why = "the mirror's thread ended"
+                    break
+                if interrupted is not None and interrupted():
+                    why = "interrupted"
+                    break
+                if failed:
+                    why = "the store cannot be reached" + (f" ({self._last_error})" if self._last_error else "")
+                    break
+                if time.monotonic() - t0 >= budget:
+                    why = f"close_timeout ({budget:g} s) reached"
+                    break
+                if budget > 0:
+                    waited = True
+                now = time.monotonic()
+                if tty and now - last_draw >= 0.25 and budget > 0:
+                    last_draw, drawn = now, True
+                    self._draw(pending)
+                with self._lock:
+                    self._lock.wait(0.1)
+        except KeyboardInterrupt as exc:  # no signal handler installed: Ctrl-C leaves the close at once
+            why, ctrl_c = "interrupted", exc
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=0.5 if why is not None else self.spec.timeout + 5)
+        left = self.pending
+        if drawn:
+            _clear_line()
+        if why is not None:
+            self._event("mirror_pending", steps=left, url=self.spec.url, reason=why,
                         note="not uploaded before the session ended; the next session (or `ripresa mirror push`) uploads them")
-        return done
+            _notice(f"ripresa: mirror: left step(s) {_steps_text(left)} pending ({why}); they stay in {self.run_dir}; "
+                    f"upload them with `ripresa mirror push {self.run_dir}`")
+        elif waited:
+            _notice(f"ripresa: mirror: everything uploaded to {self.spec.url} ({time.monotonic() - t0:.1f} s at the close)")
+        if ctrl_c is not None:
+            raise ctrl_c
+        return why is None
+
+    def _draw(self, pending: list[int]) -> None:
+        if self._outage is not None:
+            what = f"waiting for the store ({self._outage['error'][:60]}), step(s) {_steps_text(pending, 4)} pending"
+        else:
+            cur = self._current if self._current is not None else (pending[0] if pending else None)
+            what = f"uploading step {cur} ({len(pending)} pending)" if cur is not None else "uploading the run's files"
+        try:
+            sys.stderr.write(f"\r\x1b[Kripresa: mirror: {what} — Ctrl-C to leave them pending and exit")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        failures = 0
         wait: float | None = None
         while not self._stop.is_set():
             self._wake.wait(timeout=wait)
@@ -279,31 +406,54 @@ class Mirror:
                 return
             with self._lock:
                 self._dirty, self._busy = False, True
+                self._rounds += 1
+                number = self._rounds
             ok = False
             try:
-                ok = self.round()
+                self.round()
+                ok = self._outage is None
             except _Stopped:
                 return
-            except Exception as exc:  # noqa: BLE001 - the thread never dies; the round is retried
-                self._event("mirror_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            except Exception as exc:  # noqa: BLE001 - the thread never dies; the round is retried after a back-off
+                error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                if error != self._last_error:  # recorded once, not once per round
+                    self._event("mirror_error", error=error, pending=self.pending,
+                                note="an unexpected failure of a mirror round; retried with back-off")
+                self._last_error = error
             finally:
                 with self._lock:
                     self._busy = False
+                    self._current = None
+                    self._last_round = (number, ok)
                     self._lock.notify_all()
-            self._failures = 0 if ok else self._failures + 1
-            wait = None if ok else min(self.spec.max_backoff, self.spec.backoff * 2 ** min(self._failures, 16))
+            failures = 0 if ok else failures + 1
+            wait = None if ok else self._backoff(failures)
+
+    def _backoff(self, failures: int) -> float:
+        """The pause before the next round after ``failures`` failed rounds in a row: exponential, capped, jittered."""
+        s = self.spec
+        return max(MIN_ROUND_WAIT, min(s.max_backoff, s.backoff * 2 ** min(failures - 1, 30)) * random.uniform(0.5, 1.0))
 
     def _retry(self, step: int | None, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with back-off: ``attempts`` tries normally; one try during an outage (the rounds'
+        own back-off spaces them) and for the first listing of a session (an unreachable store says so at once)."""
         s = self.spec
-        for attempt in range(1, s.attempts + 1):
+        once = self._outage is not None or (self._remote is None and what == "listing" and not self._closing)
+        tries = 1 if once else s.attempts
+        for attempt in range(1, tries + 1):
             if self._stop.is_set():
                 raise _Stopped
             try:
                 return fn()
             except (RemoteUnavailable, RemoteNotFound) as exc:
-                if attempt == s.attempts:
+                self._failed_requests += 1
+                if self._outage is not None:
+                    self._outage["error"] = exc.message
+                if attempt == tries:
                     raise RemoteUnavailable(exc.message, file=exc.file, found=exc.found) from None
                 wait = min(s.max_backoff, s.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+                if self._closing:
+                    wait = min(wait, CLOSE_RETRY_WAIT)
                 self._event("mirror_retry", step=step, object=what, attempt=attempt, error=exc.message,
                             found=None if exc.found is None else str(exc.found)[:200], wait=round(wait, 3))
                 if self._stop.wait(wait):
@@ -313,6 +463,8 @@ class Mirror:
     def round(self) -> bool:
         """One pass: list the store (first time), clean half uploads, upload what is pending, apply remote
         retention. True when nothing is left pending. Also what ``ripresa mirror push`` runs."""
+        failed_before = self._failed_requests
+        uploaded_before = len(self.uploaded)
         local = local_generations(self.run_dir)
         self._plan(local)
         try:
@@ -329,11 +481,39 @@ class Mirror:
                 if step not in pending:
                     self._delete_group(main)
         except RemoteUnavailable as exc:
-            self._event("mirror_failed", error=exc.message, found=None if exc.found is None else str(exc.found)[:200],
-                        pending=self.pending, note="training goes on; the pending generations are kept and retried")
+            self._outage_started(exc, failed_before, uploaded_before)
             return False
+        self._last_error = None
+        if self._outage is not None:
+            self._recovered()
         self._plan(local_generations(self.run_dir))
         return not self._pending
+
+    def _outage_started(self, exc: RemoteUnavailable, failed_before: int, uploaded_before: int) -> None:
+        self._last_error = exc.message
+        if self._outage is not None:
+            return  # recorded once per outage: the count is in mirror_recovered
+        self.outages += 1
+        self._outage = {"t0": time.monotonic(), "since": round(time.time(), 3), "error": exc.message,
+                        "first_error": exc.message, "failed_before": failed_before, "uploaded_before": uploaded_before}
+        pending = self.pending
+        self._event("mirror_outage", error=exc.message, found=None if exc.found is None else str(exc.found)[:200],
+                    pending=pending, url=self.spec.url,
+                    note="training goes on; the pending generations are kept locally and retried with back-off; "
+                         "recorded once (mirror_recovered ends it)")
+        _notice(f"ripresa: mirror {self.spec.url} cannot be reached ({exc.message}); training goes on, "
+                f"step(s) {_steps_text(pending) or 'none yet'} pending are kept in {self.run_dir} and uploaded when it "
+                f"is back (or with `ripresa mirror push {self.run_dir}`)")
+
+    def _recovered(self) -> None:
+        o, self._outage = self._outage, None
+        assert o is not None
+        seconds = round(time.monotonic() - o["t0"], 3)
+        uploaded = self.uploaded[o["uploaded_before"]:]
+        self._event("mirror_recovered", failed_attempts=self._failed_requests - o["failed_before"], seconds=seconds,
+                    since=o["since"], error=o["first_error"], uploaded=uploaded, pending=self.pending, url=self.spec.url)
+        _notice(f"ripresa: mirror {self.spec.url} reachable again after {seconds:.1f} s; uploaded step(s) "
+                f"{_steps_text(uploaded) or 'none'}")
 
     def _plan(self, local: dict[str, int]) -> None:
         """Which local generations the remote still needs (those its policy would keep): pending, pinned locally."""
@@ -385,6 +565,7 @@ class Mirror:
         if main in self._remote.groups:  # a half upload of ours (an earlier round): its objects are overwritten
             pass
         total, done = 0, []
+        self._current = step
         try:
             for sha, name in files:
                 n = self._retry(step, name, lambda name=name, sha=sha: self.store.put_file(name, self.run_dir / name, sha256=sha))
@@ -397,7 +578,7 @@ class Mirror:
             self._refuse_local(main, step, exc)
             return
         finally:
-            self._remote.add(main, step, done)
+            self._remote.add(main, step, done)  # only what the store holds (nothing: the view is unchanged)
         self._retry(step, main + ".sha256", lambda: self.store.put_bytes(main + ".sha256", raw))
         self._remote.add(main, step, [(main + ".sha256", len(raw))])
         self.last_upload_seconds = time.perf_counter() - t0

@@ -68,7 +68,7 @@ from ..store.backend import (
     newest_kind,
 )
 from ..store.history import HISTORY_NAME, History
-from ..store.mirror import Mirror, has_local_generation, open_mirror, pull, record_url
+from ..store.mirror import Mirror, has_local_generation, open_mirror, pull_run, record_url
 from ..store.restore import rank_view, saved_record
 from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
 from ..store.store import CheckpointStore, CheckpointWarning, Generation
@@ -309,7 +309,7 @@ class Checkpointer:
     def _resume(self, from_path: str | Path | None, restore_rng: bool) -> int:
         if self.mirror is not None:
             if from_path is None and not self._fresh and not has_local_generation(self.run_dir):  # a new machine
-                pull(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
+                pull_run(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
                      event=self.history.event, spec=self.mirror.spec)
             self.mirror.start()
         if self.dist is not None:

@@ -39,12 +39,14 @@ from typing import Any
 from ..errors import BadInput, CheckFailed, IntegrityError, RipresaError, SaveFailed
 from ..formats.generation import Generation
 from ..io import auth
-from ..io.fsio import StagedFile, fsync_dir, ops, parse_sha256sum, read_small, write_atomic
+from ..io.fsio import StagedFile, fsync_dir, open_run_file, ops, parse_sha256sum, read_small, write_atomic
 from ..io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
+from .history import HISTORY_NAME
 from .retention import KeepAny, KeepLast, RetentionPolicy
 from .store import CheckpointStore
 
-__all__ = ["Mirror", "MirrorSpec", "RemoteView", "local_generations", "open_mirror", "pull", "pull_config"]
+__all__ = ["Mirror", "MirrorSpec", "RemoteView", "RunManifest", "local_generations", "open_mirror", "pull", "pull_config",
+           "pull_run", "restore_run"]
 
 _MAIN = r"step_(\d{6,})\.(bin|safetensors|dcp)"
 _OF_MAIN = re.compile(rf"(?P<main>{_MAIN})(?:\.json|\.hmac|\.sha256|/[^/]+)?")
@@ -180,6 +182,173 @@ def _safe(event: Callable[..., None] | None) -> Callable[..., None]:
     return write
 
 
+# ---------------------------------------------------------------------------- the run's own files
+
+
+#: The run files' manifest in the store: the commit marker of the history segments and sidecars, uploaded last.
+RUN_MANIFEST = "run.json"
+RUN_MANIFEST_FORMAT = "ripresa-mirror-run/1"
+#: Largest run manifest read (bytes).
+MAX_RUN_MANIFEST = 4 << 20
+#: Largest sidecar mirrored or pulled (``.samples.json``, ``.state.json``, ``lineage.json``, ``archive/...``; bytes).
+MAX_RUN_FILE = 64 << 20
+#: Largest history segment (bytes): a longer stretch of history is cut into several.
+MAX_SEGMENT = 64 << 20
+#: Largest history pulled (bytes).
+MAX_HISTORY = 16 << 30
+#: Most files under ``archive/`` mirrored; most segments before they are merged again.
+MAX_ARCHIVE_FILES = 1000
+MAX_SEGMENTS = 512
+#: The run files mirrored besides the history (and every regular file under ``archive/``, three levels at most).
+RUN_FILES = ("config.json", "lineage.json", ".samples.json", ".state.json")
+_SEGMENT = re.compile(r"history/(\d{12})-(\d{12})\.jsonl")
+_FILE_KEY = re.compile(r"files/[0-9a-f]{64}")
+_SHA = re.compile(r"[0-9a-f]{64}")
+_PART = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9._-]{0,254}")
+
+
+def run_path_ok(path: object) -> bool:
+    """True for a run file the mirror carries: one of :data:`RUN_FILES`, or ``archive/a[/b[/c]]`` (no ``..``, no link)."""
+    if not isinstance(path, str):
+        return False
+    parts = path.split("/")
+    if any(p in (".", "..") or not _PART.fullmatch(p) for p in parts):
+        return False
+    return (len(parts) == 1 and parts[0] in RUN_FILES) or (parts[0] == "archive" and 2 <= len(parts) <= 4)
+
+
+def segment_key(start: int, end: int) -> str:
+    return f"history/{start:012d}-{end:012d}.jsonl"
+
+
+@dataclass
+class RunManifest:
+    """What the store holds of the run's own files: history segments (key, start, end, sha256) in order,
+    and sidecars (run-relative path → (sha256, size), stored as ``files/<sha256>``)."""
+
+    history: list[tuple[str, int, int, str]]
+    files: dict[str, tuple[str, int]]
+
+    @property
+    def history_end(self) -> int:
+        return self.history[-1][2] if self.history else 0
+
+    def keys(self) -> set[str]:
+        return {k for k, *_ in self.history} | {f"files/{sha}" for sha, _ in self.files.values()}
+
+    def to_bytes(self) -> bytes:
+        import json
+
+        doc = {"format": RUN_MANIFEST_FORMAT, "history": [list(h) for h in self.history],
+               "files": {p: list(v) for p, v in sorted(self.files.items())}}
+        return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, raw: bytes, where: str) -> RunManifest:
+        """A manifest read from the store (hostile): every key, path, offset and hash checked; the history
+        segments must follow each other from byte 0."""
+        import json
+
+        def bad(found: str) -> IntegrityError:
+            return IntegrityError("malformed run manifest", file=where, expected=f"a {RUN_MANIFEST_FORMAT} document",
+                                  found=found[:200], hint="the run's history and sidecars in the mirror are not used")
+
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise bad(repr(raw[:120])) from None
+        if not isinstance(doc, dict) or doc.get("format") != RUN_MANIFEST_FORMAT:
+            raise bad("another format")
+        hist, files = doc.get("history"), doc.get("files")
+        if not isinstance(hist, list) or not isinstance(files, dict) or len(hist) > 4 * MAX_SEGMENTS \
+                or len(files) > MAX_ARCHIVE_FILES + len(RUN_FILES):
+            raise bad("history or files missing, or too many")
+        out: list[tuple[str, int, int, str]] = []
+        pos = 0
+        for h in hist:
+            m = _SEGMENT.fullmatch(h[0]) if isinstance(h, list) and len(h) == 4 and isinstance(h[0], str) else None
+            if m is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in h[1:3]) \
+                    or not isinstance(h[3], str) or not _SHA.fullmatch(h[3]):
+                raise bad(f"history entry {str(h)[:120]}")
+            start, end = int(m.group(1)), int(m.group(2))
+            if (start, end) != (h[1], h[2]) or start != pos or not 0 < end - start <= MAX_SEGMENT or end > MAX_HISTORY:
+                raise bad(f"history segment {h[0]} does not follow byte {pos}")
+            out.append((h[0], start, end, h[3]))
+            pos = end
+        entries: dict[str, tuple[str, int]] = {}
+        for path, v in files.items():
+            if not run_path_ok(path) or not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) \
+                    or not _SHA.fullmatch(v[0]) or not isinstance(v[1], int) or isinstance(v[1], bool) \
+                    or not 0 <= v[1] <= MAX_RUN_FILE:
+                raise bad(f"file entry {str(path)[:80]}: {str(v)[:80]}")
+            entries[path] = (v[0], v[1])
+        return cls(out, entries)
+
+
+def _read_range(path: Path, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a run file (opened without following a link; shorter if the file is)."""
+    from ..io.fsio import CHUNK
+
+    fd = open_run_file(path, "history (.loss.jsonl)", error=IntegrityError)
+    try:
+        out = bytearray()
+        while start + len(out) < end:
+            piece = os.pread(fd, min(CHUNK, end - start - len(out)), start + len(out))
+            if not piece:
+                break
+            out += piece
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def _history_size(path: Path) -> int:
+    if not os.path.lexists(path):
+        return 0
+    fd = open_run_file(path, "history (.loss.jsonl)", error=IntegrityError)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def local_run_files(run_dir: Path) -> dict[str, Path]:
+    """The run files the mirror carries that exist in ``run_dir`` (regular files only; links are not followed)."""
+    run_dir = Path(run_dir)
+    out: dict[str, Path] = {}
+    for name in RUN_FILES:
+        p = run_dir / name
+        if os.path.lexists(p) and not os.path.islink(p) and p.is_file():
+            out[name] = p
+    archive = run_dir / "archive"
+    if os.path.islink(archive) or not archive.is_dir():
+        return out
+    stack = [(archive, "archive", 1)]
+    while stack and len(out) < MAX_ARCHIVE_FILES + len(RUN_FILES):
+        folder, rel, depth = stack.pop()
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            path = f"{rel}/{entry.name}"
+            if entry.is_dir(follow_symlinks=False) and depth < 3:
+                stack.append((Path(entry.path), path, depth + 1))
+            elif entry.is_file(follow_symlinks=False) and run_path_ok(path):
+                out[path] = Path(entry.path)
+    return out
+
+
+def _safe_parent(run_dir: Path, path: str) -> Path:
+    """``run_dir/path``'s folder, created inside the run folder (a link or file in the way: IntegrityError)."""
+    folder = Path(run_dir)
+    for part in path.split("/")[:-1]:
+        folder = folder / part
+        if os.path.islink(folder) or (os.path.lexists(folder) and not folder.is_dir()):
+            raise IntegrityError("a run file's folder is not a folder inside the run", file=folder,
+                                 expected="a folder (or nothing yet)", found="a link or a file",
+                                 hint="ripresa never follows links inside a run folder; remove it")
+        if not os.path.lexists(folder):
+            folder.mkdir()
+    return folder
+
+
 class _Stopped(Exception):
     """The mirror is being closed: leave the round now."""
 
@@ -264,6 +433,9 @@ class Mirror:
         self._last_error: str | None = None
         self._current: int | None = None  # the step being uploaded now
         self.outages = 0  # outages this session (each recorded once)
+        self._run: RunManifest | None = None  # the store's run manifest (history segments, sidecars)
+        self._run_checked = False
+        self._run_cache: dict[str, tuple[tuple[int, int, int], str, int]] = {}
 
     # ------------------------------------------------------------------ session hooks
     def start(self) -> None:
@@ -329,7 +501,7 @@ class Mirror:
         with self._lock:
             first = self._rounds  # a round numbered above it started after the close began
         self.notify()  # one round now, whatever the back-off
-        t0 = time.monotonic()
+        t0, uploaded0 = time.monotonic(), len(self.uploaded)
         tty = _isatty()
         why: str | None = None
         waited = drawn = False
@@ -377,8 +549,9 @@ class Mirror:
                         note="not uploaded before the session ended; the next session (or `ripresa mirror push`) uploads them")
             _notice(f"ripresa: mirror: left step(s) {_steps_text(left)} pending ({why}); they stay in {self.run_dir}; "
                     f"upload them with `ripresa mirror push {self.run_dir}`")
-        elif waited:
-            _notice(f"ripresa: mirror: everything uploaded to {self.spec.url} ({time.monotonic() - t0:.1f} s at the close)")
+        elif waited and len(self.uploaded) > uploaded0:
+            _notice(f"ripresa: mirror: uploaded step(s) {_steps_text(self.uploaded[uploaded0:])} to {self.spec.url} "
+                    f"at the close ({time.monotonic() - t0:.1f} s)")
         if ctrl_c is not None:
             raise ctrl_c
         return why is None
@@ -462,7 +635,7 @@ class Mirror:
 
     def round(self) -> bool:
         """One pass: list the store (first time), clean half uploads, upload what is pending, apply remote
-        retention. True when nothing is left pending. Also what ``ripresa mirror push`` runs."""
+        retention, then the run's own files (:meth:`_push_run`). True when nothing is left pending. Also what ``ripresa mirror push`` runs."""
         failed_before = self._failed_requests
         uploaded_before = len(self.uploaded)
         local = local_generations(self.run_dir)
@@ -480,6 +653,7 @@ class Mirror:
             for main, step in self._remote.half.items():  # our own cut-short uploads of what is no longer pending
                 if step not in pending:
                     self._delete_group(main)
+            self._push_run()
         except RemoteUnavailable as exc:
             self._outage_started(exc, failed_before, uploaded_before)
             return False
@@ -587,6 +761,100 @@ class Mirror:
             self._pending.discard(step)
         self._event("mirror_uploaded", step=step, file=main, bytes=total, objects=len(done) + 1,
                     seconds=round(self.last_upload_seconds, 4), url=self.spec.url)
+
+    def _push_run(self) -> None:
+        """Upload the run's own files (docs/MIRROR.md "The run's own files"): the history bytes appended since the
+        last segment (up to the last complete line) as new immutable segments, each changed sidecar as
+        ``files/<sha256>``, then the manifest ``run.json`` **last**; then delete what it no longer names."""
+        import hashlib
+
+        assert self._remote is not None
+        if self._run is None:
+            self._run = self._load_run()
+        old = self._run
+        hist = self.run_dir / HISTORY_NAME
+        try:
+            size = _history_size(hist)
+        except RipresaError:
+            size = 0  # a link or a special file in place of the history: not mirrored
+        segments = list(old.history)
+        if segments and not self._run_checked:  # once a session: the store's history is this file's beginning
+            key, start, end, sha = segments[-1]
+            if size < end or hashlib.sha256(_read_range(hist, start, end)).hexdigest() != sha:
+                segments = []  # another history (a folder started afresh): uploaded again, whole
+        self._run_checked = True
+        if len(segments) >= MAX_SEGMENTS:
+            segments = []  # merged: the whole history again, in segments of up to MAX_SEGMENT bytes
+        pos = segments[-1][2] if segments else 0
+        while size > pos:
+            data = _read_range(hist, pos, min(size, pos + MAX_SEGMENT))
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                break  # no complete line yet
+            data = data[:cut]
+            key = segment_key(pos, pos + cut)
+            self._retry(None, key, lambda key=key, data=data: self.store.put_bytes(key, data))
+            self._remote.objects[key] = cut
+            segments.append((key, pos, pos + cut, hashlib.sha256(data).hexdigest()))
+            pos += cut
+        files: dict[str, tuple[str, int]] = {}
+        for path, p in local_run_files(self.run_dir).items():
+            try:
+                st = os.stat(p, follow_symlinks=False)
+                stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+                known = self._run_cache.get(path)
+                if known is not None and known[0] == stamp:
+                    sha, n, raw = known[1], known[2], None
+                else:
+                    raw = read_small(p, path, MAX_RUN_FILE, error=IntegrityError)
+                    sha, n = hashlib.sha256(raw).hexdigest(), len(raw)
+            except (RipresaError, OSError):
+                continue  # a link, a FIFO, too large, gone: not mirrored
+            key = f"files/{sha}"
+            if key not in self._remote.objects:
+                if raw is None:
+                    self._run_cache.pop(path, None)
+                    continue  # changed since it was hashed: the next round reads it again
+                self._retry(None, path, lambda key=key, raw=raw: self.store.put_bytes(key, raw))
+                self._remote.objects[key] = n
+            self._run_cache[path] = (stamp, sha, n)
+            files[path] = (sha, n)
+        man = RunManifest(segments, files)
+        if man == old:
+            return
+        data = man.to_bytes()
+        self._retry(None, RUN_MANIFEST, lambda: self.store.put_bytes(RUN_MANIFEST, data))
+        self._remote.objects[RUN_MANIFEST] = len(data)
+        self._run = man
+        for key in sorted(old.keys() - man.keys()):  # replaced segments and sidecar versions: after the manifest
+            self._retry(None, f"deletion of {key}", lambda key=key: self.store.delete(key))
+            self._remote.objects.pop(key, None)
+
+    def _load_run(self) -> RunManifest:
+        """The store's run manifest (none, or malformed: an empty one, replaced at the next upload); objects under
+        ``history/`` and ``files/`` it does not name (an upload cut short) are deleted."""
+        assert self._remote is not None
+        man = RunManifest([], {})
+        where = f"{self.spec.url}/{RUN_MANIFEST}"
+        if RUN_MANIFEST in self._remote.objects:
+            try:
+                raw = self._retry(None, RUN_MANIFEST, lambda: self.store.get_bytes(RUN_MANIFEST, limit=MAX_RUN_MANIFEST))
+                man = RunManifest.parse(raw, where)
+            except RemoteUnavailable:
+                raise
+            except IntegrityError as exc:
+                self._event("mirror_refused", file=RUN_MANIFEST, url=self.spec.url, reason=exc.message,
+                            found=None if exc.found is None else str(exc.found)[:200],
+                            note="the run's files are uploaded again under a new manifest")
+        named = man.keys()
+        orphans = sorted(k for k in self._remote.objects if k.startswith(("history/", "files/")) and k not in named)
+        for key in orphans:
+            self._retry(None, f"deletion of {key}", lambda key=key: self.store.delete(key))
+            self._remote.objects.pop(key, None)
+        if orphans:
+            self._event("mirror_cleaned", step=None, file="run files", objects=len(orphans),
+                        reason="objects no manifest names (an upload cut short): removed by the next writer")
+        return man
 
     def _refuse_local(self, main: str, step: int, exc: RipresaError) -> None:
         self._refused.add(main)
@@ -816,6 +1084,120 @@ def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int
     return None
 
 
+def _last_step(data: bytes) -> int | None:
+    """The step of the last step line (not an event) in ``data`` (whole lines of a history)."""
+    import json
+
+    for line in reversed(data.splitlines()[-4096:]):
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict) and "event" not in obj and isinstance(obj.get("step"), int) \
+                and not isinstance(obj["step"], bool):
+            return obj["step"]
+    return None
+
+
+def restore_run(remote: ObjectStore, run_dir: Path, *, event: Callable[..., None] | None = None,
+                spec: MirrorSpec = _PULL) -> dict[str, Any] | None:
+    """On a blank machine: the run's history and sidecars as the store last held them (docs/MIRROR.md).
+
+    The history is restored only into an empty (or missing) ``.loss.jsonl``:
+    its segments are downloaded in order, each bounded by its manifest size
+    and compared with its sha256 before it is appended; the first that fails
+    ends the restore there (what was appended is whole lines). Each sidecar is
+    written (atomically, inside the run folder, never through a link) only
+    when the folder lacks it, and only when its bytes have the manifest's
+    sha256. A missing manifest: None; a malformed one: recorded
+    (``mirror_refused``) and nothing restored. Returns what was restored.
+    """
+    import hashlib
+
+    ev = event or (lambda name, **kw: None)
+    run_dir = Path(run_dir)
+    where = f"{remote.url}/{RUN_MANIFEST}"
+    try:
+        raw = _retrying(lambda: remote.get_bytes(RUN_MANIFEST, limit=MAX_RUN_MANIFEST), event=ev, what=RUN_MANIFEST,
+                        spec=spec)
+        man = RunManifest.parse(raw, where)
+    except RemoteNotFound:
+        return None
+    except IntegrityError as exc:  # too large, malformed
+        ev("mirror_refused", file=RUN_MANIFEST, url=remote.url, reason=exc.message,
+           found=None if exc.found is None else str(exc.found)[:200])
+        return None
+
+    def fetch(key: str, size: int, sha: str) -> bytes:
+        data = _retrying(lambda: remote.get_bytes(key, limit=size), event=ev, what=key, spec=spec)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
+            raise IntegrityError("a remote run file differs from its manifest", file=f"{remote.url}/{key}",
+                                 expected=f"{size} bytes, sha256 {sha}",
+                                 found=f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}")
+        return data
+
+    done: dict[str, Any] = {"history_bytes": 0, "segments": 0, "through_step": None, "files": [], "refused": []}
+    hist = run_dir / HISTORY_NAME
+    if man.history and _history_size(hist) == 0:
+        free = shutil.disk_usage(run_dir).free
+        if man.history_end > free:
+            raise SaveFailed("not enough disk space to pull the run's history", file=run_dir,
+                             expected=f"{man.history_end} bytes free", found=f"{free} bytes free")
+        fd = open_run_file(hist, "history (.loss.jsonl)", mode="create_append")
+        try:
+            for key, start, end, sha in man.history:
+                try:
+                    data = fetch(key, end - start, sha)
+                except (IntegrityError, RemoteNotFound) as exc:
+                    done["refused"].append(key)
+                    ev("mirror_refused", file=key, url=remote.url, reason=exc.message,
+                       note="the history is restored up to the segment before it")
+                    break
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                done["history_bytes"] += len(data)
+                done["segments"] += 1
+                done["through_step"] = _last_step(data) if _last_step(data) is not None else done["through_step"]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for path, (sha, size) in sorted(man.files.items()):
+        target = run_dir / path
+        if os.path.lexists(target):
+            continue  # the folder's own copy stays
+        try:
+            data = fetch(f"files/{sha}", size, sha)
+            _safe_parent(run_dir, path)
+            write_atomic(target, [data])
+        except (IntegrityError, RemoteNotFound) as exc:
+            done["refused"].append(path)
+            ev("mirror_refused", file=path, url=remote.url, reason=exc.message)
+            continue
+        done["files"].append(path)
+    if not done["segments"] and not done["files"]:
+        return None
+    return done
+
+
+def pull_run(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,
+             kinds: Iterable[str] = ("bin", "st", "dcp"), event: Callable[..., None] | None = None,
+             spec: MirrorSpec = _PULL) -> Generation | None:
+    """A blank machine's resume from the mirror: :func:`restore_run` (history, sidecars, config.json), then
+    :func:`pull` (the newest verified generation); a ``history_restored`` event says what came back and from
+    which step training goes on."""
+    ev = event or (lambda name, **kw: None)
+    restored = restore_run(remote, Path(run_dir), event=ev, spec=spec)
+    gen = pull(remote, Path(run_dir), ckpt, step=step, kinds=kinds, event=ev, spec=spec)
+    if restored is not None:
+        ev("history_restored", url=remote.url, bytes=restored["history_bytes"], segments=restored["segments"],
+           through_step=restored["through_step"], pulled_step=None if gen is None else gen.step,
+           files=restored["files"], refused=restored["refused"],
+           note="the run's history as the mirror held it; steps after the pulled generation are trained again and "
+                "their new lines (the last line per step) are canonical")
+    return gen
+
+
 def pull_config(remote: ObjectStore, run_dir: Path) -> bool:
     """Fetch ``config.json`` into ``run_dir`` when it has none (a blank machine); True when fetched."""
     dst = Path(run_dir) / "config.json"
@@ -883,7 +1265,7 @@ def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Ge
     try:
         hist = History(Path(run_dir) / HISTORY_NAME)
         try:
-            gen = pull(remote, Path(run_dir), store, step=step, event=hist.event)
+            gen = pull_run(remote, Path(run_dir), store, step=step, event=hist.event)
             config = pull_config(remote, Path(run_dir)) if gen is not None else False
         finally:
             hist.close()

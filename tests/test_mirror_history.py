@@ -16,9 +16,9 @@ import torch
 from conftest import REPO, ripresa_cli
 
 import ripresa
-from ripresa.store.history import HISTORY_NAME, History, read_history
-from ripresa.store.mirror import RUN_MANIFEST, MirrorSpec, RunManifest, restore_run
 from ripresa.io.objstore import open_store
+from ripresa.store.history import HISTORY_NAME, read_history
+from ripresa.store.mirror import RUN_MANIFEST, MirrorSpec, RunManifest, restore_run
 
 pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3, proxy
 

@@ -39,7 +39,15 @@ from typing import Any
 from ..errors import BadInput, CheckFailed, IntegrityError, RipresaError, SaveFailed
 from ..formats.generation import Generation
 from ..io import auth
-from ..io.fsio import StagedFile, fsync_dir, open_run_file, ops, parse_sha256sum, read_small, write_atomic
+from ..io.fsio import (
+    StagedFile,
+    fsync_dir,
+    open_run_file,
+    ops,
+    parse_sha256sum,
+    read_small,
+    write_atomic,
+)
 from ..io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
 from .history import HISTORY_NAME
 from .retention import KeepAny, KeepLast, RetentionPolicy
@@ -675,9 +683,9 @@ class Mirror:
                     pending=pending, url=self.spec.url,
                     note="training goes on; the pending generations are kept locally and retried with back-off; "
                          "recorded once (mirror_recovered ends it)")
-        _notice(f"ripresa: mirror {self.spec.url} cannot be reached ({exc.message}); training goes on, "
-                f"step(s) {_steps_text(pending) or 'none yet'} pending are kept in {self.run_dir} and uploaded when it "
-                f"is back (or with `ripresa mirror push {self.run_dir}`)")
+        kept = f"step(s) {_steps_text(pending)} pending are" if pending else "what is saved from now on is"
+        _notice(f"ripresa: mirror {self.spec.url} cannot be reached ({exc.message}); training goes on, {kept} kept in "
+                f"{self.run_dir} and uploaded when it is back (or with `ripresa mirror push {self.run_dir}`)")
 
     def _recovered(self) -> None:
         o, self._outage = self._outage, None

@@ -7,8 +7,13 @@ re-hashed as read and required to match the marker's sha256, then the
 signature (if any), then **the marker object last**. A reader trusts a remote
 generation only through its marker. A failure (network, timeout, reset, 5xx,
 throttling) is retried with exponential back-off and jitter (``mirror_retry``
-in the history); a round that gives up records ``mirror_failed`` and the
-generation stays *pending*, retried at the next round or commit. Training is
+in the history); a round that gives up starts an *outage*, recorded once
+(``mirror_outage``, then ``mirror_recovered`` with the count), during which
+rounds back off (capped, jittered) and the generation stays *pending*, retried
+at the next round or commit. After the generations, each round uploads the
+run's own files: new ``.loss.jsonl`` segments and changed sidecars, under a
+``run.json`` manifest uploaded last (docs/MIRROR.md "The run's own files").
+:meth:`Mirror.close` is bounded (docs/MIRROR.md "The close"). Training is
 never stopped or slowed by the store. Local retention never deletes a pending
 generation (:meth:`Mirror.pinned`); the remote keeps its own policy (default:
 twice the local ``keep_last``), deleting a generation marker first. Objects
@@ -19,7 +24,8 @@ downloaded into the run folder through the local commit protocol (temporary
 names, ``fsync``, marker last), deep-checked there (every hash; the signature
 when signatures are required), and resumed like any local generation. One that
 fails is removed again, recorded (``mirror_refused``) and the previous remote
-generation is tried.
+generation is tried. On a blank machine :func:`pull_run` first restores the
+run's history and sidecars (:func:`restore_run`), hash-checked.
 """
 
 from __future__ import annotations

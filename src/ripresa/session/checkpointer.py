@@ -69,7 +69,7 @@ from ..store.backend import (
     newest_kind,
 )
 from ..store.history import HISTORY_NAME, History
-from ..store.mirror import Mirror, has_local_generation, open_mirror, pull, record_url
+from ..store.mirror import Mirror, has_local_generation, open_mirror, pull_run, record_url
 from ..store.restore import rank_view, saved_record
 from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
 from ..store.store import CheckpointStore, CheckpointWarning, Generation
@@ -329,7 +329,7 @@ class Checkpointer:
     def _resume(self, from_path: str | Path | None, restore_rng: bool) -> int:
         if self.mirror is not None:
             if from_path is None and not self._fresh and not has_local_generation(self.run_dir):  # a new machine
-                pull(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
+                pull_run(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
                      event=self.history.event, spec=self.mirror.spec)
             self.mirror.start()
         if self.dist is not None:
@@ -864,7 +864,8 @@ class Checkpointer:
                     self._save(step, "final", must_succeed=True)
                     self._collect(block=True, must_succeed=True)
             if self.mirror is not None:
-                self.mirror.close()  # waits for the pending uploads (MirrorSpec.close_timeout)
+                heard = len(self.signals.received)  # a signal during the close leaves it at once (docs/MIRROR.md)
+                self.mirror.close(interrupted=lambda: len(self.signals.received) > heard)
             if self._shards is not None:
                 self._shards.close()  # its gloo save group ends now, not at interpreter exit
         finally:

@@ -7,8 +7,13 @@ re-hashed as read and required to match the marker's sha256, then the
 signature (if any), then **the marker object last**. A reader trusts a remote
 generation only through its marker. A failure (network, timeout, reset, 5xx,
 throttling) is retried with exponential back-off and jitter (``mirror_retry``
-in the history); a round that gives up records ``mirror_failed`` and the
-generation stays *pending*, retried at the next round or commit. Training is
+in the history); a round that gives up starts an *outage*, recorded once
+(``mirror_outage``, then ``mirror_recovered`` with the count), during which
+rounds back off (capped, jittered) and the generation stays *pending*, retried
+at the next round or commit. After the generations, each round uploads the
+run's own files: new ``.loss.jsonl`` segments and changed sidecars, under a
+``run.json`` manifest uploaded last (docs/MIRROR.md "The run's own files").
+:meth:`Mirror.close` is bounded (docs/MIRROR.md "The close"). Training is
 never stopped or slowed by the store. Local retention never deletes a pending
 generation (:meth:`Mirror.pinned`); the remote keeps its own policy (default:
 twice the local ``keep_last``), deleting a generation marker first. Objects
@@ -19,7 +24,8 @@ downloaded into the run folder through the local commit protocol (temporary
 names, ``fsync``, marker last), deep-checked there (every hash; the signature
 when signatures are required), and resumed like any local generation. One that
 fails is removed again, recorded (``mirror_refused``) and the previous remote
-generation is tried.
+generation is tried. On a blank machine :func:`pull_run` first restores the
+run's history and sidecars (:func:`restore_run`), hash-checked.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,8 +45,17 @@ from typing import Any
 from ..errors import BadInput, CheckFailed, IntegrityError, RipresaError, SaveFailed
 from ..formats.generation import Generation
 from ..io import auth
-from ..io.fsio import StagedFile, fsync_dir, ops, parse_sha256sum, read_small, write_atomic
+from ..io.fsio import (
+    StagedFile,
+    fsync_dir,
+    open_run_file,
+    ops,
+    parse_sha256sum,
+    read_small,
+    write_atomic,
+)
 from ..io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
+from .history import HISTORY_NAME
 from .retention import KeepAny, KeepLast, RetentionPolicy
 from .store import CheckpointStore
 
@@ -48,7 +64,8 @@ from .store import CheckpointStore
 #: outage kind caught it: a final state that differs from the uninterrupted run).
 _JITTER = random.Random()
 
-__all__ = ["Mirror", "MirrorSpec", "RemoteView", "local_generations", "open_mirror", "pull", "pull_config"]
+__all__ = ["Mirror", "MirrorSpec", "RemoteView", "RunManifest", "local_generations", "open_mirror", "pull", "pull_config",
+           "pull_run", "restore_run"]
 
 _MAIN = r"step_(\d{6,})\.(bin|safetensors|dcp)"
 _OF_MAIN = re.compile(rf"(?P<main>{_MAIN})(?:\.json|\.hmac|\.sha256|/[^/]+)?")
@@ -145,17 +162,18 @@ class RemoteView:
 
     @property
     def committed(self) -> dict[str, int]:
-        return {m: s for m, s in self.steps.items() if m + ".sha256" in self.groups[m]}
+        return {m: s for m, s in self.steps.items() if m + ".sha256" in self.groups.get(m, ())}
 
     @property
     def half(self) -> dict[str, int]:
-        return {m: s for m, s in self.steps.items() if m + ".sha256" not in self.groups[m]}
+        return {m: s for m, s in self.steps.items() if m + ".sha256" not in self.groups.get(m, ())}
 
     def add(self, main: str, step: int, keys: Iterable[tuple[str, int]]) -> None:
+        """Record objects the store now holds; a generation exists in the view only with at least one object."""
         for k, size in keys:
             self.objects[k] = size
             self.groups.setdefault(main, set()).add(k)
-        self.steps[main] = step
+            self.steps[main] = step
 
     def drop(self, main: str) -> None:
         for k in self.groups.pop(main, set()):
@@ -183,8 +201,209 @@ def _safe(event: Callable[..., None] | None) -> Callable[..., None]:
     return write
 
 
+# ---------------------------------------------------------------------------- the run's own files
+
+
+#: The run files' manifest in the store: the commit marker of the history segments and sidecars, uploaded last.
+RUN_MANIFEST = "run.json"
+RUN_MANIFEST_FORMAT = "ripresa-mirror-run/1"
+#: Largest run manifest read (bytes).
+MAX_RUN_MANIFEST = 4 << 20
+#: Largest sidecar mirrored or pulled (``.samples.json``, ``.state.json``, ``lineage.json``, ``archive/...``; bytes).
+MAX_RUN_FILE = 64 << 20
+#: Largest history segment (bytes): a longer stretch of history is cut into several.
+MAX_SEGMENT = 64 << 20
+#: Largest history pulled (bytes).
+MAX_HISTORY = 16 << 30
+#: Most files under ``archive/`` mirrored; most segments before they are merged again.
+MAX_ARCHIVE_FILES = 1000
+MAX_SEGMENTS = 512
+#: The run files mirrored besides the history (and every regular file under ``archive/``, three levels at most).
+RUN_FILES = ("config.json", "lineage.json", ".samples.json", ".state.json")
+_SEGMENT = re.compile(r"history/(\d{12})-(\d{12})\.jsonl")
+_FILE_KEY = re.compile(r"files/[0-9a-f]{64}")
+_SHA = re.compile(r"[0-9a-f]{64}")
+_PART = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9._-]{0,254}")
+
+
+def run_path_ok(path: object) -> bool:
+    """True for a run file the mirror carries: one of :data:`RUN_FILES`, or ``archive/a[/b[/c]]`` (no ``..``, no link)."""
+    if not isinstance(path, str):
+        return False
+    parts = path.split("/")
+    if any(p in (".", "..") or not _PART.fullmatch(p) for p in parts):
+        return False
+    return (len(parts) == 1 and parts[0] in RUN_FILES) or (parts[0] == "archive" and 2 <= len(parts) <= 4)
+
+
+def segment_key(start: int, end: int) -> str:
+    return f"history/{start:012d}-{end:012d}.jsonl"
+
+
+@dataclass
+class RunManifest:
+    """What the store holds of the run's own files: history segments (key, start, end, sha256) in order,
+    and sidecars (run-relative path → (sha256, size), stored as ``files/<sha256>``)."""
+
+    history: list[tuple[str, int, int, str]]
+    files: dict[str, tuple[str, int]]
+
+    @property
+    def history_end(self) -> int:
+        return self.history[-1][2] if self.history else 0
+
+    def keys(self) -> set[str]:
+        return {k for k, *_ in self.history} | {f"files/{sha}" for sha, _ in self.files.values()}
+
+    def to_bytes(self) -> bytes:
+        import json
+
+        doc = {"format": RUN_MANIFEST_FORMAT, "history": [list(h) for h in self.history],
+               "files": {p: list(v) for p, v in sorted(self.files.items())}}
+        return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, raw: bytes, where: str) -> RunManifest:
+        """A manifest read from the store (hostile): every key, path, offset and hash checked; the history
+        segments must follow each other from byte 0."""
+        import json
+
+        def bad(found: str) -> IntegrityError:
+            return IntegrityError("malformed run manifest", file=where, expected=f"a {RUN_MANIFEST_FORMAT} document",
+                                  found=found[:200], hint="the run's history and sidecars in the mirror are not used")
+
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise bad(repr(raw[:120])) from None
+        if not isinstance(doc, dict) or doc.get("format") != RUN_MANIFEST_FORMAT:
+            raise bad("another format")
+        hist, files = doc.get("history"), doc.get("files")
+        if not isinstance(hist, list) or not isinstance(files, dict) or len(hist) > 4 * MAX_SEGMENTS \
+                or len(files) > MAX_ARCHIVE_FILES + len(RUN_FILES):
+            raise bad("history or files missing, or too many")
+        out: list[tuple[str, int, int, str]] = []
+        pos = 0
+        for h in hist:
+            m = _SEGMENT.fullmatch(h[0]) if isinstance(h, list) and len(h) == 4 and isinstance(h[0], str) else None
+            if m is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in h[1:3]) \
+                    or not isinstance(h[3], str) or not _SHA.fullmatch(h[3]):
+                raise bad(f"history entry {str(h)[:120]}")
+            start, end = int(m.group(1)), int(m.group(2))
+            if (start, end) != (h[1], h[2]) or start != pos or not 0 < end - start <= MAX_SEGMENT or end > MAX_HISTORY:
+                raise bad(f"history segment {h[0]} does not follow byte {pos}")
+            out.append((h[0], start, end, h[3]))
+            pos = end
+        entries: dict[str, tuple[str, int]] = {}
+        for path, v in files.items():
+            if not run_path_ok(path) or not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) \
+                    or not _SHA.fullmatch(v[0]) or not isinstance(v[1], int) or isinstance(v[1], bool) \
+                    or not 0 <= v[1] <= MAX_RUN_FILE:
+                raise bad(f"file entry {str(path)[:80]}: {str(v)[:80]}")
+            entries[path] = (v[0], v[1])
+        return cls(out, entries)
+
+
+def _read_range(path: Path, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a run file (opened without following a link; shorter if the file is)."""
+    from ..io.fsio import CHUNK
+
+    fd = open_run_file(path, "history (.loss.jsonl)", error=IntegrityError)
+    try:
+        out = bytearray()
+        while start + len(out) < end:
+            piece = os.pread(fd, min(CHUNK, end - start - len(out)), start + len(out))
+            if not piece:
+                break
+            out += piece
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def _history_size(path: Path) -> int:
+    if not os.path.lexists(path):
+        return 0
+    fd = open_run_file(path, "history (.loss.jsonl)", error=IntegrityError)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def local_run_files(run_dir: Path) -> dict[str, Path]:
+    """The run files the mirror carries that exist in ``run_dir`` (regular files only; links are not followed)."""
+    run_dir = Path(run_dir)
+    out: dict[str, Path] = {}
+    for name in RUN_FILES:
+        p = run_dir / name
+        if os.path.lexists(p) and not os.path.islink(p) and p.is_file():
+            out[name] = p
+    archive = run_dir / "archive"
+    if os.path.islink(archive) or not archive.is_dir():
+        return out
+    stack = [(archive, "archive", 1)]
+    while stack and len(out) < MAX_ARCHIVE_FILES + len(RUN_FILES):
+        folder, rel, depth = stack.pop()
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            path = f"{rel}/{entry.name}"
+            if entry.is_dir(follow_symlinks=False) and depth < 3:
+                stack.append((Path(entry.path), path, depth + 1))
+            elif entry.is_file(follow_symlinks=False) and run_path_ok(path):
+                out[path] = Path(entry.path)
+    return out
+
+
+def _safe_parent(run_dir: Path, path: str) -> Path:
+    """``run_dir/path``'s folder, created inside the run folder (a link or file in the way: IntegrityError)."""
+    folder = Path(run_dir)
+    for part in path.split("/")[:-1]:
+        folder = folder / part
+        if os.path.islink(folder) or (os.path.lexists(folder) and not folder.is_dir()):
+            raise IntegrityError("a run file's folder is not a folder inside the run", file=folder,
+                                 expected="a folder (or nothing yet)", found="a link or a file",
+                                 hint="ripresa never follows links inside a run folder; remove it")
+        if not os.path.lexists(folder):
+            folder.mkdir()
+    return folder
+
+
 class _Stopped(Exception):
     """The mirror is being closed: leave the round now."""
+
+
+#: During :meth:`Mirror.close`, the longest wait between two tries of a request (seconds): the close stays short.
+CLOSE_RETRY_WAIT = 1.0
+#: The shortest pause between two rounds after a failed one (seconds), whatever ``MirrorSpec.backoff`` says.
+MIN_ROUND_WAIT = 0.05
+
+
+def _notice(text: str) -> None:
+    """One line on stderr (never raises: a closed or broken stderr drops it)."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _isatty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _clear_line() -> None:
+    try:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _steps_text(steps: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(s) for s in steps[:most])
+    return shown + (f" and {len(steps) - most} more" if len(steps) > most else "")
 
 
 class Mirror:
@@ -194,6 +413,13 @@ class Mirror:
     :meth:`pinned` from retention, and :meth:`close`; :meth:`drain` waits until
     nothing is pending (e.g. before a deadline). :attr:`last_upload_seconds`
     is the measured time of the last generation upload (None before the first).
+
+    Failures: a round that gives up starts an *outage* (one ``mirror_outage``
+    history line and one line on stderr); while it lasts, each round tries
+    each request once, rounds are spaced by a capped, jittered exponential
+    back-off, and nothing more is recorded; the first round that completes
+    ends it (one ``mirror_recovered`` line: failed attempts, duration, what
+    was uploaded). The history stays O(1) through an outage of any length.
     """
 
     def __init__(self, spec: MirrorSpec, run_dir: Path, *, local_retention: RetentionPolicy,
@@ -217,8 +443,18 @@ class Mirror:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._failures = 0
         self._closed = False
+        self._closing = False
+        self._rounds = 0  # rounds started by the thread
+        self._last_round: tuple[int, bool] = (0, True)  # (number, succeeded) of the last finished round
+        self._failed_requests = 0  # every request that failed, this session
+        self._outage: dict[str, Any] | None = None
+        self._last_error: str | None = None
+        self._current: int | None = None  # the step being uploaded now
+        self.outages = 0  # outages this session (each recorded once)
+        self._run: RunManifest | None = None  # the store's run manifest (history segments, sidecars)
+        self._run_checked = False
+        self._run_cache: dict[str, tuple[tuple[int, int, int], str, int]] = {}
 
     # ------------------------------------------------------------------ session hooks
     def start(self) -> None:
@@ -244,8 +480,16 @@ class Mirror:
         with self._lock:
             return sorted(self._pending)
 
+    @property
+    def in_outage(self) -> bool:
+        """True while the store cannot be reached (a round gave up and none has completed since)."""
+        return self._outage is not None
+
     def drain(self, timeout: float) -> bool:
-        """Upload what is pending now; wait at most ``timeout`` seconds. True when nothing is pending."""
+        """Upload what is pending now; wait at most ``timeout`` seconds. True when nothing is pending.
+
+        It wakes the thread once; a failed round is retried by the thread after its back-off, never
+        sooner (a drain never turns an outage into a busy loop)."""
         deadline = time.monotonic() + max(0.0, timeout)
         self.notify()
         with self._lock:
@@ -254,28 +498,98 @@ class Mirror:
                 if left <= 0 or self._thread is None or not self._thread.is_alive():
                     break
                 self._lock.wait(min(left, 0.5))
-                if not (self._dirty or self._busy):
-                    self._wake.set()
             return not (self._dirty or self._busy or self._pending)
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Drain (at most ``timeout``, default the spec's ``close_timeout``), then stop the thread."""
+    def close(self, timeout: float | None = None, *, interrupted: Callable[[], bool] | None = None) -> bool:
+        """Upload what is pending, then stop the thread. True when nothing was left pending.
+
+        Bounded: at most ``timeout`` seconds (default the spec's ``close_timeout``); at once when
+        ``interrupted()`` turns true (a signal received during the close) or on Ctrl-C; and after one
+        more round when the store cannot be reached (an outage: each request tried once). On a
+        terminal, a progress line on stderr says what is being uploaded and that Ctrl-C leaves it
+        pending; elsewhere only a final one-line summary when something was pending. What is left is
+        recorded (``mirror_pending``) and named, with ``ripresa mirror push RUN``.
+        """
         if self._closed:
             return True
         self._closed = True
-        done = True
-        if self._thread is not None:
-            done = self.drain(self.spec.close_timeout if timeout is None else timeout)
-            self._stop.set()
-            self._wake.set()
-            self._thread.join(timeout=self.spec.timeout + 5)
-        if not done:
-            self._event("mirror_pending", steps=self.pending, url=self.spec.url,
+        if self._thread is None:
+            return True
+        budget = self.spec.close_timeout if timeout is None else max(0.0, timeout)
+        self._closing = True
+        with self._lock:
+            first = self._rounds  # a round numbered above it started after the close began
+        self.notify()  # one round now, whatever the back-off
+        t0, uploaded0 = time.monotonic(), len(self.uploaded)
+        tty = _isatty()
+        why: str | None = None
+        waited = drawn = False
+        last_draw = 0.0
+        ctrl_c: BaseException | None = None
+        try:
+            while True:
+                with self._lock:
+                    idle = not (self._dirty or self._busy)
+                    done = idle and not self._pending
+                    failed = idle and self._last_round[0] > first and not self._last_round[1]
+                    pending = sorted(self._pending)
+                if done:
+                    break
+                if self._thread is None or not self._thread.is_alive():
+                    why = "the mirror's thread ended"
+                    break
+                if interrupted is not None and interrupted():
+                    why = "interrupted"
+                    break
+                if failed:
+                    why = "the store cannot be reached" + (f" ({self._last_error})" if self._last_error else "")
+                    break
+                if time.monotonic() - t0 >= budget:
+                    why = f"close_timeout ({budget:g} s) reached"
+                    break
+                if budget > 0:
+                    waited = True
+                now = time.monotonic()
+                if tty and now - last_draw >= 0.25 and budget > 0:
+                    last_draw, drawn = now, True
+                    self._draw(pending)
+                with self._lock:
+                    self._lock.wait(0.1)
+        except KeyboardInterrupt as exc:  # no signal handler installed: Ctrl-C leaves the close at once
+            why, ctrl_c = "interrupted", exc
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=0.5 if why is not None else self.spec.timeout + 5)
+        left = self.pending
+        if drawn:
+            _clear_line()
+        if why is not None:
+            self._event("mirror_pending", steps=left, url=self.spec.url, reason=why,
                         note="not uploaded before the session ended; the next session (or `ripresa mirror push`) uploads them")
-        return done
+            _notice(f"ripresa: mirror: left step(s) {_steps_text(left)} pending ({why}); they stay in {self.run_dir}; "
+                    f"upload them with `ripresa mirror push {self.run_dir}`")
+        elif waited and len(self.uploaded) > uploaded0:
+            _notice(f"ripresa: mirror: uploaded step(s) {_steps_text(self.uploaded[uploaded0:])} to {self.spec.url} "
+                    f"at the close ({time.monotonic() - t0:.1f} s)")
+        if ctrl_c is not None:
+            raise ctrl_c
+        return why is None
+
+    def _draw(self, pending: list[int]) -> None:
+        if self._outage is not None:
+            what = f"waiting for the store ({self._outage['error'][:60]}), step(s) {_steps_text(pending, 4)} pending"
+        else:
+            cur = self._current if self._current is not None else (pending[0] if pending else None)
+            what = f"uploading step {cur} ({len(pending)} pending)" if cur is not None else "uploading the run's files"
+        try:
+            sys.stderr.write(f"\r\x1b[Kripresa: mirror: {what} — Ctrl-C to leave them pending and exit")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        failures = 0
         wait: float | None = None
         while not self._stop.is_set():
             self._wake.wait(timeout=wait)
@@ -284,31 +598,54 @@ class Mirror:
                 return
             with self._lock:
                 self._dirty, self._busy = False, True
+                self._rounds += 1
+                number = self._rounds
             ok = False
             try:
-                ok = self.round()
+                self.round()
+                ok = self._outage is None
             except _Stopped:
                 return
-            except Exception as exc:  # noqa: BLE001 - the thread never dies; the round is retried
-                self._event("mirror_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            except Exception as exc:  # noqa: BLE001 - the thread never dies; the round is retried after a back-off
+                error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                if error != self._last_error:  # recorded once, not once per round
+                    self._event("mirror_error", error=error, pending=self.pending,
+                                note="an unexpected failure of a mirror round; retried with back-off")
+                self._last_error = error
             finally:
                 with self._lock:
                     self._busy = False
+                    self._current = None
+                    self._last_round = (number, ok)
                     self._lock.notify_all()
-            self._failures = 0 if ok else self._failures + 1
-            wait = None if ok else min(self.spec.max_backoff, self.spec.backoff * 2 ** min(self._failures, 16))
+            failures = 0 if ok else failures + 1
+            wait = None if ok else self._backoff(failures)
+
+    def _backoff(self, failures: int) -> float:
+        """The pause before the next round after ``failures`` failed rounds in a row: exponential, capped, jittered."""
+        s = self.spec
+        return max(MIN_ROUND_WAIT, min(s.max_backoff, s.backoff * 2 ** min(failures - 1, 30)) * _JITTER.uniform(0.5, 1.0))
 
     def _retry(self, step: int | None, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried with back-off: ``attempts`` tries normally; one try during an outage (the rounds'
+        own back-off spaces them) and for the first listing of a session (an unreachable store says so at once)."""
         s = self.spec
-        for attempt in range(1, s.attempts + 1):
+        once = self._outage is not None or (self._remote is None and what == "listing" and not self._closing)
+        tries = 1 if once else s.attempts
+        for attempt in range(1, tries + 1):
             if self._stop.is_set():
                 raise _Stopped
             try:
                 return fn()
             except (RemoteUnavailable, RemoteNotFound) as exc:
-                if attempt == s.attempts:
+                self._failed_requests += 1
+                if self._outage is not None:
+                    self._outage["error"] = exc.message
+                if attempt == tries:
                     raise RemoteUnavailable(exc.message, file=exc.file, found=exc.found) from None
                 wait = min(s.max_backoff, s.backoff * 2 ** (attempt - 1)) * _JITTER.uniform(0.5, 1.5)
+                if self._closing:
+                    wait = min(wait, CLOSE_RETRY_WAIT)
                 self._event("mirror_retry", step=step, object=what, attempt=attempt, error=exc.message,
                             found=None if exc.found is None else str(exc.found)[:200], wait=round(wait, 3))
                 if self._stop.wait(wait):
@@ -317,7 +654,9 @@ class Mirror:
 
     def round(self) -> bool:
         """One pass: list the store (first time), clean half uploads, upload what is pending, apply remote
-        retention. True when nothing is left pending. Also what ``ripresa mirror push`` runs."""
+        retention, then the run's own files (:meth:`_push_run`). True when nothing is left pending. Also what ``ripresa mirror push`` runs."""
+        failed_before = self._failed_requests
+        uploaded_before = len(self.uploaded)
         local = local_generations(self.run_dir)
         self._plan(local)
         try:
@@ -333,12 +672,41 @@ class Mirror:
             for main, step in self._remote.half.items():  # our own cut-short uploads of what is no longer pending
                 if step not in pending:
                     self._delete_group(main)
+            self._push_run()
         except RemoteUnavailable as exc:
-            self._event("mirror_failed", error=exc.message, found=None if exc.found is None else str(exc.found)[:200],
-                        pending=self.pending, note="training goes on; the pending generations are kept and retried")
+            self._outage_started(exc, failed_before, uploaded_before)
             return False
+        self._last_error = None
+        if self._outage is not None:
+            self._recovered()
         self._plan(local_generations(self.run_dir))
         return not self._pending
+
+    def _outage_started(self, exc: RemoteUnavailable, failed_before: int, uploaded_before: int) -> None:
+        self._last_error = exc.message
+        if self._outage is not None:
+            return  # recorded once per outage: the count is in mirror_recovered
+        self.outages += 1
+        self._outage = {"t0": time.monotonic(), "since": round(time.time(), 3), "error": exc.message,
+                        "first_error": exc.message, "failed_before": failed_before, "uploaded_before": uploaded_before}
+        pending = self.pending
+        self._event("mirror_outage", error=exc.message, found=None if exc.found is None else str(exc.found)[:200],
+                    pending=pending, url=self.spec.url,
+                    note="training goes on; the pending generations are kept locally and retried with back-off; "
+                         "recorded once (mirror_recovered ends it)")
+        kept = f"step(s) {_steps_text(pending)} pending are" if pending else "what is saved from now on is"
+        _notice(f"ripresa: mirror {self.spec.url} cannot be reached ({exc.message}); training goes on, {kept} kept in "
+                f"{self.run_dir} and uploaded when it is back (or with `ripresa mirror push {self.run_dir}`)")
+
+    def _recovered(self) -> None:
+        o, self._outage = self._outage, None
+        assert o is not None
+        seconds = round(time.monotonic() - o["t0"], 3)
+        uploaded = self.uploaded[o["uploaded_before"]:]
+        self._event("mirror_recovered", failed_attempts=self._failed_requests - o["failed_before"], seconds=seconds,
+                    since=o["since"], error=o["first_error"], uploaded=uploaded, pending=self.pending, url=self.spec.url)
+        _notice(f"ripresa: mirror {self.spec.url} reachable again after {seconds:.1f} s; uploaded step(s) "
+                f"{_steps_text(uploaded) or 'none'}")
 
     def _plan(self, local: dict[str, int]) -> None:
         """Which local generations the remote still needs (those its policy would keep): pending, pinned locally."""
@@ -390,6 +758,7 @@ class Mirror:
         if main in self._remote.groups:  # a half upload of ours (an earlier round): its objects are overwritten
             pass
         total, done = 0, []
+        self._current = step
         try:
             for sha, name in files:
                 n = self._retry(step, name, lambda name=name, sha=sha: self.store.put_file(name, self.run_dir / name, sha256=sha))
@@ -402,7 +771,7 @@ class Mirror:
             self._refuse_local(main, step, exc)
             return
         finally:
-            self._remote.add(main, step, done)
+            self._remote.add(main, step, done)  # only what the store holds (nothing: the view is unchanged)
         self._retry(step, main + ".sha256", lambda: self.store.put_bytes(main + ".sha256", raw))
         self._remote.add(main, step, [(main + ".sha256", len(raw))])
         self.last_upload_seconds = time.perf_counter() - t0
@@ -411,6 +780,100 @@ class Mirror:
             self._pending.discard(step)
         self._event("mirror_uploaded", step=step, file=main, bytes=total, objects=len(done) + 1,
                     seconds=round(self.last_upload_seconds, 4), url=self.spec.url)
+
+    def _push_run(self) -> None:
+        """Upload the run's own files (docs/MIRROR.md "The run's own files"): the history bytes appended since the
+        last segment (up to the last complete line) as new immutable segments, each changed sidecar as
+        ``files/<sha256>``, then the manifest ``run.json`` **last**; then delete what it no longer names."""
+        import hashlib
+
+        assert self._remote is not None
+        if self._run is None:
+            self._run = self._load_run()
+        old = self._run
+        hist = self.run_dir / HISTORY_NAME
+        try:
+            size = _history_size(hist)
+        except RipresaError:
+            size = 0  # a link or a special file in place of the history: not mirrored
+        segments = list(old.history)
+        if segments and not self._run_checked:  # once a session: the store's history is this file's beginning
+            key, start, end, sha = segments[-1]
+            if size < end or hashlib.sha256(_read_range(hist, start, end)).hexdigest() != sha:
+                segments = []  # another history (a folder started afresh): uploaded again, whole
+        self._run_checked = True
+        if len(segments) >= MAX_SEGMENTS:
+            segments = []  # merged: the whole history again, in segments of up to MAX_SEGMENT bytes
+        pos = segments[-1][2] if segments else 0
+        while size > pos:
+            data = _read_range(hist, pos, min(size, pos + MAX_SEGMENT))
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                break  # no complete line yet
+            data = data[:cut]
+            key = segment_key(pos, pos + cut)
+            self._retry(None, key, lambda key=key, data=data: self.store.put_bytes(key, data))
+            self._remote.objects[key] = cut
+            segments.append((key, pos, pos + cut, hashlib.sha256(data).hexdigest()))
+            pos += cut
+        files: dict[str, tuple[str, int]] = {}
+        for path, p in local_run_files(self.run_dir).items():
+            try:
+                st = os.stat(p, follow_symlinks=False)
+                stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+                known = self._run_cache.get(path)
+                if known is not None and known[0] == stamp:
+                    sha, n, raw = known[1], known[2], None
+                else:
+                    raw = read_small(p, path, MAX_RUN_FILE, error=IntegrityError)
+                    sha, n = hashlib.sha256(raw).hexdigest(), len(raw)
+            except (RipresaError, OSError):
+                continue  # a link, a FIFO, too large, gone: not mirrored
+            key = f"files/{sha}"
+            if key not in self._remote.objects:
+                if raw is None:
+                    self._run_cache.pop(path, None)
+                    continue  # changed since it was hashed: the next round reads it again
+                self._retry(None, path, lambda key=key, raw=raw: self.store.put_bytes(key, raw))
+                self._remote.objects[key] = n
+            self._run_cache[path] = (stamp, sha, n)
+            files[path] = (sha, n)
+        man = RunManifest(segments, files)
+        if man == old:
+            return
+        data = man.to_bytes()
+        self._retry(None, RUN_MANIFEST, lambda: self.store.put_bytes(RUN_MANIFEST, data))
+        self._remote.objects[RUN_MANIFEST] = len(data)
+        self._run = man
+        for key in sorted(old.keys() - man.keys()):  # replaced segments and sidecar versions: after the manifest
+            self._retry(None, f"deletion of {key}", lambda key=key: self.store.delete(key))
+            self._remote.objects.pop(key, None)
+
+    def _load_run(self) -> RunManifest:
+        """The store's run manifest (none, or malformed: an empty one, replaced at the next upload); objects under
+        ``history/`` and ``files/`` it does not name (an upload cut short) are deleted."""
+        assert self._remote is not None
+        man = RunManifest([], {})
+        where = f"{self.spec.url}/{RUN_MANIFEST}"
+        if RUN_MANIFEST in self._remote.objects:
+            try:
+                raw = self._retry(None, RUN_MANIFEST, lambda: self.store.get_bytes(RUN_MANIFEST, limit=MAX_RUN_MANIFEST))
+                man = RunManifest.parse(raw, where)
+            except RemoteUnavailable:
+                raise
+            except IntegrityError as exc:
+                self._event("mirror_refused", file=RUN_MANIFEST, url=self.spec.url, reason=exc.message,
+                            found=None if exc.found is None else str(exc.found)[:200],
+                            note="the run's files are uploaded again under a new manifest")
+        named = man.keys()
+        orphans = sorted(k for k in self._remote.objects if k.startswith(("history/", "files/")) and k not in named)
+        for key in orphans:
+            self._retry(None, f"deletion of {key}", lambda key=key: self.store.delete(key))
+            self._remote.objects.pop(key, None)
+        if orphans:
+            self._event("mirror_cleaned", step=None, file="run files", objects=len(orphans),
+                        reason="objects no manifest names (an upload cut short): removed by the next writer")
+        return man
 
     def _refuse_local(self, main: str, step: int, exc: RipresaError) -> None:
         self._refused.add(main)
@@ -640,6 +1103,120 @@ def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int
     return None
 
 
+def _last_step(data: bytes) -> int | None:
+    """The step of the last step line (not an event) in ``data`` (whole lines of a history)."""
+    import json
+
+    for line in reversed(data.splitlines()[-4096:]):
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict) and "event" not in obj and isinstance(obj.get("step"), int) \
+                and not isinstance(obj["step"], bool):
+            return obj["step"]
+    return None
+
+
+def restore_run(remote: ObjectStore, run_dir: Path, *, event: Callable[..., None] | None = None,
+                spec: MirrorSpec = _PULL) -> dict[str, Any] | None:
+    """On a blank machine: the run's history and sidecars as the store last held them (docs/MIRROR.md).
+
+    The history is restored only into an empty (or missing) ``.loss.jsonl``:
+    its segments are downloaded in order, each bounded by its manifest size
+    and compared with its sha256 before it is appended; the first that fails
+    ends the restore there (what was appended is whole lines). Each sidecar is
+    written (atomically, inside the run folder, never through a link) only
+    when the folder lacks it, and only when its bytes have the manifest's
+    sha256. A missing manifest: None; a malformed one: recorded
+    (``mirror_refused``) and nothing restored. Returns what was restored.
+    """
+    import hashlib
+
+    ev = event or (lambda name, **kw: None)
+    run_dir = Path(run_dir)
+    where = f"{remote.url}/{RUN_MANIFEST}"
+    try:
+        raw = _retrying(lambda: remote.get_bytes(RUN_MANIFEST, limit=MAX_RUN_MANIFEST), event=ev, what=RUN_MANIFEST,
+                        spec=spec)
+        man = RunManifest.parse(raw, where)
+    except RemoteNotFound:
+        return None
+    except IntegrityError as exc:  # too large, malformed
+        ev("mirror_refused", file=RUN_MANIFEST, url=remote.url, reason=exc.message,
+           found=None if exc.found is None else str(exc.found)[:200])
+        return None
+
+    def fetch(key: str, size: int, sha: str) -> bytes:
+        data = _retrying(lambda: remote.get_bytes(key, limit=size), event=ev, what=key, spec=spec)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
+            raise IntegrityError("a remote run file differs from its manifest", file=f"{remote.url}/{key}",
+                                 expected=f"{size} bytes, sha256 {sha}",
+                                 found=f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}")
+        return data
+
+    done: dict[str, Any] = {"history_bytes": 0, "segments": 0, "through_step": None, "files": [], "refused": []}
+    hist = run_dir / HISTORY_NAME
+    if man.history and _history_size(hist) == 0:
+        free = shutil.disk_usage(run_dir).free
+        if man.history_end > free:
+            raise SaveFailed("not enough disk space to pull the run's history", file=run_dir,
+                             expected=f"{man.history_end} bytes free", found=f"{free} bytes free")
+        fd = open_run_file(hist, "history (.loss.jsonl)", mode="create_append")
+        try:
+            for key, start, end, sha in man.history:
+                try:
+                    data = fetch(key, end - start, sha)
+                except (IntegrityError, RemoteNotFound) as exc:
+                    done["refused"].append(key)
+                    ev("mirror_refused", file=key, url=remote.url, reason=exc.message,
+                       note="the history is restored up to the segment before it")
+                    break
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                done["history_bytes"] += len(data)
+                done["segments"] += 1
+                done["through_step"] = _last_step(data) if _last_step(data) is not None else done["through_step"]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for path, (sha, size) in sorted(man.files.items()):
+        target = run_dir / path
+        if os.path.lexists(target):
+            continue  # the folder's own copy stays
+        try:
+            data = fetch(f"files/{sha}", size, sha)
+            _safe_parent(run_dir, path)
+            write_atomic(target, [data])
+        except (IntegrityError, RemoteNotFound) as exc:
+            done["refused"].append(path)
+            ev("mirror_refused", file=path, url=remote.url, reason=exc.message)
+            continue
+        done["files"].append(path)
+    if not done["segments"] and not done["files"]:
+        return None
+    return done
+
+
+def pull_run(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,
+             kinds: Iterable[str] = ("bin", "st", "dcp"), event: Callable[..., None] | None = None,
+             spec: MirrorSpec = _PULL) -> Generation | None:
+    """A blank machine's resume from the mirror: :func:`restore_run` (history, sidecars, config.json), then
+    :func:`pull` (the newest verified generation); a ``history_restored`` event says what came back and from
+    which step training goes on."""
+    ev = event or (lambda name, **kw: None)
+    restored = restore_run(remote, Path(run_dir), event=ev, spec=spec)
+    gen = pull(remote, Path(run_dir), ckpt, step=step, kinds=kinds, event=ev, spec=spec)
+    if restored is not None:
+        ev("history_restored", url=remote.url, bytes=restored["history_bytes"], segments=restored["segments"],
+           through_step=restored["through_step"], pulled_step=None if gen is None else gen.step,
+           files=restored["files"], refused=restored["refused"],
+           note="the run's history as the mirror held it; steps after the pulled generation are trained again and "
+                "their new lines (the last line per step) are canonical")
+    return gen
+
+
 def pull_config(remote: ObjectStore, run_dir: Path) -> bool:
     """Fetch ``config.json`` into ``run_dir`` when it has none (a blank machine); True when fetched."""
     dst = Path(run_dir) / "config.json"
@@ -707,7 +1284,7 @@ def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Ge
     try:
         hist = History(Path(run_dir) / HISTORY_NAME)
         try:
-            gen = pull(remote, Path(run_dir), store, step=step, event=hist.event)
+            gen = pull_run(remote, Path(run_dir), store, step=step, event=hist.event)
             config = pull_config(remote, Path(run_dir)) if gen is not None else False
         finally:
             hist.close()

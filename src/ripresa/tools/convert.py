@@ -264,10 +264,15 @@ def _read_weights_safetensors(src: Path) -> tuple[dict[str, str], dict[str, Any]
     match it (:mod:`ripresa.formats.safetensors_file`).
     """
     from ..formats import safetensors_file as st_file
-    from ..io.fsio import read_sidecar
+    from ..io.fsio import open_run_file
 
     expected = read_sidecar(src) if os.path.lexists(src.parent / (src.name + ".sha256")) else None
-    header, tensors, _ = st_file.read(src, expected_sha256=expected)
+    fd = open_run_file(src, "safetensors file")  # a loose source: a refused open is bad input (exit 2)
+    try:
+        header = st_file.header_fd(fd, src)
+        tensors, _ = st_file.read_fd(fd, src, header, expected_sha256=expected)
+    finally:
+        os.close(fd)
     return dict(header.metadata), tensors
 
 

@@ -299,7 +299,7 @@ class DcpBackend(_Base):
         step = self.step_of(src)
         if step is None:
             raise BadInput("not a step_NNNNNN.dcp folder", file=src, expected="step_NNNNNN.dcp", found=src.name)
-        gen = self._fmt().check_dcp(src.parent, step, deep=True)
+        gen = self.check(step, deep=True, folder=src.parent)  # the run's signature policy holds for an explicit path too
         if not gen.valid:
             raise IntegrityError(f"cannot resume from .dcp generation {step}: {gen.reason}", file=src,
                                  hint="check it with `sha256sum -c` from its folder")

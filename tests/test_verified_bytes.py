@@ -434,3 +434,18 @@ def test_verify_reads_summary_json_without_following_links_or_waiting_on_a_fifo(
     (out / "summary.json").symlink_to(elsewhere)
     with pytest.raises(BadInput, match="symlink"):
         saved_checkpoint(out)
+
+
+@pytest.mark.slow
+def test_an_explicit_dcp_path_is_checked_under_the_runs_own_signature_policy(tmp_path):
+    """``--resume RUN/step_N.dcp`` through a store that requires signatures (set in code, not in the environment):
+    an unsigned generation is refused; a signed one is accepted and its signature verified."""
+    _dcp_run(tmp_path / "unsigned", (5,), key=None)
+    _dcp_run(tmp_path / "signed", (5,), key=KEY)
+    (tmp_path / "reader").mkdir()
+    store = CheckpointStore(tmp_path / "reader", writer=False, require_signature=True, hmac_key=KEY)
+    backend = DcpBackend(store)
+    with pytest.raises(IntegrityError, match="not signed"):
+        backend.at_path(tmp_path / "unsigned" / "step_000005.dcp")
+    gen = backend.at_path(tmp_path / "signed" / "step_000005.dcp")
+    assert gen.valid and gen.signature_verified

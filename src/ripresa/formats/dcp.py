@@ -32,8 +32,12 @@ files of the folder, the companion's hash and the files' sizes match, and —
 under require-signature — the signature matches; ``deep`` re-hashes every
 file and reads the ``.metadata`` through the restricted reader of
 :mod:`ripresa.formats.dcp_safe` (nothing of it is ever unpickled freely; a
-resume checks its candidate deeply before loading it). ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256``
-checks it by hand.
+resume checks its candidate deeply before loading it). The load then reads
+exactly the bytes that were verified: :func:`load_shards` re-reads every file
+it needs into memory while hashing it against the hashes the check recorded
+(:class:`ripresa.formats.dcp_safe.VerifiedFiles`), and DCP reads only those
+buffers, so a shard swapped between the check and the load is refused, never
+loaded. ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256`` checks it by hand.
 """
 
 from __future__ import annotations

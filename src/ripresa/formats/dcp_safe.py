@@ -24,6 +24,18 @@ folders). Every DCP read of ripresa goes through this module instead:
   compressed; their sizes within the slice) before ``torch.load``.
 * :class:`SafeLoadPlanner` loads the non-tensor items with
   ``torch.load(weights_only=True)``.
+* :class:`VerifiedFiles`: a load never re-opens a path its check hashed.
+  Every file DCP needs is read once (the safe opener: no symlink, no FIFO)
+  into memory while hashed, compared with the sha256 the generation's check
+  recorded (the marker, signed under require-signature), and DCP slices only
+  those buffers; all of a rank's files are verified before any item is loaded.
+
+The unpickler is bounded by design: the pure-Python one (iterative), a dict
+memo of at most :data:`MAX_MEMO` entries, every opcode metered
+(:data:`MAX_PICKLE_UNITS`), each key measured before it is hashed, and the
+result checked iteratively (:func:`check_shape`: at most
+:data:`MAX_METADATA_DEPTH` levels, no container reached twice). Every refusal
+is an :class:`~ripresa.errors.IntegrityError`, so a resume falls back.
 
 :func:`read_metadata` is the same check for ``inspect`` and ``check_dcp``
 (one validation path: what a deep check passes, a load passes too).

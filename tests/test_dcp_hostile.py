@@ -90,6 +90,15 @@ def _rebless(folder: Path, step: int, *, companion: dict | None = None) -> None:
     mk.write_text("".join(lines))
 
 
+def _load_checked(model, opt, path: Path) -> None:
+    """What every loader does: a (shallow) check records the marker's hashes, then exactly those bytes load."""
+    step = dcp_fmt.parse_dcp_name(path.name)
+    g = dcp_fmt.check_dcp(path.parent, step)
+    assert g.valid, g.reason
+    doc = dcp_fmt.read_dcp_companion(path, g.companion_sha256)
+    dcp_fmt.load_shards(model, opt, path, files=g.files, sizes=doc["files"], no_dist=True)
+
+
 def _plant_payload(folder: Path, step: int, marker: Path) -> None:
     d, _ = dcp_fmt.dcp_paths(folder, step)
     (d / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
@@ -112,7 +121,7 @@ def test_metadata_payload_is_refused_by_the_reader_and_every_loader(tmp_path):
     assert err.value.file == str(gen.path / ".metadata")
     model, opt = _toy()
     with pytest.raises(IntegrityError):
-        dcp_fmt.load_shards(model, opt, gen.path, no_dist=True)
+        _load_checked(model, opt, gen.path)
     assert not marker.exists()
 
 
@@ -200,7 +209,7 @@ def test_shard_items_load_with_weights_only(tmp_path):
     assert dcp_fmt.check_dcp(tmp_path / "run", 5, deep=True).valid  # the metadata itself is well-formed
     model, opt = _toy()
     with pytest.raises(IntegrityError) as err:
-        dcp_fmt.load_shards(model, opt, gen.path, no_dist=True)
+        _load_checked(model, opt, gen.path)
     assert "weights_only" in str(err.value) and "optim.param_groups.0.lr" in str(err.value)
     assert not marker.exists()
 
@@ -220,7 +229,7 @@ def test_metadata_that_points_outside_its_shards_is_refused(tmp_path, edit, foun
     assert not g.valid and found in g.reason
     model, opt = _toy()
     with pytest.raises(IntegrityError):
-        dcp_fmt.load_shards(model, opt, gen.path, no_dist=True)
+        _load_checked(model, opt, gen.path)
 
 
 def test_a_real_dcp_generation_round_trips_through_the_safe_reader(tmp_path):
@@ -228,7 +237,7 @@ def test_a_real_dcp_generation_round_trips_through_the_safe_reader(tmp_path):
     src_model, src_opt = _toy()
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp_fmt.load_shards(model, opt, gen.path, no_dist=True)
+    _load_checked(model, opt, gen.path)
     for a, b in zip(src_model.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert opt.param_groups[0]["lr"] == 1e-3 and tuple(opt.param_groups[0]["betas"]) == (0.9, 0.95)

@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ..io.fsio import read_json_small
 from ..store.history import read_history
 from ..store.store import CheckpointStore
 from ..verify.verify import reference_exercise_command, render_verdict, verify_resume
@@ -95,7 +96,7 @@ def run_demo(out: Path, console: Console | None = None) -> int:
         detail = {k: v for k, v in e.items() if k not in ("event", "time", "step", "from_step", "lineage")}
         table.add_row(e["event"], str(e.get("step", e.get("from_step", ""))), json.dumps(detail)[:90])
     console.print(table)
-    samples = json.loads((run / ".samples.json").read_text())
+    samples = read_json_small(run / ".samples.json", "sample audits", 16 << 20)  # no link followed, no FIFO waited on
     last = samples["audits"][-1]
     console.print(f"sample audit at step {last['step']}: {last['samples'][0]['prompt']!r} → {last['samples'][0]['completion'][:60]!r}")
     console.print(

@@ -199,8 +199,9 @@ def _fork_dcp(parent: Path, step: int, into: Path, sets: Sequence[str]) -> dict[
     if signature is not None:  # written before the marker, as a save does
         write_atomic(dcp_fmt.signature_path(into, step), [signature], sync_dir=False)
     fsync_dir(into)
-    write_atomic(dst_marker, [sidecar_line(h, f"{dst.name}/{name}") for name, h in sorted(gen.files.items())])
-    marker_sha = hashlib.sha256(dst_marker.read_bytes()).hexdigest()
+    marker_lines = [sidecar_line(h, f"{dst.name}/{name}") for name, h in sorted(gen.files.items())]
+    write_atomic(dst_marker, marker_lines)
+    marker_sha = hashlib.sha256(b"".join(marker_lines)).hexdigest()  # of the bytes written, not a re-read of the path
     lineage = {
         "parent_run": str(parent.resolve()), "step": step, "dcp": dst.name, "marker_sha256": marker_sha,
         "files_sha256": dict(sorted(gen.files.items())), "world_size": gen.world_size, "signed": signature is not None,

@@ -32,8 +32,12 @@ files of the folder, the companion's hash and the files' sizes match, and —
 under require-signature — the signature matches; ``deep`` re-hashes every
 file and reads the ``.metadata`` through the restricted reader of
 :mod:`ripresa.formats.dcp_safe` (nothing of it is ever unpickled freely; a
-resume checks its candidate deeply before loading it). ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256``
-checks it by hand.
+resume checks its candidate deeply before loading it). The load then reads
+exactly the bytes that were verified: :func:`load_shards` re-reads every file
+it needs into memory while hashing it against the hashes the check recorded
+(:class:`ripresa.formats.dcp_safe.VerifiedFiles`), and DCP reads only those
+buffers, so a shard swapped between the check and the load is refused, never
+loaded. ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256`` checks it by hand.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +54,12 @@ import torch
 from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed, SchemaError
 from ..io import auth
 from ..io.fsio import (
+    open_run_file,
     ops,
     parse_json_bytes,
     parse_sha256sum_line,
     read_small,
+    sha256_fd,
     sha256_file,
     sidecar_line,
     write_atomic,
@@ -240,7 +247,7 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
     :func:`load_shards` makes before DCP runs). A missing key under
     require-signature raises :class:`~ripresa.errors.BadInput`.
     """
-    from .dcp_safe import read_metadata
+    from .dcp_safe import VerifiedFiles, read_metadata
 
     d, mk = dcp_paths(Path(folder), step)
     c = d / COMPANION_NAME
@@ -291,16 +298,25 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
                 total += actual
             f["found"] = total
         if deep:
+            meta_raw = b""
             with checks.run("file sha256", expected=f"{len(hashes)} files as the marker says"):
                 for name, want in hashes.items():
-                    got = sha256_file(d / name).sha256
+                    if name == ".metadata":  # hashed while read: the bytes checked below are the bytes hashed
+                        meta_raw = bytes(VerifiedFiles(d, hashes, doc["files"]).read(name))
+                        continue
+                    fd = open_run_file(d / name, ".dcp file", error=IntegrityError)
+                    try:
+                        got = sha256_fd(fd, what=".dcp file", path=d / name).sha256
+                    finally:
+                        os.close(fd)
                     if got != want:
                         raise IntegrityError("sha256 mismatch: a .dcp file changed after it was committed", file=d / name,
                                              expected=want, found=got, hint="bit rot or an edit; an older generation will be used")
             with checks.run("companion state"):
                 decode_state(doc, d)  # a deep check proves the state decodes (the resume will not fail on it)
             with checks.run("metadata"):
-                read_metadata(d)  # restricted unpickler; every storage entry inside the folder's shards
+                # restricted, bounded unpickler; every storage entry inside the folder's shards (committed sizes)
+                read_metadata(d, raw=meta_raw, sizes=doc["files"])
     except RipresaError as exc:
         return Generation(step, "dcp", d, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
     return Generation(step, "dcp", d, c, mk, valid=True, size=total, world_size=doc["world_size"], files=hashes,
@@ -490,13 +506,22 @@ def write_shards_async(staged: dict[str, Any], path: Path, *, group: Any,
         ctx.__exit__(None, None, None)
 
 
-def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, *, no_dist: bool = False) -> None:
-    """``dcp.load`` into the live model and optimizer (any number of ranks: DCP reshards).
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, *,
+                files: Mapping[str, str], sizes: Mapping[str, int], no_dist: bool = False) -> None:
+    """``dcp.load`` of exactly the verified bytes into the live model and optimizer (any number of ranks).
 
-    Through :class:`~ripresa.formats.dcp_safe.SafeFileSystemReader` and
+    ``files`` is ``{file name: sha256}`` as the generation's check verified
+    it (:attr:`~ripresa.formats.generation.Generation.files`: the commit
+    marker, authenticated by the signature under require-signature) and
+    ``sizes`` the companion's committed sizes. Every file DCP needs is read
+    once, into memory, while hashed (:class:`~ripresa.formats.dcp_safe.VerifiedFiles`),
+    and DCP reads only those buffers: a shard swapped or edited after the
+    check is an :class:`~ripresa.errors.IntegrityError` and nothing of the
+    generation is loaded. Through
+    :class:`~ripresa.formats.dcp_safe.SafeFileSystemReader` and
     :class:`~ripresa.formats.dcp_safe.SafeLoadPlanner`: the ``.metadata`` is
-    read with the restricted unpickler and checked against the folder first
-    (a refusal raises here, before DCP runs), every item is loaded with
+    unpickled by the restricted, bounded reader and checked first (a
+    refusal raises here, before DCP runs), every item is loaded with
     ``weights_only=True``.
     """
     import torch.distributed.checkpoint as dcp
@@ -507,9 +532,12 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         set_state_dict,
     )
 
-    from .dcp_safe import SafeFileSystemReader, SafeLoadPlanner, unwrap
+    from .dcp_safe import SafeFileSystemReader, SafeLoadPlanner, VerifiedFiles, unwrap
 
-    reader = SafeFileSystemReader(path)  # .metadata through the restricted (allowlist) Unpickler
+    if not files or ".metadata" not in files:
+        raise IntegrityError("a .dcp load needs the sha256 of every file its check verified", file=path,
+                             expected="the generation's marker hashes", found=sorted(files)[:8])
+    reader = SafeFileSystemReader(path, VerifiedFiles(path, files, sizes))
     reader.read_metadata()  # refuses a hostile .metadata with its own error, before DCP runs
     ctx = _quiet_dcp()
     try:

@@ -17,6 +17,7 @@ it, and nothing is inflated or allocated from a size the file declares.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import zipfile
@@ -35,7 +36,10 @@ from ..io.fsio import (
     StagedFile,
     clean_temporaries,
     fsync_dir,
-    verify_against_sidecar,
+    open_regular,
+    read_exact_hashing,
+    read_sidecar,
+    require_regular_file,
     write_sidecar,
 )
 
@@ -133,10 +137,10 @@ def load_checkpoint(path: str | Path, *, require_signature: bool | None = None) 
     if require_signature is not None and not isinstance(require_signature, bool):
         raise TypeError(f"require_signature must be a bool or None, not {type(require_signature).__name__}")
     refuse_unsigned(path, require_signature)
-    digest = verify_against_sidecar(path)
-    check_zip_directory(path)
+    raw, digest = _read_verified(path)  # one read: the bytes checked and loaded are the bytes hashed
+    check_zip_directory(path, raw)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise IntegrityError(
             "checkpoint refused by the safe loader (weights_only=True)",
@@ -155,6 +159,34 @@ def load_checkpoint(path: str | Path, *, require_signature: bool | None = None) 
     return Checkpoint(path=path, digest=digest, state=state)
 
 
+def _read_verified(path: Path) -> tuple[bytearray, Digest]:
+    """The whole file, read once (one descriptor, checked regular: a FIFO never blocks) while hashed, and its
+    digest checked against the ``.sha256`` sidecar; never a second open of the path."""
+    import hashlib
+
+    p = require_regular_file(path)
+    expected = read_sidecar(p)
+    fd = open_regular(p, "checkpoint")
+    try:
+        size = os.fstat(fd).st_size
+        raw = bytearray(size)
+        h = hashlib.sha256()
+        read_exact_hashing(fd, [memoryview(raw)], h, path=p, what="checkpoint")
+        grew = bool(os.read(fd, 1))
+    finally:
+        os.close(fd)
+    found = h.hexdigest()
+    if grew or found != expected:
+        raise IntegrityError(
+            "sha256 mismatch: the file changed after it was committed",
+            file=p,
+            expected=expected,
+            found="a file that grew while read" if grew else found,
+            hint="the file is damaged (truncated, bit rot, or edited); use an earlier generation",
+        )
+    return raw, Digest(found, size)
+
+
 def refuse_unsigned(path: Path, require_signature: bool | None = None) -> None:
     """Raise :class:`~ripresa.io.auth.SignatureError` when signatures are required: ``checkpoint.pt`` has none."""
     from ..io import auth
@@ -167,8 +199,10 @@ def refuse_unsigned(path: Path, require_signature: bool | None = None) -> None:
 MAX_ZIP_MEMBERS = 1_000_000
 
 
-def check_zip_directory(path: str | Path) -> None:
+def check_zip_directory(path: str | Path, data: bytes | bytearray) -> None:
     """Refuse, from the zip's directory and before ``torch.load``, a ``checkpoint.pt`` torch never writes.
+
+    ``data`` is the file's bytes as read and hashed once (``path`` only names it in errors).
 
     ``torch.save`` stores every member uncompressed in one top folder. A
     compressed (deflated) member, a member whose declared size exceeds the
@@ -185,9 +219,9 @@ def check_zip_directory(path: str | Path) -> None:
                               hint="torch.save never writes this; the file was not written by ripresa and is not loaded")
 
     try:
-        file_size = p.stat().st_size
-        with open(p, "rb") as f:
-            end = zipfile._EndRecData(f)  # the end record only: entry count and directory size, nothing allocated
+        file_size = len(data)
+        f = io.BytesIO(data)
+        end = zipfile._EndRecData(f)  # the end record only: entry count and directory size, nothing allocated
         if not end:
             raise bad("checkpoint is not a torch zip archive", "a torch.save zip archive (end-of-central-directory record)",
                       "no zip directory")
@@ -195,7 +229,7 @@ def check_zip_directory(path: str | Path) -> None:
         if entries > MAX_ZIP_MEMBERS or cd_size > file_size:
             raise bad("checkpoint's zip directory is implausibly large", f"<= {MAX_ZIP_MEMBERS} members within the file",
                       f"{entries} members, a {cd_size}-byte directory in a {file_size}-byte file")
-        with zipfile.ZipFile(p) as z:
+        with zipfile.ZipFile(f) as z:
             infos = z.infolist()
     except IntegrityError:
         raise

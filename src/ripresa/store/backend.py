@@ -299,7 +299,7 @@ class DcpBackend(_Base):
         step = self.step_of(src)
         if step is None:
             raise BadInput("not a step_NNNNNN.dcp folder", file=src, expected="step_NNNNNN.dcp", found=src.name)
-        gen = self._fmt().check_dcp(src.parent, step, deep=True)
+        gen = self.check(step, deep=True, folder=src.parent)  # the run's signature policy holds for an explicit path too
         if not gen.valid:
             raise IntegrityError(f"cannot resume from .dcp generation {step}: {gen.reason}", file=src,
                                  hint="check it with `sha256sum -c` from its folder")
@@ -308,13 +308,18 @@ class DcpBackend(_Base):
     def load(self, gen: Generation, state: TrainingState) -> Loaded:
         dcp = self._fmt()
         n = sum(p.numel() for p in state.model.parameters())
+        if gen.companion_sha256 is None:
+            raise IntegrityError("the .dcp generation was not checked before its load", file=gen.path,
+                                 expected="the marker hashes of its check", found="none")
         doc = dcp.read_dcp_companion(gen.path, gen.companion_sha256)
         if doc["n_params"] != n:
             raise IntegrityError("the .dcp generation holds another number of parameters than the model",
                                  file=gen.path, expected=n, found=doc["n_params"], hint="build the model from the run's config.json")
 
         def load_weights(model: Any, optimizer: Any, saved: Mapping[str, Any], sharded: bool) -> None:
-            dcp.load_shards(model, optimizer, gen.path, no_dist=not sharded)
+            # exactly the bytes the check verified: every file re-read into memory and re-hashed against the
+            # marker hashes the check found (signed under require-signature), never re-opened by DCP
+            dcp.load_shards(model, optimizer, gen.path, files=gen.files, sizes=doc["files"], no_dist=not sharded)
 
         return Loaded(dcp.decode_state(doc, gen.path), False, load_weights, gen.companion)
 

@@ -43,6 +43,7 @@ and a ``.bin`` or ``.dcp`` destination is signed with the configured key.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,7 @@ from ..formats.andrea_bin import (
     save_bin,
 )
 from ..io import auth
-from ..io.fsio import StagedFile, fsync_dir, verify_against_sidecar, write_sidecar
+from ..io.fsio import StagedFile, fsync_dir, parse_json_bytes, read_sidecar, write_sidecar
 from ..store.retention import KeepLast
 from ..verify.compare import first_difference
 from .models import ModelFactory
@@ -234,28 +235,45 @@ def load(path: str | Path, *, model_factory: ModelFactory, config: str | dict[st
         rest = dcp_fmt.decode_state(doc, src)
         cfg = _model_config(rest.get("config"), config, src, model_factory)
         model, opt = model_factory.build(cfg)
-        dcp_fmt.load_shards(model, opt, src, no_dist=True)
+        dcp_fmt.load_shards(model, opt, src, files=gen.files, sizes=doc["files"], no_dist=True)  # the bytes verified
         return Loaded(kind, src, model, opt, rest, step, cfg)
     if kind == "plain-bin":
-        if (src.parent / (src.name + ".sha256")).exists():
-            verify_against_sidecar(src)
+        # with a sidecar, the bytes loaded are the bytes hashed (one read), never a second open of the path
+        expected = read_sidecar(src) if os.path.lexists(src.parent / (src.name + ".sha256")) else None
         cfg = _model_config(None, config, src, model_factory)
         model, opt = model_factory.build(cfg)
-        contents = read_bin(src, expected_n=sum(p.numel() for p in model.parameters()))
+        contents = read_bin(src, expected_n=sum(p.numel() for p in model.parameters()), expected_sha256=expected)
         load_into_model_and_adamw(contents, model, opt)
         return Loaded(kind, src, model, opt, None, contents.step, cfg)
     # safetensors
-    st = _safetensors()
-    if (src.parent / (src.name + ".sha256")).exists():
-        verify_against_sidecar(src)
-    with st.safe_open(str(src), framework="pt") as f:
-        meta = f.metadata() or {}
-    saved_cfg = json.loads(meta["config"]) if "config" in meta else None
+    meta, tensors = _read_weights_safetensors(src)
+    saved_cfg = parse_json_bytes(meta["config"].encode(), src, "safetensors config") if "config" in meta else None
     cfg = _model_config(saved_cfg, config, src, model_factory)
     model, _ = model_factory.build(cfg)
-    tensors = st.torch.load_file(str(src))
     model.load_state_dict(tensors, strict=True)
     return Loaded(kind, src, model, None, None, int(meta.get("step", 0)), cfg)
+
+
+def _read_weights_safetensors(src: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """A weights-only ``.safetensors``: (its ``__metadata__``, its tensors), from one safe read.
+
+    Opened once through the safe opener (a symlink, FIFO or folder is
+    refused, never followed or waited on), the header validated against the
+    file's size before anything is allocated, every tensor read and hashed in
+    one pass; with a ``.sha256`` sidecar the digest of those very bytes must
+    match it (:mod:`ripresa.formats.safetensors_file`).
+    """
+    from ..formats import safetensors_file as st_file
+    from ..io.fsio import open_run_file
+
+    expected = read_sidecar(src) if os.path.lexists(src.parent / (src.name + ".sha256")) else None
+    fd = open_run_file(src, "safetensors file")  # a loose source: a refused open is bad input (exit 2)
+    try:
+        header = st_file.header_fd(fd, src)
+        tensors, _ = st_file.read_fd(fd, src, header, expected_sha256=expected)
+    finally:
+        os.close(fd)
+    return dict(header.metadata), tensors
 
 
 def _safetensors() -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInput, IntegrityError, RipresaError
-from ..io.fsio import temp_name_pid
+from ..io.fsio import open_regular, temp_name_pid
 from ..io.lock import pid_alive
 
 SCHEMA = "ripresa.tools.inspect"
@@ -327,11 +327,16 @@ def _file_kind(p: Path) -> str | None:
     if p.suffix in (".pt", ".pth"):
         return "checkpoint.pt"
     try:
-        with open(p, "rb") as f:
-            if f.read(4) == b"PK\x03\x04":  # a zip archive: what torch.save writes
-                return "checkpoint.pt"
+        fd = open_regular(p, "file")  # the descriptor is checked: a FIFO is refused, never waited on
+    except RipresaError:
+        return None
+    try:
+        if os.pread(fd, 4, 0) == b"PK\x03\x04":  # a zip archive: what torch.save writes
+            return "checkpoint.pt"
     except OSError:
         return None
+    finally:
+        os.close(fd)
     return None
 
 

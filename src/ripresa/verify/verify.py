@@ -39,6 +39,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -48,12 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from ..core.identity import versions
-from ..errors import BadInput, OutputExists
-from ..io.fsio import write_atomic
+from ..errors import BadInput, OutputExists, RipresaError
+from ..io.fsio import open_run_file, read_json_small, write_atomic
 from ..session.steer import ENV as STEER_ENV
 from ..session.steer import Steering
 from .compare import Comparison, Tally, compare_trees
-from .trajectory import read_trajectory
+from .trajectory import SUMMARY_MAX, read_trajectory
 
 PATHS = ("continuous", "interrupted", "resume", "resume-without-rng")
 #: Parts of a state block, in the order a divergence is looked for.
@@ -242,11 +243,20 @@ def _launch(run: PathRun) -> subprocess.Popen:
     return proc
 
 
-def _tail(path: Path, n: int = 15) -> str:
+def _tail(path: Path, n: int = 15, window: int = 64 * 1024) -> str:
+    """The last ``n`` lines of a path's log (its last ``window`` bytes; no link followed, no FIFO waited on)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        fd = open_run_file(path, "log")
+    except RipresaError:
+        return ""
+    try:
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, window, max(0, size - window))
     except OSError:
         return ""
+    finally:
+        os.close(fd)
+    return "\n".join(raw.decode(errors="replace").splitlines()[-n:])
 
 
 def _wave(runs: dict[str, PathRun], names: Sequence[str], progress_cb) -> None:
@@ -267,7 +277,7 @@ def _check_wave(runs: dict[str, PathRun], names: Sequence[str], probe: dict[str,
         # A resumed path that failed after writing its trajectory (e.g. its
         # save refused an inconsistent state) is still compared: the
         # failure becomes a failed check, not an incomplete verification.
-        resumed_with_summary = name in RESUMED and (r.output / "summary.json").is_file()
+        resumed_with_summary = name in RESUMED and _has_summary(r.output)
         if r.returncode != 0 and not resumed_with_summary:
             how = "run by hand: " + " ".join(r.argv)
             if r.env:
@@ -380,7 +390,7 @@ def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, pro
     runs = (_steered_reference if steered else _contract_reference)(command, steps, cut, output)
     _wave(runs, REFERENCE, progress_cb)
     probe = None
-    if mode == "auto" and not any((runs[n].output / "summary.json").is_file() for n in REFERENCE):
+    if mode == "auto" and not any(_has_summary(runs[n].output) for n in REFERENCE):
         probe = _set_aside(runs, output)
         steered = True
         runs = _steered_reference(command, steps, cut, output)
@@ -396,12 +406,34 @@ def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, pro
 
 def saved_checkpoint(folder: Path) -> Path:
     """The checkpoint the interrupted path saved: ``summary.json``'s ``checkpoint``
-    (relative to the folder), else ``checkpoint.pt``."""
+    (relative to the folder, never leaving it), else ``checkpoint.pt``.
+
+    ``summary.json`` is read through the safe opener (no symlink followed, a
+    FIFO never waited on, bounded): a special, oversized or malformed one is
+    a :class:`~ripresa.errors.BadInput`, as is a ``checkpoint`` naming a path
+    outside the folder.
+    """
+    p = folder / "summary.json"
+    if not os.path.lexists(p):
+        return folder / "checkpoint.pt"
+    doc = read_json_small(p, "trajectory summary", SUMMARY_MAX)
+    name = doc.get("checkpoint") if isinstance(doc, dict) else None
+    if name is None or name == "":
+        return folder / "checkpoint.pt"
+    rel = Path(name) if isinstance(name, str) and "\x00" not in name else None
+    if rel is None or rel.is_absolute() or ".." in rel.parts:
+        raise BadInput("summary.json names a checkpoint outside its folder", file=p,
+                       expected="a path relative to the path's output folder", found=repr(name)[:160],
+                       hint="the trainer's summary.json must name its checkpoint inside --output (docs/VERIFY.md)")
+    return folder / rel
+
+
+def _has_summary(folder: Path) -> bool:
+    """``folder/summary.json`` is a regular file (never following a link, never opening a FIFO)."""
     try:
-        name = json.loads((folder / "summary.json").read_text()).get("checkpoint")
-    except (OSError, ValueError):
-        name = None
-    return folder / name if name else folder / "checkpoint.pt"
+        return stat.S_ISREG(os.lstat(folder / "summary.json").st_mode)
+    except OSError:
+        return False
 
 
 @dataclass

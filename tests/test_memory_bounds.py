@@ -187,7 +187,7 @@ def test_a_32_mib_hostile_general_companion_is_refused_in_bounded_memory(tmp_pat
     marker = general_paths(run, 2)[2]
     marker.write_text("".join(re.sub(r"^[0-9a-f]{64}", sha, ln) if ln.rstrip().endswith(comp.name) else ln
                               for ln in marker.read_text().splitlines(keepends=True)))
-    peak, out = _peak_rss_mb(_cli("inspect", str(run / comp.name.removesuffix(".json"))), cwd=tmp_path)
+    peak, out = _peak_rss_mb(_cli("inspect", "--json", str(run / comp.name.removesuffix(".json"))), cwd=tmp_path)
     assert "Traceback" not in out.stdout + out.stderr
     assert "too much memory to parse" in out.stdout + out.stderr
     assert peak < 400, (peak, out.stdout[-2000:], out.stderr[-2000:])
@@ -203,7 +203,85 @@ def test_a_reference_bomb_is_refused_in_bounded_memory(tmp_path):
     doc = json.loads(comp.read_text())
     doc["state"]["extra"]["bomb"] = [dict(_list_ref(doc)) for _ in range(20000)]
     _reseal_companion(run, 2, doc)
-    peak, out = _peak_rss_mb(_cli("inspect", str(general_paths(run, 2)[0])), cwd=tmp_path)
+    peak, out = _peak_rss_mb(_cli("inspect", "--json", str(general_paths(run, 2)[0])), cwd=tmp_path)
     assert "Traceback" not in out.stdout + out.stderr
     assert "referenced more often" in out.stdout + out.stderr
     assert peak < 400, (peak, out.stdout[-2000:], out.stderr[-2000:])
+
+
+# ------------------------------------------------------------------------------------------ 4. history
+
+def _hostile_history(path: Path, mib: int) -> None:
+    """Step lines with distinct steps, each with a 2 KB nested payload, then event lines with payloads."""
+    pad = json.dumps({"k": [[i] for i in range(300)]}, separators=(",", ":"))
+    with open(path, "w") as f:
+        step, size = 1, 0
+        while size < mib << 19:
+            line = f'{{"step":{step},"loss":{1.0 + step % 7},"arm":"a{step % 3}","junk":{pad}}}\n'
+            f.write(line)
+            size += len(line)
+            step += 1
+        while size < mib << 20:
+            line = f'{{"event":"resume","from_step":{step % 50},"junk":{pad}}}\n{{"event":"checkpoint","step":{step},"junk":{pad}}}\n\n'
+            f.write(line)
+            size += len(line)
+
+
+def test_history_records_and_skipped_lines_are_bounded(tmp_path):
+    from ripresa.store.history import MAX_SKIPPED_LISTED, read_history, reduce_record
+
+    h = tmp_path / ".loss.jsonl"
+    lines = ['{"step":1,"loss":2.5,"arm":"a","signals":["SIGTERM"],"junk":{"x":[1,2]},"long":"' + "z" * 600 + '"}']
+    lines += ["not json"] * (MAX_SKIPPED_LISTED + 50)
+    lines += ['{"event":"signal","signals":["SIGUSR1"],"step":1,"blob":[[0]]}']
+    h.write_text("\n".join(lines) + "\n")
+    view = read_history(h)
+    assert view.steps[1] == {"step": 1, "loss": 2.5, "arm": "a", "signals": ["SIGTERM"]}
+    assert view.events == [{"event": "signal", "signals": ["SIGUSR1"], "step": 1}]
+    assert view.skipped == MAX_SKIPPED_LISTED + 50 and len(view.skipped_lines) == MAX_SKIPPED_LISTED
+    assert reduce_record({f"k{i}": i for i in range(1000)}) == {f"k{i}": i for i in range(64)}
+
+
+def test_plot_keeps_the_last_line_per_step_in_compact_arrays(tmp_path):
+    from ripresa.engine import plots
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [(s, 10.0 - s * 0.001) for s in range(1, 3001)] + [(s, 0.5) for s in range(100, 200)]  # a resume re-logs
+    rows += [(s, 1.0) for s in range(3001, 3101)]
+    with open(run / ".loss.jsonl", "w") as f:
+        for s, loss in rows:
+            f.write(json.dumps({"step": s, "loss": loss, "arm": "x" if s % 2 else "y"}) + "\n")
+        f.write('{"event":"checkpoint","step":5}\n')
+    r = plots.load_run(run)
+    assert list(r.steps) == list(range(1, 3101))
+    assert r.losses[150 - 1] == 0.5 and r.losses[99 - 1] == 10.0 - 99 * 0.001 and r.losses[-1] == 1.0
+    assert r.arms[0] == "x" and r.arms[1] == "y" and list(r.checkpoint_steps) == [5]
+    c = plots._Canonical()  # compaction keeps the last row of each step, sorted
+    for s, loss in [(3, 1.0), (1, 2.0), (3, 3.0), (2, 4.0), (1, 5.0)]:
+        c.add(s, loss, -1)
+    c.compact()
+    assert list(c.steps) == [1, 2, 3] and list(c.losses) == [5.0, 4.0, 3.0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["plot", "compare", "fork"])
+def test_a_64_mib_history_is_reduced_in_bounded_memory(tmp_path, command):
+    """plot, compare and fork of a run whose history is 64 MiB (steps and events with nested payloads):
+    peak RSS under 400 MB (it was 1.7-1.9 GB)."""
+    run = tmp_path / "run"
+    _general_run(run, 2) if command == "fork" else run.mkdir()
+    _hostile_history(run / ".loss.jsonl", 64)
+    if command == "plot":
+        code = _cli("plot", str(run), "--png", str(tmp_path / "p.png"))
+    elif command == "compare":
+        code = _cli("compare", str(run), str(run), "--json")
+    else:
+        code = "from ripresa.engine.fork import _copy_history_up_to, _open_history; " \
+               "from ripresa.store.history import History; from pathlib import Path; " \
+               f"h = History(Path({str(tmp_path / 'out.jsonl')!r})); " \
+               f"print('COPIED', _copy_history_up_to(Path({str(run)!r}), _open_history(Path({str(run)!r})), 10**9, h))"
+    peak, out = _peak_rss_mb(code, cwd=tmp_path)
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr[-3000:]
+    assert "RC 0" in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
+    assert peak < 400, peak

@@ -33,6 +33,7 @@ import math
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,14 +124,50 @@ _READ_CHUNK = 1 << 20
 INT_LIMIT = 1 << 63
 
 
+#: Most line numbers of skipped lines a :class:`HistoryView` lists (the rest are counted).
+MAX_SKIPPED_LISTED = 1000
+#: Most events a :class:`HistoryView` keeps (the latest; the rest are counted in ``events_dropped``).
+MAX_EVENTS_KEPT = 100_000
+#: What a reduced record keeps of a line: scalars, strings up to this many characters, lists of
+#: up to :data:`MAX_RECORD_LIST` such scalars; nested objects are dropped (docs/FORMAT.md).
+MAX_RECORD_STR = 512
+MAX_RECORD_LIST = 64
+MAX_RECORD_KEYS = 64
+
+
+def reduce_record(obj: dict[str, Any]) -> dict[str, Any]:
+    """The bounded form of a history line a reader keeps (docs/FORMAT.md, "Reading the history").
+
+    At most :data:`MAX_RECORD_KEYS` fields; each a number, bool, None, a string
+    of at most :data:`MAX_RECORD_STR` characters or a list of at most
+    :data:`MAX_RECORD_LIST` of these; anything else (a nested object, a long
+    string, a long list) is dropped. Every line ripresa writes is kept whole; a
+    hostile 1 MiB line costs a reader at most a few tens of KB, not ~50 MB.
+    """
+
+    def small(v: Any) -> bool:
+        return v is None or isinstance(v, bool | int | float) or (isinstance(v, str) and len(v) <= MAX_RECORD_STR)
+
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        if len(out) >= MAX_RECORD_KEYS:
+            break
+        if small(v) or (isinstance(v, list) and len(v) <= MAX_RECORD_LIST and all(small(x) for x in v)):
+            out[k] = v
+    return out
+
+
 @dataclass
 class HistoryView:
-    """What a reader sees: the canonical line per step, the events, and skipped lines.
+    """What a reader sees: the canonical line per step, the events, and skipped lines — memory bounded.
 
-    ``skipped_lines`` holds the line numbers of every skipped line (torn,
-    invalid, over-long or out of range); ``skipped_long_lines`` counts those
-    longer than :data:`MAX_LINE`, ``skipped_out_of_range`` those with a
-    number out of range.
+    ``steps`` maps each step to its last line, reduced (:func:`reduce_record`);
+    ``events`` holds the latest :data:`MAX_EVENTS_KEPT` event lines, reduced
+    (``events_dropped`` counts older ones). ``skipped`` counts every skipped
+    line (torn, invalid, over-long or out of range), ``skipped_lines`` lists
+    the line numbers of the first :data:`MAX_SKIPPED_LISTED`;
+    ``skipped_long_lines`` counts those longer than :data:`MAX_LINE`,
+    ``skipped_out_of_range`` those with a number out of range.
     """
 
     steps: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -139,6 +176,8 @@ class HistoryView:
     lines: int = 0
     skipped_long_lines: int = 0
     skipped_out_of_range: int = 0
+    skipped: int = 0
+    events_dropped: int = 0
 
     def losses(self) -> list[tuple[int, float]]:
         return [(s, r["loss"]) for s, r in sorted(self.steps.items()) if "loss" in r]
@@ -188,6 +227,14 @@ class HistoryReader:
             yield from self._lines(fd)
         finally:
             os.close(fd)
+
+    def read_from(self, fd: int) -> Iterator[tuple[int, dict[str, Any] | None]]:
+        """Iterate the lines of a history already opened (with :func:`~ripresa.io.fsio.open_run_file`) as ``fd``.
+
+        The caller owns ``fd``: a command that must refuse a linked or FIFO history
+        before it writes anything opens it first and streams it later (one pass).
+        """
+        return self._lines(fd)
 
     def _read(self, fd: int) -> bytes:
         try:
@@ -270,16 +317,27 @@ def read_history(path: str | Path) -> HistoryView:
                        hint="is this a run folder written by ripresa train?")
     view = HistoryView()
     reader = HistoryReader(p)
+    events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS_KEPT)
+    n_events = 0
+
+    def skip(no: int) -> None:
+        view.skipped += 1
+        if len(view.skipped_lines) < MAX_SKIPPED_LISTED:
+            view.skipped_lines.append(no)
+
     for no, obj in reader:
         view.lines = no
         if obj is None:
-            view.skipped_lines.append(no)
+            skip(no)
         elif "event" in obj:
-            view.events.append(obj)
+            events.append(reduce_record(obj))
+            n_events += 1
         elif _valid_step(obj.get("step")):
-            view.steps[obj["step"]] = obj
+            view.steps[obj["step"]] = reduce_record(obj)
         else:
-            view.skipped_lines.append(no)
+            skip(no)
+    view.events = list(events)
+    view.events_dropped = n_events - len(events)
     view.skipped_long_lines = reader.long_lines
     view.skipped_out_of_range = reader.out_of_range
     return view

@@ -285,3 +285,32 @@ def test_a_64_mib_history_is_reduced_in_bounded_memory(tmp_path, command):
     assert "Traceback" not in out.stdout + out.stderr, out.stderr[-3000:]
     assert "RC 0" in out.stdout, (out.stdout[-2000:], out.stderr[-2000:])
     assert peak < 400, peak
+
+
+# ------------------------------------------------------------------------------------------ 3. convert
+
+def _plain_bin(path: Path, n_params: int) -> Path:
+    path.write_bytes((4).to_bytes(8, "little") + bytes(12 * n_params))
+    return path
+
+
+def test_convert_compares_the_described_size_before_building(tmp_path):
+    """A 12 KB plain .bin with a config describing a 120M-parameter GPT: refused from the config's arithmetic,
+    before the model is built (it was built first: ~0.5 GB, up to 8 GiB for a larger config)."""
+    from ripresa.engine.gpt.factory import GPT_FACTORY
+    from ripresa.tools.convert import load
+
+    src = _plain_bin(tmp_path / "plain.bin", 1000)
+    with pytest.raises(IntegrityError, match="describes another number of parameters") as err:
+        load(src, config="andrea-120m", model_factory=GPT_FACTORY)
+    assert "nothing was built" in str(err.value.hint)
+
+
+@pytest.mark.slow
+def test_convert_of_a_mismatched_config_stays_small(tmp_path):
+    src = _plain_bin(tmp_path / "plain.bin", 1000)
+    peak, out = _peak_rss_mb(_cli("convert", str(src), str(tmp_path / "out.bin"), "--config", "andrea-120m"),
+                             cwd=tmp_path)
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "describes another number of parameters" in out.stderr
+    assert peak < 400, peak

@@ -212,17 +212,24 @@ def test_a_reference_bomb_is_refused_in_bounded_memory(tmp_path):
 # ------------------------------------------------------------------------------------------ 4. history
 
 def _hostile_history(path: Path, mib: int) -> None:
-    """Step lines with distinct steps, each with a 2 KB nested payload, then event lines with payloads."""
+    """A quarter of step lines with a 2 KB nested payload each, half of short step lines (~25 bytes, distinct
+    steps: about a million), a quarter of event lines with payloads and blank lines."""
     pad = json.dumps({"k": [[i] for i in range(300)]}, separators=(",", ":"))
     with open(path, "w") as f:
         step, size = 1, 0
-        while size < mib << 19:
+        while size < mib << 18:
             line = f'{{"step":{step},"loss":{1.0 + step % 7},"arm":"a{step % 3}","junk":{pad}}}\n'
             f.write(line)
             size += len(line)
             step += 1
+        while size < 3 * (mib << 18):
+            line = f'{{"step":{step},"loss":{1.0 + step % 7}}}\n'
+            f.write(line)
+            size += len(line)
+            step += 1
         while size < mib << 20:
-            line = f'{{"event":"resume","from_step":{step % 50},"junk":{pad}}}\n{{"event":"checkpoint","step":{step},"junk":{pad}}}\n\n'
+            line = (f'{{"event":"resume","from_step":{step % 50},"junk":{pad}}}\n'
+                    f'{{"event":"checkpoint","step":{step},"junk":{pad}}}\n\n')
             f.write(line)
             size += len(line)
 

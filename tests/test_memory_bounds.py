@@ -238,15 +238,16 @@ def test_history_records_and_skipped_lines_are_bounded(tmp_path):
     from ripresa.store.history import MAX_SKIPPED_LISTED, read_history, reduce_record
 
     h = tmp_path / ".loss.jsonl"
-    lines = ['{"step":1,"loss":2.5,"arm":"a","signals":["SIGTERM"],"junk":{"x":[1,2]},"long":"' + "z" * 600 + '"}']
+    big = json.dumps({"x": list(range(5000))})
+    lines = ['{"step":1,"loss":2.5,"arm":"a","signals":["SIGTERM"],"junk":' + big + ',"long":"' + "z" * 600 + '"}']
     lines += ["not json"] * (MAX_SKIPPED_LISTED + 50)
-    lines += ['{"event":"signal","signals":["SIGUSR1"],"step":1,"blob":[[0]]}']
+    lines += ['{"event":"pivot","step":1,"new_policy":{"arms":["a","b"],"w":[0.5,0.5]},"blob":' + big + "}"]
     h.write_text("\n".join(lines) + "\n")
     view = read_history(h)
     assert view.steps[1] == {"step": 1, "loss": 2.5, "arm": "a", "signals": ["SIGTERM"]}
-    assert view.events == [{"event": "signal", "signals": ["SIGUSR1"], "step": 1}]
+    assert view.events == [{"event": "pivot", "step": 1, "new_policy": {"arms": ["a", "b"], "w": [0.5, 0.5]}}]
     assert view.skipped == MAX_SKIPPED_LISTED + 50 and len(view.skipped_lines) == MAX_SKIPPED_LISTED
-    assert reduce_record({f"k{i}": i for i in range(1000)}) == {f"k{i}": i for i in range(64)}
+    assert reduce_record({f"k{i}": i for i in range(1000)}) == {f"k{i}": i for i in range(256)}
 
 
 def test_plot_keeps_the_last_line_per_step_in_compact_arrays(tmp_path):

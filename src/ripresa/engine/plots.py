@@ -88,7 +88,7 @@ class Event:
 
 
 #: Most events of one kind a :class:`RunHistory` keeps (the latest; all are counted in ``event_counts``).
-MAX_EVENTS_PER_KIND = 4096
+MAX_EVENTS_PER_KIND = 1024
 #: Most points drawn per curve: a longer run is drawn every k-th step (the numbers use every step).
 MAX_DRAWN_POINTS = 20_000
 #: Longest arm name kept (a longer one is cut).
@@ -242,8 +242,8 @@ def load_run(run_dir: str | Path) -> RunHistory:
             counts[kind] = counts.get(kind, 0) + 1
             if kind == "checkpoint" and at is not None and 0 <= at < 1 << 63:
                 checkpoint_steps.append(at)
-            bucket = kind if kind in kept or len(kept) < 32 else "(other)"
-            ev = Event(kind, at if at is not None else last_step, reduce_record(obj), logged_before=last_step)
+            bucket = kind if kind in kept or len(kept) < 16 else "(other)"
+            ev = Event(kind, at if at is not None else last_step, reduce_record(obj, 32), logged_before=last_step)
             kept.setdefault(bucket, deque(maxlen=MAX_EVENTS_PER_KIND)).append(ev)
             if at is None:
                 pending.append(ev)

@@ -127,33 +127,49 @@ INT_LIMIT = 1 << 63
 #: Most line numbers of skipped lines a :class:`HistoryView` lists (the rest are counted).
 MAX_SKIPPED_LISTED = 1000
 #: Most events a :class:`HistoryView` keeps (the latest; the rest are counted in ``events_dropped``).
-MAX_EVENTS_KEPT = 100_000
-#: What a reduced record keeps of a line: scalars, strings up to this many characters, lists of
-#: up to :data:`MAX_RECORD_LIST` such scalars; nested objects are dropped (docs/FORMAT.md).
+MAX_EVENTS_KEPT = 10_000
+#: What a reduced record keeps of a line (docs/FORMAT.md, "Reading the history"): whole fields
+#: while their values hold at most :data:`MAX_RECORD_NODES` JSON values in all, no string
+#: longer than :data:`MAX_RECORD_STR` characters; a field that would exceed either is dropped.
+MAX_RECORD_NODES = 256
 MAX_RECORD_STR = 512
-MAX_RECORD_LIST = 64
-MAX_RECORD_KEYS = 64
 
 
-def reduce_record(obj: dict[str, Any]) -> dict[str, Any]:
+def _nodes(v: Any, budget: int) -> int:
+    """JSON values in ``v`` (iterative), or ``budget + 1`` as soon as it exceeds ``budget`` or holds a long string."""
+    n, stack = 0, [v]
+    while stack:
+        x = stack.pop()
+        n += 1
+        if n > budget or (isinstance(x, str) and len(x) > MAX_RECORD_STR):
+            return budget + 1
+        if isinstance(x, dict):
+            if any(len(k) > MAX_RECORD_STR for k in x):
+                return budget + 1
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return n
+
+
+def reduce_record(obj: dict[str, Any], max_nodes: int = MAX_RECORD_NODES) -> dict[str, Any]:
     """The bounded form of a history line a reader keeps (docs/FORMAT.md, "Reading the history").
 
-    At most :data:`MAX_RECORD_KEYS` fields; each a number, bool, None, a string
-    of at most :data:`MAX_RECORD_STR` characters or a list of at most
-    :data:`MAX_RECORD_LIST` of these; anything else (a nested object, a long
-    string, a long list) is dropped. Every line ripresa writes is kept whole; a
-    hostile 1 MiB line costs a reader at most a few tens of KB, not ~50 MB.
+    Fields are kept whole, in order, while their values hold at most
+    ``max_nodes`` JSON values in all and no string longer than
+    :data:`MAX_RECORD_STR`; a field that would go past is dropped. Every line
+    ripresa writes is kept whole; a hostile 1 MiB line costs a reader a few KB,
+    not the ~50 MB its parsed form takes.
     """
-
-    def small(v: Any) -> bool:
-        return v is None or isinstance(v, bool | int | float) or (isinstance(v, str) and len(v) <= MAX_RECORD_STR)
-
     out: dict[str, Any] = {}
+    left = max_nodes
     for k, v in obj.items():
-        if len(out) >= MAX_RECORD_KEYS:
-            break
-        if small(v) or (isinstance(v, list) and len(v) <= MAX_RECORD_LIST and all(small(x) for x in v)):
+        if len(k) > MAX_RECORD_STR:
+            continue
+        n = _nodes(v, left)
+        if n <= left:
             out[k] = v
+            left -= n
     return out
 
 

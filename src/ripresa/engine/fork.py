@@ -32,7 +32,7 @@ from ..io.fsio import (
     sidecar_line,
     write_atomic,
 )
-from ..store.history import HISTORY_NAME, History, iter_lines
+from ..store.history import HISTORY_NAME, History, HistoryReader
 from ..store.store import CheckpointStore, generation_paths
 from .gpt.config import apply_sets, validate
 
@@ -82,23 +82,37 @@ def read_run_config(path: Path, *, error: type[RipresaError] = BadInput) -> dict
     return cfg
 
 
-def _history_up_to(parent: Path, step: int) -> list[dict[str, Any]]:
-    """Lines of the parent's history that belong to steps <= ``step`` (in order).
-
-    Streamed (:class:`~ripresa.store.history.HistoryReader`): a symlinked or FIFO
-    history is refused, an over-long or out-of-range line skipped.
-    """
-    keep: list[dict[str, Any]] = []
+def _open_history(parent: Path) -> Any:
+    """The parent's history opened once (:func:`~ripresa.io.fsio.open_run_file`: a link or FIFO is
+    refused before anything is written), or None when it has none. Streamed later by :func:`_copy_history_up_to`
+    (a file object: its descriptor is closed even when the fork fails before the copy)."""
     hist = parent / HISTORY_NAME
     if not os.path.lexists(hist):
-        return keep
-    for _, obj in iter_lines(hist):
-        if obj is None:
-            continue
-        at = obj.get("step", obj.get("from_step"))
-        if isinstance(at, int) and not isinstance(at, bool) and at <= step:
-            keep.append(obj)
-    return keep
+        return None
+    return os.fdopen(open_run_file(hist, "history (.loss.jsonl)"), "rb", buffering=0)
+
+
+def _copy_history_up_to(parent: Path, f: Any, step: int, history: History) -> int:
+    """Append the parent's lines that belong to steps <= ``step`` to ``history``, in order; return how many.
+
+    One streaming pass over the descriptor :func:`_open_history` opened (and closes):
+    memory is one line (at most :data:`~ripresa.store.history.MAX_LINE`), whatever
+    the parent's history holds; an over-long or out-of-range line is skipped.
+    """
+    if f is None:
+        return 0
+    n = 0
+    try:
+        for _, obj in HistoryReader(parent / HISTORY_NAME).read_from(f.fileno()):
+            if obj is None:
+                continue
+            at = obj.get("step", obj.get("from_step"))
+            if isinstance(at, int) and not isinstance(at, bool) and at <= step:
+                history.append(obj)
+                n += 1
+    finally:
+        f.close()
+    return n
 
 
 def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[str, Any]:
@@ -123,7 +137,7 @@ def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[
     validate(cfg)
     b, c, mk = generation_paths(parent, step)
     signature = _read_signature(b, step)
-    history_lines = _history_up_to(parent, step)  # refuses a FIFO or symlinked history before anything is written
+    history_fd = _open_history(parent)  # refuses a FIFO or symlinked history before anything is written
     into.mkdir(parents=True, exist_ok=True)
     nb, nc, nmk = generation_paths(into, step)
     assert gen.bin_sha256 and gen.companion_sha256
@@ -142,8 +156,7 @@ def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[
     write_atomic(into / "lineage.json", [json.dumps(lineage, indent=2).encode() + b"\n"])
     write_atomic(into / "config.json", [json.dumps(cfg, indent=2).encode() + b"\n"])
     history = History(into / HISTORY_NAME)
-    for obj in history_lines:
-        history.append(obj)
+    _copy_history_up_to(parent, history_fd, step, history)
     history.event("fork", step=step, parent_step=step, parent_run=str(parent.resolve()), bin_sha256=gen.bin_sha256,
                   overrides=list(sets))
     history.sync()
@@ -187,7 +200,7 @@ def _fork_dcp(parent: Path, step: int, into: Path, sets: Sequence[str]) -> dict[
     src, src_marker = dcp_fmt.dcp_paths(parent, step)
     sig = dcp_fmt.signature_path(parent, step)
     signature = read_small(sig, "generation signature", auth.MAX_SIGNATURE, error=IntegrityError) if os.path.lexists(sig) else None
-    history_lines = _history_up_to(parent, step)
+    history_fd = _open_history(parent)
     into.mkdir(parents=True, exist_ok=True)
     part = dcp_fmt.partial_path(into, step)
     part.mkdir()
@@ -210,8 +223,7 @@ def _fork_dcp(parent: Path, step: int, into: Path, sets: Sequence[str]) -> dict[
     write_atomic(into / "lineage.json", [json.dumps(lineage, indent=2).encode() + b"\n"])
     write_atomic(into / "config.json", [json.dumps(cfg, indent=2).encode() + b"\n"])
     history = History(into / HISTORY_NAME)
-    for obj in history_lines:
-        history.append(obj)
+    _copy_history_up_to(parent, history_fd, step, history)
     history.event("fork", step=step, parent_step=step, parent_run=str(parent.resolve()), dcp_marker_sha256=marker_sha,
                   overrides=list(sets))
     history.sync()

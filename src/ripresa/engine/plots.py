@@ -19,17 +19,20 @@ through its Agg canvas only: no pyplot, no global backend switch.
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import os
-from collections.abc import Iterable, Sequence
+from array import array
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, MissingDependency
 from ..io.fsio import read_json_small, write_atomic
-from ..store.history import HISTORY_NAME, HistoryReader
+from ..store.history import HISTORY_NAME, HistoryReader, reduce_record
 
 #: Smoothing of the EMA curves (weight of the past; ~50-step memory).
 EMA_ALPHA = 0.98
@@ -67,12 +70,16 @@ _DEFAULT_STEP_KEYS = ("step", "at_step", "from_step", "parent_step")
 # ---- reading ------------------------------------------------------------------------------------
 
 
+_SEQ = iter(range(1 << 62))
+
+
 @dataclass
 class Event:
     kind: str
     step: int  # where it sits on the step axis
     record: dict[str, Any]
     logged_before: int = 0  # the last step line written before this event
+    seq: int = field(default_factory=lambda: next(_SEQ))  # order in the history
 
     @property
     def redone(self) -> int:
@@ -80,21 +87,97 @@ class Event:
         return max(0, self.logged_before - self.step) if self.kind == "resume" else 0
 
 
+#: Most events of one kind a :class:`RunHistory` keeps (the latest; all are counted in ``event_counts``).
+MAX_EVENTS_PER_KIND = 1024
+#: Most points drawn per curve: a longer run is drawn every k-th step (the numbers use every step).
+MAX_DRAWN_POINTS = 20_000
+#: Longest arm name kept (a longer one is cut).
+MAX_ARM_NAME = 200
+#: Most distinct arm names kept (beyond, a step's arm is "(other)").
+MAX_ARMS = 64
+
+
+class Arms(Sequence):  # type: ignore[type-arg]
+    """Each step's arm, stored as an index per step into a small table of names (compact for long runs)."""
+
+    def __init__(self, index: array, names: list[str]) -> None:
+        self._index, self._names = index, names
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        k = self._index[i]
+        return None if k < 0 else self._names[k]
+
+    def __iter__(self) -> Iterator[str | None]:
+        names = self._names
+        return (None if k < 0 else names[k] for k in self._index)
+
+
+class _Canonical:
+    """The last line written for each step, reduced to (step, loss, arm), in compact arrays.
+
+    Lines are appended in file order; when the arrays hold twice as many rows as
+    the last compaction kept (and at least 2**20), they are sorted by step keeping
+    the last row of each step (numpy, stable): memory stays O(steps kept), ~20
+    bytes per step, never O(lines) or O(bytes) of the history.
+    """
+
+    def __init__(self) -> None:
+        self.steps, self.losses, self.arms = array("q"), array("d"), array("l")
+        self._kept = 0
+
+    def add(self, step: int, loss: float, arm: int) -> None:
+        self.steps.append(step)
+        self.losses.append(loss)
+        self.arms.append(arm)
+        if len(self.steps) > max(2 * self._kept, 1 << 20):
+            self.compact()
+
+    def compact(self) -> None:
+        import numpy as np
+
+        s = np.frombuffer(self.steps, dtype=np.int64) if len(self.steps) else np.empty(0, np.int64)
+        order = np.argsort(s, kind="stable")
+        ss = s[order]
+        last = np.ones(len(ss), dtype=bool)
+        last[:-1] = ss[1:] != ss[:-1]
+        keep = order[last]
+        out_s, out_l, out_a = array("q"), array("d"), array("l")
+        out_s.frombytes(s[keep].tobytes())
+        if len(keep):
+            out_l.frombytes(np.frombuffer(self.losses, dtype=np.float64)[keep].tobytes())
+            out_a.frombytes(np.frombuffer(self.arms, dtype=out_a.typecode)[keep].tobytes())
+        self.steps, self.losses, self.arms, self._kept = out_s, out_l, out_a, len(out_s)
+
+
 @dataclass
 class RunHistory:
-    """One run's history, ready to draw: canonical steps in order, positioned events."""
+    """One run's history, ready to draw: canonical steps in order, positioned events — memory bounded.
+
+    ``steps``/``losses`` are compact arrays (int64/float64, ~16 bytes per step),
+    ``arms`` an :class:`Arms` sequence; ``events`` the latest
+    :data:`MAX_EVENTS_PER_KIND` of each kind (records reduced by
+    :func:`~ripresa.store.history.reduce_record`), ``event_counts`` every event
+    by kind, ``checkpoint_steps`` the step of every checkpoint event.
+    """
 
     name: str
     folder: Path
     history: Path
-    steps: list[int]
-    losses: list[float]  # NaN where a step line has no finite loss
-    arms: list[str | None]
+    steps: Sequence[int]
+    losses: Sequence[float]  # NaN where a step line has no finite loss
+    arms: Sequence[str | None]
     events: list[Event] = field(default_factory=list)
     config_name: str | None = None
     skipped_lines: int = 0
     #: lines longer than :data:`ripresa.store.history.MAX_LINE`, skipped (counted in ``skipped_lines`` too)
     skipped_long_lines: int = 0
+    event_counts: dict[str, int] = field(default_factory=dict)
+    checkpoint_steps: Sequence[int] = field(default_factory=list)
 
     def of_kind(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
@@ -141,9 +224,12 @@ def load_run(run_dir: str | Path) -> RunHistory:
         found = sorted(x.name for x in p.iterdir())[:8] if p.is_dir() else "no such file"
         raise BadInput("run has no history", file=hist, expected=f"a {HISTORY_NAME} (written by ripresa train)",
                        found=found or "an empty folder", hint="is this a run folder? `ripresa train --run DIR` writes one")
-    canonical: dict[int, dict[str, Any]] = {}
-    events: list[Event] = []
-    pending: list[Event] = []
+    canonical = _Canonical()
+    arm_names: dict[str, int] = {}
+    kept: dict[str, deque[Event]] = {}
+    counts: dict[str, int] = {}
+    checkpoint_steps = array("q")
+    pending: deque[Event] = deque(maxlen=MAX_EVENTS_PER_KIND)
     last_step = 0
     skipped = 0
     reader = HistoryReader(hist)  # streamed; a link or FIFO is refused; over-long/out-of-range lines skipped
@@ -151,25 +237,40 @@ def load_run(run_dir: str | Path) -> RunHistory:
         if obj is None:
             skipped += 1
         elif "event" in obj:
-            kind = str(obj["event"])
+            kind = str(obj["event"])[:64]
             at = _event_step(kind, obj)
-            ev = Event(kind, at if at is not None else last_step, obj, logged_before=last_step)
-            events.append(ev)
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind == "checkpoint" and at is not None and 0 <= at < 1 << 63:
+                checkpoint_steps.append(at)
+            bucket = kind if kind in kept or len(kept) < 16 else "(other)"
+            ev = Event(kind, at if at is not None else last_step, reduce_record(obj, 32), logged_before=last_step)
+            kept.setdefault(bucket, deque(maxlen=MAX_EVENTS_PER_KIND)).append(ev)
             if at is None:
                 pending.append(ev)
         elif isinstance(obj.get("step"), int) and not isinstance(obj.get("step"), bool):
             s = obj["step"]
-            canonical[s] = obj  # the last line written for a step is canonical
+            arm = obj.get("arm")
+            idx = -1
+            if arm is not None:
+                name = str(arm)[:MAX_ARM_NAME] if isinstance(arm, str | int | float | bool) else "(other)"
+                idx = arm_names.get(name, -1)
+                if idx < 0:
+                    if len(arm_names) >= MAX_ARMS:
+                        name = "(other)"
+                    idx = arm_names.setdefault(name, len(arm_names))
+            canonical.add(s, _as_float(obj.get("loss")), idx)  # the last line written for a step is canonical
             for ev in pending:
                 ev.step = max(0, s - 1)
             pending.clear()
             last_step = s
         else:
             skipped += 1
-    steps = sorted(canonical)
+    canonical.compact()
+    events = sorted((e for q in kept.values() for e in q), key=lambda e: e.seq)
+    steps = canonical.steps
     if not steps:
         raise BadInput("history has no step lines", file=hist, expected="one line per optimizer step",
-                       found=f"{len(events)} event line(s), {skipped} unreadable line(s)",
+                       found=f"{sum(counts.values())} event line(s), {skipped} unreadable line(s)",
                        hint="the run has not completed a step yet")
     config_name = None
     cfg = folder / "config.json"
@@ -182,9 +283,9 @@ def load_run(run_dir: str | Path) -> RunHistory:
             config_name = None
     return RunHistory(
         name=folder.name or str(folder), folder=folder, history=hist, steps=steps,
-        losses=[_as_float(canonical[s].get("loss")) for s in steps],
-        arms=[(str(canonical[s]["arm"]) if canonical[s].get("arm") is not None else None) for s in steps],
+        losses=canonical.losses, arms=Arms(canonical.arms, list(arm_names)),
         events=events, config_name=config_name if isinstance(config_name, str) else None, skipped_lines=skipped, skipped_long_lines=reader.long_lines,
+        event_counts=counts, checkpoint_steps=checkpoint_steps,
     )
 
 
@@ -201,11 +302,16 @@ def ema_series(losses: Iterable[float], alpha: float = EMA_ALPHA) -> list[float]
     series. A non-finite value (a diverged step) leaves the EMA where it was;
     before the first finite value it is NaN.
     """
+    return list(_ema(losses, alpha))
+
+
+def _ema(losses: Iterable[float], alpha: float) -> array:
+    """:func:`ema_series` as a compact float64 array (8 bytes per step)."""
     a = float(alpha)
     if not 0.0 <= a < 1.0:
         raise BadInput("EMA alpha out of range", expected="0 <= alpha < 1", found=alpha,
                        hint="0.98 averages over ~50 steps")
-    out: list[float] = []
+    out = array("d")
     m = w = 0.0
     for x in losses:
         x = _as_float(x)
@@ -216,20 +322,32 @@ def ema_series(losses: Iterable[float], alpha: float = EMA_ALPHA) -> list[float]
     return out
 
 
-def rolling_arm_shares(arms: Sequence[str | None], window: int) -> dict[str, list[float]]:
-    """Share of each arm among the last ``window`` steps (trailing), per step."""
+def rolling_arm_shares(arms: Sequence[str | None], window: int, stride: int = 1) -> dict[str, list[float]]:
+    """Share of each arm among the last ``window`` steps (trailing), per step (every ``stride``-th step and the last)."""
     names = sorted({a if a is not None else "(none)" for a in arms})
     counts = dict.fromkeys(names, 0)
     shares: dict[str, list[float]] = {n: [] for n in names}
     labels = [a if a is not None else "(none)" for a in arms]
+    last = len(labels) - 1
     for i, a in enumerate(labels):
         counts[a] += 1
         if i >= window:
             counts[labels[i - window]] -= 1
+        if i % stride and i != last:
+            continue
         n = min(i + 1, window)
         for k in names:
             shares[k].append(counts[k] / n)
     return shares
+
+
+def _drawn(n: int) -> tuple[int, list[int]]:
+    """(stride, indices) of the points drawn of a curve of ``n``: every stride-th and the last."""
+    stride = max(1, -(-n // MAX_DRAWN_POINTS))
+    idx = list(range(0, n, stride))
+    if n and idx[-1] != n - 1:
+        idx.append(n - 1)
+    return stride, idx
 
 
 def _finite(xs: Iterable[float]) -> list[float]:
@@ -266,12 +384,17 @@ def _save_png(fig: Any, canvas_cls: Any, out: Path) -> Path:
 
 
 def _loss_limits(values: Sequence[float], ema: Sequence[float], headroom: float) -> tuple[float, float] | None:
-    raw = sorted(_finite(values))
-    if not raw:
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    raw = np.sort(v[np.isfinite(v)])
+    if not len(raw):
         return None
-    lo = min(raw[0], min(_finite(ema), default=raw[0]))
+    e = np.asarray(ema, dtype=np.float64)
+    e = e[np.isfinite(e)]
+    lo = float(min(raw[0], e.min() if len(e) else raw[0]))
     # A few wild steps (a spike, a diverged arm) must not flatten the whole curve.
-    hi = max(raw[min(len(raw) - 1, int(0.995 * (len(raw) - 1)))], max(_finite(ema), default=raw[-1]))
+    hi = float(max(raw[min(len(raw) - 1, int(0.995 * (len(raw) - 1)))], e.max() if len(e) else raw[-1]))
     span = (hi - lo) or max(abs(hi), 1.0) * 0.1
     return lo - 0.04 * span, hi + (0.04 + headroom) * span
 
@@ -350,12 +473,23 @@ def plot_run(run_dir: Path, png: Path | None = None) -> Path:
     out = Path(png) if png is not None else run.folder / "plot.png"
     Figure, Canvas = _matplotlib()
 
-    steps, losses = run.steps, run.losses
-    alpha = ema_alpha_for(len(steps))
-    ema = ema_series(losses, alpha)
-    first, last = steps[0], steps[-1]
+    import numpy as np
+
+    alpha = ema_alpha_for(len(run.steps))
+    full_ema = _ema(run.losses, alpha)
+    first, last = run.steps[0], run.steps[-1]
+    n_steps = len(run.steps)
+    last_loss = next((x for x in reversed(run.losses) if math.isfinite(x)), math.nan)
+    last_ema = next((x for x in reversed(full_ema) if math.isfinite(x)), math.nan)
+    limits_all = _loss_limits(run.losses, full_ema, headroom=0.0)
+    stride, drawn_idx = _drawn(n_steps)  # a long run is drawn every stride-th step; the numbers use every step
+    steps = [run.steps[i] for i in drawn_idx]
+    losses = [run.losses[i] for i in drawn_idx]
+    ema = [full_ema[i] for i in drawn_idx]
+    del full_ema
     marked = [e for e in run.events if e.kind in EVENT_STYLE]
-    checkpoints = sorted({e.step for e in run.of_kind("checkpoint")})
+    checkpoints = [int(x) for x in np.unique(np.frombuffer(run.checkpoint_steps, dtype=np.int64))] \
+        if isinstance(run.checkpoint_steps, array) and len(run.checkpoint_steps) else sorted(set(run.checkpoint_steps))
 
     fig = Figure(figsize=FIG_SIZE, dpi=DPI, layout="constrained")
     grid = fig.add_gridspec(2, 1, height_ratios=(3.0, 1.35))
@@ -366,9 +500,10 @@ def plot_run(run_dir: Path, png: Path | None = None) -> Path:
     ax.plot(steps, losses, color=RAW_COLOUR, lw=0.9, label="loss (per step)", zorder=2)
     ax.plot(steps, ema, color=EMA_COLOUR, lw=2.4, label=f"EMA (α={alpha:g})", zorder=3)
     tiers = 4
-    limits = _loss_limits(losses, ema, headroom=0.06 * tiers if marked else 0.0)
-    if limits:
-        ax.set_ylim(*limits)
+    if limits_all:
+        span_lo, span_hi = limits_all
+        span = span_hi - span_lo
+        ax.set_ylim(span_lo, span_hi + (0.06 * tiers if marked else 0.0) * span / 1.08)
     pad = max(1, round((last - first) * 0.01))
     ax.set_xlim(min(first, *(e.step for e in marked)) - pad if marked else first - pad, last + pad)
     x0, x1 = ax.get_xlim()
@@ -389,8 +524,8 @@ def plot_run(run_dir: Path, png: Path | None = None) -> Path:
         if not evs:
             continue
         xs = [e.step for e in evs]
-        drawn[kind] = len(evs)
-        for axis, lab in ((ax, f"{kind.replace('_', ' ')} ({len(evs)})"), (ax_arm, None)):
+        drawn[kind] = run.event_counts.get(kind, len(evs))
+        for axis, lab in ((ax, f"{kind.replace('_', ' ')} ({drawn[kind]})"), (ax_arm, None)):
             axis.vlines(xs, 0, 1, transform=axis.get_xaxis_transform(), colors=colour, linestyles=style,
                         lw=width, zorder=4, label=lab)
         redone = [e for e in evs if e.redone]  # steps a crash cost: logged by the dead process, run again
@@ -417,11 +552,11 @@ def plot_run(run_dir: Path, png: Path | None = None) -> Path:
     ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8.5, frameon=False)
 
     # Arm shares.
-    window = max(5, min(200, len(steps) // 15))
+    window = max(5, min(200, n_steps // 15))
     have_arms = any(a is not None for a in run.arms)
     arm_names: list[str] = []
     if have_arms:
-        shares = rolling_arm_shares(run.arms, window)
+        shares = rolling_arm_shares(run.arms, window, stride)
         arm_names = list(shares)
         colours = [ARM_COLOURS[i % len(ARM_COLOURS)] for i in range(len(arm_names))]
         ax_arm.stackplot(steps, [shares[a] for a in arm_names], labels=arm_names, colors=colours, alpha=0.9,
@@ -436,20 +571,18 @@ def plot_run(run_dir: Path, png: Path | None = None) -> Path:
     ax_arm.set_ylabel(f"arm share\n(last {window} steps)")
     ax_arm.set_xlabel("step")
 
-    last_loss = next((x for x in reversed(losses) if math.isfinite(x)), math.nan)
-    last_ema = next((x for x in reversed(ema) if math.isfinite(x)), math.nan)
     what = f" ({run.config_name})" if run.config_name else ""
-    fig.suptitle(f"{run.name}{what} — steps {first}–{last} ({len(steps)} logged) · last loss {last_loss:.4f}"
+    fig.suptitle(f"{run.name}{what} — steps {first}–{last} ({n_steps} logged) · last loss {last_loss:.4f}"
                  f" · EMA {last_ema:.4f}", fontsize=13, fontweight="bold")
     _save_png(fig, Canvas, out)
 
     last_plot_info.clear()
     last_plot_info.update({
-        "path": str(out), "run": run.name, "steps": len(steps), "first_step": first, "last_step": last,
+        "path": str(out), "run": run.name, "steps": n_steps, "first_step": first, "last_step": last,
         "events": {"checkpoint": len(checkpoints), **{k: drawn.get(k, 0) for k in MARKED_EVENTS}},
         "labels": labels, "redone": sum(e.redone for e in run.of_kind("resume")), "arms": arm_names, "arm_window": window,
         "last_loss": _json_float(last_loss), "last_ema": _json_float(last_ema), "ema_alpha": alpha,
-        "skipped_lines": run.skipped_lines,
+        "skipped_lines": run.skipped_lines, "drawn_points": len(steps),
     })
     return out
 
@@ -479,31 +612,44 @@ def compare_runs(runs: Sequence[Path], png: Path | None = None, *, ema: float = 
     forks = [r.fork_step() for r in loaded]
     starts = [f if f is not None else r.steps[0] for r, f in zip(loaded, forks, strict=True)]
     from_step = max(starts)
-    common = set.intersection(*({s for s in r.steps if s >= from_step} for r in loaded))
-    if not common:
+    import numpy as np
+
+    common_arr: Any = None
+    for r in loaded:
+        mine = np.frombuffer(r.steps, dtype=np.int64) if isinstance(r.steps, array) else np.asarray(r.steps, np.int64)
+        mine = mine[mine >= from_step]
+        common_arr = mine if common_arr is None else np.intersect1d(common_arr, mine, assume_unique=True)
+    n_common = int(len(common_arr))
+    if not n_common:
         raise BadInput("the runs have no steps in common", expected=f"steps logged by every run from step {from_step}",
                        found="; ".join(f"{n}: {r.steps[0]}–{r.steps[-1]}" for n, r in zip(names, loaded, strict=True)),
                        hint="compare runs forked from the same checkpoint, or runs that cover the same steps")
-    last_common = max(common)
+    last_common = int(common_arr[-1])
+    del common_arr
 
     rows: list[dict[str, Any]] = []
     curves: list[tuple[list[int], list[float], list[float]]] = []
     for name, r, fork in zip(names, loaded, forks, strict=True):
-        idx = [i for i, s in enumerate(r.steps) if s >= from_step]
-        st = [r.steps[i] for i in idx]
-        ls = [r.losses[i] for i in idx]
-        em = ema_series(ls, ema)
-        at = st.index(last_common)
-        upto = [(s, x) for s, x in zip(st[: at + 1], ls[: at + 1], strict=True) if math.isfinite(x)]
-        best_step, best = min(upto, key=lambda sx: sx[1]) if upto else (None, math.nan)
+        i0 = bisect.bisect_left(r.steps, from_step)  # steps are sorted, one per step
+        st, ls = r.steps[i0:], r.losses[i0:]
+        em = _ema(ls, ema)
+        at = bisect.bisect_left(st, last_common)
+        upto = np.asarray(ls[: at + 1], dtype=np.float64)
+        finite = np.isfinite(upto)
+        if finite.any():
+            j = int(np.argmin(np.where(finite, upto, np.inf)))  # the first lowest, as min() would
+            best_step, best = int(st[j]), float(upto[j])
+        else:
+            best_step, best = None, math.nan
         last_loss = next((x for x in reversed(ls) if math.isfinite(x)), math.nan)
         rows.append({
             "run": name, "path": str(r.folder), "fork_step": fork, "first_step": st[0], "last_step": st[-1],
             "steps": at + 1, "final_loss": _json_float(ls[at]), "ema_loss": _json_float(em[at]),
             "best_loss": _json_float(best), "best_step": best_step, "last_loss": _json_float(last_loss),
-            "non_finite_steps": sum(1 for x in ls[: at + 1] if not math.isfinite(x)),
+            "non_finite_steps": int((~finite).sum()),
         })
-        curves.append((st, ls, em))
+        _, idx = _drawn(len(st))  # drawn every k-th step at most MAX_DRAWN_POINTS per curve
+        curves.append(([st[i] for i in idx], [ls[i] for i in idx], [em[i] for i in idx]))
     ranked = sorted((row for row in rows if row["ema_loss"] is not None), key=lambda row: row["ema_loss"])
     margin = ranked[1]["ema_loss"] - ranked[0]["ema_loss"] if len(ranked) > 1 else None
     tie = margin == 0.0  # identical EMAs: neither converges lower
@@ -513,7 +659,7 @@ def compare_runs(runs: Sequence[Path], png: Path | None = None, *, ema: float = 
         row["ema_gap"] = (row["ema_loss"] - ranked[0]["ema_loss"]) if ranked and row["ema_loss"] is not None else None
     result: dict[str, Any] = {
         "runs": rows, "winner": winner, "tie": tie, "margin": margin, "from_step": from_step,
-        "forked": any(f is not None for f in forks), "last_common_step": last_common, "common_steps": len(common),
+        "forked": any(f is not None for f in forks), "last_common_step": last_common, "common_steps": n_common,
         "ema_alpha": float(ema), "png": None,
     }
     if png is not None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError, SchemaError
-from ..io.fsio import read_small
+from ..io.fsio import MAX_JSON_COST, check_json_cost, read_small
 
 FORMAT = "ripresa.companion"
 FORMAT_VERSION = 1
@@ -41,9 +41,13 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.int16, torch.int8, torch.uint8, torch.bool,
 )}
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-#: A companion is small (RNG states, buffers, hyper-parameters); refuse absurd
-#: sizes before parsing (bytes).
-MAX_COMPANION_BYTES = 256 * 1024 * 1024
+#: A companion is small: random streams (~30 KB), hyper-parameters, progress, the
+#: model's buffers and the user's objects, never a parameter or a moment (those are
+#: in the ``.bin``). 64 MiB holds ~3 million float buffer values written as JSON,
+#: far more than any model ripresa trains keeps in buffers; a larger file is refused
+#: before it is read, and its parse is bounded by :data:`~ripresa.io.fsio.MAX_JSON_COST`
+#: (docs/FAULTS.md, "Memory").
+MAX_COMPANION_BYTES = 64 * 1024 * 1024
 
 
 def encode_tree(obj: Any, *, tensor: Callable[[tuple[Any, ...], torch.Tensor], Any] | None = None,
@@ -114,21 +118,26 @@ def tree_depth(obj: Any) -> int:
 
 
 def loads_bounded(raw: bytes | str, *, file: str | Path | None = None, what: str = "companion",
-                  max_depth: int = MAX_DEPTH) -> Any:
-    """``json.loads`` that refuses a document nested deeper than ``max_depth``.
+                  max_depth: int = MAX_DEPTH, max_cost: int = MAX_JSON_COST) -> Any:
+    """``json.loads`` that refuses a document nested deeper than ``max_depth`` or too costly to parse.
 
-    A hostile file of ``[[[[...`` makes a recursive walk hit Python's recursion
-    limit: the parser's own ``RecursionError`` is caught here, and the parsed
-    tree's depth is measured without recursion before anyone walks it. Raises
-    :class:`IntegrityError` only (never ``RecursionError``/``ValueError``).
+    The memory the parse would take is bounded first, from a pre-scan of the
+    bytes (:func:`ripresa.io.fsio.check_json_cost`, at most ``max_cost``):
+    a companion of tiny containers is refused before ``json.loads`` builds
+    ~80 bytes of objects per byte of it. A hostile file of ``[[[[...`` makes a
+    recursive walk hit Python's recursion limit: the parser's own
+    ``RecursionError`` is caught here, and the parsed tree's depth is measured
+    without recursion before anyone walks it. Raises :class:`IntegrityError`
+    only (never ``RecursionError``/``ValueError``/``MemoryError``).
     """
+    check_json_cost(raw, file, what, limit=max_cost, error=IntegrityError)
     try:
         doc = json.loads(raw)
     except RecursionError as exc:
         raise IntegrityError(f"{what} is malformed: nested too deeply", file=file, expected=f"<= {max_depth} levels",
                              found="deeper than the parser's recursion limit",
                              hint="it was not written by ripresa; it is not used") from exc
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, MemoryError) as exc:
         raise IntegrityError(f"{what} is not valid JSON", file=file, found=str(exc)[:200], hint="the file is damaged") from exc
     depth = tree_depth(doc)
     if depth > max_depth:
@@ -156,15 +165,15 @@ def decode_tensor(obj: Mapping[str, Any], where: str = "companion") -> torch.Ten
     shape, data = obj.get("shape"), obj.get("data")
     if not isinstance(shape, list) or not isinstance(data, list) or set(obj) != {"__tensor__", "shape", "data"}:
         raise SchemaError(f"{where}: malformed tensor", expected='{"__tensor__", "shape": [...], "data": [...]}',
-                          found=str(obj)[:120])
+                          found=brief(obj))
     if len(shape) > MAX_NDIM or any(type(s) is not int or s < 0 for s in shape):
-        raise SchemaError(f"{where}: bad tensor shape", expected=f"<= {MAX_NDIM} non-negative ints", found=str(shape)[:120])
+        raise SchemaError(f"{where}: bad tensor shape", expected=f"<= {MAX_NDIM} non-negative ints", found=brief(shape))
     count = math.prod(shape)
     if count != len(data):
         raise SchemaError(f"{where}: tensor data length does not match its shape", expected=count, found=len(data),
                           hint="a declared shape must describe the data present")
     if 0 in shape and any(s > 2**31 for s in shape):
-        raise SchemaError(f"{where}: bad tensor shape", expected="dimensions < 2**31", found=str(shape)[:120])
+        raise SchemaError(f"{where}: bad tensor shape", expected="dimensions < 2**31", found=brief(shape))
     fits = _fits(dt)
     for x in data:
         if not fits(x):
@@ -176,8 +185,74 @@ def decode_tensor(obj: Mapping[str, Any], where: str = "companion") -> torch.Ten
         raise SchemaError(f"{where}: tensor cannot be built", found=f"{type(exc).__name__}: {str(exc)[:120]}") from exc
 
 
-def decode_tree(obj: Any, where: str = "companion", *, refs: Callable[[dict[str, Any], str], Any] | None = None,
-                _depth: int = 0) -> Any:
+def brief(obj: Any, limit: int = 120) -> str:
+    """A short description of a (possibly huge or deep) parsed JSON value for an error message.
+
+    ``str(obj)[:n]`` would first build the whole text of a 30 MB subtree (or recurse
+    through a deep one); this walks at most a few levels and a few items of each.
+    """
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxstring, r.maxother = 3, 4, 4, 4, limit, limit
+    try:
+        text = r.repr(obj)
+    except (RecursionError, ValueError):  # pragma: no cover - reprlib is bounded by maxlevel
+        text = f"<{type(obj).__name__}>"
+    return text[:limit]
+
+
+class RefBudget:
+    """The cost model of a general companion's tensor references (docs/FORMAT.md, "References").
+
+    A valid companion names each tensor of the file once, plus once for each
+    alias of it (tied weights: ``aliases`` maps alias key -> stored key). A
+    plain reference resolves to the tensor itself (no copy), a raw one to a view
+    of its bytes, a list reference expands it into Python ints once: so the
+    state a companion can build is bounded by the tensor file it verified
+    (each int64 of a list: ~40 bytes of Python ints), whatever the companion
+    says. :meth:`use` is called for each reference *before* it is resolved and
+    refuses a key named more often than that with a :class:`SchemaError`
+    (an :class:`IntegrityError`: a resume falls back to the previous generation).
+    """
+
+    def __init__(self, tensors: Mapping[str, Any], aliases: Mapping[str, str], path: Path | None = None) -> None:
+        self.allowed: dict[str, int] = dict.fromkeys(tensors, 1)
+        for target in aliases.values():
+            if target in self.allowed:
+                self.allowed[target] += 1
+        self.uses: dict[str, int] = {}
+        self.path = path
+
+    def use(self, key: str, where: str) -> None:
+        n = self.uses.get(key, 0) + 1
+        allowed = self.allowed.get(key, 0)
+        if n > allowed:
+            raise SchemaError(f"{where}: tensor {brief(key, 80)} is referenced more often than the schema allows",
+                              file=self.path, expected=f"at most {allowed} reference(s) (once, plus once per alias)",
+                              found=f"reference number {n}",
+                              hint="a companion that names one tensor many times was not written by ripresa "
+                                   "(it would expand one stored tensor many times over); this generation is not used")
+        self.uses[key] = n
+
+
+class _Frame:
+    """One container being decoded by :func:`decode_tree` (its explicit stack replaces recursion)."""
+
+    __slots__ = ("kind", "out", "items", "depth", "key")
+
+    def __init__(self, kind: str, out: Any, items: Any, depth: int) -> None:
+        self.kind, self.out, self.items, self.depth, self.key = kind, out, items, depth, None
+
+
+def _dict_pairs(pairs: list[Any], where: str) -> Any:
+    for pair in pairs:
+        if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) not in (str, int):
+            raise SchemaError(f"{where}: malformed dict entry", expected="[str or int key, value]", found=brief(pair))
+        yield pair[0], f"{where}.{pair[0]}", pair[1]
+
+
+def decode_tree(obj: Any, where: str = "companion", *, refs: Callable[[dict[str, Any], str], Any] | None = None) -> Any:
     """Inverse of :func:`encode_tree`, validating every tagged node.
 
     Raises only :class:`SchemaError` (an :class:`IntegrityError`): a tree
@@ -185,40 +260,67 @@ def decode_tree(obj: Any, where: str = "companion", *, refs: Callable[[dict[str,
     ``__dict__`` whose entries are not ``[key, value]`` pairs with str/int keys.
     ``refs(node, where)``, when given, decodes each ``{"__ref__": key, ...}``
     node (a tensor of a general generation's tensor file); without it such a
-    node is an error.
+    node is an error. Iterative (an explicit stack, no recursion): however the
+    tree is shaped, no ``RecursionError`` can escape.
     """
-    if _depth > MAX_DEPTH:
-        raise SchemaError(f"{where}: nested too deeply", expected=f"<= {MAX_DEPTH} levels")
-    d = _depth + 1
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return decode_tensor(obj, where)
-        if "__ref__" in obj:
-            if refs is None:
-                raise SchemaError(f"{where}: a tensor reference outside a general generation", found=str(obj)[:120])
-            return refs(obj, where)
-        if "__tuple__" in obj:
-            items = obj["__tuple__"]
-            if not isinstance(items, list) or len(obj) != 1:
-                raise SchemaError(f"{where}: malformed tuple", expected='{"__tuple__": [...]}', found=str(obj)[:120])
-            return tuple(decode_tree(v, where, refs=refs, _depth=d) for v in items)
-        if "__dict__" in obj:
-            pairs = obj["__dict__"]
-            if not isinstance(pairs, list) or len(obj) != 1:
-                raise SchemaError(f"{where}: malformed dict", expected='{"__dict__": [[key, value], ...]}', found=str(obj)[:120])
-            out: dict[Any, Any] = {}
-            for pair in pairs:
-                if not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) not in (str, int):
-                    raise SchemaError(f"{where}: malformed dict entry", expected="[str or int key, value]",
-                                      found=str(pair)[:120])
-                out[pair[0]] = decode_tree(pair[1], f"{where}.{pair[0]}", refs=refs, _depth=d)
-            return out
-        return {k: decode_tree(v, f"{where}.{k}", refs=refs, _depth=d) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [decode_tree(v, where, refs=refs, _depth=d) for v in obj]
-    if isinstance(obj, float | int | str | bool) or obj is None:
-        return obj
-    raise SchemaError(f"{where}: not a JSON value", found=type(obj).__name__)
+
+    def start(node: Any, at: str, depth: int) -> tuple[bool, Any]:
+        """(True, value) for a leaf or tagged node, (False, frame) for a container to walk."""
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"{at}: nested too deeply", expected=f"<= {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            if "__tensor__" in node:
+                return True, decode_tensor(node, at)
+            if "__ref__" in node:
+                if refs is None:
+                    raise SchemaError(f"{at}: a tensor reference outside a general generation", found=brief(node))
+                return True, refs(node, at)
+            if "__tuple__" in node:
+                items = node["__tuple__"]
+                if not isinstance(items, list) or len(node) != 1:
+                    raise SchemaError(f"{at}: malformed tuple", expected='{"__tuple__": [...]}', found=brief(node))
+                return False, _Frame("tuple", [], ((None, at, v) for v in items), depth)
+            if "__dict__" in node:
+                pairs = node["__dict__"]
+                if not isinstance(pairs, list) or len(node) != 1:
+                    raise SchemaError(f"{at}: malformed dict", expected='{"__dict__": [[key, value], ...]}',
+                                      found=brief(node))
+                return False, _Frame("dict", {}, _dict_pairs(pairs, at), depth)
+            return False, _Frame("dict", {}, ((k, f"{at}.{k}", v) for k, v in node.items()), depth)
+        if isinstance(node, list):
+            return False, _Frame("list", [], ((None, at, v) for v in node), depth)
+        if isinstance(node, float | int | str | bool) or node is None:
+            return True, node
+        raise SchemaError(f"{at}: not a JSON value", found=type(node).__name__)
+
+    def store(frame: _Frame, key: Any, value: Any) -> None:
+        if frame.kind == "dict":
+            frame.out[key] = value
+        else:
+            frame.out.append(value)
+
+    leaf, first = start(obj, where, 0)
+    if leaf:
+        return first
+    stack: list[_Frame] = [first]
+    end = object()
+    while True:
+        frame = stack[-1]
+        item = next(frame.items, end)
+        if item is end:
+            stack.pop()
+            value = tuple(frame.out) if frame.kind == "tuple" else frame.out
+            if not stack:
+                return value
+            store(stack[-1], frame.key, value)
+            continue
+        key, at, child = item
+        leaf, got = start(child, at, frame.depth + 1)
+        if leaf:
+            store(frame, key, got)
+        else:
+            got.key = key
+            stack.append(got)
 
 
 def dumps(companion: Mapping[str, Any]) -> bytes:

@@ -175,15 +175,21 @@ def join_state(doc: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], path
             raise SchemaError("companion's aliases do not match the tensor file", file=path,
                               expected="alias keys absent from the file, targets present", found=f"{alias} -> {target}"[:160])
     used: set[str] = set()
+    # The cost model of references (docs/FORMAT.md, "References"): a valid companion names each
+    # tensor once, plus once per alias of it (tied weights); a list reference expands its tensor
+    # into Python ints, so it is the one use of its key. Checked before anything is materialized:
+    # a 3 KB companion naming one tensor a million times is refused, not expanded a million times.
+    budget = companion_fmt.RefBudget(tensors, aliases, path)
 
     def ref(node: dict[str, Any], where: str) -> torch.Tensor | list[int]:
         key = node.get("__ref__")
         extra = set(node) - {"__ref__"}
         if not isinstance(key, str) or key not in tensors or extra not in (set(), {"dtype", "shape"}, {"list"}):
             raise SchemaError(f"{where}: a tensor reference that names no tensor of the file", file=path,
-                              expected='{"__ref__": key of the file}', found=str(node)[:160])
+                              expected='{"__ref__": key of the file}', found=companion_fmt.brief(node, 160))
         used.add(key)
         t = tensors[key]
+        budget.use(key, where)
         if not extra:
             return t
         if extra == {"list"}:  # a long list of ints, stored as a 1-D int64 tensor
@@ -191,14 +197,14 @@ def join_state(doc: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], path
                     or key in aliases.values()):
                 raise SchemaError(f"{where}: malformed list reference", file=path,
                                   expected='{"__ref__": key of a 1-D I64 tensor, "list": "int64"}',
-                                  found=f"{str(node)[:120]} -> {t.dtype} {list(t.shape)}")
+                                  found=f"{companion_fmt.brief(node, 120)} -> {t.dtype} {list(t.shape)}")
             return t.tolist()
         name, shape = node["dtype"], node["shape"]
         dt = getattr(torch, name, None) if isinstance(name, str) and _DTYPE_NAME.match(name) else None
         if (not isinstance(dt, torch.dtype) or not isinstance(shape, list) or len(shape) > companion_fmt.MAX_NDIM
                 or any(type(s) is not int or s < 0 for s in shape) or t.dtype != torch.uint8 or t.dim() != 1):
             raise SchemaError(f"{where}: malformed raw tensor reference", file=path,
-                              expected="a torch dtype name, a shape, a 1-D uint8 tensor", found=str(node)[:160])
+                              expected="a torch dtype name, a shape, a 1-D uint8 tensor", found=companion_fmt.brief(node, 160))
         count = 1
         for s in shape:
             count *= s

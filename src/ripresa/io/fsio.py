@@ -743,17 +743,66 @@ def _too_large(error: type[RipresaError], path: Path, what: str, limit: int, fou
     return error(f"{what} is too large", file=path, expected=f"at most {limit} bytes", found=found, hint=hint)
 
 
+#: The most memory (bytes, :func:`json_parse_cost`'s upper estimate) parsing one JSON file of a
+#: run folder may take (docs/FAULTS.md, "Memory"). A companion of real float buffers costs
+#: ~3.5 bytes per file byte (a 36 MiB one fits); a file of tiny containers (``[{},{},...]``)
+#: costs ~80 and is refused before ``json.loads`` allocates anything.
+MAX_JSON_COST = 128 * 1024 * 1024
+# Upper bounds (bytes, CPython 3.11-3.13, 64-bit) of what json.loads allocates per token; measured
+# with tracemalloc: a dict ~200 with a few keys, a list ~64, a number ~32 plus its slot, a
+# string ~49 plus its text, a key's entry in its dict ~40.
+_COST_DICT, _COST_LIST, _COST_VALUE, _COST_STRING, _COST_KEY = 232, 96, 48, 64, 48
+
+
+def json_parse_cost(raw: bytes | str) -> int:
+    """An upper estimate of the memory ``json.loads(raw)`` allocates, from a bounded pre-scan.
+
+    Counts the structural bytes (``{``, ``[``, ``,``, ``:`` and ``"``) with
+    ``bytes.count`` (C speed, no allocation): every container, value, string
+    and key of the document is announced by one of them, so the estimate
+    bounds the parse whatever the document's shape (a brace inside a string
+    is counted too: the estimate errs high, never low). Valid ripresa files
+    cost 2-10 bytes per file byte; hostile ones of empty containers ~80.
+    """
+    b = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    return (2 * len(b)  # the decoded text and the strings' characters
+            + _COST_DICT * b.count(b"{") + _COST_LIST * b.count(b"[")
+            + _COST_VALUE * (b.count(b",") + 1) + _COST_KEY * b.count(b":")
+            + _COST_STRING * (b.count(b'"') // 2 + 1))
+
+
+def check_json_cost(
+    raw: bytes | str, path: str | Path | None, what: str, *, limit: int = MAX_JSON_COST,
+    error: type[RipresaError] = BadInput,
+) -> int:
+    """Refuse, before parsing, a JSON document whose :func:`json_parse_cost` exceeds ``limit``; return the cost."""
+    cost = json_parse_cost(raw)
+    if cost > limit:
+        raise error(
+            f"{what} would take too much memory to parse",
+            file=path,
+            expected=f"a JSON document whose parse takes at most {limit >> 20} MiB",
+            found=f"{len(raw)} bytes whose structure would take ~{cost >> 20} MiB",
+            hint="the file is made of far more containers, keys or strings than ripresa writes; "
+            "it was not written by ripresa and is not parsed (docs/FAULTS.md, \"Memory\")",
+        )
+    return cost
+
+
 def parse_json_bytes(
-    raw: bytes, path: str | Path | None, what: str, *, error: type[RipresaError] = BadInput
+    raw: bytes, path: str | Path | None, what: str, *, error: type[RipresaError] = BadInput,
+    max_cost: int = MAX_JSON_COST,
 ) -> Any:
     """``json.loads`` of bytes read from a file, every failure mapped to ``error``.
 
-    Invalid UTF-8, invalid JSON, deep nesting (``RecursionError``) and
-    numbers the parser cannot hold are all refused with file, expected,
-    found and hint; nothing else escapes.
+    The document's parse cost is bounded first (:func:`check_json_cost`, at
+    most ``max_cost`` bytes of parsed objects). Invalid UTF-8, invalid JSON,
+    deep nesting (``RecursionError``) and numbers the parser cannot hold are all
+    refused with file, expected, found and hint; nothing else escapes.
     """
     import json
 
+    check_json_cost(raw, path, what, limit=max_cost, error=error)
     try:
         return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
@@ -768,10 +817,11 @@ def parse_json_bytes(
 
 
 def read_json_small(
-    path: str | Path, what: str, limit: int, *, error: type[RipresaError] = BadInput
+    path: str | Path, what: str, limit: int, *, error: type[RipresaError] = BadInput,
+    max_cost: int = MAX_JSON_COST,
 ) -> Any:
-    """:func:`read_small` then :func:`parse_json_bytes`; every failure is an ``error``."""
-    return parse_json_bytes(read_small(path, what, limit, error=error), path, what, error=error)
+    """:func:`read_small` then :func:`parse_json_bytes` (parse cost bounded); every failure is an ``error``."""
+    return parse_json_bytes(read_small(path, what, limit, error=error), path, what, error=error, max_cost=max_cost)
 
 
 def _read_error(path: str | Path | None, what: str, exc: OSError, expected: str) -> BadInput:

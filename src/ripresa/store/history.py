@@ -33,6 +33,7 @@ import math
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,14 +124,66 @@ _READ_CHUNK = 1 << 20
 INT_LIMIT = 1 << 63
 
 
+#: Most line numbers of skipped lines a :class:`HistoryView` lists (the rest are counted).
+MAX_SKIPPED_LISTED = 1000
+#: Most events a :class:`HistoryView` keeps (the latest; the rest are counted in ``events_dropped``).
+MAX_EVENTS_KEPT = 10_000
+#: What a reduced record keeps of a line (docs/FORMAT.md, "Reading the history"): whole fields
+#: while their values hold at most :data:`MAX_RECORD_NODES` JSON values in all, no string
+#: longer than :data:`MAX_RECORD_STR` characters; a field that would exceed either is dropped.
+MAX_RECORD_NODES = 256
+MAX_RECORD_STR = 512
+
+
+def _nodes(v: Any, budget: int) -> int:
+    """JSON values in ``v`` (iterative), or ``budget + 1`` as soon as it exceeds ``budget`` or holds a long string."""
+    n, stack = 0, [v]
+    while stack:
+        x = stack.pop()
+        n += 1
+        if n > budget or (isinstance(x, str) and len(x) > MAX_RECORD_STR):
+            return budget + 1
+        if isinstance(x, dict):
+            if any(len(k) > MAX_RECORD_STR for k in x):
+                return budget + 1
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return n
+
+
+def reduce_record(obj: dict[str, Any], max_nodes: int = MAX_RECORD_NODES) -> dict[str, Any]:
+    """The bounded form of a history line a reader keeps (docs/FORMAT.md, "Reading the history").
+
+    Fields are kept whole, in order, while their values hold at most
+    ``max_nodes`` JSON values in all and no string longer than
+    :data:`MAX_RECORD_STR`; a field that would go past is dropped. Every line
+    ripresa writes is kept whole; a hostile 1 MiB line costs a reader a few KB,
+    not the ~50 MB its parsed form takes.
+    """
+    out: dict[str, Any] = {}
+    left = max_nodes
+    for k, v in obj.items():
+        if len(k) > MAX_RECORD_STR:
+            continue
+        n = _nodes(v, left)
+        if n <= left:
+            out[k] = v
+            left -= n
+    return out
+
+
 @dataclass
 class HistoryView:
-    """What a reader sees: the canonical line per step, the events, and skipped lines.
+    """What a reader sees: the canonical line per step, the events, and skipped lines — memory bounded.
 
-    ``skipped_lines`` holds the line numbers of every skipped line (torn,
-    invalid, over-long or out of range); ``skipped_long_lines`` counts those
-    longer than :data:`MAX_LINE`, ``skipped_out_of_range`` those with a
-    number out of range.
+    ``steps`` maps each step to its last line, reduced (:func:`reduce_record`);
+    ``events`` holds the latest :data:`MAX_EVENTS_KEPT` event lines, reduced
+    (``events_dropped`` counts older ones). ``skipped`` counts every skipped
+    line (torn, invalid, over-long or out of range), ``skipped_lines`` lists
+    the line numbers of the first :data:`MAX_SKIPPED_LISTED`;
+    ``skipped_long_lines`` counts those longer than :data:`MAX_LINE`,
+    ``skipped_out_of_range`` those with a number out of range.
     """
 
     steps: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -139,6 +192,8 @@ class HistoryView:
     lines: int = 0
     skipped_long_lines: int = 0
     skipped_out_of_range: int = 0
+    skipped: int = 0
+    events_dropped: int = 0
 
     def losses(self) -> list[tuple[int, float]]:
         return [(s, r["loss"]) for s, r in sorted(self.steps.items()) if "loss" in r]
@@ -188,6 +243,14 @@ class HistoryReader:
             yield from self._lines(fd)
         finally:
             os.close(fd)
+
+    def read_from(self, fd: int) -> Iterator[tuple[int, dict[str, Any] | None]]:
+        """Iterate the lines of a history already opened (with :func:`~ripresa.io.fsio.open_run_file`) as ``fd``.
+
+        The caller owns ``fd``: a command that must refuse a linked or FIFO history
+        before it writes anything opens it first and streams it later (one pass).
+        """
+        return self._lines(fd)
 
     def _read(self, fd: int) -> bytes:
         try:
@@ -270,16 +333,27 @@ def read_history(path: str | Path) -> HistoryView:
                        hint="is this a run folder written by ripresa train?")
     view = HistoryView()
     reader = HistoryReader(p)
+    events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS_KEPT)
+    n_events = 0
+
+    def skip(no: int) -> None:
+        view.skipped += 1
+        if len(view.skipped_lines) < MAX_SKIPPED_LISTED:
+            view.skipped_lines.append(no)
+
     for no, obj in reader:
         view.lines = no
         if obj is None:
-            view.skipped_lines.append(no)
+            skip(no)
         elif "event" in obj:
-            view.events.append(obj)
+            events.append(reduce_record(obj))
+            n_events += 1
         elif _valid_step(obj.get("step")):
-            view.steps[obj["step"]] = obj
+            view.steps[obj["step"]] = reduce_record(obj)
         else:
-            view.skipped_lines.append(no)
+            skip(no)
+    view.events = list(events)
+    view.events_dropped = n_events - len(events)
     view.skipped_long_lines = reader.long_lines
     view.skipped_out_of_range = reader.out_of_range
     return view

@@ -58,6 +58,7 @@ from ..errors import (
     IntegrityError,
     MissingDependency,
     OutputExists,
+    RipresaError,
     SchemaError,
 )
 from ..formats import dcp as dcp_fmt
@@ -187,7 +188,9 @@ def load(path: str | Path, *, model_factory: ModelFactory, config: str | dict[st
         doc = read_json_small(src.with_suffix(".json"), "companion", companion_fmt.MAX_COMPANION_BYTES, error=IntegrityError)
         saved = doc.get("state") if isinstance(doc, dict) else None
         cfg = _model_config(saved.get("config") if isinstance(saved, dict) else None, config, src, model_factory)
-        model, opt = model_factory.build(cfg)
+        rec = doc.get("bin") if isinstance(doc, dict) else None
+        n_bin = rec.get("n_params") if isinstance(rec, dict) else None
+        model, opt = _build_sized(model_factory, cfg, src, n_bin if type(n_bin) is int else None, exact=True)
         contents, comp = store.load(step, expected_n=sum(p.numel() for p in model.parameters()))
         full = join_state(_Shim(model, opt), contents, comp)  # type: ignore[arg-type]
         model.load_state_dict(full["model"], strict=True)
@@ -207,7 +210,7 @@ def load(path: str | Path, *, model_factory: ModelFactory, config: str | dict[st
             raise CheckFailed(f"the source generation is not valid: {exc.message}", file=src, found=exc.found) from exc
         saved = v.state
         cfg = _model_config(saved.get("config"), config, src, model_factory)
-        model, opt = model_factory.build(cfg)
+        model, opt = _build_sized(model_factory, cfg, src, _numel(saved.get("model")))
         model.load_state_dict(saved["model"], strict=True)
         if saved.get("optimizer") is None:
             raise SchemaError("the generation has no optimizer state", file=src, hint="ripresa convert needs the optimizer")
@@ -218,7 +221,7 @@ def load(path: str | Path, *, model_factory: ModelFactory, config: str | dict[st
 
         ck = load_checkpoint(src, require_signature=require)
         cfg = _model_config(ck.state.get("config"), config, src, model_factory)
-        model, opt = model_factory.build(cfg)
+        model, opt = _build_sized(model_factory, cfg, src, _numel(ck.state.get("model")))
         model.load_state_dict(ck.state["model"], strict=True)
         if ck.state.get("optimizer") is None:
             raise SchemaError("the checkpoint.pt has no optimizer state", file=src, hint="ripresa convert needs AdamW's m and v")
@@ -241,7 +244,9 @@ def load(path: str | Path, *, model_factory: ModelFactory, config: str | dict[st
         # with a sidecar, the bytes loaded are the bytes hashed (one read), never a second open of the path
         expected = read_sidecar(src) if os.path.lexists(src.parent / (src.name + ".sha256")) else None
         cfg = _model_config(None, config, src, model_factory)
-        model, opt = model_factory.build(cfg)
+        size = src.stat().st_size  # a size hint only: read_bin opens and checks the file itself
+        model, opt = _build_sized(model_factory, cfg, src, (size - 8) // 12 if size >= 8 and (size - 8) % 12 == 0 else None,
+                                  exact=True)
         contents = read_bin(src, expected_n=sum(p.numel() for p in model.parameters()), expected_sha256=expected)
         load_into_model_and_adamw(contents, model, opt)
         return Loaded(kind, src, model, opt, None, contents.step, cfg)
@@ -249,7 +254,7 @@ def load(path: str | Path, *, model_factory: ModelFactory, config: str | dict[st
     meta, tensors = _read_weights_safetensors(src)
     saved_cfg = parse_json_bytes(meta["config"].encode(), src, "safetensors config") if "config" in meta else None
     cfg = _model_config(saved_cfg, config, src, model_factory)
-    model, _ = model_factory.build(cfg)
+    model, _ = _build_sized(model_factory, cfg, src, _numel(tensors))
     model.load_state_dict(tensors, strict=True)
     return Loaded(kind, src, model, None, None, int(meta.get("step", 0)), cfg)
 
@@ -274,6 +279,42 @@ def _read_weights_safetensors(src: Path) -> tuple[dict[str, str], dict[str, Any]
     finally:
         os.close(fd)
     return dict(header.metadata), tensors
+
+
+def _numel(model_state: Any) -> int | None:
+    """Elements of the tensors of a loaded model state (None when it is not a dict of tensors)."""
+    if not isinstance(model_state, dict) or not all(isinstance(t, torch.Tensor) for t in model_state.values()):
+        return None
+    return sum(t.numel() for t in model_state.values())
+
+
+def _build_sized(model_factory: Any, cfg: dict[str, Any], src: Path, n_file: int | None, *,
+                 exact: bool = False) -> tuple[Any, Any]:
+    """Build the model a config describes only once its size agrees with the source's.
+
+    The parameter count is computed from the config by arithmetic
+    (``model_factory.param_count``: nothing allocated) and compared with what
+    the verified source holds (``n_file``: a companion's ``bin.n_params``
+    checked against the ``.bin``'s size, or the elements of the loaded model
+    state) *before* anything is built: a companion describing a 2 GB model
+    beside a 1 MB file is refused at once, not built and then compared
+    (docs/FAULTS.md, "Memory"). Model states that also hold buffers have more
+    elements than parameters: only a config describing *more* than the source
+    holds is refused here (``exact``: any other count, for a ``.bin`` whose
+    size gives its parameter count); the exact check follows the build.
+    """
+    if n_file is not None:
+        try:
+            n_cfg = int(model_factory.param_count(cfg["model"]))
+        except (KeyError, TypeError, ValueError, RipresaError) as exc:
+            raise SchemaError("the model config cannot be sized", file=src, found=f"{type(exc).__name__}: {str(exc)[:160]}",
+                              hint="the config saved with the checkpoint is malformed") from exc
+        if n_cfg > n_file or (exact and n_cfg != n_file):
+            raise SchemaError("the model config describes another number of parameters than the source holds",
+                              file=src, expected=f"{'' if exact else 'at most '}{n_file} parameters (the source's)",
+                              found=f"{n_cfg} parameters",
+                              hint="the config does not belong to this checkpoint; nothing was built")
+    return model_factory.build(cfg)
 
 
 def _safetensors() -> Any:

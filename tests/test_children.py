@@ -96,8 +96,8 @@ def test_torchrun_ranks_run_ripresas_code(hostile, tmp_path):
     """
     folder, marker = hostile
     env = {k: v for k, v in hostile_env().items() if k != "PYTHONSAFEPATH"}
-    launcher = ("import sys; sys.path = [p for p in sys.path if p not in ('', {folder!r})]; "
-                "from ripresa.torchrun import main; sys.exit(main())").format(folder=str(folder))
+    launcher = (f"import sys; sys.path = [p for p in sys.path if p not in ('', {str(folder)!r})]; "
+                "from ripresa.torchrun import main; sys.exit(main())")
     argv = [sys.executable, "-P", "-c", launcher, "--standalone", "--nproc_per_node=2", "-m", "ripresa", "--version"]
     res = run(argv, cwd=folder, env=env, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -300,6 +300,8 @@ def _cmd_pivot(args: argparse.Namespace) -> int:
         print(f"mirror: uploaded {r['mirrored']['uploaded'] or 'nothing new'} and config.json to {r['mirrored']['url']}")
     if r["restarted"]:
         print(f"restarted the trainer (pid {r['restarted']}), log: {args.run / 'train.log'}")
+    elif r["command"] is None:
+        print(f"no resume command: {r['no_command']}")
     else:
         print(f"resume with: {r['command']}")
     return 0

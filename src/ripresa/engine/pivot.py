@@ -180,12 +180,19 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
     finally:
         lock.release()
     report = {"step": step, "phase": phase, "archive": str(archive), "archived": moved, "policy": policy.to_dict(),
-              "stopped": stopped, "launch": launch, "mirrored": None, "command": None, "restarted": None}
-    command = restart_command(run, launch, _newest_generation(run))
-    report["command"] = " ".join(shlex.quote(c) for c in command)
+              "stopped": stopped, "launch": launch, "mirrored": None, "command": None, "no_command": None,
+              "restarted": None}
     mirror = (launch or {}).get("options", {}).get("mirror")
     if mirror is not None:
         report["mirrored"] = _push_pivot(run, mirror)  # before the new phase trains (docs/ENGINE.md)
+    try:
+        command = restart_command(run, launch, _newest_generation(run))
+    except BadInput as exc:
+        if restart:
+            raise
+        report["no_command"] = str(exc)  # the pivot is done; say why no command is printed
+        return report
+    report["command"] = " ".join(shlex.quote(c) for c in command)
     if restart:
         fd = open_run_file(log_path, "the run's train.log", mode="create_append")  # never through a link or FIFO
         try:
@@ -329,8 +336,8 @@ def restart_command(run: Path, launch: dict[str, Any] | None, gen: Any) -> list[
                        expected=f"at most {max_nproc()} ranks (min({MAX_NPROC}, 4 x {os.cpu_count()} CPUs))",
                        found=f"{world} ranks", hint="restart it yourself with "
                        "python -m ripresa.torchrun --standalone --nproc_per_node=N -m ripresa train --run RUN ...")
-    if shard == "fsdp" and "--shard=fsdp" not in train:
-        train.append("--shard=fsdp")
+    if shard == "fsdp":
+        train += ["--shard", "fsdp"]
     return ripresa_argv("--standalone", f"--nproc_per_node={world}", "-m", "--", "ripresa", *train,
                         module="ripresa.torchrun")
 

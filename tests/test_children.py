@@ -123,3 +123,18 @@ def test_pivot_restart_and_demo_from_a_hostile_folder(hostile, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "started again on the same folder: resumed" in res.stdout
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("plant_log", [
+    pytest.param(lambda log, outside: os.symlink(outside, log), id="symlink"),
+    pytest.param(lambda log, outside: os.mkfifo(log), id="fifo", marks=pytest.mark.slow),
+])
+def test_demo_refuses_a_planted_log(tmp_path, plant_log):
+    """``demo --output DIR`` opens DIR/train.log without following a link or waiting on a FIFO: exit 2 first."""
+    out, outside = tmp_path / "demo", tmp_path / "outside.txt"
+    out.mkdir()
+    outside.write_text("keep")
+    plant_log(out / "train.log", outside)
+    res = run([sys.executable, "-m", "ripresa", "demo", "--output", out], timeout=120)
+    assert res.returncode == 2 and "train.log" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert outside.read_text() == "keep" and not (out / "verify").exists()  # refused before anything ran

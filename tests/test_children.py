@@ -108,7 +108,7 @@ def test_torchrun_ranks_run_ripresas_code(hostile, tmp_path):
 def test_pivot_restart_and_demo_from_a_hostile_folder(hostile, tmp_path):
     """The two commands of the issue, run from the planted folder: the marker is never written."""
     folder, marker = hostile
-    env = hostile_env()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # the caller's own process is clean
     runf = tmp_path / "run"
     cli = [sys.executable, "-P", "-m", "ripresa"]  # the caller itself: as the `ripresa` console script runs
     res = run([*cli, "train", "--run", runf, "--config", "tiny", "--quiet", "--threads", "1", "--steps", "10",

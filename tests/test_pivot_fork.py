@@ -250,19 +250,25 @@ def test_restart_world_size_comes_from_a_verified_generation(tmp_path, monkeypat
         restart_command(run / "none", launch, None)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("record,found", [
     ({"command": "ripresa train", "options": {"threads": "1; rm -rf /"}}, "threads"),
     ({"command": "ripresa train", "options": {"output": "/elsewhere"}}, "output"),
     ({"command": "ripresa train", "options": {"mirror": "--fresh\n"}}, "mirror"),
     ({"command": "ripresa train", "options": []}, "options"),
     ({"command": "ripresa train", "options": {}, "world_size": 0}, "world_size"),
+    ({"command": "ripresa train", "options": {"mtbf": "bogus"}}, "bogus"),
+    ({"command": "ripresa train", "options": {"deadline": "72h"}}, "72h"),  # recorded as a time, never a duration
 ])
 def test_a_malformed_launch_record_is_refused_before_anything(tmp_path, record, found):
+    """The record is replayed as a command: every field is checked, nothing passes through (BadInput: exit 2)."""
+    from ripresa.engine.pivot import pivot
+    from ripresa.errors import BadInput
+
     run = config_only_run(tmp_path)
     (run / ".loss.jsonl").write_text(json.dumps({"event": "launch", **record}) + "\n")
-    res = ripresa_cli("pivot", run, "--caps", "stdlib-docstrings=0.5", "--restart")
-    assert res.returncode == 2 and "launch record is malformed" in res.stderr and found in res.stderr, res.stderr
+    with pytest.raises(BadInput, match="launch record is malformed") as err:
+        pivot(run, caps=["stdlib-docstrings=0.5"], restart=True)
+    assert found in str(err.value)
     assert not (run / "archive").exists()
 
 

@@ -258,7 +258,7 @@ def _check_launch(rec: Any, path: Path) -> None:
         raise _bad_record(path, f"options among {sorted(LAUNCH_OPTIONS)}", sorted(unknown))
     checks = {
         "steps": lambda v: v is None or _is_int(v), "every": lambda v: v is None or v == "auto" or _is_int(v),
-        "threads": lambda v: v is None or _is_int(v, 1, 4096), "device": lambda v: v in ("auto", "cpu", "cuda"),
+        "threads": lambda v: v is None or _is_int(v, 0, 4096), "device": lambda v: v in ("auto", "cpu", "cuda"),
         "shard": lambda v: v in ("ddp", "fsdp"), "mirror": lambda v: v is None or _is_text(v),
         "mtbf": lambda v: v is None or _is_text(v), "max_redo": lambda v: v is None or _is_text(v),
         "deadline": lambda v: v is None or _is_text(v),
@@ -271,6 +271,19 @@ def _check_launch(rec: Any, path: Path) -> None:
     for key in ("world_size", "local_world_size"):
         if key in rec and not _is_int(rec[key], 1):
             raise _bad_record(path, f"{key} >= 1", rec[key])
+    from ..session.cadence import parse_duration, parse_max_redo
+    from ..session.deadline import deadline_time
+
+    try:  # what the restarted trainer would refuse, refused here (before anything is stopped)
+        if o.get("mtbf") is not None:
+            parse_duration(o["mtbf"], "--mtbf")
+        parse_max_redo(o.get("max_redo"))
+        if o.get("deadline") is not None and not any(c in o["deadline"] for c in "-:T"):
+            raise BadInput("the recorded deadline is not a time", expected="an ISO time", found=o["deadline"])
+        if o.get("deadline") is not None:
+            deadline_time(o["deadline"])
+    except BadInput as exc:
+        raise _bad_record(path, exc.expected or "a valid --mtbf, --max-redo or --deadline", exc.found) from None
 
 
 def _replayed_flags(launch: dict[str, Any] | None, run: Path) -> list[str]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -146,3 +148,167 @@ def test_fork_refuses_bad_sources_and_destinations(tmp_path):
     assert res.returncode == 1 and "sha256" in res.stderr
     assert not (tmp_path / "y").exists()
     assert [g.step for g in CheckpointStore(parent, writer=False).generations(deep=True) if g.valid] == [20]
+
+
+# ---------------------------------------------------------------- pivot --restart: the original flags, safely
+
+
+def config_only_run(tmp_path: Path) -> Path:
+    """A run folder with the tiny config and nothing trained (enough for what a pivot checks before stopping)."""
+    from ripresa.engine.gpt.config import named_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(named_config("tiny"), indent=2))
+    return run
+
+
+def test_pivot_restart_refuses_a_planted_train_log_link(tmp_path):
+    """``pivot --restart`` appends to RUN/train.log without following a link out of the folder: exit 2 first."""
+    run = config_only_run(tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    os.symlink(outside, run / "train.log")
+    cfg = (run / "config.json").read_bytes()
+    res = ripresa_cli("pivot", run, "--caps", "stdlib-docstrings=0.5", "--restart")
+    assert res.returncode == 2 and "train.log is a symlink" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and outside.read_text() == "keep"
+    assert (run / "config.json").read_bytes() == cfg and not (run / "archive").exists()  # refused before anything
+
+
+@pytest.mark.slow
+def test_pivot_restart_refuses_a_planted_train_log_fifo(tmp_path):
+    run = config_only_run(tmp_path)
+    os.mkfifo(run / "train.log")
+    res = ripresa_cli("pivot", run, "--caps", "stdlib-docstrings=0.5", "--restart", timeout=60)
+    assert res.returncode == 2 and "train.log" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (run / "archive").exists()
+
+
+def planted_dcp(run: Path, world: int, key: bytes | None = None) -> None:
+    """A real .dcp generation whose companion now says ``world`` ranks, marker recomputed (what anyone can do)."""
+    from test_dcp_hostile import _dcp_generation, _rebless
+
+    from ripresa.formats import dcp as dcp_fmt
+
+    gen = _dcp_generation(run, 5, key=key)
+    doc = json.loads((gen.path / dcp_fmt.COMPANION_NAME).read_bytes())
+    doc["world_size"] = world
+    _rebless(run, 5, companion=doc)
+
+
+def test_pivot_restart_bounds_the_world_size_of_a_planted_dcp(tmp_path):
+    """Issue 19 class 5: a planted ``.dcp`` asking for 2^20 ranks passes a hash check (no key); the restart
+    refuses it (BadInput: exit 2) before anything is stopped, never starting a million processes."""
+    from ripresa.engine.pivot import pivot
+    from ripresa.errors import BadInput
+
+    run = config_only_run(tmp_path)
+    planted_dcp(run, 2**20)
+    with pytest.raises(BadInput, match="world size") as err:
+        pivot(run, caps=["stdlib-docstrings=0.5"], restart=True)
+    assert "1048576 ranks" in str(err.value.found)
+    assert not (run / "archive").exists() and not (run / "train.log").exists()
+
+
+@pytest.mark.slow
+def test_pivot_restart_of_a_planted_dcp_exits_2(tmp_path):
+    run = config_only_run(tmp_path)
+    planted_dcp(run, 2**20)
+    res = ripresa_cli("pivot", run, "--caps", "stdlib-docstrings=0.5", "--restart")
+    assert res.returncode == 2 and "world size" in res.stderr and "1048576 ranks" in res.stderr, res.stderr
+    assert not (run / "archive").exists() and not (run / "train.log").exists()
+
+
+@pytest.mark.slow
+def test_restart_world_size_comes_from_a_verified_generation(tmp_path, monkeypatch):
+    from test_dcp_hostile import KEY
+
+    from ripresa.engine.pivot import _newest_generation, max_nproc, restart_command
+    from ripresa.errors import BadInput
+    from ripresa.io import auth
+
+    run = config_only_run(tmp_path)
+    planted_dcp(run, 2)  # within the bound: a sharded restart on 2 ranks
+    cmd = restart_command(run, None, _newest_generation(run))
+    assert cmd[1:4] == ["-P", "-m", "ripresa.torchrun"] and "--nproc_per_node=2" in cmd and cmd[-2:] == ["--shard", "fsdp"]
+    planted_dcp(tmp_path / "big", max_nproc() + 1)
+    (tmp_path / "big" / "config.json").write_text((run / "config.json").read_text())
+    with pytest.raises(BadInput, match="world size"):
+        restart_command(tmp_path / "big", None, _newest_generation(tmp_path / "big"))
+    # Signatures required: an unsigned (planted) .dcp is no generation at all; a signed one gives its world size.
+    monkeypatch.setenv(auth.ENV_KEY, KEY.decode())
+    monkeypatch.setenv(auth.ENV_REQUIRE, "1")
+    assert _newest_generation(tmp_path / "big") is None
+    assert "ripresa.torchrun" not in restart_command(tmp_path / "big", None, None)
+    signed = tmp_path / "signed"
+    planted_dcp(signed, 2**20, key=KEY)  # the companion edited after signing: the signature no longer matches
+    assert _newest_generation(signed) is None
+    # A planted launch record asking for 2^20 ranks is bounded the same way.
+    launch = {"command": "ripresa train", "options": {"shard": "ddp"}, "world_size": 2**20, "local_world_size": 2**20}
+    with pytest.raises(BadInput, match="world size"):
+        restart_command(run / "none", launch, None)
+
+
+@pytest.mark.parametrize("record,found", [
+    ({"command": "ripresa train", "options": {"threads": "1; rm -rf /"}}, "threads"),
+    ({"command": "ripresa train", "options": {"output": "/elsewhere"}}, "output"),
+    ({"command": "ripresa train", "options": {"mirror": "--fresh\n"}}, "mirror"),
+    ({"command": "ripresa train", "options": []}, "options"),
+    ({"command": "ripresa train", "options": {}, "world_size": 0}, "world_size"),
+    ({"command": "ripresa train", "options": {"mtbf": "bogus"}}, "bogus"),
+    ({"command": "ripresa train", "options": {"deadline": "72h"}}, "72h"),  # recorded as a time, never a duration
+])
+def test_a_malformed_launch_record_is_refused_before_anything(tmp_path, record, found):
+    """The record is replayed as a command: every field is checked, nothing passes through (BadInput: exit 2)."""
+    from ripresa.engine.pivot import pivot
+    from ripresa.errors import BadInput
+
+    run = config_only_run(tmp_path)
+    (run / ".loss.jsonl").write_text(json.dumps({"event": "launch", **record}) + "\n")
+    with pytest.raises(BadInput, match="launch record is malformed") as err:
+        pivot(run, caps=["stdlib-docstrings=0.5"], restart=True)
+    assert found in str(err.value)
+    assert not (run / "archive").exists()
+
+
+def launch_events(run: Path) -> list[dict]:
+    return [e for e in read_history(run / ".loss.jsonl").events if e["event"] == "launch"]
+
+
+@pytest.mark.slow
+def test_pivot_restart_replays_the_flags_and_the_mirror_keeps_the_pivot(tmp_path):
+    """Issue 20 deliverable 3, with a local-path mirror and real restarts."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    url = f"file://{mirror}"
+    flags = ["--threads", "1", "--steps", "20", "--every", "10", "--no-audit", "--sync", "--quiet", "--mirror", url]
+    res = ripresa_cli("train", "--run", run, "--config", "tiny", "--set", "train.batch_size=4", *flags)
+    assert res.returncode == 0, res.stderr
+    first = launch_events(run)[-1]
+    assert first["options"]["mirror"] == url and first["options"]["steps"] == 20 and first["world_size"] == 1
+    # 1. A pivot of the stopped run: the pivot generation and config.json reach the mirror at once.
+    res = ripresa_cli("pivot", run, "--caps", "stdlib-docstrings=0.5")
+    assert res.returncode == 0, res.stderr
+    assert f"--mirror={url}" in res.stdout and "--steps=20" in res.stdout and "--config" not in res.stdout
+    remote_cfg = json.loads((mirror / "config.json").read_text())
+    assert remote_cfg["mixture"]["phase"] == 1 and remote_cfg["mixture"]["caps"] == {"stdlib-docstrings": 0.5}
+    # ... so a resume from the mirror on a blank machine keeps the pivot (caps and phase), bandit fresh.
+    blank = tmp_path / "blank"
+    res = ripresa_cli("train", "--run", blank, "--threads", "1", "--steps", "1", "--no-audit", "--quiet", "--mirror", url)
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads((blank / "config.json").read_text())
+    assert cfg["mixture"]["phase"] == 1 and cfg["mixture"]["caps"] == {"stdlib-docstrings": 0.5}
+    assert [e for e in read_history(blank / ".loss.jsonl").events if e["event"] == "bandit_fresh"][-1]["phase"] == 1
+    # 2. pivot --restart: the trainer comes back with the original flags (not its config-shaping ones).
+    res = ripresa_cli("pivot", run, "--caps", "stdlib-docstrings=0.3", "--restart")
+    assert res.returncode == 0, res.stderr
+    t0 = time.time()
+    while (len(launch_events(run)) < 2 or read_lock_holder(run) is not None) and time.time() - t0 < 180:
+        time.sleep(0.2)
+    assert read_lock_holder(run) is None and len(launch_events(run)) == 2, (run / "train.log").read_text()
+    again = launch_events(run)[-1]
+    process_flags = {k: v for k, v in first["options"].items() if k not in ("config", "sets", "sources")}
+    assert {k: v for k, v in again["options"].items() if k in process_flags} == process_flags
+    assert again["options"]["config"] is None and again["options"]["sets"] == []
+    assert json.loads((mirror / "config.json").read_text())["mixture"]["phase"] == 2
+    assert "resumed" in (run / "train.log").read_text()

@@ -291,7 +291,8 @@ def _add_pivot(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", type=Path, help="run folder (running or stopped)")
     p.add_argument("--caps", nargs="+", default=[], metavar="ARM=X", help="new maximum shares")
     p.add_argument("--floors", nargs="+", default=[], metavar="ARM=Y", help="new minimum shares")
-    p.add_argument("--restart", action="store_true", help="restart the trainer detached (log in RUN/train.log)")
+    p.add_argument("--restart", action="store_true", help="restart the trainer detached with the flags its last launch "
+                   "recorded (--mirror, --threads, --steps, --every, ...; log appended to RUN/train.log; docs/ENGINE.md)")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the trainer's checkpoint and stop")
 
 
@@ -301,8 +302,14 @@ def _cmd_pivot(args: argparse.Namespace) -> int:
     r = pivot(args.run, caps=args.caps, floors=args.floors, restart=args.restart, timeout=args.timeout)
     print(f"pivot at step {r['step']} (phase {r['phase']}): archived {r['archived'] or 'nothing'} into {r['archive']}")
     print(f"new policy: {r['policy']}")
+    if r["launch"] is None:
+        print("no launch record in the run's history: the original flags are unknown (ripresa train --run RUN only)")
+    if r["mirrored"] is not None:
+        print(f"mirror: uploaded {r['mirrored']['uploaded'] or 'nothing new'} and config.json to {r['mirrored']['url']}")
     if r["restarted"]:
         print(f"restarted the trainer (pid {r['restarted']}), log: {args.run / 'train.log'}")
+    elif r["command"] is None:
+        print(f"no resume command: {r['no_command']}")
     else:
         print(f"resume with: {r['command']}")
     return 0

@@ -12,21 +12,23 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from ..io.fsio import read_json_small
+from ..errors import BadInput
+from ..io.child import child_env, ripresa_argv
+from ..io.fsio import open_run_file, read_json_small
 from ..store.history import read_history
 from ..store.store import CheckpointStore
 from ..verify.verify import reference_exercise_command, render_verdict, verify_resume
 
 
 def _train_cmd(run: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ripresa", "train", "--run", str(run), "--config", "tiny", "--threads", "1", "--quiet", *extra]
+    """``ripresa train`` on the demo's run: ripresa's own code whatever the working folder holds (io/child.py)."""
+    return ripresa_argv("train", "--run", str(run), "--config", "tiny", "--threads", "1", "--quiet", *extra)
 
 
 def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
@@ -50,6 +52,19 @@ def _valid(run: Path) -> list[int]:
 def run_demo(out: Path, console: Console | None = None) -> int:
     console = console or Console()
     t_all = time.perf_counter()
+    if os.path.lexists(out) and (os.path.islink(out) or not out.is_dir()):
+        raise BadInput("the demo's --output is not a folder", file=out, expected="a new folder (or an existing one)",
+                       found="a symlink" if os.path.islink(out) else "a file", hint="choose another --output")
+    out.mkdir(parents=True, exist_ok=True)
+    # the engine's log, opened before anything runs: a planted link or FIFO is refused, never followed
+    log = open_run_file(out / "train.log", "the demo's train.log", mode="create_append")
+    try:
+        return _run_demo(out, console, log, t_all)
+    finally:
+        os.close(log)
+
+
+def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
     console.rule("[bold]1/2 · proving a resume exact on the 33-parameter reference exercise")
     verdict = verify_resume(reference_exercise_command(), output=out / "verify", steps=10, cut=5)
     render_verdict(verdict, console)
@@ -58,8 +73,7 @@ def run_demo(out: Path, console: Console | None = None) -> int:
 
     console.rule("[bold]2/2 · the ANDREA engine (tiny): checkpoints, sample audits, SIGUSR1, SIGTERM, resume")
     run = out / "gpt"
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    log = open(out / "train.log", "wb")
+    env = child_env(PYTHONDONTWRITEBYTECODE="1")
     t0 = time.perf_counter()
     proc = subprocess.Popen(_train_cmd(run, "--steps", "400", "--every", "100"), stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -78,7 +92,6 @@ def run_demo(out: Path, console: Console | None = None) -> int:
     finally:
         if proc.poll() is None:
             proc.kill()
-        log.close()
     stopped = max(read_history(run / ".loss.jsonl").steps)
     console.print(f"  → exit code {rc}; last step {stopped}; generations {_valid(run)}")
     res = subprocess.run(_train_cmd(run, "--steps", "50", "--every", "100"), capture_output=True, text=True, env=env)

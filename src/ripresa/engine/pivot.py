@@ -12,8 +12,20 @@
    are moved into ``archive/pivot_NNNNNN/`` (NNNNNN = the newest valid
    generation, the pivot step); ``.loss.jsonl`` stays where it is and gets a
    ``pivot`` event; ``config.json`` gets the new policy and the next phase.
-4. ``--restart`` starts ``ripresa train --run RUN`` detached (output to
-   ``RUN/train.log``); otherwise the exact command is printed.
+4. When the run mirrors (its ``launch`` record names ``--mirror``), one push
+   round uploads the pivot generation and the new ``config.json`` before
+   anything trains again, so a resume from the mirror keeps the pivot.
+5. ``--restart`` starts the trainer again, detached (output appended to
+   ``RUN/train.log``, opened without following a link); otherwise the exact
+   command is printed. The command is rebuilt from the run's own record (the
+   last ``launch`` event of ``.loss.jsonl``, written by ``ripresa train``) and
+   replays the original process flags (``--mirror``, ``--threads``,
+   ``--steps``, ``--every``, ``--deadline``, ...), never the config-shaping
+   ones (``--config``/``--set``/``--source``: resolved into ``config.json``,
+   which the pivot has just changed). The child runs ripresa's own code
+   (:mod:`ripresa.io.child`); a sharded run's world size comes from a fully
+   verified generation and is bounded by :data:`MAX_NPROC` and the machine
+   (docs/ENGINE.md, "Restart after a pivot").
 
 The resumed run has full weights, m and v (the generation), a fresh bandit
 (the saved bandit belongs to the previous phase and is not loaded), a fresh
@@ -24,18 +36,19 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, CheckFailed
+from ..errors import BadInput, CheckFailed, RipresaError, SaveFailed
+from ..io.child import child_env, ripresa_argv
 from ..io.fsio import fsync_dir, open_run_file, write_atomic
 from ..io.lock import NotRunning, RunLock, is_locked, signal_holder
-from ..store.history import HISTORY_NAME, History
+from ..store.history import HISTORY_NAME, History, HistoryReader
 from ..store.store import CheckpointStore
 from .fork import read_run_config
 from .gpt.train import SAMPLES_NAME, STATE_NAME
@@ -60,11 +73,11 @@ def _newest_valid(run: Path) -> int | None:
     return gen.step if gen else None
 
 
-def _newest_generation(run: Path) -> Any:
+def _newest_generation(run: Path, *, deep: bool = False) -> Any:
     """The newest valid generation of any kind (``.bin``, general, a sharded ``.dcp``): what a resume takes."""
     from ..store.backend import latest_valid_of, registered
 
-    return latest_valid_of(run, tuple(registered()), deep=False, warn=False, store=CheckpointStore(run, writer=False))
+    return latest_valid_of(run, tuple(registered()), deep=deep, warn=False, store=CheckpointStore(run, writer=False))
 
 
 def _wait(predicate, timeout: float, what: str, run: Path, *, gone=None) -> None:
@@ -123,6 +136,12 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
     if not caps and not floors:
         raise BadInput("a pivot needs a new policy", expected="--caps ARM=X and/or --floors ARM=Y")
     policy = new_policy(cfg, caps, floors)  # refused here, before anything is stopped
+    launch = read_launch(run)  # a malformed record is refused here too, before anything is stopped
+    log_path = run / "train.log"
+    if restart:
+        restart_command(run, launch, _newest_generation(run))  # e.g. a redacted mirror URL, a world size too large
+        if os.path.lexists(log_path):
+            os.close(open_run_file(log_path, "the run's train.log", mode="append"))  # a link or FIFO: refused now
     stopped = stop_trainer(run, timeout)
     lock = RunLock(run).acquire()
     try:
@@ -160,23 +179,190 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
         write_atomic(cfg_path, [json.dumps(cfg, indent=2).encode() + b"\n"])
     finally:
         lock.release()
-    command = _train_command(run)
     report = {"step": step, "phase": phase, "archive": str(archive), "archived": moved, "policy": policy.to_dict(),
-              "stopped": stopped, "command": " ".join(command), "restarted": None}
+              "stopped": stopped, "launch": launch, "mirrored": None, "command": None, "no_command": None,
+              "restarted": None}
+    mirror = (launch or {}).get("options", {}).get("mirror")
+    if mirror is not None:
+        report["mirrored"] = _push_pivot(run, mirror)  # before the new phase trains (docs/ENGINE.md)
+    try:
+        command = restart_command(run, launch, _newest_generation(run))
+    except BadInput as exc:
+        if restart:
+            raise
+        report["no_command"] = str(exc)  # the pivot is done; say why no command is printed
+        return report
+    report["command"] = " ".join(shlex.quote(c) for c in command)
     if restart:
-        log = open(run / "train.log", "ab")
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=os.getcwd())
-        log.close()
+        fd = open_run_file(log_path, "the run's train.log", mode="create_append")  # never through a link or FIFO
+        try:
+            proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=os.getcwd(), env=child_env())
+        finally:
+            os.close(fd)
         report["restarted"] = proc.pid
     return report
 
 
-def _train_command(run: Path) -> list[str]:
-    """How the run goes on: ``ripresa train --run RUN``; a sharded run (newest generation a ``.dcp``) under
-    ``python -m ripresa.torchrun`` with its saved world size and ``--shard fsdp`` (docs/SHARDED.md)."""
-    gen = _newest_generation(run)
+#: The most ranks a ``pivot --restart`` starts on one machine (also bounded by 4x its CPU count).
+MAX_NPROC = 1024
+
+
+def max_nproc() -> int:
+    """How many ranks a restart may start here: ``min(MAX_NPROC, 4 x os.cpu_count())``."""
+    return min(MAX_NPROC, 4 * max(1, os.cpu_count() or 1))
+
+
+def read_launch(run: Path) -> dict[str, Any] | None:
+    """The run's last ``launch`` event (``ripresa train``'s record of its options, without event/time), or None.
+
+    Read line by line (memory bounded by the longest line, whatever the
+    history's size); a record that is not a dict of known options with the
+    expected types is a :class:`BadInput` (exit 2): it is replayed as a
+    command, so nothing in it is guessed or passed through unchecked.
+    """
+    path = run / HISTORY_NAME
+    if not os.path.lexists(path):
+        return None
+    last = None
+    for _, rec in HistoryReader(path):  # opened without following a link, never waiting on a FIFO
+        if isinstance(rec, dict) and rec.get("event") == "launch":
+            last = {k: v for k, v in rec.items() if k not in ("event", "time")}
+    if last is None:
+        return None
+    _check_launch(last, path)
+    return last
+
+
+def _bad_record(path: Path, expected: str, found: Any) -> BadInput:
+    return BadInput("the run's launch record is malformed", file=path, expected=expected, found=repr(found)[:120],
+                    hint="the restart command is rebuilt from it; pivot without --restart and start the trainer yourself")
+
+
+def _is_int(x: Any, lo: int = 0, hi: int = 2**63 - 1) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _is_text(x: Any) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= 4096 and "\x00" not in x and x.isprintable()
+
+
+def _check_launch(rec: Any, path: Path) -> None:
+    from .gpt.train import LAUNCH_OPTIONS
+
+    if not isinstance(rec, dict) or not isinstance(rec.get("options"), dict):
+        raise _bad_record(path, "a launch record with options", rec)
+    o = rec["options"]
+    unknown = set(o) - set(LAUNCH_OPTIONS) - {"require_signature"}
+    if unknown:
+        raise _bad_record(path, f"options among {sorted(LAUNCH_OPTIONS)}", sorted(unknown))
+    checks = {
+        "steps": lambda v: v is None or _is_int(v), "every": lambda v: v is None or v == "auto" or _is_int(v),
+        "threads": lambda v: v is None or _is_int(v, 0, 4096), "device": lambda v: v in ("auto", "cpu", "cuda"),
+        "shard": lambda v: v in ("ddp", "fsdp"), "mirror": lambda v: v is None or _is_text(v),
+        "mtbf": lambda v: v is None or _is_text(v), "max_redo": lambda v: v is None or _is_text(v),
+        "deadline": lambda v: v is None or _is_text(v),
+        **{k: (lambda v: isinstance(v, bool)) for k in ("audit", "asynchronous", "quiet", "allow_version_change",
+                                                        "allow_code_change", "allow_data_change", "require_signature")},
+    }
+    for key, ok in checks.items():
+        if key in o and not ok(o[key]):
+            raise _bad_record(path, f"a valid {key}", o[key])
+    for key in ("world_size", "local_world_size"):
+        if key in rec and not _is_int(rec[key], 1):
+            raise _bad_record(path, f"{key} >= 1", rec[key])
+    from ..session.cadence import parse_duration, parse_max_redo
+    from ..session.deadline import deadline_time
+
+    try:  # what the restarted trainer would refuse, refused here (before anything is stopped)
+        if o.get("mtbf") is not None:
+            parse_duration(o["mtbf"], "--mtbf")
+        parse_max_redo(o.get("max_redo"))
+        if o.get("deadline") is not None and not any(c in o["deadline"] for c in "-:T"):
+            raise BadInput("the recorded deadline is not a time", expected="an ISO time", found=o["deadline"])
+        if o.get("deadline") is not None:
+            deadline_time(o["deadline"])
+    except BadInput as exc:
+        raise _bad_record(path, exc.expected or "a valid --mtbf, --max-redo or --deadline", exc.found) from None
+
+
+def _replayed_flags(launch: dict[str, Any] | None, run: Path) -> list[str]:
+    """The recorded process flags as ``--opt=value`` (never a value read as another option)."""
+    if launch is None:
+        return []
+    o = launch["options"]
+    flags = []
+    for key in ("steps", "every", "threads", "mtbf", "max_redo", "deadline"):
+        if o.get(key) is not None:
+            flags.append(f"--{key.replace('_', '-')}={o[key]}")
+    if o.get("device", "auto") != "auto":
+        flags.append(f"--device={o['device']}")
+    mirror = o.get("mirror")
+    if mirror is not None:
+        if ":***@" in mirror:
+            raise BadInput("the run's mirror URL was recorded without its password", file=run / HISTORY_NAME,
+                           expected="a mirror URL the restart can use", found=mirror,
+                           hint="give the credentials through the environment (AWS_*), or pivot without --restart "
+                                "and start `ripresa train --run RUN --mirror URL` yourself")
+        flags.append(f"--mirror={mirror}")
+    for key, flag, default in (("audit", "--no-audit", True), ("asynchronous", "--sync", True),
+                               ("quiet", "--quiet", False)):
+        if o.get(key, default) != default:
+            flags.append(flag)
+    for key in ("allow_version_change", "allow_code_change", "allow_data_change", "require_signature"):
+        if o.get(key):
+            flags.append(f"--{key.replace('_', '-')}")
+    return flags
+
+
+def restart_command(run: Path, launch: dict[str, Any] | None, gen: Any) -> list[str]:
+    """How the run goes on: ``ripresa train --run RUN`` with the recorded flags (see the module doc).
+
+    Under ``python -m ripresa.torchrun`` when the run was sharded (its newest
+    generation a ``.dcp``, or a ``launch`` record with more than one rank).
+    The world size of a ``.dcp`` run is the newest *fully verified*
+    generation's (every hash; the signature when signatures are required),
+    never a shallow look at a folder anyone may plant; whatever its source it
+    must be at most :func:`max_nproc`, else :class:`BadInput` (exit 2).
+    """
+    flags = _replayed_flags(launch, run)
+    shard = (launch or {}).get("options", {}).get("shard", "ddp")
+    world = int((launch or {}).get("world_size", 1))
     if gen is not None and gen.kind == "dcp":
-        return [sys.executable, "-m", "ripresa.torchrun", "--standalone", f"--nproc_per_node={gen.world_size or 1}",
-                "-m", "--", "ripresa", "train", "--run", str(run), "--shard", "fsdp"]
-    return [sys.executable, "-m", "ripresa", "train", "--run", str(run)]
+        verified = _newest_generation(run, deep=True)
+        if verified is None or verified.kind != "dcp" or not _is_int(verified.world_size, 1):
+            raise BadInput("the sharded run's world size cannot be taken from a verified generation", file=run,
+                           expected="a .dcp generation that passes its deep check (every hash, the signature "
+                                    "when required)", found=f"newest verified: {getattr(verified, 'path', None)}",
+                           hint="ripresa inspect RUN --deep; restart it yourself with "
+                                "python -m ripresa.torchrun --nproc_per_node=N -m ripresa train --run RUN --shard fsdp")
+        world, shard = verified.world_size, "fsdp"
+    train = ["train", "--run", str(run), *flags]
+    if world <= 1 and shard != "fsdp":
+        return ripresa_argv(*train)
+    if launch is not None and launch.get("local_world_size", world) != world:
+        raise BadInput("the run trained on several machines; a pivot restarts it on this one only", file=run,
+                       expected="a single-machine run", found=f"world size {world}, {launch.get('local_world_size')} "
+                       "rank(s) on the starting machine", hint="pivot without --restart and start every node yourself")
+    if world > max_nproc():
+        raise BadInput("the run's world size is more than this machine starts", file=run,
+                       expected=f"at most {max_nproc()} ranks (min({MAX_NPROC}, 4 x {os.cpu_count()} CPUs))",
+                       found=f"{world} ranks", hint="restart it yourself with "
+                       "python -m ripresa.torchrun --standalone --nproc_per_node=N -m ripresa train --run RUN ...")
+    if shard == "fsdp":
+        train += ["--shard", "fsdp"]
+    return ripresa_argv("--standalone", f"--nproc_per_node={world}", "-m", "--", "ripresa", *train,
+                        module="ripresa.torchrun")
+
+
+def _push_pivot(run: Path, url: str) -> dict[str, Any]:
+    """One mirror round (``ripresa mirror push``): the pivot generation and the new ``config.json`` uploaded."""
+    from ..store.mirror import cli_push
+
+    try:
+        return cli_push(run, url)
+    except RipresaError as exc:
+        raise SaveFailed("the pivot is done, but its state could not reach the run's mirror", file=url,
+                         expected="the pivot generation and config.json uploaded before the new phase trains",
+                         found=exc.message, hint="run `ripresa mirror push RUN`, then the printed command "
+                         "(the trainer was not restarted)") from exc

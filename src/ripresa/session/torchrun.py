@@ -208,8 +208,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = trun.get_args_parser()
     parser.allow_abbrev = False
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    # torchrun keeps SIGHUP/SIGQUIT (tear the group down); the three below are ours to forward.
+    # torchrun keeps SIGHUP/SIGQUIT (tear the group down); SIGTERM, SIGINT and SIGUSR1 are ours (above).
     args.signals_to_handle = "SIGHUP,SIGQUIT"
+    if args.module and not args.no_python and (args.training_script == "ripresa"
+                                                or args.training_script.startswith("ripresa.")):
+        # torchrun starts each rank as `python -u -m ripresa`: the ranks run ripresa's own code,
+        # never a ripresa/ planted in the working folder (docs/FAULTS.md, "Child processes")
+        from ..io.child import child_env
+
+        env = child_env()
+        os.environ.clear()
+        os.environ.update(env)
     trun.run(args)
     return 0
 

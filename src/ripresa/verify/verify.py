@@ -50,6 +50,7 @@ from typing import Any
 
 from ..core.identity import versions
 from ..errors import BadInput, OutputExists, RipresaError
+from ..io.child import child_env
 from ..io.fsio import open_run_file, read_json_small, write_atomic
 from ..session.steer import ENV as STEER_ENV
 from ..session.steer import Steering
@@ -232,8 +233,16 @@ class PathRuns:
     contract_probe: dict[str, PathRun] | None = None
 
 
+#: How ripresa starts its own reference exercise: ``-P``, nothing from the working folder on ``sys.path``.
+_OWN_FLAGS = ["-B", "-P"]
+
+
 def _launch(run: PathRun) -> subprocess.Popen:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    if run.argv[:1] == [sys.executable] and run.argv[1:3] == _OWN_FLAGS:
+        # ripresa's own reference exercise: ripresa's code whatever the working folder and PYTHONPATH
+        # hold (docs/FAULTS.md, "Child processes"); a user's command runs as the user wrote it
+        env = child_env(env)
     env.pop(STEER_ENV, None)  # only the steering this verifier sets is ever seen by a path
     env.update(run.env)
     logf = open(run.log, "wb")
@@ -650,7 +659,7 @@ def reference_exercise_command() -> list[str]:
     for root in here.parents:
         cand = root / "examples" / "regression" / "train.py"
         if cand.is_file():
-            return [sys.executable, "-B", str(cand)]
+            return [sys.executable, *_OWN_FLAGS, str(cand)]
     raise BadInput(
         "the reference exercise examples/regression/train.py was not found",
         expected="a ripresa source checkout (examples/ beside src/)",

@@ -454,6 +454,9 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     try:
         for note in notes:
             ckpt.history.append(note)
+        if args.run is not None and rank == 0:  # the flags `pivot --restart` relaunches with (docs/ENGINE.md)
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if group else 1
+            ckpt.history.event("launch", **launch_record(args, world, local_world))
         start = ckpt.resume(from_path=args.resume, restore_rng=not args.omit_rng_restore)
         dist_ctx: DistContext | None = ckpt.dist
         if dist_ctx is not None and ckpt.world_change is not None:
@@ -516,6 +519,42 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     say(f"{why} at step {last}; checkpoints, .loss.jsonl, "
         f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
     return 0
+
+
+#: The ``ripresa train`` options recorded in the ``launch`` history event and replayed by ``pivot --restart``.
+LAUNCH_OPTIONS = ("config", "sets", "sources", "steps", "every", "device", "audit", "asynchronous", "quiet", "threads",
+                  "allow_version_change", "allow_code_change", "allow_data_change", "shard", "mirror", "mtbf",
+                  "max_redo", "deadline")
+
+
+def _redact_userinfo(url: str) -> str:
+    """``scheme://user:secret@host/...`` → ``scheme://user:***@host/...`` (a secret is never written to a file)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        u = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if "://" not in url or u.password is None:
+        return url
+    host = u.netloc.rpartition("@")[2]
+    return urlunsplit(u._replace(netloc=f"{u.username or ''}:***@{host}"))
+
+
+def launch_record(args: TrainArgs, world: int, local_world: int) -> dict[str, Any]:
+    """What this process was asked, resolved: the ``launch`` history event (docs/ENGINE.md, "Restart after a pivot")."""
+    from ...io import auth
+
+    opts: dict[str, Any] = {}
+    for name in LAUNCH_OPTIONS:
+        value = getattr(args, name)
+        opts[name] = list(value) if isinstance(value, tuple) else value
+    if opts["deadline"] is not None:
+        opts["deadline"] = datetime.fromtimestamp(opts["deadline"], UTC).isoformat()
+    if isinstance(opts["mirror"], str):  # a path is recorded absolute: a restart may start elsewhere
+        opts["mirror"] = _redact_userinfo(opts["mirror"]) if "://" in opts["mirror"] else os.path.abspath(opts["mirror"])
+    opts["require_signature"] = auth.require_signature_from_env()
+    return {"command": "ripresa train", "options": opts, "world_size": world, "local_world_size": local_world}
 
 
 def _gen_name(gen: Any) -> str:

@@ -26,9 +26,10 @@ from support.mirror_train import train
 from ripresa.cli import main as cli_main
 from ripresa.errors import BadInput, IntegrityError, LockHeld
 from ripresa.io import auth
-from ripresa.io.objstore import LocalStore
+from ripresa.io.objstore import LocalStore, RemoteUnavailable, open_store
 from ripresa.io.redact import redact, redact_url
-from ripresa.store.mirror import CONFIG_SIG, MIRROR_MARKER, MIRROR_RECORD, MirrorSpec, MirrorTarget, local_generations
+from ripresa.store.mirror import (CONFIG_SIG, MIRROR_MARKER, MIRROR_RECORD, MirrorSpec, MirrorTarget, local_generations,
+                                  redacting)
 
 pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3, proxy
 
@@ -184,12 +185,14 @@ def test_a_password_in_the_endpoint_never_reaches_a_file_or_the_terminal(tmp_pat
     train(run, 8, 4, mirror=fast(s3.url, timeout=1.0, close_timeout=0.2))
     assert cli_main(["mirror", "status", str(run)]) == 2
     assert cli_main(["mirror", "push", str(run), "--mirror", s3.url]) == 2
-    assert cli_main(["mirror", "pull", str(tmp_path / "new"), "--mirror", s3.url]) == 2
     assert cli_main(["mirror", "status", str(run), "--mirror", f"s3://u:{SECRET}@bucket/p"]) == 2  # in the URL itself
     out = capsys.readouterr()
     assert "127.0.0.1" in out.err and "***" in out.err  # the errors are there, redacted
     history = (run / ".loss.jsonl").read_text()
     assert '"mirror_failed"' in history and "***@127.0.0.1" in history
+    with pytest.raises(RemoteUnavailable) as exc:  # the exception's own text, before any printing
+        open_store(s3.url, timeout=1.0).list()
+    assert "***@127.0.0.1" in str(exc.value) and SECRET not in str(exc.value)
     proxy.mode = "pass"
     assert not files_holding(run, SECRET) and SECRET not in out.out + out.err
     assert not [k for k in s3.keys() if SECRET.encode() in s3.get(k)]
@@ -203,6 +206,10 @@ def test_redact_masks_userinfo_query_secrets_and_secret_env_values():
     assert "http://***@h:9/b?list-type=2&X-Amz-Signature=***&prefix=p" in out
     assert redact_url("s3://bucket/prefix") == "s3://bucket/prefix"
     assert redact("key=0123456789abcdef step=4") == "key=0123456789abcdef step=4"  # a signature line's key id stays
+    seen: list[tuple[str, dict]] = []
+    write = redacting(lambda name, **kw: seen.append((name, kw)))  # the mirror's history writer
+    write("mirror_failed", error=f"boom at http://u:{SECRET}@h:9/x", steps=[1, 2], found={"url": f"ftp://{SECRET}@h"})
+    assert SECRET not in repr(seen) and seen[0][1]["steps"] == [1, 2] and "http://***@h:9/x" in seen[0][1]["error"]
 
 
 # ---------------------------------------------------------------------------- long tier

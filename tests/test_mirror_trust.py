@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from support.mirror_train import train
 from ripresa.cli import main as cli_main
 from ripresa.errors import BadInput, IntegrityError, LockHeld
 from ripresa.io import auth
-from ripresa.io.objstore import LocalStore, RemoteUnavailable, open_store
+from ripresa.io.objstore import LOCK_KEY, LocalStore, RemoteUnavailable, open_store
 from ripresa.io.redact import redact, redact_url
 from ripresa.store.mirror import (CONFIG_SIG, MIRROR_MARKER, MIRROR_RECORD, MirrorSpec, MirrorTarget, local_generations,
                                   redacting)
@@ -255,3 +257,24 @@ def test_credentials_never_reach_an_export_or_a_subprocess_terminal(tmp_path, s3
     assert (tmp_path / "bundle").is_dir(), outs[-1]
     assert not files_holding(tmp_path / "bundle", SECRET) and not files_holding(run, SECRET)
     assert all(SECRET not in o for o in outs) and any("***@127.0.0.1" in o for o in outs)
+
+
+def test_an_s3_mirror_is_locked_while_written_a_dead_writers_lease_is_taken_over(tmp_path, s3, nokey):
+    first, second = (MirrorTarget(open_store(s3.url), explicit=True) for _ in range(2))
+    first.claim()
+    assert {MIRROR_MARKER, LOCK_KEY} <= set(s3.keys())
+    with pytest.raises(LockHeld, match="another writer holds the mirror"):
+        second.put_bytes("config.json", b"{}")
+    assert "config.json" not in s3.keys()
+    first.release()
+    assert LOCK_KEY not in s3.keys()
+    second.claim()
+    second.release()
+    # a writer killed on this host (its pid gone): its unexpired lease is taken over at once
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    s3.put(LOCK_KEY, json.dumps({"owner": "x", "host": socket.gethostname()[:64], "pid": int(dead.stdout),
+                                 "expires": time.time() + 600}).encode())
+    third = MirrorTarget(open_store(s3.url), explicit=True)
+    third.claim()
+    assert json.loads(s3.get(LOCK_KEY))["pid"] == os.getpid()
+    third.release()

@@ -9,7 +9,13 @@
   ``AWS_DEFAULT_REGION``, profiles). boto3's own retries are switched off:
   the mirror retries, with back-off, and records every retry in the history.
 * a path or ``file:///path`` — :class:`LocalStore` (another disk, an NFS mount),
-  written with the local commit protocol (temporary name, ``fsync``, rename).
+  written with the local commit protocol (temporary name, ``fsync``, rename),
+  every name inside it opened relative to the open folder, never through a link.
+
+Each store has a writer lock (``acquire``/``release``: a folder's ``flock``, an
+S3 prefix's lease object :data:`LOCK_KEY`) and ``entries`` (the raw names, to
+tell a mirror from a run folder); a URL never carries credentials, and every
+error text is redacted (:mod:`ripresa.io.redact`; docs/MIRROR.md, "Trust").
 
 Keys are names relative to the prefix: ``config.json``, ``step_000100.bin``,
 ``step_000100.dcp/__0_0.distcp`` (:func:`check_key`: no ``..``, at most one
@@ -39,7 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from ..errors import BadInput, IntegrityError, MissingDependency, SaveFailed
+from ..errors import BadInput, IntegrityError, LockHeld, MissingDependency, SaveFailed
 from .fsio import CHUNK, open_run_file, temp_name_for
 from .redact import redact, redact_url
 
@@ -48,6 +54,10 @@ __all__ = ["MAX_KEYS", "LocalStore", "ObjectStore", "RemoteNotFound", "RemoteUna
 
 #: Most keys a listing returns before it is refused as hostile.
 MAX_KEYS = 100_000
+#: The writer lock of an S3 mirror (an object; a folder mirror uses an ``flock`` on ``LOCK``).
+LOCK_KEY = "RIPRESA_MIRROR.lock"
+#: Seconds an S3 writer's lease lasts without renewal (renewed every third of it while the writer lives).
+LEASE = 120.0
 #: Objects above this size are uploaded in parts (bytes).
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 #: Size of one part of a multipart upload (bytes; S3's minimum is 5 MiB).
@@ -419,6 +429,29 @@ def _s3_error(exc: BaseException, what: str, url: str) -> Exception:
     return RemoteUnavailable(f"{what} failed: {type(exc).__name__}", file=url, found=redact(str(exc))[:200])
 
 
+def _lease_alive(held: dict[str, Any]) -> bool:
+    """A lease not expired whose writer, when it is of this host, still runs."""
+    import socket
+    import time
+
+    from .liveness import pid_alive
+
+    try:
+        expires = float(held.get("expires", 0))
+    except (TypeError, ValueError):
+        return False
+    if expires <= time.time():
+        return False
+    return not (held.get("host") == socket.gethostname()[:64] and not pid_alive(held.get("pid")))
+
+
+def _lock_held(url: str, held: dict[str, Any]) -> LockHeld:
+    return LockHeld("another writer holds the mirror", file=url, expected="no other writer of this mirror",
+                    found=f"{LOCK_KEY} of host {str(held.get('host', '?'))[:64]!r}, pid {held.get('pid', '?')}, "
+                    f"lease until {held.get('expires', '?')} (unix time)",
+                    hint="one run writes one mirror; a writer that died frees it when its lease ends")
+
+
 def _no_credentials(url: str) -> BadInput:
     return BadInput("no credentials for the S3 mirror", file=url,
                     expected="AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, AWS_PROFILE)", found="none",
@@ -435,6 +468,8 @@ class S3Store(_GetBytes):
     part_size = PART_SIZE
 
     def __init__(self, bucket: str, prefix: str, url: str, *, timeout: float = 30.0) -> None:
+        self._lease: tuple[str, Any] | None = None
+        self.lock_lost: LockHeld | None = None
         try:
             import boto3
             import botocore.session
@@ -560,6 +595,90 @@ class S3Store(_GetBytes):
 
     def delete(self, key: str) -> None:
         self._call(f"deletion of {key}", self.client.delete_object, Key=self.prefix + check_key(key))
+
+    # -------------------------------------------------------------- the writer lock (a lease object)
+    def acquire(self, *, lease: float = LEASE) -> None:
+        """Take the prefix's writer lock: the object :data:`LOCK_KEY`, created only if absent (``If-None-Match: *``),
+        holding this writer's id and the end of its lease, renewed every ``lease / 3`` seconds by a daemon thread.
+
+        Another writer's unexpired lease: :class:`~ripresa.errors.LockHeld` (exit 2); an expired one (its writer
+        died, e.g. the machine was lost) is taken over. A renewal that finds another writer's lease sets
+        :attr:`lock_lost` (the mirror stops writing).
+        """
+        import json
+        import socket
+        import threading
+        import time
+        import uuid
+
+        from botocore.exceptions import ClientError
+
+        if self._lease is not None:
+            return
+        owner = uuid.uuid4().hex
+        key = self.prefix + LOCK_KEY
+
+        def body() -> bytes:
+            return json.dumps({"owner": owner, "host": socket.gethostname()[:64], "pid": os.getpid(),
+                               "expires": round(time.time() + lease, 3)}).encode()
+
+        for _ in range(3):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=body(), IfNoneMatch="*")
+                break
+            except ClientError as exc:
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status not in (409, 412):
+                    raise _s3_error(exc, "taking the mirror's lock", self.url) from None
+            except Exception as exc:  # noqa: BLE001 - typed below
+                raise _s3_error(exc, "taking the mirror's lock", self.url) from None
+            held = self._read_lease()
+            if held is not None and _lease_alive(held):
+                raise _lock_held(self.url, held)
+            if held is not None:  # expired, or its writer (on this host) is dead: taken over
+                self._call("removal of an expired lock", self.client.delete_object, Key=key)
+        else:
+            raise _lock_held(self.url, self._read_lease() or {})
+        stop = threading.Event()
+        self._lease = (owner, stop)
+
+        def renew() -> None:
+            while not stop.wait(lease / 3):
+                try:
+                    held = self._read_lease()
+                    if held is not None and held.get("owner") != owner:
+                        self.lock_lost = _lock_held(self.url, held)
+                        return
+                    self.client.put_object(Bucket=self.bucket, Key=key, Body=body())
+                except Exception:  # noqa: BLE001 - a store unreachable now: renewed at the next tick
+                    continue
+
+        threading.Thread(target=renew, name="ripresa-mirror-lease", daemon=True).start()
+
+    def _read_lease(self) -> dict[str, Any] | None:
+        import json
+
+        try:
+            raw = self.get_bytes(LOCK_KEY, limit=4096)
+        except RemoteNotFound:
+            return None
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def release(self) -> None:
+        if self._lease is None:
+            return
+        (owner, stop), self._lease = self._lease, None
+        stop.set()
+        try:
+            held = self._read_lease()
+            if held is not None and held.get("owner") == owner:
+                self.client.delete_object(Bucket=self.bucket, Key=self.prefix + LOCK_KEY)
+        except Exception:  # noqa: BLE001 - the lease expires by itself
+            pass
 
     def entries(self, limit: int) -> list[str]:
         """The keys under the prefix, whatever they are (at most ``limit``), relative to it."""

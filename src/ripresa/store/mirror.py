@@ -20,6 +20,12 @@ names, ``fsync``, marker last), deep-checked there (every hash; the signature
 when signatures are required), and resumed like any local generation. One that
 fails is removed again, recorded (``mirror_refused``) and the previous remote
 generation is tried.
+
+Trust (docs/MIRROR.md, "Trust"): a target is written only once it is a mirror
+(:func:`claim_target`: its ``RIPRESA_MIRROR`` marker; a run folder or a folder
+of other files is refused) and locked; ``mirror.json`` is followed by ``push``
+only when authenticated by the run's key (or, keyless, to a marked mirror);
+``config.json`` is signed in the mirror; every event is redacted.
 """
 
 from __future__ import annotations
@@ -204,7 +210,7 @@ class Mirror:
                  event: Callable[..., None] | None = None, store: ObjectStore | None = None) -> None:
         self.spec = spec
         self.run_dir = Path(run_dir)
-        self.store = store if store is not None else open_store(spec.url, timeout=spec.timeout)
+        self.store = store if store is not None else MirrorTarget(open_store(spec.url, timeout=spec.timeout), explicit=True)
         self.policy = spec.keep if spec.keep is not None else default_remote_policy(local_retention)
         self._event = _safe(event)
         self.last_upload_seconds: float | None = None
@@ -473,7 +479,10 @@ def open_mirror(mirror: Any, run_dir: Path, *, local_retention: RetentionPolicy,
     spec = mirror if isinstance(mirror, MirrorSpec) else MirrorSpec(os.fspath(mirror))
     target = MirrorTarget(open_store(spec.url, timeout=spec.timeout), explicit=True)
     if isinstance(target.inner, LocalStore):
-        target.claim()
+        try:
+            target.claim()
+        except RemoteUnavailable:
+            pass  # a folder that cannot be reached now (an NFS mount down): checked before the first write instead
     try:
         return Mirror(spec, run_dir, local_retention=local_retention, event=redacting(event), store=target)
     except BaseException:
@@ -511,8 +520,8 @@ def classify_target(names: Iterable[str]) -> tuple[str, list[str]]:
     run = [n for n in names if n in RUN_SIGNS]
     if run:
         return "run", run[:4]
-    other = [n for n in names if not is_temp_name(n.rsplit("/", 1)[-1]) and n not in ("config.json", CONFIG_SIG)
-             and main_of(n) is None]
+    other = [n for n in names if not is_temp_name(n.rsplit("/", 1)[-1])
+             and n not in ("config.json", CONFIG_SIG, MIRROR_MARKER + ".lock") and main_of(n) is None]
     if other:
         return "foreign", other[:4]
     return ("layout" if any(not is_temp_name(n.rsplit("/", 1)[-1]) for n in names) else "empty"), []
@@ -569,6 +578,9 @@ class MirrorTarget:
             if not self._claimed:
                 claim_target(self.inner, explicit=self.explicit)
                 self._claimed = True
+        lost = getattr(self.inner, "lock_lost", None)
+        if lost is not None:  # another writer took the mirror over (our lease ran out): nothing more is written
+            raise lost
 
     def release(self) -> None:
         with self._claim_lock:

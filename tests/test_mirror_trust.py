@@ -30,8 +30,15 @@ from ripresa.errors import BadInput, IntegrityError, LockHeld
 from ripresa.io import auth
 from ripresa.io.objstore import LOCK_KEY, LocalStore, RemoteUnavailable, open_store
 from ripresa.io.redact import redact, redact_url
-from ripresa.store.mirror import (CONFIG_SIG, MIRROR_MARKER, MIRROR_RECORD, MirrorSpec, MirrorTarget, local_generations,
-                                  redacting)
+from ripresa.store.mirror import (
+    CONFIG_SIG,
+    MIRROR_MARKER,
+    MIRROR_RECORD,
+    MirrorSpec,
+    MirrorTarget,
+    local_generations,
+    redacting,
+)
 
 pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3, proxy
 

@@ -628,6 +628,14 @@ class S3Store(_GetBytes):
                 break
             except ClientError as exc:
                 status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                code = exc.response.get("Error", {}).get("Code", "")
+                if status == 501 or code in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                    # a store without conditional writes: look, then write (exclusion only as good as the store)
+                    held = self._read_lease()
+                    if held is not None and _lease_alive(held) and held.get("owner") != owner:
+                        raise _lock_held(self.url, held) from None
+                    self._call("taking the mirror's lock", self.client.put_object, Key=key, Body=body())
+                    break
                 if status not in (409, 412):
                     raise _s3_error(exc, "taking the mirror's lock", self.url) from None
             except Exception as exc:  # noqa: BLE001 - typed below

@@ -44,7 +44,15 @@ from typing import Any
 from ..errors import BadInput, CheckFailed, IntegrityError, RipresaError, SaveFailed
 from ..formats.generation import Generation
 from ..io import auth
-from ..io.fsio import StagedFile, fsync_dir, is_temp_name, ops, parse_sha256sum, read_small, write_atomic
+from ..io.fsio import (
+    StagedFile,
+    fsync_dir,
+    is_temp_name,
+    ops,
+    parse_sha256sum,
+    read_small,
+    write_atomic,
+)
 from ..io.objstore import LocalStore, ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
 from ..io.redact import redact_fields, redact_url
 from .retention import KeepAny, KeepLast, RetentionPolicy

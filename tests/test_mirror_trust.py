@@ -109,12 +109,12 @@ def test_local_store_never_writes_reads_or_deletes_through_a_planted_link(tmp_pa
 
 def test_a_redirect_into_a_run_folder_or_a_foreign_folder_is_refused_and_nothing_changes(tmp_path, nokey, capsys):
     victim = tmp_path / "victim"
-    train(victim, 8, 4)  # another run: LOCK, .loss.jsonl, two generations
+    train(victim, 4, 2)  # another run: LOCK, .loss.jsonl, two generations
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "holiday.jpg").write_bytes(b"\xff\xd8")
     run = tmp_path / "run"
-    train(run, 12, 4, mirror=str(tmp_path / "mirror"))
+    train(run, 4, 2, mirror=str(tmp_path / "mirror"))
     assert (tmp_path / "mirror" / MIRROR_MARKER).is_file()
     for target, why in ((victim, "is a run folder"), (foreign, "not a mirror's")):
         before = tree_digest(target)
@@ -124,9 +124,9 @@ def test_a_redirect_into_a_run_folder_or_a_foreign_folder_is_refused_and_nothing
         assert cli_main(["mirror", "push", str(run), "--mirror", str(target)]) == 2  # named explicitly: refused too
         capsys.readouterr()
         with pytest.raises(BadInput, match=why):  # and a session mirroring there
-            train(tmp_path / "run2", 4, 4, mirror=str(target))
+            train(tmp_path / "run2", 2, 2, mirror=str(target))
         assert tree_digest(target) == before
-    assert sorted(local_generations(victim).values()) == [4, 8]
+    assert sorted(local_generations(victim).values()) == [2, 4]
     # a mirror written before the marker existed (only a mirror's objects): adopted when named explicitly only
     legacy = tmp_path / "legacy"
     shutil.copytree(tmp_path / "mirror", legacy)

@@ -457,7 +457,9 @@ def _add_mirror(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("action", choices=["status", "push", "pull"])
     p.add_argument("run", type=Path, help="run folder")
-    p.add_argument("--mirror", metavar="URL", help="s3://bucket/prefix, file:///path or a path")
+    p.add_argument("--mirror", metavar="URL",
+                   help="s3://bucket/prefix, file:///path or a path (push without it follows RUN/mirror.json only when "
+                   "the run's key authenticates it, or when the target is already a mirror: docs/MIRROR.md, Trust)")
     p.add_argument("--step", type=int, help="pull: this generation (default: the newest that verifies)")
     p.add_argument("--keep", help="push: the mirror's retention, e.g. last=6 (default: twice the local last=3)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -529,7 +531,9 @@ def _unexpected(command: str, exc: BaseException) -> int:
 
     if os.environ.get("RIPRESA_DEBUG") == "1":
         raise exc
-    text = str(exc).replace("\n", " ")[:300] if not isinstance(exc, RecursionError) else "nesting too deep"
+    from .io.redact import redact
+
+    text = redact(str(exc)).replace("\n", " ")[:300] if not isinstance(exc, RecursionError) else "nesting too deep"
     print(f"ripresa {command}: error: the command could not complete: {type(exc).__name__}: {text}\n"
           f"  hint:     this is a bug in ripresa or an input it does not recognise; please report it with the "
           f"command line (RIPRESA_DEBUG=1 shows the traceback). No checkpoint was changed by this report.",
@@ -576,7 +580,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
         command = args.command
         return _COMMANDS[args.command](args)
     except RipresaError as exc:
-        print(f"ripresa {command}: error: {exc}", file=sys.stderr)
+        from .io.redact import redact
+
+        print(f"ripresa {command}: error: {redact(str(exc))}", file=sys.stderr)  # no credential reaches the terminal
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"ripresa {command}: interrupted", file=sys.stderr)

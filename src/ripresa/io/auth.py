@@ -210,7 +210,7 @@ def read_signature(path: Path) -> tuple[str, int, str]:
     hangs the reader), checked on the open descriptor, at most
     :data:`MAX_SIGNATURE` + 1 bytes read.
     """
-    from .fsio import match_ascii, read_small
+    from .fsio import read_small
 
     if not os.path.lexists(path):
         raise SignatureError(
@@ -221,11 +221,18 @@ def read_signature(path: Path) -> tuple[str, int, str]:
             hint="--require-signature refuses unsigned generations; save with RIPRESA_HMAC_KEY set",
         )
     raw = read_small(path, "signature file", MAX_SIGNATURE, error=SignatureError)  # no link, no FIFO, bounded
-    m = match_ascii(_LINE_RE, raw)  # read_small refused anything over MAX_SIGNATURE bytes
+    return parse_signature(raw, path)
+
+
+def parse_signature(raw: bytes, where: str | os.PathLike[str]) -> tuple[str, int, str]:
+    """Parse the bytes of a signature line (a file's, or an object's of a mirror); ``(key id, step, mac)``."""
+    from .fsio import match_ascii
+
+    m = match_ascii(_LINE_RE, raw[: MAX_SIGNATURE + 1]) if len(raw) <= MAX_SIGNATURE else None
     if m is None:
         raise SignatureError(
             "malformed signature file",
-            file=path,
+            file=where,
             expected="one line 'ripresa-hmac-sha256 v1 key=<16 hex> step=<N> mac=<64 hex>'",
             found=repr(raw[:120]),
             hint="the signature is damaged or forged; this generation cannot be trusted",
@@ -238,6 +245,40 @@ def verify(key: bytes, sig_path: Path, step: int, bin_name: str, bin_sha256: str
     """Raise :class:`SignatureError` unless ``sig_path`` signs exactly this generation with ``key``."""
     _check_mac(key, sig_path, step, mac(key, message(step, bin_name, bin_sha256, companion_name, companion_sha256)),
                f"the HMAC of step {step}, {bin_name} and {companion_name} as committed")
+
+
+def file_message(name: str, sha256: str) -> bytes:
+    """The canonical bytes a signed run file's MAC covers (``config.json`` in a mirror): its name and sha256."""
+    if not _HEX64.match(sha256) or "\n" in name:
+        raise ValueError(f"not a file name and sha256 hex digest: {name!r} {sha256!r}")
+    return f"ripresa file signature v1\nname={name}\nsha256={sha256}\n".encode()
+
+
+def file_signature_line(key: bytes, name: str, data: bytes) -> bytes:
+    """The signature of a run file (``config.json.hmac`` in a mirror; the same line format as a ``.bin.hmac``, step 0)."""
+    m = mac(key, file_message(name, hashlib.sha256(data).hexdigest()))
+    return f"ripresa-hmac-sha256 v1 key={key_id(key)} step=0 mac={m}\n".encode()
+
+
+def verify_file(key: bytes, sig: bytes, name: str, data: bytes, where: str | os.PathLike[str]) -> None:
+    """Raise :class:`SignatureError` unless ``sig`` (the bytes of a signature line) signs ``data`` as ``name``."""
+    kid, step, got = parse_signature(sig, where)
+    if kid != key_id(key):
+        raise SignatureError(f"{name} was signed with another key", file=where,
+                             expected=f"key id {key_id(key)} (the configured key)", found=f"key id {kid}",
+                             hint=f"set the key this run was saved with, or do not trust this {name}")
+    want = mac(key, file_message(name, hashlib.sha256(data).hexdigest()))
+    if step != 0 or not hmac.compare_digest(want.encode(), got.encode()):
+        raise SignatureError(f"the signature does not match {name}", file=where,
+                             expected=f"the HMAC of {name} as its writer uploaded it", found="another MAC",
+                             hint=f"{name} or its signature was changed by someone without the key")
+
+
+def record_message(run: str, url: str) -> bytes:
+    """The canonical bytes the MAC of a run's ``mirror.json`` covers: the run folder's real path and the URL."""
+    if "\n" in run or "\n" in url:
+        raise ValueError("a run path or URL with a newline")
+    return f"ripresa mirror record v1\nrun={run}\nurl={url}\n".encode()
 
 
 def missing_key_error(what: str) -> BadInput:
@@ -257,6 +298,11 @@ __all__ = [
     "MIN_KEY_BYTES",
     "dcp_message",
     "dcp_signature_line",
+    "file_message",
+    "file_signature_line",
+    "parse_signature",
+    "record_message",
+    "verify_file",
     "verify_dcp",
     "unsigned_error",
     "SignatureError",

@@ -558,7 +558,8 @@ class _Refused(Exception):
 
 
 def _open_checked(
-    path: Path, *, follow_symlinks: bool = True, access: int = os.O_RDONLY, create_mode: int = 0o644
+    path: Path, *, follow_symlinks: bool = True, access: int = os.O_RDONLY, create_mode: int = 0o644,
+    dir_fd: int | None = None,
 ) -> tuple[int, os.stat_result]:
     """Open ``path`` read-only and return ``(fd, fstat)`` if it is a regular file.
 
@@ -574,14 +575,14 @@ def _open_checked(
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags, create_mode)
+        fd = os.open(path, flags, create_mode, dir_fd=dir_fd)
     except FileNotFoundError as exc:
         raise _Refused("missing", "nothing at this path") from exc
     except OSError as exc:
         if exc.errno == errno.EISDIR:
             raise _Refused("folder", "a folder") from exc
         if exc.errno == errno.ELOOP:
-            if not follow_symlinks and os.path.islink(path):
+            if not follow_symlinks and _is_link(path, dir_fd):
                 raise _Refused("symlink", "a symlink") from exc
             raise _Refused("special", "a symlink loop") from exc
         if exc.errno == errno.ENXIO:  # a socket, or a device with nothing behind it
@@ -654,7 +655,8 @@ _RUN_FILE_ACCESS = {
 
 
 def open_run_file(
-    path: str | Path, what: str, *, mode: str = "read", error: type[RipresaError] = BadInput
+    path: str | Path, what: str, *, mode: str = "read", error: type[RipresaError] = BadInput,
+    dir_fd: int | None = None,
 ) -> int:
     """Open a file of a run folder, a bundle or a ledger; return the descriptor (caller closes).
 
@@ -672,7 +674,8 @@ def open_run_file(
     Every refusal is an ``error`` (:class:`~ripresa.errors.BadInput` by
     default; a caller reading an integrity-covered file passes
     :class:`~ripresa.errors.IntegrityError`) naming file, expected, found and
-    a hint.
+    a hint. ``dir_fd``: ``path`` is a name relative to that open folder
+    (``openat``), so no component above it is resolved again.
     """
     try:
         access = _RUN_FILE_ACCESS[mode]
@@ -680,10 +683,17 @@ def open_run_file(
         raise ValueError(f"open_run_file: unknown mode {mode!r}") from None
     p = Path(path)
     try:
-        fd, _ = _open_checked(p, follow_symlinks=False, access=access)
+        fd, _ = _open_checked(p, follow_symlinks=False, access=access, dir_fd=dir_fd)
     except _Refused as refused:
         raise _run_file_error(p, what, refused, error) from None
     return fd
+
+
+def _is_link(path: Path, dir_fd: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(path, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
 
 
 def _run_file_error(path: Path, what: str, refused: _Refused, error: type[RipresaError]) -> RipresaError:

@@ -9,7 +9,13 @@
   ``AWS_DEFAULT_REGION``, profiles). boto3's own retries are switched off:
   the mirror retries, with back-off, and records every retry in the history.
 * a path or ``file:///path`` — :class:`LocalStore` (another disk, an NFS mount),
-  written with the local commit protocol (temporary name, ``fsync``, rename).
+  written with the local commit protocol (temporary name, ``fsync``, rename),
+  every name inside it opened relative to the open folder, never through a link.
+
+Each store has a writer lock (``acquire``/``release``: a folder's ``flock``, an
+S3 prefix's lease object :data:`LOCK_KEY`) and ``entries`` (the raw names, to
+tell a mirror from a run folder); a URL never carries credentials, and every
+error text is redacted (:mod:`ripresa.io.redact`; docs/MIRROR.md, "Trust").
 
 Keys are names relative to the prefix: ``config.json``, ``step_000100.bin``,
 ``step_000100.dcp/__0_0.distcp`` (:func:`check_key`: no ``..``, at most one
@@ -30,6 +36,7 @@ key), :class:`~ripresa.errors.BadInput` for a bad URL or missing credentials,
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -38,14 +45,19 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from ..errors import BadInput, IntegrityError, MissingDependency, SaveFailed
-from .fsio import CHUNK, StagedFile, fsync_dir, open_run_file, ops
+from ..errors import BadInput, IntegrityError, LockHeld, MissingDependency, SaveFailed
+from .fsio import CHUNK, open_run_file, temp_name_for
+from .redact import redact, redact_url
 
 __all__ = ["MAX_KEYS", "LocalStore", "ObjectStore", "RemoteNotFound", "RemoteUnavailable", "S3Store", "check_key",
            "open_store"]
 
 #: Most keys a listing returns before it is refused as hostile.
 MAX_KEYS = 100_000
+#: The writer lock of an S3 mirror (an object; a folder mirror uses an ``flock`` on ``LOCK``).
+LOCK_KEY = "RIPRESA_MIRROR.lock"
+#: Seconds an S3 writer's lease lasts without renewal (renewed every third of it while the writer lives).
+LEASE = 120.0
 #: Objects above this size are uploaded in parts (bytes).
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 #: Size of one part of a multipart upload (bytes; S3's minimum is 5 MiB).
@@ -148,50 +160,146 @@ class _GetBytes:
 
 
 class LocalStore(_GetBytes):
-    """A folder (another disk, an NFS mount) as a second store, written with the local commit protocol."""
+    """A folder (another disk, an NFS mount) as a second store, written with the local commit protocol.
+
+    Every operation goes through descriptors: the root folder is opened once per
+    operation (as named: a link to it is the user's choice), and every name below
+    it — a ``step_N.dcp`` folder, an object, a temporary — is opened, created,
+    renamed or removed relative to that descriptor without following a symlink
+    (``O_NOFOLLOW``, ``openat``-style ``dir_fd``), so a planted link
+    (``step_N.dcp -> elsewhere``) is refused, never written, read or deleted
+    through. :meth:`acquire` takes the folder's writer lock (``flock``, the run
+    folder's :class:`~ripresa.io.lock.RunLock`), held until :meth:`release`.
+    """
 
     multipart_threshold = MULTIPART_THRESHOLD
 
     def __init__(self, root: Path, url: str) -> None:
         self.root = Path(root)
         self.url = url
+        self._lock: Any = None
 
-    def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
-
-    def _ensure(self, path: Path) -> None:
+    # -------------------------------------------------------------- descriptors
+    def _root_fd(self, *, create: bool) -> int | None:
+        """The root folder, open (``None`` when it does not exist and ``create`` is false)."""
+        if create:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RemoteUnavailable(f"cannot create the mirror folder: {_describe(exc)}", file=self.root) from None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(self.root, os.O_RDONLY | _DIR | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            if create:
+                raise RemoteUnavailable("the mirror folder vanished", file=self.root) from None
+            return None
         except OSError as exc:
-            raise RemoteUnavailable(f"cannot create the mirror folder: {exc}", file=path.parent) from exc
+            raise RemoteUnavailable(f"cannot open the mirror folder: {_describe(exc)}", file=self.root) from None
 
+    def _sub_fd(self, root_fd: int, sub: str, *, create: bool) -> int | None:
+        """``sub`` (a ``step_N.dcp`` folder) under the root, never through a symlink; None when absent."""
+        if create:
+            try:
+                os.mkdir(sub, 0o755, dir_fd=root_fd)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise RemoteUnavailable(f"cannot create a mirror folder: {_describe(exc)}", file=self.root / sub) from None
+        try:
+            return os.open(sub, os.O_RDONLY | _DIR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=root_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _planted(self.root / sub) from None
+            raise RemoteUnavailable(f"cannot open a mirror folder: {_describe(exc)}", file=self.root / sub) from None
+
+    def _at(self, key: str, *, create: bool) -> tuple[int | None, int | None, str]:
+        """(root fd, fd of the folder holding ``key``, ``key``'s last name); fds None when absent. Caller closes."""
+        check_key(key)
+        rfd = self._root_fd(create=create)
+        if rfd is None or "/" not in key:
+            return rfd, rfd, key
+        sub, name = key.split("/", 1)
+        try:
+            dfd = self._sub_fd(rfd, sub, create=create)
+        except BaseException:
+            os.close(rfd)
+            raise
+        return rfd, dfd, name
+
+    @staticmethod
+    def _close(rfd: int | None, dfd: int | None) -> None:
+        for fd in {rfd, dfd} - {None}:
+            os.close(fd)  # type: ignore[arg-type]
+
+    def _write(self, key: str, pieces: Iterator[bytes | memoryview], check: Any = None) -> int:
+        """Stream ``pieces`` into a temporary beside ``key`` (created with O_EXCL|O_NOFOLLOW), fsync, check, rename."""
+        rfd, dfd, name = self._at(key, create=True)
+        assert dfd is not None
+        temp = temp_name_for(Path(name)).name
+        fd: int | None = None
+        size = 0
+        try:
+            try:
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                             0o644, dir_fd=dfd)
+                for piece in pieces:
+                    view = memoryview(piece).cast("B")
+                    done = 0
+                    while done < len(view):
+                        done += os.write(fd, view[done:])
+                    size += len(view)
+                if check is not None:
+                    check()
+                os.fsync(fd)
+                os.close(fd)
+                fd = None
+                os.replace(temp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # a planted link at ``name`` is replaced, not followed
+                os.fsync(dfd)
+                if dfd != rfd:
+                    os.fsync(rfd)
+            except OSError as exc:
+                raise RemoteUnavailable(f"writing to the mirror folder failed: {_describe(exc)}",
+                                        file=self.root / key) from None
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            try:
+                os.unlink(temp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+        finally:
+            self._close(rfd, dfd)
+        return size
+
+    # -------------------------------------------------------------- the store
     def put_file(self, key: str, path: Path, *, sha256: str) -> int:
-        dst = self._path(key)
-        self._ensure(dst)
-        with StagedFile(dst) as f:
-            src = _Hashed(path)
-            for piece in src:
-                f.write(piece)
-            src.check(sha256)
-            f.finish()
-            f.publish()
-        fsync_dir(dst.parent)
-        return f.size
+        src = _Hashed(path)
+        return self._write(key, iter(src), check=lambda: src.check(sha256))
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        dst = self._path(key)
-        self._ensure(dst)
-        with StagedFile(dst) as f:
-            f.write(data)
-            f.finish()
-            f.publish()
-        fsync_dir(dst.parent)
+        self._write(key, iter([data]))
 
     def get_into(self, key: str, out: Writer, *, limit: int) -> int:
-        p = self._path(key)
-        if not os.path.lexists(p):
-            raise RemoteNotFound("object not in the mirror", file=p)
-        fd = open_run_file(p, "mirror object", error=IntegrityError)
+        p = self.root / key
+        rfd, dfd, name = self._at(key, create=False)
+        try:
+            if dfd is None:
+                raise RemoteNotFound("object not in the mirror", file=p)
+            try:
+                os.lstat(name, dir_fd=dfd)
+            except FileNotFoundError:
+                raise RemoteNotFound("object not in the mirror", file=p) from None
+            except OSError as exc:
+                raise RemoteUnavailable(f"cannot read the mirror folder: {_describe(exc)}", file=p) from None
+            try:
+                fd = open_run_file(name, "mirror object", error=IntegrityError, dir_fd=dfd)
+            except IntegrityError as exc:
+                raise IntegrityError(exc.message, file=p, expected=exc.expected, found=exc.found, hint=exc.hint) from None
+        finally:
+            self._close(rfd, dfd)
         try:
             size = os.fstat(fd).st_size
             if size > limit:
@@ -211,31 +319,96 @@ class LocalStore(_GetBytes):
 
     def list(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        if not self.root.is_dir():
+        rfd = self._root_fd(create=False)
+        if rfd is None:
             return out
-        for entry in os.scandir(self.root):
-            if entry.is_dir(follow_symlinks=False):
-                for sub in os.scandir(entry.path):
-                    k = f"{entry.name}/{sub.name}"
-                    if sub.is_file(follow_symlinks=False) and _key_ok(k):
-                        out[k] = sub.stat(follow_symlinks=False).st_size
-            elif entry.is_file(follow_symlinks=False) and _key_ok(entry.name):
-                out[entry.name] = entry.stat(follow_symlinks=False).st_size
-            if len(out) > MAX_KEYS:
-                raise IntegrityError("the mirror folder holds too many files", file=self.root, expected=f"<= {MAX_KEYS}")
+        try:
+            for entry in os.scandir(rfd):
+                if entry.is_dir(follow_symlinks=False):
+                    try:
+                        dfd = self._sub_fd(rfd, entry.name, create=False)
+                    except IntegrityError:
+                        continue  # swapped for a link since the scan: not listed
+                    if dfd is None:
+                        continue
+                    try:
+                        for sub in os.scandir(dfd):
+                            k = f"{entry.name}/{sub.name}"
+                            if sub.is_file(follow_symlinks=False) and _key_ok(k):
+                                out[k] = sub.stat(follow_symlinks=False).st_size
+                    finally:
+                        os.close(dfd)
+                elif entry.is_file(follow_symlinks=False) and _key_ok(entry.name):
+                    out[entry.name] = entry.stat(follow_symlinks=False).st_size
+                if len(out) > MAX_KEYS:
+                    raise IntegrityError("the mirror folder holds too many files", file=self.root,
+                                         expected=f"<= {MAX_KEYS}")
+        finally:
+            os.close(rfd)
         return out
 
-    def delete(self, key: str) -> None:
-        p = self._path(key)
+    def entries(self, limit: int) -> list[str]:
+        """The names at the top of the folder, whatever they are (at most ``limit``; ``[]`` when it does not exist)."""
+        rfd = self._root_fd(create=False)
+        if rfd is None:
+            return []
         try:
-            ops.unlink(p)
-        except FileNotFoundError:
-            return
-        if "/" in key:
+            names: list[str] = []
+            for entry in os.scandir(rfd):
+                names.append(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else ""))
+                if len(names) >= limit:
+                    break
+            return names
+        except OSError as exc:
+            raise RemoteUnavailable(f"cannot list the mirror folder: {_describe(exc)}", file=self.root) from None
+        finally:
+            os.close(rfd)
+
+    def delete(self, key: str) -> None:
+        rfd, dfd, name = self._at(key, create=False)
+        try:
+            if dfd is None:
+                return
             try:
-                p.parent.rmdir()  # the last file of a .dcp folder's objects
-            except OSError:
-                pass
+                os.unlink(name, dir_fd=dfd)  # a link is removed itself, never its target
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                raise RemoteUnavailable(f"deleting from the mirror folder failed: {_describe(exc)}",
+                                        file=self.root / key) from None
+            if "/" in key:
+                try:
+                    os.rmdir(key.split("/", 1)[0], dir_fd=rfd)  # the last file of a .dcp folder's objects
+                except OSError:
+                    pass
+        finally:
+            self._close(rfd, dfd)
+
+    # -------------------------------------------------------------- the writer lock
+    def acquire(self) -> None:
+        """Take the folder's writer lock (:class:`~ripresa.errors.LockHeld` while another writer holds it)."""
+        from .lock import RunLock
+
+        if self._lock is None:
+            self._lock = RunLock(self.root).acquire()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            lock, self._lock = self._lock, None
+            lock.release()
+
+
+_DIR = getattr(os, "O_DIRECTORY", 0)
+
+
+def _describe(exc: OSError) -> str:
+    return f"[errno {exc.errno} {errno.errorcode.get(exc.errno or 0, '?')}] {exc.strerror}"
+
+
+def _planted(path: Path) -> IntegrityError:
+    return IntegrityError("the mirror folder holds a symlink (or a file) where a folder of objects belongs", file=path,
+                          expected="a folder inside the mirror", found="a symlink or a file",
+                          hint="ripresa never writes, reads or deletes through a link in a mirror; remove it")
 
 
 def _s3_error(exc: BaseException, what: str, url: str) -> Exception:
@@ -250,8 +423,33 @@ def _s3_error(exc: BaseException, what: str, url: str) -> Exception:
         code = err.get("Code", "?")
         if code in ("NoSuchKey", "404", "NotFound") or status == 404:
             return RemoteNotFound(f"{what}: not in the mirror", file=url, found=f"HTTP {status} {code}")
-        return RemoteUnavailable(f"{what} failed: HTTP {status} {code}", file=url, found=str(err.get("Message", ""))[:200])
-    return RemoteUnavailable(f"{what} failed: {type(exc).__name__}", file=url, found=str(exc)[:200])
+        return RemoteUnavailable(f"{what} failed: HTTP {status} {code}", file=url,
+                                 found=redact(str(err.get("Message", "")))[:200])
+    # the client quotes the endpoint URL (credentials in its userinfo, too) verbatim: redacted where the text is born
+    return RemoteUnavailable(f"{what} failed: {type(exc).__name__}", file=url, found=redact(str(exc))[:200])
+
+
+def _lease_alive(held: dict[str, Any]) -> bool:
+    """A lease not expired whose writer, when it is of this host, still runs."""
+    import socket
+    import time
+
+    from .liveness import pid_alive
+
+    try:
+        expires = float(held.get("expires", 0))
+    except (TypeError, ValueError):
+        return False
+    if expires <= time.time():
+        return False
+    return not (held.get("host") == socket.gethostname()[:64] and not pid_alive(held.get("pid")))
+
+
+def _lock_held(url: str, held: dict[str, Any]) -> LockHeld:
+    return LockHeld("another writer holds the mirror", file=url, expected="no other writer of this mirror",
+                    found=f"{LOCK_KEY} of host {str(held.get('host', '?'))[:64]!r}, pid {held.get('pid', '?')}, "
+                    f"lease until {held.get('expires', '?')} (unix time)",
+                    hint="one run writes one mirror; a writer that died frees it when its lease ends")
 
 
 def _no_credentials(url: str) -> BadInput:
@@ -270,6 +468,8 @@ class S3Store(_GetBytes):
     part_size = PART_SIZE
 
     def __init__(self, bucket: str, prefix: str, url: str, *, timeout: float = 30.0) -> None:
+        self._lease: tuple[str, Any] | None = None
+        self.lock_lost: LockHeld | None = None
         try:
             import boto3
             import botocore.session
@@ -292,8 +492,13 @@ class S3Store(_GetBytes):
         config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=timeout,
                         read_timeout=timeout, s3={"addressing_style": "path"} if endpoint else {},
                         max_pool_connections=4)
-        self.client = session.client("s3", endpoint_url=endpoint, config=config,
-                                     region_name=session.region_name or "us-east-1")
+        try:
+            self.client = session.client("s3", endpoint_url=endpoint, config=config,
+                                         region_name=session.region_name or "us-east-1")
+        except Exception as exc:  # noqa: BLE001 - botocore's ValueError for a malformed endpoint quotes it whole
+            raise BadInput("the S3 endpoint cannot be used", file=url, expected="AWS_ENDPOINT_URL=http(s)://host[:port]",
+                           found=redact(f"{type(exc).__name__}: {exc}")[:200],
+                           hint="fix AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3") from None
 
     def _call(self, what: str, fn: Any, **kw: Any) -> Any:
         try:
@@ -391,26 +596,128 @@ class S3Store(_GetBytes):
     def delete(self, key: str) -> None:
         self._call(f"deletion of {key}", self.client.delete_object, Key=self.prefix + check_key(key))
 
+    # -------------------------------------------------------------- the writer lock (a lease object)
+    def acquire(self, *, lease: float = LEASE) -> None:
+        """Take the prefix's writer lock: the object :data:`LOCK_KEY`, created only if absent (``If-None-Match: *``),
+        holding this writer's id and the end of its lease, renewed every ``lease / 3`` seconds by a daemon thread.
+
+        Another writer's unexpired lease: :class:`~ripresa.errors.LockHeld` (exit 2); an expired one (its writer
+        died, e.g. the machine was lost) is taken over. A renewal that finds another writer's lease sets
+        :attr:`lock_lost` (the mirror stops writing).
+        """
+        import json
+        import socket
+        import threading
+        import time
+        import uuid
+
+        from botocore.exceptions import ClientError
+
+        if self._lease is not None:
+            return
+        owner = uuid.uuid4().hex
+        key = self.prefix + LOCK_KEY
+
+        def body() -> bytes:
+            return json.dumps({"owner": owner, "host": socket.gethostname()[:64], "pid": os.getpid(),
+                               "expires": round(time.time() + lease, 3)}).encode()
+
+        for _ in range(3):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=body(), IfNoneMatch="*")
+                break
+            except ClientError as exc:
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                code = exc.response.get("Error", {}).get("Code", "")
+                if status == 501 or code in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                    # a store without conditional writes: look, then write (exclusion only as good as the store)
+                    held = self._read_lease()
+                    if held is not None and _lease_alive(held) and held.get("owner") != owner:
+                        raise _lock_held(self.url, held) from None
+                    self._call("taking the mirror's lock", self.client.put_object, Key=key, Body=body())
+                    break
+                if status not in (409, 412):
+                    raise _s3_error(exc, "taking the mirror's lock", self.url) from None
+            except Exception as exc:  # noqa: BLE001 - typed below
+                raise _s3_error(exc, "taking the mirror's lock", self.url) from None
+            held = self._read_lease()
+            if held is not None and _lease_alive(held):
+                raise _lock_held(self.url, held)
+            if held is not None:  # expired, or its writer (on this host) is dead: taken over
+                self._call("removal of an expired lock", self.client.delete_object, Key=key)
+        else:
+            raise _lock_held(self.url, self._read_lease() or {})
+        stop = threading.Event()
+        self._lease = (owner, stop)
+
+        def renew() -> None:
+            while not stop.wait(lease / 3):
+                try:
+                    held = self._read_lease()
+                    if held is not None and held.get("owner") != owner:
+                        self.lock_lost = _lock_held(self.url, held)
+                        return
+                    self.client.put_object(Bucket=self.bucket, Key=key, Body=body())
+                except Exception:  # noqa: BLE001 - a store unreachable now: renewed at the next tick
+                    continue
+
+        threading.Thread(target=renew, name="ripresa-mirror-lease", daemon=True).start()
+
+    def _read_lease(self) -> dict[str, Any] | None:
+        import json
+
+        try:
+            raw = self.get_bytes(LOCK_KEY, limit=4096)
+        except RemoteNotFound:
+            return None
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def release(self) -> None:
+        if self._lease is None:
+            return
+        (owner, stop), self._lease = self._lease, None
+        stop.set()
+        try:
+            held = self._read_lease()
+            if held is not None and held.get("owner") == owner:
+                self.client.delete_object(Bucket=self.bucket, Key=self.prefix + LOCK_KEY)
+        except Exception:  # noqa: BLE001 - the lease expires by itself
+            pass
+
+    def entries(self, limit: int) -> list[str]:
+        """The keys under the prefix, whatever they are (at most ``limit``), relative to it."""
+        r = self._call("listing", self.client.list_objects_v2, Prefix=self.prefix, MaxKeys=max(1, min(limit, 1000)))
+        return [str(o.get("Key", ""))[len(self.prefix):] for o in r.get("Contents", []) or []][:limit]
+
 
 def open_store(url: str | os.PathLike[str], *, timeout: float = 30.0) -> ObjectStore:
     """The store a mirror URL names: ``s3://bucket/prefix``, ``file:///path`` or a path."""
     text = os.fspath(url) if isinstance(url, os.PathLike) else url
     if not isinstance(text, str) or not text.strip():
         raise BadInput("empty mirror URL", expected="s3://bucket/prefix, file:///path or a path", found=repr(text))
+    shown = redact_url(text)  # what an error may say of it
+    if shown != text and "://" in text:
+        raise BadInput("a mirror URL never carries credentials", expected="s3://bucket/prefix, file:///path or a path",
+                       found=shown, hint="credentials come from the environment (AWS_ACCESS_KEY_ID, "
+                       "AWS_SECRET_ACCESS_KEY, a profile), never from the URL")
     if "://" not in text:
         return LocalStore(Path(text).expanduser().absolute(), text)
     u = urlparse(text)
     if u.scheme == "file":
         if u.netloc not in ("", "localhost") or not u.path:
-            raise BadInput("bad file:// mirror URL", expected="file:///absolute/path", found=text)
+            raise BadInput("bad file:// mirror URL", expected="file:///absolute/path", found=shown)
         return LocalStore(Path(u.path), text)
     if u.scheme == "s3":
         bucket = u.netloc
         if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket or "") or u.query or u.fragment:
-            raise BadInput("bad S3 mirror URL", expected="s3://bucket/prefix (a valid bucket name)", found=text)
+            raise BadInput("bad S3 mirror URL", expected="s3://bucket/prefix (a valid bucket name)", found=shown)
         prefix = u.path.strip("/")
         if prefix and any(not p or p in (".", "..") for p in prefix.split("/")):
-            raise BadInput("bad S3 mirror prefix", expected="s3://bucket/a/b", found=text)
+            raise BadInput("bad S3 mirror prefix", expected="s3://bucket/a/b", found=shown)
         return S3Store(bucket, prefix, text, timeout=timeout)
-    raise BadInput("unknown mirror URL scheme", expected="s3://bucket/prefix, file:///path or a path", found=text,
+    raise BadInput("unknown mirror URL scheme", expected="s3://bucket/prefix, file:///path or a path", found=shown,
                    hint="an S3-compatible store (MinIO, R2, Ceph...) is s3:// with AWS_ENDPOINT_URL set")

@@ -26,6 +26,12 @@ when signatures are required), and resumed like any local generation. One that
 fails is removed again, recorded (``mirror_refused``) and the previous remote
 generation is tried. On a blank machine :func:`pull_run` first restores the
 run's history and sidecars (:func:`restore_run`), hash-checked.
+
+Trust (docs/MIRROR.md, "Trust"): a target is written only once it is a mirror
+(:func:`claim_target`: its ``RIPRESA_MIRROR`` marker; a run folder or a folder
+of other files is refused) and locked; ``mirror.json`` is followed by ``push``
+only when authenticated by the run's key (or, keyless, to a marked mirror);
+``config.json`` is signed in the mirror; every event is redacted.
 """
 
 from __future__ import annotations
@@ -48,13 +54,15 @@ from ..io import auth
 from ..io.fsio import (
     StagedFile,
     fsync_dir,
+    is_temp_name,
     open_run_file,
     ops,
     parse_sha256sum,
     read_small,
     write_atomic,
 )
-from ..io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
+from ..io.objstore import LocalStore, ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
+from ..io.redact import redact_fields, redact_url
 from .history import HISTORY_NAME
 from .retention import KeepAny, KeepLast, RetentionPolicy
 from .store import CheckpointStore
@@ -64,8 +72,8 @@ from .store import CheckpointStore
 #: outage kind caught it: a final state that differs from the uninterrupted run).
 _JITTER = random.Random()
 
-__all__ = ["Mirror", "MirrorSpec", "RemoteView", "RunManifest", "local_generations", "open_mirror", "pull", "pull_config",
-           "pull_run", "restore_run"]
+__all__ = ["Mirror", "MirrorSpec", "MirrorTarget", "RemoteView", "RunManifest", "claim_target", "local_generations",
+           "open_mirror", "pull", "pull_config", "pull_run", "record_url", "recorded", "redacting", "restore_run"]
 
 _MAIN = r"step_(\d{6,})\.(bin|safetensors|dcp)"
 _OF_MAIN = re.compile(rf"(?P<main>{_MAIN})(?:\.json|\.hmac|\.sha256|/[^/]+)?")
@@ -78,6 +86,13 @@ MAX_MARKER = 1 << 20
 MAX_CONFIG = 1 << 20
 #: The run folder's record of its mirror URL (read by ``ripresa mirror`` when no --mirror is given).
 MIRROR_RECORD = "mirror.json"
+#: The object that makes a folder or prefix a mirror (written when ripresa creates one; docs/MIRROR.md, "Trust").
+MIRROR_MARKER = "RIPRESA_MIRROR"
+MIRROR_MARKER_BODY = b'{"ripresa": "mirror", "version": 1}\n'
+#: The signature object of a mirror's ``config.json`` (signed runs).
+CONFIG_SIG = "config.json" + auth.SUFFIX
+#: Files whose presence makes a folder a run folder, never a mirror.
+RUN_SIGNS = ("LOCK", ".loss.jsonl", ".samples.json", ".state.json", "lineage.json", MIRROR_RECORD)
 
 
 @dataclass(frozen=True)
@@ -426,7 +441,7 @@ class Mirror:
                  event: Callable[..., None] | None = None, store: ObjectStore | None = None) -> None:
         self.spec = spec
         self.run_dir = Path(run_dir)
-        self.store = store if store is not None else open_store(spec.url, timeout=spec.timeout)
+        self.store = store if store is not None else MirrorTarget(open_store(spec.url, timeout=spec.timeout), explicit=True)
         self.policy = spec.keep if spec.keep is not None else default_remote_policy(local_retention)
         self._event = _safe(event)
         self.last_upload_seconds: float | None = None
@@ -514,6 +529,7 @@ class Mirror:
             return True
         self._closed = True
         if self._thread is None:
+            _release(self.store)  # the mirror's writer lock
             return True
         budget = self.spec.close_timeout if timeout is None else max(0.0, timeout)
         self._closing = True
@@ -560,6 +576,7 @@ class Mirror:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=0.5 if why is not None else self.spec.timeout + 5)
+        _release(self.store)  # the mirror's writer lock
         left = self.pending
         if drawn:
             _clear_line()
@@ -741,6 +758,10 @@ class Mirror:
 
         sha = hashlib.sha256(raw).hexdigest()
         if sha != self._config_sha:
+            key = auth.load_key()
+            if key is not None:  # signed runs: its signature first, so a reader never pairs the new one with an old MAC
+                sig = auth.file_signature_line(key, "config.json", raw)
+                self._retry(None, CONFIG_SIG, lambda: self.store.put_bytes(CONFIG_SIG, sig))
             self._retry(None, "config.json", lambda: self.store.put_bytes("config.json", raw))
             self._config_sha = sha
 
@@ -917,17 +938,169 @@ class Mirror:
 def open_mirror(mirror: Any, run_dir: Path, *, local_retention: RetentionPolicy,
                 event: Callable[..., None] | None = None) -> Mirror:
     """A :class:`Mirror` from a URL, a path or a :class:`MirrorSpec` (a bad URL, missing credentials or
-    boto3: :class:`~ripresa.errors.BadInput`, exit 2)."""
+    boto3: :class:`~ripresa.errors.BadInput`, exit 2).
+
+    The target must be a mirror (docs/MIRROR.md, "Trust"): a folder is checked and locked here, before the
+    session starts (a run folder or a folder of other files: :class:`~ripresa.errors.BadInput`; another
+    writer: :class:`~ripresa.errors.LockHeld`); an object store is checked before the first object is written,
+    in the background (training never waits for the store). Every event is written redacted.
+    """
     spec = mirror if isinstance(mirror, MirrorSpec) else MirrorSpec(os.fspath(mirror))
-    return Mirror(spec, run_dir, local_retention=local_retention, event=event)
+    target = MirrorTarget(open_store(spec.url, timeout=spec.timeout), explicit=True)
+    if isinstance(target.inner, LocalStore):
+        try:
+            target.claim()
+        except RemoteUnavailable:
+            pass  # a folder that cannot be reached now (an NFS mount down): checked before the first write instead
+    try:
+        return Mirror(spec, run_dir, local_retention=local_retention, event=redacting(event), store=target)
+    except BaseException:
+        target.release()
+        raise
+
+
+def redacting(event: Callable[..., None] | None) -> Callable[..., None] | None:
+    """``event`` with every string field redacted (:func:`ripresa.io.redact.redact`): no credential reaches the history."""
+    if event is None:
+        return None
+
+    def write(name: str, **fields: Any) -> None:
+        event(name, **redact_fields(fields))
+
+    return write
+
+
+def _release(store: Any) -> None:
+    release = getattr(store, "release", None)
+    if release is not None:
+        release()
+
+
+def classify_target(names: Iterable[str]) -> tuple[str, list[str]]:
+    """What a folder's or a prefix's entries say it is: ``("mirror" | "empty" | "layout" | "run" | "foreign", examples)``.
+
+    ``mirror``: it holds :data:`MIRROR_MARKER`. ``empty``: nothing (or only temporaries). ``layout``: only objects a
+    mirror holds (a mirror written before the marker existed). ``run``: a run folder's own files (``LOCK``, the
+    history...). ``foreign``: anything else.
+    """
+    names = [n.rstrip("/") for n in names]
+    if MIRROR_MARKER in names:
+        return "mirror", []
+    run = [n for n in names if n in RUN_SIGNS]
+    if run:
+        return "run", run[:4]
+    other = [n for n in names if not is_temp_name(n.rsplit("/", 1)[-1])
+             and n not in ("config.json", CONFIG_SIG, MIRROR_MARKER + ".lock") and main_of(n) is None]
+    if other:
+        return "foreign", other[:4]
+    return ("layout" if any(not is_temp_name(n.rsplit("/", 1)[-1]) for n in names) else "empty"), []
+
+
+#: Entries looked at to decide what a target is.
+_PROBE = 1000
+
+
+def claim_target(store: ObjectStore, *, explicit: bool) -> None:
+    """Make sure ``store`` is a mirror before anything is written to it, and lock it (a folder's ``flock``).
+
+    An empty target becomes a mirror (its :data:`MIRROR_MARKER` is written); a marked one is used; one that
+    holds only a mirror's objects (written before the marker existed) is adopted only when the URL was given
+    explicitly (``--mirror``, ``Checkpointer(mirror=...)``, an authenticated ``mirror.json``). A run folder and
+    a target holding anything else are refused (:class:`~ripresa.errors.BadInput`, exit 2); nothing is written.
+    """
+    names = store.entries(_PROBE)  # type: ignore[attr-defined]
+    what, examples = classify_target(names)
+    url = redact_url(store.url)
+    if what == "run":
+        raise BadInput("the mirror target is a run folder: refused", file=url,
+                       expected=f"a mirror (holding {MIRROR_MARKER}) or an empty folder", found=f"a run folder's {examples}",
+                       hint="a mirror is its own folder or prefix; choose another --mirror")
+    if what == "foreign":
+        raise BadInput("the mirror target holds files that are not a mirror's: refused", file=url,
+                       expected=f"a mirror (holding {MIRROR_MARKER}) or an empty folder or prefix",
+                       found=f"{len(names)}{'+' if len(names) >= _PROBE else ''} entries, e.g. {examples}",
+                       hint="a mirror is its own folder or prefix; choose another --mirror")
+    if what == "layout" and not explicit:
+        raise BadInput("the mirror target is not marked as a mirror: refused for a URL read from mirror.json",
+                       file=url, expected=f"{MIRROR_MARKER} in the mirror", found="mirror objects without the marker",
+                       hint="name the mirror explicitly once (`ripresa mirror push RUN --mirror URL`) to adopt it")
+    if what != "mirror":
+        store.put_bytes(MIRROR_MARKER, MIRROR_MARKER_BODY)
+    acquire = getattr(store, "acquire", None)
+    if acquire is not None:
+        acquire()
+
+
+class MirrorTarget:
+    """The store a :class:`Mirror` writes: :func:`claim_target` runs before its first write or deletion."""
+
+    def __init__(self, inner: ObjectStore, *, explicit: bool) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.multipart_threshold = inner.multipart_threshold
+        self.explicit = explicit
+        self._claimed = False
+        self._claim_lock = threading.Lock()
+
+    def claim(self) -> None:
+        with self._claim_lock:
+            if not self._claimed:
+                claim_target(self.inner, explicit=self.explicit)
+                self._claimed = True
+        lost = getattr(self.inner, "lock_lost", None)
+        if lost is not None:  # another writer took the mirror over (our lease ran out): nothing more is written
+            raise lost
+
+    def release(self) -> None:
+        with self._claim_lock:
+            if self._claimed:
+                self._claimed = False
+                _release(self.inner)
+
+    def put_file(self, key: str, path: Path, *, sha256: str) -> int:
+        self.claim()
+        return self.inner.put_file(key, path, sha256=sha256)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.claim()
+        self.inner.put_bytes(key, data)
+
+    def delete(self, key: str) -> None:
+        self.claim()
+        self.inner.delete(key)
+
+    def get_into(self, key: str, out: Any, *, limit: int) -> int:
+        return self.inner.get_into(key, out, limit=limit)
+
+    def get_bytes(self, key: str, *, limit: int) -> bytes:
+        return self.inner.get_bytes(key, limit=limit)
+
+    def list(self) -> dict[str, int]:
+        return self.inner.list()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _record_mac(key: bytes, run_dir: Path, url: str) -> str:
+    return auth.mac(key, auth.record_message(os.path.realpath(run_dir), url))
 
 
 def record_url(run_dir: Path, url: str) -> None:
-    """Write ``RUN/mirror.json`` (the URL, so ``ripresa mirror status RUN`` needs no --mirror)."""
+    """Write ``RUN/mirror.json``: the URL (redacted), so ``ripresa mirror status RUN`` needs no --mirror.
+
+    With a key (``RIPRESA_HMAC_KEY``), the record carries the key's MAC of the run folder's real path and the
+    URL: ``ripresa mirror push RUN`` follows an authenticated record only (docs/MIRROR.md, "Trust").
+    """
     import json
 
+    shown = redact_url(url)
+    doc: dict[str, Any] = {"url": shown}
+    key = auth.load_key()
+    if key is not None and shown == url:
+        doc.update(key=auth.key_id(key), mac=_record_mac(key, Path(run_dir), url))
     path = Path(run_dir) / MIRROR_RECORD
-    data = json.dumps({"url": url}).encode() + b"\n"
+    data = json.dumps(doc).encode() + b"\n"
     if os.path.lexists(path):
         try:
             if read_small(path, MIRROR_RECORD, 1 << 16) == data:
@@ -937,18 +1110,30 @@ def record_url(run_dir: Path, url: str) -> None:
     write_atomic(path, [data])
 
 
-def recorded_url(run_dir: Path) -> str | None:
+def recorded(run_dir: Path) -> tuple[str | None, bool]:
+    """(the URL of ``RUN/mirror.json`` or None, whether the record is authenticated by the configured key)."""
+    import hmac as _hmac
     import json
 
     path = Path(run_dir) / MIRROR_RECORD
     if not os.path.lexists(path):
-        return None
+        return None, False
     try:
         doc = json.loads(read_small(path, MIRROR_RECORD, 1 << 16))
     except (ValueError, RipresaError):
-        return None
+        return None, False
     url = doc.get("url") if isinstance(doc, dict) else None
-    return url if isinstance(url, str) else None
+    if not isinstance(url, str) or "\n" in url:
+        return None, False
+    key = auth.load_key()
+    mac = doc.get("mac")
+    ok = (key is not None and isinstance(mac, str)
+          and _hmac.compare_digest(mac.encode(), _record_mac(key, Path(run_dir), url).encode()))
+    return url, ok
+
+
+def recorded_url(run_dir: Path) -> str | None:
+    return recorded(run_dir)[0]
 
 
 # ---------------------------------------------------------------------------- pulling
@@ -1183,8 +1368,8 @@ def restore_run(remote: ObjectStore, run_dir: Path, *, event: Callable[..., None
             os.close(fd)
     for path, (sha, size) in sorted(man.files.items()):
         target = run_dir / path
-        if os.path.lexists(target):
-            continue  # the folder's own copy stays
+        if os.path.lexists(target) or path == "config.json":
+            continue  # the folder's own copy stays; config.json lands only through pull_config (its signature)
         try:
             data = fetch(f"files/{sha}", size, sha)
             _safe_parent(run_dir, path)
@@ -1217,8 +1402,13 @@ def pull_run(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step:
     return gen
 
 
-def pull_config(remote: ObjectStore, run_dir: Path) -> bool:
-    """Fetch ``config.json`` into ``run_dir`` when it has none (a blank machine); True when fetched."""
+def pull_config(remote: ObjectStore, run_dir: Path, *, require: bool | None = None) -> bool:
+    """Fetch ``config.json`` into ``run_dir`` when it has none (a blank machine); True when fetched.
+
+    With the run's key configured, a signed one (``config.json.hmac`` beside it) must verify
+    (:class:`~ripresa.io.auth.SignatureError` otherwise, exit 1); under require-signature (``require``, by
+    default ``RIPRESA_REQUIRE_SIGNATURE``) an unsigned one is refused too, and nothing is written.
+    """
     dst = Path(run_dir) / "config.json"
     if os.path.lexists(dst):
         return False
@@ -1226,6 +1416,22 @@ def pull_config(remote: ObjectStore, run_dir: Path) -> bool:
         raw = _retrying(lambda: remote.get_bytes("config.json", limit=MAX_CONFIG), what="config.json")
     except RemoteNotFound:
         return False
+    try:
+        sig: bytes | None = _retrying(lambda: remote.get_bytes(CONFIG_SIG, limit=auth.MAX_SIGNATURE), what=CONFIG_SIG)
+    except RemoteNotFound:
+        sig = None
+    key = auth.load_key()
+    require = auth.require_signature_from_env() if require is None else require
+    where = f"{redact_url(remote.url)}/config.json"
+    if sig is not None and key is not None:
+        auth.verify_file(key, sig, "config.json", raw, where + auth.SUFFIX)
+    elif require:
+        raise auth.SignatureError(
+            "the mirror's config.json is not signed, and signatures are required", file=where,
+            expected=f"{CONFIG_SIG} beside it, made with the run's key" if key is not None else "the run's key configured",
+            found="no signature" if sig is None else "no key to check its signature",
+            hint="give the config explicitly (`ripresa train --config FILE`), or drop --require-signature to use it "
+            "knowingly")
     write_atomic(dst, [raw])
     return True
 
@@ -1267,13 +1473,25 @@ def status(remote: ObjectStore, run_dir: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- ripresa train / ripresa mirror
 
 
-def _resolve_url(run_dir: Path, url: str | None) -> str:
-    url = url or recorded_url(run_dir)
-    if not url:
+def _resolve_url(run_dir: Path, url: str | None, *, write: bool = False) -> tuple[str, bool]:
+    """(the mirror URL, whether it is explicit): ``--mirror``, else ``RUN/mirror.json``'s (docs/MIRROR.md, "Trust").
+
+    A recorded URL is explicit when the record is authenticated by the configured key. With a key, a writing
+    command (``push``) refuses a record that is not; without one, the URL is used only for a target that is
+    already a mirror (:func:`claim_target`).
+    """
+    if url:
+        return url, True
+    rec, authentic = recorded(run_dir)
+    if not rec:
         raise BadInput("no mirror URL", file=Path(run_dir) / MIRROR_RECORD, expected="--mirror URL",
                        found="no --mirror and no mirror.json in the run folder",
                        hint="ripresa mirror status RUN --mirror s3://bucket/prefix")
-    return url
+    if write and not authentic and auth.load_key() is not None:
+        raise BadInput("the run's mirror.json is not authenticated by the run's key: not followed", file=Path(run_dir) / MIRROR_RECORD,
+                       expected="a record written by a session holding the key (its MAC)", found=f"a record naming {redact_url(rec)}",
+                       hint="name the mirror explicitly: ripresa mirror push RUN --mirror URL")
+    return rec, authentic
 
 
 def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Generation | None, bool]:
@@ -1284,8 +1502,9 @@ def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Ge
     try:
         hist = History(Path(run_dir) / HISTORY_NAME)
         try:
-            gen = pull_run(remote, Path(run_dir), store, step=step, event=hist.event)
-            config = pull_config(remote, Path(run_dir)) if gen is not None else False
+            event = redacting(hist.event)
+            gen = pull_run(remote, Path(run_dir), store, step=step, event=event)
+            config = pull_config(remote, Path(run_dir), require=store.require_signature) if gen is not None else False
         finally:
             hist.close()
     finally:
@@ -1305,7 +1524,8 @@ def prefetch(run_dir: Path, url: Any) -> Generation | None:
 
 def cli_status(run_dir: Path, url: str | None) -> dict[str, Any]:
     """``ripresa mirror status``."""
-    return status(open_store(_resolve_url(run_dir, url)), Path(run_dir))
+    r = status(open_store(_resolve_url(run_dir, url)[0]), Path(run_dir))
+    return {**r, "url": redact_url(r["url"])}
 
 
 def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None) -> dict[str, Any]:
@@ -1316,29 +1536,35 @@ def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise BadInput("run folder not found", file=run_dir, expected="an existing run folder", found="nothing")
-    spec = MirrorSpec(_resolve_url(run_dir, url), keep=keep)
+    resolved, explicit = _resolve_url(run_dir, url, write=True)
+    spec = MirrorSpec(resolved, keep=keep)
     store = CheckpointStore(run_dir, writer=True)
     try:
-        hist = History(run_dir / HISTORY_NAME)
+        target = MirrorTarget(open_store(spec.url, timeout=spec.timeout), explicit=explicit)
         try:
-            m = Mirror(spec, run_dir, local_retention=DEFAULT_RETENTION, event=hist.event)
-            ok = m.round()
+            _retrying(target.claim, what=MIRROR_MARKER)  # a mirror, locked, before anything is written
+            hist = History(run_dir / HISTORY_NAME)
+            try:
+                m = Mirror(spec, run_dir, local_retention=DEFAULT_RETENTION, event=redacting(hist.event), store=target)
+                ok = m.round()
+            finally:
+                hist.close()
         finally:
-            hist.close()
+            target.release()
     finally:
         store.close()
     if not ok:
         raise SaveFailed("the push did not complete: the mirror could not be reached (retries in RUN/.loss.jsonl)",
-                         file=spec.url, expected="every missing generation uploaded", found=f"pending {m.pending}",
+                         file=redact_url(spec.url), expected="every missing generation uploaded", found=f"pending {m.pending}",
                          hint="run `ripresa mirror push` again when the store is reachable")
-    return {"run": str(run_dir), "url": spec.url, "uploaded": m.uploaded, "pending": m.pending}
+    return {"run": str(run_dir), "url": redact_url(spec.url), "uploaded": m.uploaded, "pending": m.pending}
 
 
 def cli_pull(run_dir: Path, url: str | None, step: int | None = None) -> dict[str, Any]:
     """``ripresa mirror pull``: land a verified remote generation in RUN (for inspection or export)."""
-    url = _resolve_url(run_dir, url)
+    url = _resolve_url(run_dir, url)[0]
     gen, config = _pull_into(Path(run_dir), open_store(url), step)
     if gen is None:
-        raise CheckFailed("the mirror holds no committed generation", file=url, expected="at least one marker object",
-                          found="none")
-    return {"run": str(run_dir), "url": url, "step": gen.step, "file": gen.path.name, "config": config}
+        raise CheckFailed("the mirror holds no committed generation", file=redact_url(url),
+                          expected="at least one marker object", found="none")
+    return {"run": str(run_dir), "url": redact_url(url), "step": gen.step, "file": gen.path.name, "config": config}

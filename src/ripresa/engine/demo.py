@@ -21,6 +21,7 @@ from rich.table import Table
 
 from ..store.history import read_history
 from ..store.store import CheckpointStore
+from ..text import safe_console
 from ..verify.verify import reference_exercise_command, render_verdict, verify_resume
 
 
@@ -47,7 +48,7 @@ def _valid(run: Path) -> list[int]:
 
 
 def run_demo(out: Path, console: Console | None = None) -> int:
-    console = console or Console()
+    console = console or safe_console()
     t_all = time.perf_counter()
     console.rule("[bold]1/2 · proving a resume exact on the 33-parameter reference exercise")
     verdict = verify_resume(reference_exercise_command(), output=out / "verify", steps=10, cut=5)

@@ -77,3 +77,42 @@ def test_replay_one_case(hostile_fixtures, tmp_path):
     outcome = hf.run_cases([case], hostile_fixtures, tmp_path)[0]
     print(outcome.line(), "\n", outcome.stderr_tail)
     assert outcome.ok, outcome.line() + "\n" + outcome.stderr_tail
+
+
+def test_round_two_attacks_are_real(tmp_path):
+    """The default suite's cheap check of the fuzzer's own issue-#19 machinery (no fixture to build):
+
+    * the shard-swap watcher replaces a file right after a process first closes it, so a second open by
+      path reads the foreign bytes (the attack on a load that re-opens what it hashed);
+    * a planted ``ripresa/`` package runs when a child is started with ``python -m ripresa`` in the folder,
+      and does not under ``-P`` (how the fuzzer starts the command itself): a canary case that fails is
+      ripresa's child, never the fuzzer's own start.
+    """
+    import random
+    import subprocess
+    import sys
+
+    target, side = tmp_path / "shard.distcp", tmp_path / "side"
+    side.mkdir()
+    target.write_bytes(b"genuine")
+    (side / "foreign").write_bytes(b"foreign")
+    fired: list[str] = []
+    reader = ("import sys, time\np = sys.argv[1]\nfirst = open(p, 'rb').read()\ntime.sleep(0.5)\n"
+              "second = open(p, 'rb').read()\nprint(first.decode(), second.decode())")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rc, hung, _rss, so, _se = hf.run_argv([sys.executable, "-c", reader, str(target)], tmp_path, dict(os.environ),
+                                          logs, 30, hf._swap_watcher(target, side / "foreign", fired))
+    assert rc == 0 and not hung and fired, (rc, so, fired)
+    assert so.split() == ["genuine", "foreign"], so
+
+    ctx = hf.Ctx(tmp_path, tmp_path / "p", "t", tmp_path / "canary" / "PWNED", fx=None)  # type: ignore[arg-type]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    hf.m_plant_package(folder, "ripresa/", random.Random(0), ctx)
+    env = hf._env()
+    guarded = subprocess.run([*hf.RIPP, "--version"], cwd=folder, env=env, capture_output=True, text=True, timeout=60)
+    assert guarded.returncode == 0 and "ripresa" in guarded.stdout and not ctx.canary.parent.exists()
+    naive = subprocess.run([sys.executable, "-m", "ripresa", "--version"], cwd=folder, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert naive.returncode != 0 and ctx.canary.parent.exists(), naive.stdout + naive.stderr

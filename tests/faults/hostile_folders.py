@@ -1789,7 +1789,7 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
                 out.problems.append(f"EXIT {rc} (want {sorted(allowed)}{', the command reads this file' if case.strict else ''})")
         if ctx.canary.exists() or ctx.canary.parent.exists():
             out.executed = True
-            out.problems.append("EXECUTED: the crafted pickle's payload created the canary")
+            out.problems.append("EXECUTED: the crafted pickle's or planted package's payload created the canary")
         after = snapshot(outside)
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k) and not k.startswith("canary"))
         if changed:

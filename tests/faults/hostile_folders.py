@@ -139,6 +139,7 @@ class Fixtures:
     gen: Path | None = None      # a general-format run (examples/loop)
     srun: Path | None = None     # a run whose mirror push ran with credentials in the endpoint URL
     ref_bin_sha: str = ""        # sha256 of sdcp's step 4 converted back to .bin (the genuine weights)
+    ref_resume_sha: str = ""     # sha256 of step_000005.bin of a signed resume from sdcp's step 4 (one step)
 
     def folder(self, kind: str) -> Path:
         return {"run": self.run, "bundle": self.bundle, "ledger": self.ledger, "dcp": self.dcp,
@@ -188,6 +189,9 @@ def build_round_two(fx: Fixtures) -> None:
     _must([*rp, "convert", "sdcp/step_000004.dcp", "sref/step_000004.bin"], root,
           {"RIPRESA_HMAC_KEY": KEY, "RIPRESA_REQUIRE_SIGNATURE": "1"})
     fx.ref_bin_sha = _sha(root / "sref" / "step_000004.bin")
+    _must([*rp, "train", "--run", "sref/resumed", "--resume", "sdcp/step_000004.dcp", "--require-signature", *TRAIN], root,
+          {"RIPRESA_HMAC_KEY": KEY})
+    fx.ref_resume_sha = _sha(root / "sref" / "resumed" / "step_000005.bin")
     _must([PY, "-B", str(LOOP), "--run", "gen", "--steps", "4", "--every", "2"], root)
     shutil.copytree(fx.run, fx.srun, symlinks=True)
     # a push whose endpoint carries a password (the store is unreachable: the attempts are recorded as events)
@@ -1134,6 +1138,9 @@ COMMANDS.update({
                 env=(*SIGNED, ("RIPRESA_REQUIRE_SIGNATURE", "1")), expect="genuine_weights"),
         Command("inspect --require-signature", (*RIP, "inspect", "{F}/step_000004.dcp", "--require-signature", "--json"),
                 (ANY,), env=SIGNED),
+        Command("train --resume --require-signature", (*RIP, "train", "--run", "{O}/new", "--resume",
+                                                       "{F}/step_000004.dcp", "--require-signature", *TRAIN),
+                (ANY,), env=SIGNED, expect="genuine_resume"),
     ]},
     "gen": {c.name: c for c in [
         Command("inspect", (*RIP, "inspect", "{F}"), (ANY,)),
@@ -1351,7 +1358,7 @@ def round_two_cases(rng: random.Random) -> list[Case]:
         add(F_CWD, "cwd", "plant_package", "ripresa/", [c])
 
     add(F_SWAP, "sdcp", "shard_swap", "step_000004.dcp/__0_0.distcp", ["convert (RIPRESA_REQUIRE_SIGNATURE=1)"] * 3
-        + ["inspect --require-signature"])
+        + ["train --resume --require-signature"] * 4 + ["inspect --require-signature"])
 
     add(F_BOMB, "dcp", "memo_bomb", "step_000004.dcp/.metadata", list(COMMANDS["dcp"]))
     add(F_BOMB, "dcp", "deep_metadata", "step_000004.dcp/.metadata", ["train --resume", "inspect"])
@@ -1382,7 +1389,7 @@ def round_two_cases(rng: random.Random) -> list[Case]:
 SAMPLE_ROUND_TWO = (
     (F_MIRROR, "mirror_json_other_run", "mirror push"),
     (F_CWD, "plant_package", "pivot --restart"),
-    (F_SWAP, "shard_swap", "convert (RIPRESA_REQUIRE_SIGNATURE=1)"),
+    (F_SWAP, "shard_swap", "train --resume --require-signature"),
     (F_BOMB, "memo_bomb", "convert"),
     (F_SECRET, "secret_mirror_json", "mirror status (mirror.json)"),
     (F_ESC, "escape", "inspect"),
@@ -1717,6 +1724,11 @@ def _expect(what: str, case: Case, fx: Fixtures, rc: int | None, od: Path) -> li
         if rc == 0 and (not out.is_file() or _sha(out) != fx.ref_bin_sha):
             return ["FOREIGN WEIGHTS: exit 0 under RIPRESA_REQUIRE_SIGNATURE but the converted weights are not "
                     "the signed generation's"]
+    if what == "genuine_resume":  # one step from the signed generation, re-signed: bitwise the reference step
+        out = od / "new" / "step_000005.bin"
+        if rc == 0 and (not out.is_file() or _sha(out) != fx.ref_resume_sha):
+            return ["FOREIGN WEIGHTS: a --require-signature resume exited 0 but its next generation is not the one "
+                    "the signed generation gives (foreign weights were loaded and re-signed)"]
     if what == "fallback" and rc != 0:
         return [f"NO FALLBACK: exit {rc}; a resume must skip the bad generation and use the previous one"]
     return []
@@ -1766,6 +1778,8 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
         if victim:
             victim.reset()
         timeout = cmd.timeout or TIMEOUT
+        if case.family == F_BOMB:  # a bomb must not take the memory; parsing 64 MiB may take a while on 2 loaded cores
+            timeout = max(timeout, 150.0)
         fired: list[str] = []
         during = (_swap_watcher(folder / case.target, ctx.side / "foreign", fired)
                   if case.mutation == "shard_swap" else None)
@@ -1784,6 +1798,9 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
         text = so + se
         if hung:
             out.problems.append(f"HANG: killed after {timeout:.0f} s")
+        if case.family in ROUND_TWO and "this is a bug in ripresa or an input it does not recognise" in se:
+            last = [ln for ln in se.strip().splitlines() if "could not complete" in ln][:1] or ["?"]
+            out.problems.append(f"UNTYPED: the last-resort report instead of a typed error: {last[0][:200]}")
         bad = [repr(c) for c in CONTROL_BYTES if c in text]
         if bad:
             out.problems.append(f"ESCAPE: control characters of a file reached stdout/stderr: {', '.join(bad)}")

@@ -112,7 +112,8 @@ WHAT = {
     F_CWD: "a ripresa/ package (and ripresa/torchrun.py) planted in the working folder of `pivot --restart`, `demo` "
            "and `train`: it never runs (canary), the detached trainer's RSS bounded too",
     F_SWAP: "a signed .dcp whose shard is replaced by another signed generation's right after ripresa closes it "
-            "(watching /proc/PID/fd): under RIPRESA_REQUIRE_SIGNATURE convert refuses or writes the genuine weights",
+            "for the 1st/2nd/3rd time (watching /proc/PID/fd): under --require-signature a resume refuses or its "
+            "next generation is bitwise the genuine one; convert refuses or writes the genuine weights",
     F_BOMB: "a 9-byte .dcp .metadata memo index (2 GiB), 20k nested OrderedDicts in .metadata (resume falls back), "
             "a general companion referencing a 4M-int64 tensor 100 times, a 24 MiB JSON companion of zeros, "
             "a 64 MiB history: RSS under 1.5 GiB",

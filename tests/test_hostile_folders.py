@@ -97,8 +97,9 @@ def test_round_two_attacks_are_real(tmp_path):
     target.write_bytes(b"genuine")
     (side / "foreign").write_bytes(b"foreign")
     fired: list[str] = []
-    reader = ("import sys, time\np = sys.argv[1]\nfirst = open(p, 'rb').read()\ntime.sleep(0.5)\n"
-              "second = open(p, 'rb').read()\nprint(first.decode(), second.decode())")
+    # the reader holds the file open a while, as a real shard read does (the watcher polls /proc)
+    reader = ("import sys, time\np = sys.argv[1]\nf = open(p, 'rb')\nfirst = f.read()\ntime.sleep(0.3)\nf.close()\n"
+              "time.sleep(0.5)\nsecond = open(p, 'rb').read()\nprint(first.decode(), second.decode())")
     logs = tmp_path / "logs"
     logs.mkdir()
     rc, hung, _rss, so, _se = hf.run_argv([sys.executable, "-c", reader, str(target)], tmp_path, dict(os.environ),

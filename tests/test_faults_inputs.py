@@ -598,3 +598,80 @@ def test_fuzz_examples_are_recorded():
             t.add(k >= failed, name, "a counterexample (see the test's failure)")
     t.detail = ", ".join(f"{name}: {tried}" for name, (tried, _) in sorted(FUZZ.items()))
     t.check()
+
+
+# ---------------------------------------------------------------- class 6 of issue #19: terminal escapes
+
+#: What a hostile file plants for the terminal: a window-title OSC, clear screen, a cursor move, a bell,
+#: a carriage return that overwrites the line, a C1 CSI, a bidi override, and rich markup (a link, a style).
+TERMINAL_ATTACKS = ("\x1b]0;pwned\x07", "\x1b[2J", "\x1b[1;1H", "\x07", "\rOK", "\x9b31m", "\u202egnp.exe",
+                    "[link=https://evil.example]click[/link]", "[bold red]FAKE OK[/]")
+
+
+def test_escape_terminal_shows_every_control_character_and_keeps_text():
+    from ripresa.text import escape_markup, escape_terminal, has_control, safe_console
+
+    for attack in TERMINAL_ATTACKS:
+        out = escape_terminal(attack)
+        assert not has_control(out) and "\x1b" not in out and "\x07" not in out and "\r" not in out, repr(out)
+    assert escape_terminal("\x1b]0;pwned\x07") == "\\x1b]0;pwned\\x07"
+    assert escape_terminal("step 4\tok\nnext") == "step 4\tok\nnext"
+    assert escape_terminal("a\nb", newlines=False) == "a\\nb"
+    assert escape_terminal("caf\udce9") == "caf\\xe9"  # a surrogate-escaped byte of a file name
+    assert escape_terminal("naïve ✓ 日本") == "naïve ✓ 日本"
+    assert escape_markup("[link=x]y[/link]") == "\\[link=x]y\\[/link]"
+    # a rich Console made by ripresa: no control character reaches the stream, from a string, a cell or a title
+    import io
+
+    from rich.table import Table
+
+    buf = io.StringIO()
+    con = safe_console(file=buf, force_terminal=False, width=200)
+    t = Table(title="t \x1b[2J")
+    t.add_row("cell \x1b]0;pwned\x07", "\x9b31m")
+    con.print("line \x1b[1;1H", t)
+    printed = buf.getvalue()
+    assert not has_control(printed), repr(printed)
+    assert "\\x1b]0;pwned\\x07" in printed and "\\x1b[2J" in printed
+
+
+def test_errors_print_quoted_file_content_terminal_safe():
+    exc = IntegrityError("bad companion \x1b[2J", file="run/step\x1b]0;x\x07.json", expected="a\nb",
+                         found="\x1b[31mred\r  hint:     forged", hint="see \x07")
+    text = str(exc)
+    assert "\x1b" not in text and "\x07" not in text and "\r" not in text
+    assert len(text.splitlines()) == 5  # a newline in a file's value cannot forge another line of the report
+    assert exc.as_dict()["found"] == "\x1b[31mred\r  hint:     forged"  # JSON keeps the value (json.dumps escapes it)
+
+
+def test_no_escape_sequence_reaches_the_terminal_from_a_run_folder(tmp_path):
+    """A generation whose companion (resealed, as an attacker would) and file names carry escape sequences and
+    rich markup: `ripresa inspect` of the folder and of the .bin prints none of them raw (issue #19, class 6)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "run"
+    _two_generations(folder)
+    b, c, _mk = generation_paths(folder, 2)
+    doc = json.loads(c.read_text())
+    planted = "".join(TERMINAL_ATTACKS)
+    state = doc["state"]
+    state["versions"] = {"torch\x1b]0;pwned\x07": planted, "python": planted}
+    state["progress"] = dict(state.get("progress") or {}, note=planted)
+    c.write_text(json.dumps(doc))
+    _rewrite_marker_for_companion(folder, 2)
+    (folder / f".step_000002.bin.tmp.{os.getpid()}.0000abcd").write_bytes(b"x")
+    (folder / "step_000003.json").write_text('{"format": "ripresa.companion\x1b[2J", "x": "' + planted + '"}')
+    (folder / "note\x1b]0;pwned\x07.txt").write_text(planted)
+    env = dict(os.environ, COLUMNS="200", PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    env.pop("FORCE_COLOR", None)
+    for argv in (["inspect", str(folder)], ["inspect", str(b), "--deep"],
+                 ["inspect", str(folder / "step_000003.json")]):
+        res = subprocess.run([sys.executable, "-m", "ripresa", *argv], capture_output=True, env=env, timeout=120,
+                             cwd=tmp_path)
+        out = res.stdout + res.stderr
+        assert b"Traceback" not in out, out.decode(errors="replace")[-2000:]
+        assert res.returncode in (0, 1, 2)
+        for bad in (b"\x1b", b"\x07", b"\x9b", "\u202e".encode(), b"\r"):
+            assert bad not in out, (argv, bad, out.decode(errors="replace")[-3000:])
+        assert b"https://evil.example" not in out or b"[link=" in out  # markup shown as text, never a hyperlink

@@ -6,9 +6,12 @@ real subprocess under a time limit with its peak RSS measured, and checks on
 exit codes, tracebacks, the private tree outside the folder, a canary for
 crafted pickles and an unrelated victim process.
 
-* ``test_hostile_folders_sample`` — the default suite: a fixed, seeded sample
-  (14 invocations) spread over every family, the crafted pickles and the
-  dangerous LOCK pids always included;
+* ``test_hostile_folders_sample`` — a fixed, seeded sample (20 invocations)
+  spread over every family, the crafted pickles, the dangerous LOCK pids and
+  one case of each family of issue #19 (mirror.json naming another run, a
+  planted ``ripresa/`` package under ``pivot --restart``, a shard swapped
+  during a signed load, a memo bomb, a password in mirror.json, escape
+  sequences) always included;
 * ``test_hostile_folders_matrix`` — ``@slow`` and ``make test-faults``: the whole
   matrix (every fixture file x every mutation, each run by the commands that
   read it), on two workers.
@@ -41,7 +44,8 @@ def _run_and_check(cases: list[hf.Case], fx: hf.Fixtures, work: Path, *, workers
     for t in rows:
         t.record()
     bad = [o for o in outcomes if not o.ok]
-    assert {o.case.family for o in outcomes if not o.skipped} >= {hf.F_PICKLE, hf.F_LOCK}, "a family ran no case"
+    ran = {o.case.family for o in outcomes if not o.skipped}
+    assert ran >= {hf.F_PICKLE, hf.F_LOCK, *(f for f, _, _ in hf.SAMPLE_ROUND_TWO)}, "a family ran no case"
     executed = [o for o in outcomes if o.executed]
     assert not executed, "CODE EXECUTED:\n" + "\n".join(o.line() for o in executed)
     assert not bad, (f"{len(bad)}/{len(outcomes)} hostile-folder cases failed "
@@ -73,3 +77,43 @@ def test_replay_one_case(hostile_fixtures, tmp_path):
     outcome = hf.run_cases([case], hostile_fixtures, tmp_path)[0]
     print(outcome.line(), "\n", outcome.stderr_tail)
     assert outcome.ok, outcome.line() + "\n" + outcome.stderr_tail
+
+
+def test_round_two_attacks_are_real(tmp_path):
+    """The default suite's cheap check of the fuzzer's own issue-#19 machinery (no fixture to build):
+
+    * the shard-swap watcher replaces a file right after a process first closes it, so a second open by
+      path reads the foreign bytes (the attack on a load that re-opens what it hashed);
+    * a planted ``ripresa/`` package runs when a child is started with ``python -m ripresa`` in the folder,
+      and does not under ``-P`` (how the fuzzer starts the command itself): a canary case that fails is
+      ripresa's child, never the fuzzer's own start.
+    """
+    import random
+    import subprocess
+    import sys
+
+    target, side = tmp_path / "shard.distcp", tmp_path / "side"
+    side.mkdir()
+    target.write_bytes(b"genuine")
+    (side / "foreign").write_bytes(b"foreign")
+    fired: list[str] = []
+    # the reader holds the file open a while, as a real shard read does (the watcher polls /proc)
+    reader = ("import sys, time\np = sys.argv[1]\nf = open(p, 'rb')\nfirst = f.read()\ntime.sleep(0.3)\nf.close()\n"
+              "time.sleep(0.5)\nsecond = open(p, 'rb').read()\nprint(first.decode(), second.decode())")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    rc, hung, _rss, so, _se = hf.run_argv([sys.executable, "-c", reader, str(target)], tmp_path, dict(os.environ),
+                                          logs, 30, hf._swap_watcher(target, side / "foreign", fired))
+    assert rc == 0 and not hung and fired, (rc, so, fired)
+    assert so.split() == ["genuine", "foreign"], so
+
+    ctx = hf.Ctx(tmp_path, tmp_path / "p", "t", tmp_path / "canary" / "PWNED", fx=None)  # type: ignore[arg-type]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    hf.m_plant_package(folder, "ripresa/", random.Random(0), ctx)
+    env = hf._env()
+    guarded = subprocess.run([*hf.RIPP, "--version"], cwd=folder, env=env, capture_output=True, text=True, timeout=60)
+    assert guarded.returncode == 0 and "ripresa" in guarded.stdout and not ctx.canary.parent.exists()
+    naive = subprocess.run([sys.executable, "-m", "ripresa", "--version"], cwd=folder, env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert naive.returncode != 0 and ctx.canary.parent.exists(), naive.stdout + naive.stderr

@@ -17,6 +17,28 @@ from typing import Any
 
 from ._version import __version__
 from .errors import BadInput, RipresaError
+from .text import escape_terminal
+
+
+def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = False) -> None:  # noqa: A001
+    """Every ``print`` of this module, terminal-safe: a value read from a run folder (a path, a URL, a policy, an
+    error quoting a file) prints its control characters as visible escapes (docs/FAULTS.md, "Trust model")."""
+    import builtins
+
+    builtins.print(*(escape_terminal(v) for v in values), sep=sep, end=end, file=file, flush=flush)
+
+
+def _showwarning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                 line: str | None = None) -> None:
+    """Python's warning display with the message made terminal-safe (a warning may quote a file's content)."""
+    import warnings
+
+    text = warnings.formatwarning(escape_terminal(message), category, filename, lineno, line)
+    try:
+        (file or sys.stderr).write(text)
+    except OSError:
+        pass
+
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, Handler] = {}
@@ -363,9 +385,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
         print(json.dumps(result, indent=2))
     else:
-        from rich.console import Console
+        from .text import safe_console
 
-        render_comparison(result, Console())
+        render_comparison(result, safe_console())
         if args.png:
             print(f"wrote {args.png}")
     return 0
@@ -533,7 +555,7 @@ def _unexpected(command: str, exc: BaseException) -> int:
         raise exc
     from .io.redact import redact
 
-    text = redact(str(exc)).replace("\n", " ")[:300] if not isinstance(exc, RecursionError) else "nesting too deep"
+    text = escape_terminal(redact(str(exc))[:300], newlines=False) if not isinstance(exc, RecursionError) else "nesting too deep"
     print(f"ripresa {command}: error: the command could not complete: {type(exc).__name__}: {text}\n"
           f"  hint:     this is a bug in ripresa or an input it does not recognise; please report it with the "
           f"command line (RIPRESA_DEBUG=1 shows the traceback). No checkpoint was changed by this report.",
@@ -548,10 +570,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     through ``session.distributed.leave`` instead (docs/ARCHITECTURE.md,
     "Distributed runs": the gloo exit abort).
     """
+    import warnings
+
     from .session.signals import hold
 
     hold()  # first: a SIGUSR1 while ripresa starts (imports, resume) is deferred to the run's first step, never fatal
-    code = _main(argv)
+    shown = warnings.showwarning
+    if argv is None:  # the program (not a caller's in-process call): its warnings reach a terminal
+        warnings.showwarning = _showwarning
+    try:
+        code = _main(argv)
+    finally:
+        warnings.showwarning = shown
     if "torch.distributed" in sys.modules:  # only a command that used torch.distributed can have created a group
         from .session.distributed import leave
 

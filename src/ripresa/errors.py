@@ -22,6 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .text import escape_terminal
+
 
 class RipresaError(Exception):
     """Base of all ripresa errors. ``exit_code`` is what the CLI exits with."""
@@ -45,15 +47,17 @@ class RipresaError(Exception):
         self.hint = hint
 
     def __str__(self) -> str:
-        lines = [self.message]
+        """The four facts, terminal-safe: a control character quoted from a file prints as a visible escape
+        (docs/FAULTS.md, "Trust model"); file, expected and found stay on their one line each."""
+        lines = [escape_terminal(self.message)]
         if self.file is not None:
-            lines.append(f"  file:     {self.file}")
+            lines.append(f"  file:     {escape_terminal(self.file, newlines=False)}")
         if self.expected is not None:
-            lines.append(f"  expected: {self.expected}")
+            lines.append(f"  expected: {escape_terminal(self.expected, newlines=False)}")
         if self.found is not None:
-            lines.append(f"  found:    {self.found}")
+            lines.append(f"  found:    {escape_terminal(self.found, newlines=False)}")
         if self.hint:
-            lines.append(f"  hint:     {self.hint}")
+            lines.append(f"  hint:     {escape_terminal(self.hint)}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 REGRESSION = REPO / "examples" / "regression" / "train.py"
+LOOP = REPO / "examples" / "loop" / "train.py"
 #: The ripresa sources the commands run (another tree's ``src`` to fuzz an older version: the fuzzer's own check).
 SRC = Path(os.environ.get("RIPRESA_FUZZ_SRC", str(REPO / "src")))
 #: The run fixture's signing key (hex, 32 bytes).
@@ -73,6 +74,10 @@ AS_LIMIT = 8 << 30
 NEST = 100_000
 HUGE = ("1e400", str(10**400), "-1", str(2**63))
 FINDINGS = Path(os.environ.get("RIPRESA_FUZZ_FINDINGS", "/tmp/fuzz_findings.md"))
+#: The password of the ``secret`` fixture's endpoint URL (each case adds its own, :attr:`Ctx.secret`).
+FIXTURE_SECRET = "FuzzPw0rd-7c1e9a5b3d"
+#: A closed local port: the S3 endpoint of the credential cases (connection refused at once).
+CLOSED_PORT = 9
 
 F_SPECIAL = "hostile folders: symlinks/FIFOs/special files"
 F_DAMAGE = "hostile folders: bit flips/truncations/swaps"
@@ -81,7 +86,14 @@ F_HUGE = "hostile folders: huge numbers/sizes"
 F_PICKLE = "hostile folders: crafted pickles"
 F_EXEC = "hostile folders: code executed (must be 0)"
 F_LOCK = "hostile folders: LOCK pids"
-FAMILIES = (F_SPECIAL, F_DAMAGE, F_NEST, F_HUGE, F_PICKLE, F_LOCK)
+# issue #19, round two
+F_MIRROR = "hostile folders: mirror objects and mirror.json"
+F_CWD = "hostile folders: a ripresa/ package in the working folder"
+F_SWAP = "hostile folders: shard swapped during a load (.dcp)"
+F_BOMB = "hostile folders: memo, reference, JSON and history bombs"
+F_SECRET = "hostile folders: URLs with credentials"
+F_ESC = "hostile folders: escape sequences for the terminal"
+FAMILIES = (F_SPECIAL, F_DAMAGE, F_NEST, F_HUGE, F_PICKLE, F_LOCK, F_MIRROR, F_CWD, F_SWAP, F_BOMB, F_SECRET, F_ESC)
 WHAT = {
     F_SPECIAL: "every file replaced by a symlink (private file outside, /dev/zero, /dev/urandom), a FIFO, a folder, "
                "a socket, or deleted; every reader under a time and RSS limit, nothing outside touched or leaked",
@@ -91,9 +103,24 @@ WHAT = {
             "huge world_size/n_params/shapes; a sparse 1 GiB history line",
     F_PICKLE: "a crafted pickle as DCP .metadata (its own folder, planted at a .bin run's newest step) and as "
               "checkpoint.pt's data.pkl, markers recomputed: refused, canary never created",
-    F_EXEC: "crafted-pickle cases whose payload ran (canary file created)",
+    F_EXEC: "crafted-pickle and planted-package cases whose payload ran (canary file created)",
     F_LOCK: "LOCK naming pid 0, -1, 1, 2**40, huge, dead, a live unrelated process (local and 'another host'), "
             "with the lock held: `ripresa signal` and `ripresa pivot` refuse, nothing signalled",
+    F_MIRROR: "a local mirror's markers naming files outside, 1 GiB markers/config/companion objects, objects that are "
+              "symlinks, a forged config.json (lr=1000, every=0) under --require-signature, mirror.json naming "
+              "another run folder or a mirror whose objects link outside, mirror.json nested/huge",
+    F_CWD: "a ripresa/ package (and ripresa/torchrun.py) planted in the working folder of `pivot --restart`, `demo` "
+           "and `train`: it never runs (canary), the detached trainer's RSS bounded too",
+    F_SWAP: "a signed .dcp whose shard is replaced by another signed generation's right after ripresa closes it "
+            "for the 1st/2nd/3rd time (watching /proc/PID/fd): under --require-signature a resume refuses or its "
+            "next generation is bitwise the genuine one; convert refuses or writes the genuine weights",
+    F_BOMB: "a 9-byte .dcp .metadata memo index (2 GiB), 20k nested OrderedDicts in .metadata (resume falls back), "
+            "a general companion referencing a 4M-int64 tensor 100 times, a 24 MiB JSON companion of zeros, "
+            "a 64 MiB history: RSS under 1.5 GiB",
+    F_SECRET: "a password in AWS_ENDPOINT_URL's userinfo / in mirror.json's URL / in the AWS secret key: in no "
+              "output stream and no file the command wrote (history events, exports)",
+    F_ESC: "ESC/OSC/CSI/C1/BEL/CR/bidi and rich markup in companions, config, history, LOCK, .state.json, mirror.json "
+           "and file names: no control byte of a file reaches stdout/stderr (checked for every case of every family)",
 }
 
 
@@ -108,10 +135,17 @@ class Fixtures:
     inputs: Path
     dcp: Path
     pt: Path
+    mirror: Path | None = None   # run/ (mirror.json -> @F@/m) and m/ (a local mirror of it)
+    sdcp: Path | None = None     # signed .dcp generations of steps 2 and 4
+    gen: Path | None = None      # a general-format run (examples/loop)
+    srun: Path | None = None     # a run whose mirror push ran with credentials in the endpoint URL
+    ref_bin_sha: str = ""        # sha256 of sdcp's step 4 converted back to .bin (the genuine weights)
+    ref_resume_sha: str = ""     # sha256 of step_000005.bin of a signed resume from sdcp's step 4 (one step)
 
     def folder(self, kind: str) -> Path:
         return {"run": self.run, "bundle": self.bundle, "ledger": self.ledger, "dcp": self.dcp,
-                "pt": self.pt, "planted": self.run}[kind]
+                "pt": self.pt, "planted": self.run, "mirror": self.mirror, "sdcp": self.sdcp, "gen": self.gen,
+                "cwd": self.run, "secret": self.srun, "esc": self.run}[kind]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -140,7 +174,30 @@ def build_fixtures(root: Path) -> Fixtures:
            "--max-new-tokens", "3", "--threads", "1", "--quiet"], root)
     _must([*rp, "convert", "run/step_000004.bin", "dcp/step_000004.dcp"], root)
     _must([PY, "-B", str(REGRESSION), "--steps", "3", "--output", "pt"], root)
+    build_round_two(fx)
     return fx
+
+
+def build_round_two(fx: Fixtures) -> None:
+    """The fixtures of issue #19's families (mirror, signed .dcp, general run, credentials)."""
+    root, rp = fx.root, [PY, "-m", "ripresa"]
+    fx.mirror, fx.sdcp, fx.gen, fx.srun = root / "mir", root / "sdcp", root / "gen", root / "srun"
+    shutil.copytree(fx.run, fx.mirror / "run", symlinks=True)
+    _must([*rp, "mirror", "push", "mir/run", "--mirror", str(fx.mirror / "m")], root)
+    (fx.mirror / "run" / "mirror.json").write_text(json.dumps({"url": "@F@/m"}) + "\n")
+    for step in (2, 4):
+        _must([*rp, "convert", f"run/step_{step:06d}.bin", f"sdcp/step_{step:06d}.dcp"], root, {"RIPRESA_HMAC_KEY": KEY})
+    _must([*rp, "convert", "sdcp/step_000004.dcp", "sref/step_000004.bin"], root,
+          {"RIPRESA_HMAC_KEY": KEY, "RIPRESA_REQUIRE_SIGNATURE": "1"})
+    fx.ref_bin_sha = _sha(root / "sref" / "step_000004.bin")
+    _must([*rp, "train", "--run", "sref/resumed", "--resume", "sdcp/step_000004.dcp", "--require-signature", *TRAIN], root,
+          {"RIPRESA_HMAC_KEY": KEY})
+    fx.ref_resume_sha = _sha(root / "sref" / "resumed" / "step_000005.bin")
+    _must([PY, "-B", str(LOOP), "--run", "gen", "--steps", "4", "--every", "2"], root)
+    shutil.copytree(fx.run, fx.srun, symlinks=True)
+    # a push whose endpoint carries a password (the store is unreachable: the attempts are recorded as events)
+    subprocess.run([*rp, "mirror", "push", "srun", "--mirror", "s3://fuzz-bucket/prefix"], cwd=root,
+                   env=_env(_secret_env(FIXTURE_SECRET)), capture_output=True, timeout=600)
 
 
 # ====================================================================== context of one case
@@ -156,6 +213,8 @@ class Ctx:
     fx: Fixtures
     victim_pid: int = 0
     dead_pid: int = 0
+    secret: str = ""
+    side: Path | None = None  # scratch outside every scanned tree (the swap's foreign shard)
 
 
 def make_outside(base: Path, rng: random.Random) -> tuple[Path, Path, str]:
@@ -619,6 +678,333 @@ def m_lock(variant: str) -> Mutation:
 LOCK_VARIANTS = ("pid0", "pid-1", "pid1", "pid2^40", "pid10^400", "pid_dead", "victim_local", "victim_other_host",
                  "victim_bare")
 
+# ====================================================================== issue #19: round-two mutations
+
+def _secret_env(secret: str) -> dict[str, str]:
+    """An S3 endpoint whose URL carries a password (and the same password as the secret key)."""
+    return {"AWS_ENDPOINT_URL": f"http://AKIAFUZZUSER:{secret}@127.0.0.1:{CLOSED_PORT}",
+            "AWS_ACCESS_KEY_ID": "AKIAFUZZUSER", "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def _sparse(p: Path, size: int, head: bytes = b"") -> None:
+    _replace_special(p)
+    with open(p, "wb") as f:
+        f.write(head)
+    os.truncate(p, size)
+
+
+def _victim_run(ctx: Ctx) -> Path:
+    """Another run folder, outside the mutated one (a mirror.json may name it): nothing may change in it."""
+    other = ctx.outside / "other_run"
+    if not other.exists():
+        shutil.copytree(ctx.fx.run, other, symlinks=True)
+    return other
+
+
+def m_mirror_marker_outside(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """The mirror's marker names files outside the mirror (../, absolute), with their true hashes."""
+    p = folder / rel
+    sha = _sha(ctx.private)
+    up = os.path.relpath(ctx.private, p.parent)
+    lines = rng.choice([f"{sha}  {up}\n{sha}  {up}\n", f"{sha}  {ctx.private}\n{sha}  {ctx.private}\n",
+                        f"{sha}  step_000004.bin\n{sha}  {up}\n"])
+    p.write_text(lines)
+    return f"mirror marker naming {lines.split()[1][:60]} (the private file's own sha256)"
+
+
+def m_mirror_big_object(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """A mirror object turned into a sparse 1 GiB file (its marker line recomputed where it has one)."""
+    p = folder / rel
+    head = b'{"format": "ripresa.companion", "pad": "' if rel.endswith(".json") else b""
+    size = (1 << 30) if not rel.endswith(".json") or "config" in rel else 300 << 20
+    _sparse(p, size, head)
+    if rel.endswith("step_000004.json"):
+        reseal(folder / "m", "step_000004.json")
+    return f"sparse {size >> 20} MiB object"
+
+
+def m_mirror_symlink_object(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    p = folder / rel
+    _replace_special(p)
+    p.symlink_to(ctx.private if rng.random() < 0.5 else ctx.outside / "sub" / "keys.json")
+    return f"mirror object is a symlink to a private file ({os.readlink(p)})"
+
+
+def m_mirror_evil_config(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """config.json in the mirror (never signed) rewritten: lr = 1000, checkpoint every 0 steps."""
+    p = folder / rel
+    doc = json.loads(p.read_text())
+    doc.setdefault("train", {})["lr"] = 1000.0
+    doc.setdefault("checkpoint", {})["every"] = 0
+    p.write_text(json.dumps(doc))
+    return "mirror config.json forged: train.lr=1000, checkpoint.every=0"
+
+
+def m_mirror_json_other_run(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """mirror.json names another run folder (outside): a push must not treat it as a mirror."""
+    other = _victim_run(ctx)
+    url = rng.choice([str(other), f"file://{other}"])
+    (folder / rel).write_text(json.dumps({"url": url}) + "\n")
+    return f"mirror.json names another run folder ({url})"
+
+
+def m_mirror_linked_objects(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """The local mirror lacks generation 4; its object names are symlinks to files outside (a push writes them)."""
+    m = folder / "m"
+    _victim_run(ctx)
+    targets = {"step_000004.bin": ctx.outside / "other_run" / "step_000004.bin",
+               "step_000004.json": ctx.outside / "sub" / "keys.json",
+               "step_000004.bin.sha256": ctx.outside / "other_run" / "step_000004.bin.sha256",
+               "config.json": ctx.outside / "other_run" / "config.json"}
+    for name, target in targets.items():
+        _replace_special(m / name)
+        (m / name).symlink_to(target)
+    return "mirror objects of step 4 and config.json are symlinks into another run folder / a private file"
+
+
+def m_mirror_json_nest(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    variant = rng.choice(["nest", "huge_url", "sparse", "not_object"])
+    p = folder / rel
+    if variant == "nest":
+        p.write_text('{"url": ' + _nested() + "}")
+    elif variant == "huge_url":
+        p.write_text(json.dumps({"url": "s3://b/" + "a" * (1 << 20)}))
+    elif variant == "sparse":
+        _sparse(p, 1 << 30, b'{"url": "')
+    else:
+        p.write_text(json.dumps(["@F@/m"]))
+    return f"mirror.json: {variant}"
+
+
+PKG_INIT = """import os
+os.makedirs({canary!r}, exist_ok=True)
+raise SystemExit("planted ripresa package ran")
+"""
+
+
+def m_plant_package(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """A ripresa/ package (with __main__.py and torchrun.py) in the run folder, the command's working folder."""
+    pkg = folder / "ripresa"
+    pkg.mkdir()
+    code = PKG_INIT.format(canary=str(ctx.canary))
+    for name in ("__init__.py", "__main__.py", "torchrun.py", "cli.py"):
+        (pkg / name).write_text(code)
+    (folder / "ripresa.py").write_text(code)  # a module of the same name, for good measure
+    return "ripresa/ package (+ ripresa.py) planted in the working folder"
+
+
+def m_shard_swap(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """Arm the swap: a hard link to another signed generation's shard waits in ``ctx.side``; the watcher of
+    :func:`_swap_watcher` puts it in place (atomic rename) right after the command first closes the shard."""
+    assert ctx.side is not None
+    foreign = folder / "step_000002.dcp" / Path(rel).name
+    os.link(foreign, ctx.side / "foreign")
+    k = rng.choice([1, 2, 3])
+    (ctx.side / "after").write_text(str(k))
+    return f"{rel} to be replaced by step_000002.dcp's after its close number {k} (both signed)"
+
+
+def _memo_bomb() -> bytes:
+    import struct
+
+    return b"\x80\x02N" + b"r" + struct.pack("<I", (1 << 27) + 1) + b"."  # LONG_BINPUT at index 2**27: a 2 GiB memo
+
+
+def _deep_metadata(genuine: Path, where: str, depth: int = 20_000) -> bytes:
+    """The genuine DCP Metadata with ``depth`` nested OrderedDicts (allowed classes only) as its ``planner_data``
+    (unused by a load: the generation stays valid) or as a storage entry's ``transform_descriptors`` (invalid:
+    ripresa never writes transforms), written opcode by opcode (no recursion in the writer)."""
+    import pickle
+
+    from ripresa.formats.dcp_safe import MetadataUnpickler
+
+    md = MetadataUnpickler(io.BytesIO(genuine.read_bytes())).load()
+    sentinel = "@@DEEP-NESTING-GOES-HERE@@"
+    if where == "planner_data":
+        md.planner_data = sentinel
+    else:
+        next(iter(md.storage_data.values())).transform_descriptors = sentinel
+    raw = pickle.dumps(md, protocol=2)
+    enc = sentinel.encode()
+    import struct
+
+    op = b"X" + struct.pack("<I", len(enc)) + enc
+    assert raw.count(op) == 1, "sentinel not found once in the pickle"
+    od = b"ccollections\nOrderedDict\n)R"
+    deep = (od + b"X\x01\x00\x00\x00k") * depth + od + b"s" * depth
+    return raw.replace(op, deep)
+
+
+def m_memo_bomb(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    (folder / rel).write_bytes(_memo_bomb())
+    reseal(folder, rel)
+    return "9-byte .metadata whose LONG_BINPUT index asks for a 2 GiB memo, marker recomputed"
+
+
+def m_deep_metadata(where: str) -> Mutation:
+    def mutate(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+        (folder / rel).write_bytes(_deep_metadata(folder / rel, where))
+        reseal(folder, rel)
+        return f".metadata with 20k nested OrderedDicts (allowed classes) as {where}, marker recomputed"
+
+    mutate.__name__ = f"m_deep_{where}"
+    return mutate
+
+
+def m_plant_bomb_dcp(kind: str) -> Mutation:
+    def mutate(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+        m_plant_dcp(folder, rel, rng, ctx, crafted=False)
+        dst = folder / "step_000006.dcp"
+        data = _memo_bomb() if kind == "memo" else _deep_metadata(dst / ".metadata", "transform_descriptors")
+        (dst / ".metadata").write_bytes(data)
+        doc = json.loads((dst / "ripresa.json").read_text())
+        doc["files"][".metadata"] = len(data)
+        (dst / "ripresa.json").write_text(json.dumps(doc, separators=(",", ":")))
+        lines = [f"{_sha(dst / n)}  step_000006.dcp/{n}\n" for n in sorted(os.listdir(dst))]
+        (folder / "step_000006.dcp.sha256").write_text("".join(lines))
+        return f".dcp planted at step 6 (newest) with a {kind} bomb as .metadata, marker recomputed"
+
+    mutate.__name__ = f"m_plant_{kind}_dcp"
+    return mutate
+
+
+def _safetensors_add(path: Path, name: str, dtype: str, shape: list[int], data: bytes) -> int:
+    """Append a tensor to a safetensors file (header rewritten); returns the new tensor count."""
+    import struct
+
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    body = raw[8 + n:]
+    header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(body), len(body) + len(data)]}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + body + data)
+    return sum(1 for k in header if k != "__metadata__")
+
+
+def m_ref_bomb(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """A general generation: a 4M-element int64 tensor added to the file, referenced 100 times as a list by the
+    companion (each a Python list of 4M ints when resolved: ~14 GB); file, companion and marker recomputed."""
+    st = folder / rel
+    comp = st.with_name(st.name + ".json")
+    count = _safetensors_add(st, "bomb", "I64", [1 << 22], bytes(8 << 22))
+    doc = json.loads(comp.read_text())
+    doc["tensors"].update(sha256=_sha(st), size=st.stat().st_size, count=count)
+    refs = [{"__ref__": "bomb", "list": "int64"}] * 100
+    doc["state"]["objects"] = {"bomb": refs}
+    comp.write_text(json.dumps(doc, separators=(",", ":")))
+    marker = st.with_name(st.name + ".sha256")
+    marker.write_text(f"{_sha(st)}  {st.name}\n{_sha(comp)}  {comp.name}\n")
+    return f"4M-int64 tensor referenced 100 times as a list ({comp.stat().st_size} byte companion), markers recomputed"
+
+
+def m_json_bomb(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """64 MiB of `[],` in a companion (under the caps; each 3 bytes a 64-byte list when parsed whole: ~1.4 GB)."""
+    p = folder / rel
+    text = p.read_text()
+    pad = "[" + "[]," * ((64 << 20) // 3) + "[]]"
+    p.write_text('{"pad": ' + pad + ", " + text.lstrip()[1:])
+    reseal(folder, rel)
+    return "a 64 MiB array of empty lists as the companion's first key, markers recomputed"
+
+
+def m_history_bomb(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """64 MiB of short valid history lines (each one kept whole would take ~1.8 GB)."""
+    p = folder / rel
+    line = '{"step":3,"loss":1.0,"time":1.0}\n'
+    with open(p, "a") as f:
+        chunk = line * 4096
+        for _ in range((64 << 20) // len(chunk)):
+            f.write(chunk)
+    return f"{p.stat().st_size >> 20} MiB history of short lines"
+
+
+def m_secret_none(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    return "nothing planted: the password is in the endpoint URL and the secret key (environment)"
+
+
+def m_secret_mirror_json(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    url = rng.choice([f"s3://AKIAFUZZUSER:{ctx.secret}@fuzz-bucket/prefix", f"https://u:{ctx.secret}@h.example/x",
+                      f"file://u:{ctx.secret}@/nonexistent/mirror"])
+    (folder / rel).write_text(json.dumps({"url": url}) + "\n")
+    return f"mirror.json URL with a password ({url.split(':')[0]})"
+
+
+TERMINAL = "\x1b]0;pwned\x07\x1b[2J\x1b[1;1H\x9b31m\rFAKE\u202e[link=https://evil.example]x[/link][bold]"
+
+
+def _esc_strings(doc, rng: random.Random, k: int) -> int:
+    """Append :data:`TERMINAL` to up to ``k`` string values of ``doc`` (in place); returns how many."""
+    spots = []
+
+    def walk(node, depth=0):
+        if depth > 40 or len(spots) > 2000:
+            return
+        if isinstance(node, dict):
+            for key, v in node.items():
+                if isinstance(v, str):
+                    spots.append((node, key))
+                else:
+                    walk(v, depth + 1)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                if isinstance(v, str):
+                    spots.append((node, i))
+                else:
+                    walk(v, depth + 1)
+
+    walk(doc)
+    chosen = rng.sample(spots, min(k, len(spots)))
+    for node, key in chosen:
+        node[key] = node[key] + TERMINAL
+    return len(chosen)
+
+
+def m_escape(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+    """Escape sequences and rich markup planted where ripresa prints what it read (markers recomputed)."""
+    p = folder / rel
+    name = p.name
+    if name == ".loss.jsonl":
+        with open(p, "a") as f:
+            f.write(json.dumps({"event": "mirror_retry" + TERMINAL, "step": 3, "url": TERMINAL, "reason": TERMINAL,
+                                "file": "step_000004.bin" + TERMINAL}) + "\n")
+            f.write(json.dumps({"step": 5, "loss": 1.0, "time": 1.0, "arm": TERMINAL, "note": TERMINAL}) + "\n")
+        return "history lines with escape sequences in event, url, reason, arm"
+    if name == "LOCK":
+        p.write_text(f"{ctx.dead_pid}\n" + json.dumps({"pid": ctx.dead_pid, "hostname": "h" + TERMINAL,
+                                                      "argv": ["ripresa" + TERMINAL], "started": 1.0}) + "\n")
+        return "LOCK with escape sequences in hostname and argv"
+    if name == "(names)":
+        made = [f"step_000009.bin{TERMINAL[:12]}", f"archive{TERMINAL[:12]}", f".step_000004.bin.tmp.{TERMINAL[:9]}",
+                "step_000008.json\x1b[2J"]
+        for n in made:
+            (folder / n).write_bytes(TERMINAL.encode())
+        return "files whose names carry escape sequences"
+    if name == "mirror.json":
+        p.write_text(json.dumps({"url": "/nonexistent/" + TERMINAL}) + "\n")
+        return "mirror.json URL with escape sequences"
+    doc = json.loads(p.read_text())
+    n = _esc_strings(doc, rng, rng.choice([1, 3, 1000]))
+    p.write_text(json.dumps(doc))
+    reseal(folder, rel)
+    return f"escape sequences appended to {n} string value(s), markers recomputed"
+
+
+ROUND_TWO_MUTATIONS: dict[str, Mutation] = {
+    "mirror_marker_outside": m_mirror_marker_outside, "mirror_big_object": m_mirror_big_object,
+    "mirror_symlink_object": m_mirror_symlink_object, "mirror_evil_config": m_mirror_evil_config,
+    "mirror_json_other_run": m_mirror_json_other_run, "mirror_linked_objects": m_mirror_linked_objects,
+    "mirror_json_nest": m_mirror_json_nest, "plant_package": m_plant_package, "shard_swap": m_shard_swap,
+    "memo_bomb": m_memo_bomb, "deep_metadata": m_deep_metadata("planner_data"),
+    "deep_transform": m_deep_metadata("transform_descriptors"), "plant_memo_dcp": m_plant_bomb_dcp("memo"),
+    "plant_deep_dcp": m_plant_bomb_dcp("deep"), "ref_bomb": m_ref_bomb, "json_bomb": m_json_bomb,
+    "history_bomb": m_history_bomb, "secret_none": m_secret_none, "secret_mirror_json": m_secret_mirror_json,
+    "escape": m_escape,
+}
+
+
 MUTATIONS: dict[str, Mutation] = {
     "bitflip": m_bitflip, "truncate": m_truncate, "swap": m_swap,
     "delete": m_delete, "symlink_private": m_symlink_private, "symlink_devzero": m_symlink_devzero,
@@ -628,6 +1014,7 @@ MUTATIONS: dict[str, Mutation] = {
     "pickle_pt": m_pickle_pt, "deflate_pt": m_deflate_pt,
     **{f"lock_{v}": m_lock(v) for v in LOCK_VARIANTS},
 }
+MUTATIONS.update(ROUND_TWO_MUTATIONS)
 #: Mutations that recompute the plain-sha256 records (what an attacker does): hashes pass, parsers are reached.
 RESEALED = ("nest", "huge", "huge_shape", "sparse_line", "temp_names")
 SPECIAL = ("delete", "symlink_private", "symlink_devzero", "symlink_urandom", "fifo", "folder", "socket")
@@ -646,6 +1033,10 @@ class Command:
                                    # (markers recomputed, so hashes pass) must still be refused there
     env: tuple[tuple[str, str], ...] = ()
     lock: bool = False             # hold the flock of F/LOCK while it runs
+    in_folder: bool = False        # run with the mutated folder as the working folder (a user cd'ed into the run)
+    timeout: float = 0.0           # seconds before it counts as hung (0: TIMEOUT)
+    detached: bool = False         # it starts a detached trainer (pid in its output): watched, measured, killed
+    expect: str = ""               # a post-condition of :data:`EXPECT` (e.g. the genuine weights, a fallback)
 
 
 GEN4 = r"step_000004\.(bin|json|bin\.sha256|bin\.hmac)$"
@@ -724,6 +1115,77 @@ COMMANDS: dict[str, dict[str, Command]] = {
 }
 
 
+# ---------------------------------------------------------------------- issue #19's commands
+#: ripresa as a user's ``ripresa`` console script starts it: the working folder is not on sys.path (-P), so a
+#: planted package can only run if ripresa itself starts a child that imports from the working folder.
+RIPP = (PY, "-P", "-m", "ripresa")
+SIGNED = (("RIPRESA_HMAC_KEY", KEY),)
+SECRET_ENV = (("@SECRET_ENV@", "1"),)  # replaced by :func:`_secret_env` of the case's password
+MIRROR_OBJ = r"^m/"
+MIRROR_JSON = r"^run/mirror\.json$"
+
+COMMANDS.update({
+    "mirror": {c.name: c for c in [
+        Command("mirror status", (*RIP, "mirror", "status", "{F}/run"), (MIRROR_JSON, MIRROR_OBJ)),
+        Command("mirror status --json", (*RIP, "mirror", "status", "{F}/run", "--mirror", "{F}/m", "--json"), (MIRROR_OBJ,)),
+        Command("mirror push", (*RIP, "mirror", "push", "{F}/run"), (MIRROR_JSON, MIRROR_OBJ)),
+        Command("mirror pull (blank machine)", (*RIP, "mirror", "pull", "{O}/blank", "--mirror", "{F}/m"), (MIRROR_OBJ,)),
+        Command("train --mirror --require-signature (blank machine)",
+                (*RIP, "train", "--run", "{O}/blank", "--mirror", "{F}/m", "--require-signature", *TRAIN),
+                (MIRROR_OBJ,), (), (r"^m/config\.json$",), SIGNED, timeout=90),
+    ]},
+    "sdcp": {c.name: c for c in [
+        Command("convert (RIPRESA_REQUIRE_SIGNATURE=1)", (*RIP, "convert", "{F}/step_000004.dcp", "{O}/x.bin"), (ANY,),
+                env=(*SIGNED, ("RIPRESA_REQUIRE_SIGNATURE", "1")), expect="genuine_weights"),
+        Command("inspect --require-signature", (*RIP, "inspect", "{F}/step_000004.dcp", "--require-signature", "--json"),
+                (ANY,), env=SIGNED),
+        Command("train --resume --require-signature", (*RIP, "train", "--run", "{O}/new", "--resume",
+                                                       "{F}/step_000004.dcp", "--require-signature", *TRAIN),
+                (ANY,), env=SIGNED, expect="genuine_resume"),
+    ]},
+    "gen": {c.name: c for c in [
+        Command("inspect", (*RIP, "inspect", "{F}"), (ANY,)),
+        Command("inspect file --deep --json", (*RIP, "inspect", "{F}/step_000004.safetensors", "--deep", "--json"), (ANY,)),
+        Command("export", (*RIP, "export", "{F}", "--to", "{O}/bundle", "--step", "4"), (ANY,)),
+        Command("example resume", (PY, "-B", str(LOOP), "--run", "{F}", "--steps", "5", "--every", "1"), (ANY,)),
+    ]},
+    "cwd": {c.name: c for c in [
+        Command("pivot --restart", (*RIPP, "pivot", "{F}", "--caps", "stdlib-code=0.5", "--restart", "--timeout", "30"),
+                (ANY,), in_folder=True, detached=True, timeout=120),
+        Command("demo", (*RIPP, "demo", "--output", "{O}/demo"), (ANY,), in_folder=True, timeout=420),
+        Command("train --run", (*RIPP, "train", "--run", "{F}", *TRAIN), (ANY,), in_folder=True),
+        Command("verify", (*RIPP, "verify", "--output", "{O}/verify", "--steps", "6", "--cut", "3", "--json"), (ANY,),
+                in_folder=True, timeout=300),
+    ]},
+    "secret": {c.name: c for c in [
+        Command("mirror push s3 (password in endpoint)", (*RIP, "mirror", "push", "{F}", "--mirror", "s3://fuzz-bucket/p"),
+                (ANY,), env=SECRET_ENV, timeout=120),
+        Command("mirror status s3 (password in endpoint)",
+                (*RIP, "mirror", "status", "{F}", "--mirror", "s3://fuzz-bucket/p"), (ANY,), env=SECRET_ENV, timeout=120),
+        Command("train --mirror s3 (password in endpoint)",
+                (*RIP, "train", "--run", "{F}", "--mirror", "s3://fuzz-bucket/p", *TRAIN), (ANY,), env=SECRET_ENV,
+                timeout=150),
+        Command("mirror status (mirror.json)", (*RIP, "mirror", "status", "{F}"), (ANY,), timeout=120),
+        Command("mirror status --json (mirror.json)", (*RIP, "mirror", "status", "{F}", "--json"), (ANY,), timeout=120),
+        Command("export (history of a pushed run)", (*RIP, "export", "{F}", "--to", "{O}/bundle", "--step", "4"), (ANY,)),
+        Command("export --inference", (*RIP, "export", "{F}", "--to", "{O}/inf", "--inference"), (ANY,)),
+    ]},
+    "esc": {c.name: c for c in [
+        Command("inspect", (*RIP, "inspect", "{F}"), (ANY,)),
+        Command("inspect --no-deep", (*RIP, "inspect", "{F}", "--no-deep"), (ANY,)),
+        Command("inspect bin --deep", (*RIP, "inspect", "{F}/step_000004.bin", "--deep"), (r"step_000004", r"^\(names\)$")),
+        Command("plot", (*RIP, "plot", "{F}", "--png", "{O}/p.png"), (ANY,)),
+        Command("compare", (*RIP, "compare", "{F}", "{RUN}"), (ANY,)),
+        Command("advise", (*RIP, "advise", "{F}"), (r"\.loss\.jsonl$", CONFIG)),
+        Command("fork", (*RIP, "fork", "{F}", "--step", "4", "--into", "{O}/fork"), (ANY,)),
+        Command("export", (*RIP, "export", "{F}", "--to", "{O}/bundle", "--step", "4"), (ANY,)),
+        Command("mirror status", (*RIP, "mirror", "status", "{F}"), (r"mirror\.json$", r"^\(names\)$")),
+        Command("train --resume", (*RIP, "train", "--run", "{O}/new", "--resume", "{F}/step_000004.bin", *TRAIN), (ANY,)),
+        Command("pivot", (*RIP, "pivot", "{F}", "--caps", "stdlib-code=0.5", "--timeout", "5"), (CONFIG, r"LOCK$", r"\.state")),
+    ]},
+})
+
+
 # ====================================================================== cases
 
 @dataclass(frozen=True)
@@ -743,6 +1205,10 @@ class Case:
     def strict(self) -> bool:
         """The command must refuse (exit 1 or 2): damage to a file it reads whole (hashes fail), or a resealed
         hostile value in a file whose content it interprets."""
+        if (self.fixture, self.mutation, self.command) in MUST_REFUSE:
+            return True
+        if self.family in ROUND_TWO:
+            return False
         rxs = self.cmd.parses if self.mutation in RESEALED else self.cmd.strict
         return any(re.search(rx, self.target) for rx in rxs)
 
@@ -848,10 +1314,90 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
         cases.append(Case(F_LOCK, "run", f"lock_{v}", "LOCK", "pivot", rng.randrange(1 << 30)))
     cases.append(Case(F_LOCK, "run", "lock_victim_local", "LOCK", "inspect --no-deep --json", rng.randrange(1 << 30)))
     cases.append(Case(F_LOCK, "run", "lock_pid2^40", "LOCK", "inspect", rng.randrange(1 << 30)))
+    cases += round_two_cases(rng)
     return cases
 
 
-def sample_cases(cases: list[Case], n: int = 14, seed: int = 10) -> list[Case]:
+#: (fixture, mutation, command) that must refuse (exit 1 or 2), whatever the target.
+MUST_REFUSE = {
+    # class 5: config.json is not covered by any signature; a resume under --require-signature must not use it
+    ("mirror", "mirror_evil_config", "train --mirror --require-signature (blank machine)"),
+    # class 3: a mirror.json naming another run folder is not a mirror
+    ("mirror", "mirror_json_other_run", "mirror push"),
+    ("dcp", "memo_bomb", "convert"), ("dcp", "memo_bomb", "train --resume"),
+    ("dcp", "deep_transform", "convert"), ("dcp", "deep_transform", "train --resume"),
+}
+#: The families of issue #19 refuse only where :data:`MUST_REFUSE` says (a valid oddity may load).
+ROUND_TWO = (F_MIRROR, F_CWD, F_SWAP, F_BOMB, F_SECRET, F_ESC)
+
+
+def round_two_cases(rng: random.Random) -> list[Case]:
+    """The families of issue #19 (each case: fixture, mutation, target, command)."""
+    out: list[Case] = []
+
+    def add(fam: str, kind: str, mutation: str, target: str, commands) -> None:
+        for c in commands:
+            out.append(Case(fam, kind, mutation, target, c, rng.randrange(1 << 30)))
+
+    mir = COMMANDS["mirror"]
+    blank = ["mirror pull (blank machine)", "train --mirror --require-signature (blank machine)"]
+    for t in ("m/step_000004.bin.sha256", "m/step_000002.bin.sha256"):
+        add(F_MIRROR, "mirror", "mirror_marker_outside", t, blank)
+    for t in ("m/step_000004.bin.sha256", "m/config.json", "m/step_000004.json", "m/step_000004.bin"):
+        add(F_MIRROR, "mirror", "mirror_big_object", t, blank + (["mirror status --json"] if t.endswith("sha256") else []))
+    for t in ("m/step_000004.bin", "m/config.json", "m/step_000004.bin.sha256", "m/step_000004.bin.hmac"):
+        add(F_MIRROR, "mirror", "mirror_symlink_object", t, blank)
+    add(F_MIRROR, "mirror", "mirror_evil_config", "m/config.json", ["train --mirror --require-signature (blank machine)"])
+    add(F_MIRROR, "mirror", "mirror_json_other_run", "run/mirror.json", ["mirror push", "mirror push", "mirror status"])
+    add(F_MIRROR, "mirror", "mirror_linked_objects", "m/step_000004.bin", ["mirror push", "mirror pull (blank machine)"])
+    add(F_MIRROR, "mirror", "mirror_json_nest", "run/mirror.json", ["mirror status", "mirror push", "mirror status"])
+    for m in ("bitflip", "truncate", "fifo"):
+        add(F_MIRROR, "mirror", m, "m/step_000004.bin", blank[:1])
+    assert all(c in mir for c in blank)
+
+    for c in COMMANDS["cwd"]:
+        add(F_CWD, "cwd", "plant_package", "ripresa/", [c])
+
+    add(F_SWAP, "sdcp", "shard_swap", "step_000004.dcp/__0_0.distcp", ["convert (RIPRESA_REQUIRE_SIGNATURE=1)"] * 3
+        + ["train --resume --require-signature"] * 4 + ["inspect --require-signature"])
+
+    add(F_BOMB, "dcp", "memo_bomb", "step_000004.dcp/.metadata", list(COMMANDS["dcp"]))
+    add(F_BOMB, "dcp", "deep_metadata", "step_000004.dcp/.metadata", ["train --resume", "inspect"])
+    add(F_BOMB, "dcp", "deep_transform", "step_000004.dcp/.metadata", list(COMMANDS["dcp"]))
+    add(F_BOMB, "planted", "plant_memo_dcp", "step_000006.dcp", ["train --run", "inspect", "export"])
+    add(F_BOMB, "planted", "plant_deep_dcp", "step_000006.dcp", ["train --run", "inspect", "export"])
+    add(F_BOMB, "gen", "ref_bomb", "step_000004.safetensors", list(COMMANDS["gen"]))
+    add(F_BOMB, "run", "json_bomb", "step_000004.json",
+        ["inspect bin --deep --json", "train --resume", "export", "inspect"])
+    add(F_BOMB, "run", "history_bomb", ".loss.jsonl", ["plot", "compare", "fork", "train --run"])
+
+    for c in ("mirror push s3 (password in endpoint)", "mirror status s3 (password in endpoint)",
+              "train --mirror s3 (password in endpoint)", "export (history of a pushed run)", "export --inference"):
+        add(F_SECRET, "secret", "secret_none", ".loss.jsonl", [c])
+    add(F_SECRET, "secret", "secret_mirror_json", "mirror.json",
+        ["mirror status (mirror.json)", "mirror status --json (mirror.json)", "mirror status (mirror.json)"])
+
+    k = 0
+    for t in ("step_000004.json", "config.json", ".loss.jsonl", "LOCK", ".state.json", "(names)", "mirror.json"):
+        readers = [n for n, c in COMMANDS["esc"].items() if any(re.search(rx, t) for rx in c.reads)]
+        picked = [readers[(k + i) % len(readers)] for i in range(min(5, len(readers)))]  # rotating: all are covered
+        k += len(picked)
+        add(F_ESC, "esc", "escape", t, picked)
+    return out
+
+
+#: One cheap, telling case of each family of issue #19 in the sample.
+SAMPLE_ROUND_TWO = (
+    (F_MIRROR, "mirror_json_other_run", "mirror push"),
+    (F_CWD, "plant_package", "pivot --restart"),
+    (F_SWAP, "shard_swap", "train --resume --require-signature"),
+    (F_BOMB, "memo_bomb", "convert"),
+    (F_SECRET, "secret_mirror_json", "mirror status (mirror.json)"),
+    (F_ESC, "escape", "inspect"),
+)
+
+
+def sample_cases(cases: list[Case], n: int = 20, seed: int = 10) -> list[Case]:
     """A fixed sample: every crafted-pickle family entry point once, the dangerous LOCK pids, then a seeded
     draw spread over the other families."""
     rng = random.Random(seed)
@@ -862,6 +1408,8 @@ def sample_cases(cases: list[Case], n: int = 14, seed: int = 10) -> list[Case]:
     must += [c for c in cases if (c.fixture, c.target, c.mutation, c.command) in
              (keys[0], keys[2], keys[4], keys[11], keys[14])]
     must += [c for c in cases if c.mutation == "delete" and c.command == "train --resume --require-signature"][:1]
+    for fam, mutation, command in SAMPLE_ROUND_TWO:
+        must += [c for c in cases if c.family == fam and c.mutation == mutation and c.command == command][:1]
     rest = [c for c in cases if c not in must]
     by_family: dict[str, list[Case]] = {}
     for c in rest:
@@ -983,11 +1531,24 @@ def _limits() -> None:  # pragma: no cover - child, before exec
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def run_argv(argv: list[str], cwd: Path, env: dict[str, str], out: Path, timeout: float = TIMEOUT):
-    """Run ``argv`` in its own session; return (rc, hung, peak RSS bytes, stdout, stderr)."""
+def run_argv(argv: list[str], cwd: Path, env: dict[str, str], out: Path, timeout: float = TIMEOUT,
+             during: Callable[[int], Callable[[], None]] | None = None):
+    """Run ``argv`` in its own session; return (rc, hung, peak RSS bytes, stdout, stderr).
+
+    ``during(pid)``, when given, starts something that acts while the command runs (the shard swap) and
+    returns the function that stops it."""
     with open(out / "stdout.txt", "wb") as so, open(out / "stderr.txt", "wb") as se:
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=so, stderr=se,
                                 start_new_session=True, preexec_fn=_limits)
+    stop = during(proc.pid) if during else None
+    try:
+        return _wait_child(proc, timeout, out)
+    finally:
+        if stop:
+            stop()
+
+
+def _wait_child(proc: subprocess.Popen, timeout: float, out: Path):
     deadline = time.monotonic() + timeout
     hung = False
     while True:
@@ -1046,6 +1607,134 @@ def _scan_outputs(root: Path, token: str, skip: Path) -> list[str]:
     return hits
 
 
+def _swap_watcher(target: Path, foreign: Path, fired: list[str]) -> Callable[[int], Callable[[], None]]:
+    """Watch ``/proc/PID/fd``: once the command has opened ``target`` and closed it again, replace ``target``
+    (atomic rename of a hard link to ``foreign``) — the bytes a second open by path would read are foreign."""
+    real = os.path.realpath(target)
+    after = foreign.with_name("after")
+    closes = int(after.read_text()) if after.is_file() else 1
+
+    def start(pid: int) -> Callable[[], None]:
+        stop = threading.Event()
+
+        def watch() -> None:
+            seen, closed = False, 0
+            while not stop.is_set():
+                try:
+                    fds = os.listdir(f"/proc/{pid}/fd")
+                except OSError:
+                    return
+                now = False
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        if os.readlink(f"/proc/{pid}/fd/{fd}") == real:
+                            now = True
+                            break
+                if now:
+                    seen = True
+                elif seen:
+                    seen, closed = False, closed + 1
+                    if closed >= closes:
+                        tmp = foreign.with_name("foreign.tmp")
+                        os.link(foreign, tmp)
+                        os.replace(tmp, real)
+                        fired.append(f"swapped after close number {closed}")
+                        return
+                time.sleep(0.0003)
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+
+        def halt() -> None:
+            stop.set()
+            t.join(5)
+
+        return halt
+
+    return start
+
+
+def _tree_hwm(pid: int) -> int:
+    """Peak RSS (VmHWM, bytes) of ``pid`` and of every live descendant: the largest one."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                kids.setdefault(ppid, []).append(int(d))
+    best, todo = 0, [pid]
+    while todo:
+        q = todo.pop()
+        todo += kids.get(q, [])
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{q}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    best = max(best, int(line.split()[1]) * 1024)
+    return best
+
+
+def _watch_detached(pid: int, canary: Path, seconds: float = 20.0) -> int:
+    """A trainer the command left running (its own session): watch it for ``seconds`` (canary, peak RSS of its
+    process tree), then kill its process group. Returns the peak RSS seen (bytes)."""
+    peak, t0 = 0, time.monotonic()
+    try:
+        while time.monotonic() - t0 < seconds:
+            if not Path(f"/proc/{pid}").exists() or canary.parent.exists():
+                break
+            peak = max(peak, _tree_hwm(pid))
+            time.sleep(0.25)
+        peak = max(peak, _tree_hwm(pid))
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+    return peak
+
+
+def _secret_counts(root: Path, secrets: list[str]) -> dict[str, int]:
+    """Occurrences of any of ``secrets`` per regular file under ``root`` (never following links)."""
+    found: dict[str, int] = {}
+    toks = [t.encode() for t in secrets if t]
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = Path(dirpath) / name
+            with contextlib.suppress(OSError):
+                st = p.lstat()
+                if st.st_mode & 0o170000 != 0o100000 or st.st_size > (256 << 20):
+                    continue
+                data = p.read_bytes()
+                n = sum(data.count(t) for t in toks)
+                if n:
+                    found[str(p.relative_to(root))] = n
+    return found
+
+
+#: (fixture, mutation, command) -> post-condition beyond the common checks.
+EXPECT_CASES = {
+    ("planted", "plant_memo_dcp", "train --run"): "fallback",
+    ("planted", "plant_deep_dcp", "train --run"): "fallback",
+}
+#: Control characters that never appear in ripresa's output to a file or pipe unless a file put them there.
+CONTROL_BYTES = ("\x1b", "\x9b", "\x07", "\u202e")
+
+
+def _expect(what: str, case: Case, fx: Fixtures, rc: int | None, od: Path) -> list[str]:
+    if what == "genuine_weights":  # a load under RIPRESA_REQUIRE_SIGNATURE gives the signed bytes or nothing
+        out = od / "x.bin"
+        if rc == 0 and (not out.is_file() or _sha(out) != fx.ref_bin_sha):
+            return ["FOREIGN WEIGHTS: exit 0 under RIPRESA_REQUIRE_SIGNATURE but the converted weights are not "
+                    "the signed generation's"]
+    if what == "genuine_resume":  # one step from the signed generation, re-signed: bitwise the reference step
+        out = od / "new" / "step_000005.bin"
+        if rc == 0 and (not out.is_file() or _sha(out) != fx.ref_resume_sha):
+            return ["FOREIGN WEIGHTS: a --require-signature resume exited 0 but its next generation is not the one "
+                    "the signed generation gives (foreign weights were loaded and re-signed)"]
+    if what == "fallback" and rc != 0:
+        return [f"NO FALLBACK: exit {rc}; a resume must skip the bad generation and use the previous one"]
+    return []
+
+
 def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None) -> Outcome:
     """Mutate a fresh copy of the fixture, run the command, check everything. The case dir is removed after."""
     out = Outcome(case)
@@ -1054,10 +1743,15 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
         rng = random.Random(case.seed)
         outside, private, token = make_outside(base, rng)
         ctx = Ctx(outside, private, token, outside / "canary" / "PWNED", fx,
-                  victim_pid=victim.pid if victim else 99999999, dead_pid=dead_pid())
+                  victim_pid=victim.pid if victim else 99999999, dead_pid=dead_pid(),
+                  secret=f"S3cr3tPw{rng.getrandbits(64):016x}", side=base / "side")
+        ctx.side.mkdir()
         folder = base / "F"
         src = fx.folder(case.fixture)
         shutil.copytree(src, folder, symlinks=True)
+        rec = folder / "run" / "mirror.json"
+        if case.fixture == "mirror" and rec.is_file():
+            rec.write_text(rec.read_text().replace("@F@", str(folder)))
         od = base / "O"
         od.mkdir()
         logs = base / "logs"
@@ -1066,6 +1760,8 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
         out.description = mutation(folder, case.target, rng, ctx)
         before = snapshot(outside)
         cmd = case.cmd
+        secrets = [ctx.secret, FIXTURE_SECRET] if case.family == F_SECRET else []
+        secrets_before = _secret_counts(base, secrets) if secrets else {}
         subst = {"{F}": str(folder), "{O}": str(od), "{RUN}": str(fx.run), "{IN}": str(fx.inputs)}
         argv = [subst.get(a, a) for a in cmd.argv]
         argv = [a.replace("{F}", str(folder)).replace("{O}", str(od)) for a in argv]
@@ -1076,16 +1772,50 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
                 out.skipped = "no pid namespace on this machine (unshare --pid failed): not run"
                 return out
             argv = [*prefix, *argv]
-        env = _env(dict(cmd.env))
+        extra_env = dict(cmd.env)
+        if extra_env.pop("@SECRET_ENV@", None):
+            extra_env.update(_secret_env(ctx.secret))
+        env = _env(extra_env)
         if victim:
             victim.reset()
+        timeout = cmd.timeout or TIMEOUT
+        if case.family == F_BOMB:  # a bomb must not take the memory; parsing 64 MiB may take a while on 2 loaded cores
+            timeout = max(timeout, 150.0)
+        fired: list[str] = []
+        during = (_swap_watcher(folder / case.target, ctx.side / "foreign", fired)
+                  if case.mutation == "shard_swap" else None)
         with _held_lock(folder / "LOCK") if cmd.lock else contextlib.nullcontext(False):
-            rc, hung, rss, so, se = run_argv(argv, base, env, logs)
+            rc, hung, rss, so, se = run_argv(argv, folder if cmd.in_folder else base, env, logs, timeout, during)
+        if during:
+            out.description += f" [{fired[0] if fired else 'the swap never fired: the shard was not closed that often'}]"
+        if cmd.detached and (m := re.search(r"restarted the trainer \(pid (\d+)\)", so)):
+            peak = _watch_detached(int(m.group(1)), ctx.canary)
+            out.description += f" [detached trainer pid {m.group(1)}: peak RSS {peak / (1 << 20):.0f} MiB]"
+            if peak > RSS_LIMIT:
+                out.problems.append(f"RSS {peak / (1 << 30):.2f} GiB > {RSS_LIMIT / (1 << 30):.1f} GiB "
+                                    "(the detached trainer)")
         out.rc, out.hung, out.rss_mib = rc, hung, rss / (1 << 20)
         out.stderr_tail = "\n".join(se.strip().splitlines()[-6:])
         text = so + se
         if hung:
-            out.problems.append(f"HANG: killed after {TIMEOUT:.0f} s")
+            out.problems.append(f"HANG: killed after {timeout:.0f} s")
+        if case.family in ROUND_TWO and "this is a bug in ripresa or an input it does not recognise" in se:
+            last = [ln for ln in se.strip().splitlines() if "could not complete" in ln][:1] or ["?"]
+            out.problems.append(f"UNTYPED: the last-resort report instead of a typed error: {last[0][:200]}")
+        bad = [repr(c) for c in CONTROL_BYTES if c in text]
+        if bad:
+            out.problems.append(f"ESCAPE: control characters of a file reached stdout/stderr: {', '.join(bad)}")
+        if secrets:
+            if any(t in text for t in secrets):
+                out.problems.append("SECRET: the password is in the command's output")
+            now = _secret_counts(base, secrets)
+            grew = sorted(k for k, n in now.items() if n > secrets_before.get(k, 0))
+            if grew:
+                out.problems.append(f"SECRET: the password was written into {grew[:4]}")
+        if cmd.expect:
+            out.problems += _expect(cmd.expect, case, fx, rc, od)
+        if (what := EXPECT_CASES.get((case.fixture, case.mutation, case.command))):
+            out.problems += _expect(what, case, fx, rc, od)
         if "Traceback (most recent call last)" in text:
             last = [ln for ln in se.strip().splitlines() if ln.strip()][-1:] or ["?"]
             out.problems.append(f"TRACEBACK: {last[0][:200]}")
@@ -1097,7 +1827,7 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
                 out.problems.append(f"EXIT {rc} (want {sorted(allowed)}{', the command reads this file' if case.strict else ''})")
         if ctx.canary.exists() or ctx.canary.parent.exists():
             out.executed = True
-            out.problems.append("EXECUTED: the crafted pickle's payload created the canary")
+            out.problems.append("EXECUTED: the crafted pickle's or planted package's payload created the canary")
         after = snapshot(outside)
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k) and not k.startswith("canary"))
         if changed:
@@ -1136,7 +1866,8 @@ def run_cases(cases: list[Case], fx: Fixtures, work: Path, *, workers: int = 1) 
     """Every case; LOCK cases one at a time (a signalled victim must be attributable), others on ``workers``."""
     work.mkdir(parents=True, exist_ok=True)
     victim = Victim(work)
-    pristine = {k: snapshot(fx.folder(k)) for k in ("run", "bundle", "ledger", "dcp", "pt")}
+    pristine = {k: snapshot(fx.folder(k)) for k in ("run", "bundle", "ledger", "dcp", "pt", "mirror", "sdcp", "gen",
+                                                     "secret") if fx.folder(k) is not None}
     try:
         lock_cases = [c for c in cases if c.family == F_LOCK or COMMANDS[c.fixture][c.command].lock]
         other = [c for c in cases if c not in lock_cases]
@@ -1189,7 +1920,7 @@ def tallies(outcomes: list[Outcome]):
             skipped.append(f"{o.case.id}: {o.skipped}")
             continue
         rows[o.case.family].add(o.ok, o.case.id, f"{o.description} | rc={o.rc} | " + "; ".join(o.problems))
-        if o.case.family == F_PICKLE:
+        if o.case.family in (F_PICKLE, F_CWD):
             executed.add(not o.executed, o.case.id, "EXECUTED")
     for t in rows.values():
         t.detail = f"{len(skipped)} skipped: {skipped[:3]}" if skipped and t.family == F_LOCK else ""

@@ -10,7 +10,9 @@ the tests append to (one line per family and test: cases, survived, lost).
 Then it aggregates the ledger and pytest's JUnit report into
 ``OUT/faults.json`` and prints:
 
-    fault family | cases tried | survived | data lost
+    fault family | tried | survived | failed
+
+(failed: data lost, damage trusted, or for a hostile-folder family a case that broke any of its checks).
 
 Exit 0 only if pytest passed and every row lost 0; a test that failed
 without recording its family shows as a row of its own, counted as lost.
@@ -82,12 +84,12 @@ def junit_outcomes(path: Path) -> tuple[list[str], list[str], list[str], int]:
 def render(report: dict) -> str:
     rows = report["rows"]
     w = max([len("fault family")] + [len(r["family"]) for r in rows])
-    head = f"{'fault family':<{w}}  {'cases tried':>11}  {'survived':>9}  {'data lost':>9}"
+    head = f"{'fault family':<{w}}  {'tried':>7}  {'survived':>9}  {'failed':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['family']:<{w}}  {r['cases']:>11}  {r['survived']:>9}  {r['lost']:>9}")
+        lines.append(f"{r['family']:<{w}}  {r['cases']:>7}  {r['survived']:>9}  {r['lost']:>7}")
     t = report["totals"]
-    lines += ["-" * len(head), f"{'total':<{w}}  {t['cases']:>11}  {t['survived']:>9}  {t['lost']:>9}"]
+    lines += ["-" * len(head), f"{'total':<{w}}  {t['cases']:>7}  {t['survived']:>9}  {t['lost']:>7}"]
     lines.append(f"wall time {report['wall_s']:.0f} s ({report['wall_s'] / 60:.1f} min), "
                  f"{'long matrix' if report['full'] else 'sample'}, pytest exit {report['pytest_rc']}, "
                  f"{report['tests']['passed']} tests passed, {len(report['tests']['skipped'])} skipped, "
@@ -102,7 +104,7 @@ def render(report: dict) -> str:
         lines.append(f"FAILED: {f}")
     for r in rows:
         for f in r["failures"][:5]:
-            lines.append(f"LOST in {r['family']}: {f}")
+            lines.append(f"FAILED in {r['family']}: {f}")
     return "\n".join(lines)
 
 

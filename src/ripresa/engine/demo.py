@@ -23,6 +23,7 @@ from ..io.child import child_env, ripresa_argv
 from ..io.fsio import open_run_file, read_json_small
 from ..store.history import read_history
 from ..store.store import CheckpointStore
+from ..text import safe_console
 from ..verify.verify import reference_exercise_command, render_verdict, verify_resume
 
 
@@ -50,7 +51,7 @@ def _valid(run: Path) -> list[int]:
 
 
 def run_demo(out: Path, console: Console | None = None) -> int:
-    console = console or Console()
+    console = console or safe_console()
     t_all = time.perf_counter()
     if os.path.lexists(out) and (os.path.islink(out) or not out.is_dir()):
         raise BadInput("the demo's --output is not a folder", file=out, expected="a new folder (or an existing one)",

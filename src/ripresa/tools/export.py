@@ -1095,11 +1095,12 @@ def _inference_readme(*, run: Path, gen: Generation, n_params: int, shapes: list
 
 def render_export(report: dict[str, Any], console: Any = None) -> None:
     """A rich summary of an :func:`export_run` (or :func:`verify_export`) report."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
+    from ..text import safe_console
+
+    console = console or safe_console()
     ver = report.get("verification", report)
     table = Table(title=f"ripresa export — {report.get('kind', '?')}", show_header=False)
     table.add_column("", style="bold")

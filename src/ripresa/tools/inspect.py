@@ -983,10 +983,11 @@ def _stats_table(title: str, stats: dict[str, Any]) -> Any:
 
 def render_report(report: dict[str, Any], console: Any = None) -> None:
     """Print a report as rich tables, then problems, warnings and the verdict."""
-    from rich.console import Console
     from rich.markup import escape
 
-    console = console or Console()
+    from ..text import safe_console
+
+    console = console or safe_console()
     kind = report["kind"]
     if kind == "bin":
         _render_bin(report["bin"], console, deep=report["options"]["deep"])

@@ -604,10 +604,11 @@ def _fmt(v: Any) -> str:
 
 def render_verdict(verdict: Verdict, console=None) -> None:
     """Print the verdict table: weight gap, final metric, gap, verdict per path."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from ..text import safe_console
+
+    console = console or safe_console()
     r = verdict.report
     t = r["table"]
     metric = t["resume"]["eval_metric"] or "evaluation"

@@ -469,7 +469,11 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         if mixture_slot.skipped_for_pivot is not None:
             ckpt.history.event("bandit_fresh", reason="pivot", saved_phase=mixture_slot.skipped_for_pivot,
                                phase=mixture.phase, policy=policy.to_dict())
-        say = print if rank == 0 else (lambda *a, **k: None)  # --quiet only hides the progress bar
+        from ...text import escape_terminal
+
+        def say(*a: Any, **k: Any) -> None:  # --quiet only hides the progress bar; a config's name comes from a file
+            if rank == 0:
+                print(*(escape_terminal(x) for x in a), **k)
         if start:
             origin = ckpt.resumed_from
             say(f"resumed {run_dir} at step {start} ({_gen_name(origin) if origin else args.resume})")

@@ -158,7 +158,7 @@ def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp
     assert pulled["resumed"] == "step_000024.safetensors" and pulled["digest"] == ref["digest"]
 
 
-def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(tmp_path, s3, proxy):
+def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(tmp_path, s3, proxy, capsys):
     run = tmp_path / "run"
     train(run, 3, 3, mirror=fast(s3.url), keep=3)
     assert s3.committed() == [3]
@@ -169,6 +169,9 @@ def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(
     # list the store, so step 3 is kept too)
     assert sorted(local_generations(run).values()) == [3, 6, 9, 12, 15, 18]
     assert events(run, "mirror_outage") and events(run, "mirror_pending")[-1]["steps"] == [3, 6, 9, 12, 15, 18]
+    # said at once on stderr (the first listing is tried once), with the hint; training went on
+    err = capsys.readouterr().err
+    assert "cannot be reached" in err and "training goes on" in err and f"ripresa mirror push {run}" in err, err
     assert s3.committed() == [3]
     proxy.mode = "pass"
     assert cli_main(["mirror", "push", str(run)]) == 0  # the URL from RUN/mirror.json

@@ -106,7 +106,8 @@ def long_outage(tmp_path: Path, s3, proxy, capsys, seconds: float) -> dict:
         grown["close_s"] = round(time.monotonic() - t1, 3)
     finally:
         hist.close()
-    print(f"outage of {seconds} s: {grown}")
+    with capsys.disabled():
+        print(f"\noutage of {seconds} s: {grown}")
     assert [e["event"] for e in outage_lines(run)] == ["mirror_outage", "mirror_pending"]  # O(1), whatever the rounds
     assert grown["lines"] <= 2 and grown["bytes"] < 2000
     assert grown["close_s"] < 20  # a hang guard; it leaves after one round

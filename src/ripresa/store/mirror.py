@@ -711,6 +711,8 @@ class Mirror:
                     pending=pending, url=self.spec.url,
                     note="training goes on; the pending generations are kept locally and retried with back-off; "
                          "recorded once (mirror_recovered ends it)")
+        if self._thread is None:
+            return  # a single round (`ripresa mirror push`): its caller reports the failure
         kept = f"step(s) {_steps_text(pending)} pending are" if pending else "what is saved from now on is"
         _notice(f"ripresa: mirror {self.spec.url} cannot be reached ({exc.message}); training goes on, {kept} kept in "
                 f"{self.run_dir} and uploaded when it is back (or with `ripresa mirror push {self.run_dir}`)")
@@ -1467,6 +1469,8 @@ def status(remote: ObjectStore, run_dir: Path) -> dict[str, Any]:
         "pending": missing,
         "trainer_running": running,
         "config_remote": "config.json" in view.objects,
+        "run_manifest": RUN_MANIFEST in view.objects,
+        "history_bytes": sum(n for k, n in view.objects.items() if _SEGMENT.fullmatch(k)),
     }
 
 

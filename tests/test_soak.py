@@ -2,8 +2,10 @@
 
 The sample is 20 real interruptions of two real training loops (general format
 with Adafactor, ANDREA ``.bin`` with AdamW over 10^9 rows): SIGKILL (some
-during the start), SIGTERM, SIGUSR1 + SIGKILL and a full tmpfs, each final state
-compared bitwise with an uninterrupted run. The sabotage run breaks each lane on
+during the start), SIGTERM, SIGUSR1 + SIGKILL, SIGUSR1 from the first line and
+a full tmpfs, each final state compared bitwise with an uninterrupted run; and
+4 of the s3 lane: store outages (in training, in the close) and SIGUSR1 at the
+start of a trainer that mirrors to a real S3 server behind a fault proxy. The sabotage run breaks each lane on
 purpose — the newest generation deleted before each restart, a resume without
 the random streams — and the soak must report lost generations and a final
 state that differs, and exit 1.
@@ -37,6 +39,18 @@ def test_soak_sample_survives_twenty_interruptions_and_ends_bitwise_equal(tmp_pa
     kinds = {k for lane in rec["lanes"].values() for k in lane["delivered"]}
     assert len(kinds) >= 3, kinds
     assert rec["generations"] > 0 and "replay: python tests/soak/soak.py --seed 14" in " ".join(res.stdout.split())
+
+
+def test_soak_sample_of_store_outages_and_sigusr1_from_the_first_line(tmp_path):
+    """The s3 lane: outages (proxy down/stall/reset, server restart) in training and in the close, SIGUSR1 at start."""
+    res, rec = _soak(tmp_path, "--seed", "16", "--interruptions", "4", "--lanes", "s3",
+                     "--kinds", "outage,outage-close,sigusr1-start")
+    s3 = rec["lanes"]["s3"]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert rec["delivered"] == rec["survived"] == 4 and rec["lost"] == 0 and rec["equal_laps"] == rec["laps"] >= 1
+    assert len(s3["delivered"]) >= 2, s3
+    assert s3["max_mirror_lines"] <= 60, s3  # a few lines per outage, never one per wake-up
+    assert all(t < 90 for t in s3["close_s"]), s3
 
 
 @pytest.mark.slow  # the default tier keeps the 20-interruption sample; this proves the soak can fail

@@ -1156,6 +1156,7 @@ def main(argv: list[str] | None = None) -> int:
     command = (f"python tests/soak/soak.py --seed {args.seed} --interruptions {args.interruptions} --lanes {','.join(lanes)}"
                + (f" --kinds {','.join(args.kinds)}" if args.kinds else "") + (f" --total {args.total}" if args.total else "")
                + (f" --fresh-share {args.fresh_share}" if args.fresh_share != 0.1 else "")
+               + (f" --ddp-share {args.ddp_share}" if args.ddp_share != 0.08 else "")
                + (f" --sabotage {','.join(f'{k}={v}' for k, v in args.sabotage.items())}" if args.sabotage else ""))
     print(f"soak: seed {args.seed}; replay: {command}", flush=True)
     out = Path(args.out)

@@ -272,6 +272,42 @@ def test_a_malformed_launch_record_is_refused_before_anything(tmp_path, record, 
     assert not (run / "archive").exists()
 
 
+def test_restart_command_is_the_recorded_process_flags(tmp_path):
+    """The rebuild, exactly: the recorded process flags as --opt=value, not the config-shaping ones, run by
+    ``python -P -m ripresa`` (ripresa's own code); a redacted mirror URL is refused, never replayed."""
+    import sys
+
+    from ripresa.engine.pivot import restart_command
+    from ripresa.errors import BadInput
+
+    run = tmp_path / "run"
+    opts = {"config": "tiny", "sets": ["train.lr=1"], "sources": ["x=/d"], "steps": 20, "every": "auto",
+            "device": "cpu", "audit": False, "asynchronous": False, "quiet": True, "threads": 1,
+            "allow_version_change": False, "allow_code_change": True, "allow_data_change": False, "shard": "ddp",
+            "mirror": "s3://bucket/runs", "mtbf": "6h", "max_redo": "30m", "deadline": "2026-12-24T18:00:00+00:00",
+            "require_signature": True}
+    launch = {"command": "ripresa train", "options": opts, "world_size": 1, "local_world_size": 1}
+    assert restart_command(run, launch, None) == [
+        sys.executable, "-P", "-m", "ripresa", "train", "--run", str(run), "--steps=20", "--every=auto",
+        "--threads=1", "--mtbf=6h", "--max-redo=30m", "--deadline=2026-12-24T18:00:00+00:00", "--device=cpu",
+        "--mirror=s3://bucket/runs", "--no-audit", "--sync", "--quiet", "--allow-code-change", "--require-signature"]
+    launch["world_size"] = launch["local_world_size"] = 2
+    assert restart_command(run, launch, None)[3:7] == ["ripresa.torchrun", "--standalone", "--nproc_per_node=2", "-m"]
+    with pytest.raises(BadInput, match="without its password"):
+        restart_command(run, {**launch, "options": {**opts, "mirror": "/x/user:***@host/y"}}, None)
+
+
+def test_the_launch_record_never_holds_a_password(tmp_path, monkeypatch):
+    from ripresa.engine.gpt.train import TrainArgs, launch_record
+
+    monkeypatch.chdir(tmp_path)
+    rec = launch_record(TrainArgs(run=Path("r"), mirror="https://user:s3cret@example.org/bucket", threads=2), 1, 1)
+    assert "s3cret" not in json.dumps(rec) and rec["options"]["mirror"] == "https://user:***@example.org/bucket"
+    rec = launch_record(TrainArgs(run=Path("r"), mirror="relative/mirror", deadline=0.0), 2, 2)
+    assert rec["options"]["mirror"] == str(tmp_path / "relative" / "mirror")  # a path: absolute
+    assert rec["options"]["deadline"] == "1970-01-01T00:00:00+00:00" and rec["world_size"] == 2
+
+
 def launch_events(run: Path) -> list[dict]:
     return [e for e in read_history(run / ".loss.jsonl").events if e["event"] == "launch"]
 

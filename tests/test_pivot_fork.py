@@ -302,7 +302,7 @@ def test_the_launch_record_never_holds_a_password(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     rec = launch_record(TrainArgs(run=Path("r"), mirror="https://user:s3cret@example.org/bucket", threads=2), 1, 1)
-    assert "s3cret" not in json.dumps(rec) and rec["options"]["mirror"] == "https://user:***@example.org/bucket"
+    assert "s3cret" not in json.dumps(rec) and rec["options"]["mirror"] == "https://***@example.org/bucket"
     rec = launch_record(TrainArgs(run=Path("r"), mirror="relative/mirror", deadline=0.0), 2, 2)
     assert rec["options"]["mirror"] == str(tmp_path / "relative" / "mirror")  # a path: absolute
     assert rec["options"]["deadline"] == "1970-01-01T00:00:00+00:00" and rec["world_size"] == 2

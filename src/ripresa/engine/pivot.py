@@ -299,7 +299,7 @@ def _replayed_flags(launch: dict[str, Any] | None, run: Path) -> list[str]:
         flags.append(f"--device={o['device']}")
     mirror = o.get("mirror")
     if mirror is not None:
-        if ":***@" in mirror:
+        if "***@" in mirror:
             raise BadInput("the run's mirror URL was recorded without its password", file=run / HISTORY_NAME,
                            expected="a mirror URL the restart can use", found=mirror,
                            hint="give the credentials through the environment (AWS_*), or pivot without --restart "

@@ -531,23 +531,10 @@ LAUNCH_OPTIONS = ("config", "sets", "sources", "steps", "every", "device", "audi
                   "max_redo", "deadline")
 
 
-def _redact_userinfo(url: str) -> str:
-    """``scheme://user:secret@host/...`` → ``scheme://user:***@host/...`` (a secret is never written to a file)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    try:
-        u = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    if "://" not in url or u.password is None:
-        return url
-    host = u.netloc.rpartition("@")[2]
-    return urlunsplit(u._replace(netloc=f"{u.username or ''}:***@{host}"))
-
-
 def launch_record(args: TrainArgs, world: int, local_world: int) -> dict[str, Any]:
     """What this process was asked, resolved: the ``launch`` history event (docs/ENGINE.md, "Restart after a pivot")."""
     from ...io import auth
+    from ...io.redact import redact_url
 
     opts: dict[str, Any] = {}
     for name in LAUNCH_OPTIONS:
@@ -556,7 +543,7 @@ def launch_record(args: TrainArgs, world: int, local_world: int) -> dict[str, An
     if opts["deadline"] is not None:
         opts["deadline"] = datetime.fromtimestamp(opts["deadline"], UTC).isoformat()
     if isinstance(opts["mirror"], str):  # a path is recorded absolute: a restart may start elsewhere
-        opts["mirror"] = _redact_userinfo(opts["mirror"]) if "://" in opts["mirror"] else os.path.abspath(opts["mirror"])
+        opts["mirror"] = redact_url(opts["mirror"]) if "://" in opts["mirror"] else os.path.abspath(opts["mirror"])
     opts["require_signature"] = auth.require_signature_from_env()
     return {"command": "ripresa train", "options": opts, "world_size": world, "local_world_size": local_world}
 

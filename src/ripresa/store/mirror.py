@@ -561,7 +561,8 @@ class Mirror:
         if why is not None:
             self._event("mirror_pending", steps=left, url=self.spec.url, reason=why,
                         note="not uploaded before the session ended; the next session (or `ripresa mirror push`) uploads them")
-            _notice(f"ripresa: mirror: left step(s) {_steps_text(left)} pending ({why}); they stay in {self.run_dir}; "
+            what = f"step(s) {_steps_text(left)} pending" if left else "the run's newest history and sidecars not uploaded"
+            _notice(f"ripresa: mirror: left {what} ({why}); they stay in {self.run_dir}; "
                     f"upload them with `ripresa mirror push {self.run_dir}`")
         elif waited and len(self.uploaded) > uploaded0:
             _notice(f"ripresa: mirror: uploaded step(s) {_steps_text(self.uploaded[uploaded0:])} to {self.spec.url} "

@@ -26,7 +26,7 @@ pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3, proxy
 
 MIRROR_TRAIN = Path(__file__).resolve().parent / "support" / "mirror_train.py"
 #: The mirror events an outage may write (the per-generation ones, uploaded/skipped/retention, are not outage noise).
-OUTAGE_EVENTS = ("mirror_retry", "mirror_failed", "mirror_outage", "mirror_recovered", "mirror_error", "mirror_pending")
+OUTAGE_EVENTS = ("mirror_retry", "mirror_outage", "mirror_recovered", "mirror_error", "mirror_pending")
 
 
 def events(run: Path, name: str) -> list[dict]:

@@ -59,6 +59,11 @@ from .history import HISTORY_NAME
 from .retention import KeepAny, KeepLast, RetentionPolicy
 from .store import CheckpointStore
 
+#: The back-off jitter's own stream: drawing from the global ``random`` would change the training's random
+#: stream (checkpointed, restored on resume) with every retry, so a store outage would alter the run (the soak's
+#: outage kind caught it: a final state that differs from the uninterrupted run).
+_JITTER = random.Random()
+
 __all__ = ["Mirror", "MirrorSpec", "RemoteView", "RunManifest", "local_generations", "open_mirror", "pull", "pull_config",
            "pull_run", "restore_run"]
 
@@ -620,7 +625,7 @@ class Mirror:
     def _backoff(self, failures: int) -> float:
         """The pause before the next round after ``failures`` failed rounds in a row: exponential, capped, jittered."""
         s = self.spec
-        return max(MIN_ROUND_WAIT, min(s.max_backoff, s.backoff * 2 ** min(failures - 1, 30)) * random.uniform(0.5, 1.0))
+        return max(MIN_ROUND_WAIT, min(s.max_backoff, s.backoff * 2 ** min(failures - 1, 30)) * _JITTER.uniform(0.5, 1.0))
 
     def _retry(self, step: int | None, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, retried with back-off: ``attempts`` tries normally; one try during an outage (the rounds'
@@ -639,7 +644,7 @@ class Mirror:
                     self._outage["error"] = exc.message
                 if attempt == tries:
                     raise RemoteUnavailable(exc.message, file=exc.file, found=exc.found) from None
-                wait = min(s.max_backoff, s.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+                wait = min(s.max_backoff, s.backoff * 2 ** (attempt - 1)) * _JITTER.uniform(0.5, 1.5)
                 if self._closing:
                     wait = min(wait, CLOSE_RETRY_WAIT)
                 self._event("mirror_retry", step=step, object=what, attempt=attempt, error=exc.message,
@@ -975,7 +980,7 @@ def _retrying(fn: Callable[[], Any], event: Callable[..., None] | None = None, w
         except RemoteUnavailable as exc:
             if attempt == spec.attempts:
                 raise
-            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * _JITTER.uniform(0.5, 1.5)
             if event is not None:
                 event("mirror_retry", step=None, object=what, attempt=attempt, error=exc.message, wait=round(wait, 3))
             time.sleep(wait)
@@ -995,7 +1000,7 @@ def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, e
             sf.discard()
             if attempt == spec.attempts:
                 raise
-            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * _JITTER.uniform(0.5, 1.5)
             event("mirror_retry", step=None, object=name, attempt=attempt, error=exc.message, wait=round(wait, 3))
             time.sleep(wait)
             continue

@@ -538,6 +538,7 @@ class LapHistory:
     def reset_file(self) -> None:
         """The run folder was lost: a new history begins (what was committed stays the bar)."""
         self.offset, self.buf = 0, b""
+        self.lost_at = time.time()  # the new history starts with the lines the mirror restores: not read again
 
     def poll(self) -> list[dict[str, Any]]:
         new: list[dict[str, Any]] = []
@@ -557,6 +558,8 @@ class LapHistory:
                 continue  # a torn line (killed mid-write), terminated by the next writer
             if not isinstance(rec, dict):
                 continue
+            if isinstance(rec.get("time"), int | float) and rec["time"] < getattr(self, "lost_at", 0.0):
+                continue  # restored from the mirror (docs/MIRROR.md): read before the folder was lost
             new.append(rec)
             self._take(rec)
         return new

@@ -583,7 +583,8 @@ class Mirror:
         if why is not None:
             self._event("mirror_pending", steps=left, url=self.spec.url, reason=why,
                         note="not uploaded before the session ended; the next session (or `ripresa mirror push`) uploads them")
-            _notice(f"ripresa: mirror: left step(s) {_steps_text(left)} pending ({why}); they stay in {self.run_dir}; "
+            what = f"step(s) {_steps_text(left)} pending" if left else "the run's newest history and sidecars not uploaded"
+            _notice(f"ripresa: mirror: left {what} ({why}); they stay in {self.run_dir}; "
                     f"upload them with `ripresa mirror push {self.run_dir}`")
         elif waited and len(self.uploaded) > uploaded0:
             _notice(f"ripresa: mirror: uploaded step(s) {_steps_text(self.uploaded[uploaded0:])} to {self.spec.url} "
@@ -814,33 +815,16 @@ class Mirror:
         if self._run is None:
             self._run = self._load_run()
         old = self._run
-        hist = self.run_dir / HISTORY_NAME
         try:
-            size = _history_size(hist)
-        except RipresaError:
-            size = 0  # a link or a special file in place of the history: not mirrored
-        segments = list(old.history)
-        if segments and not self._run_checked:  # once a session: the store's history is this file's beginning
-            key, start, end, sha = segments[-1]
-            if size < end or hashlib.sha256(_read_range(hist, start, end)).hexdigest() != sha:
-                segments = []  # another history (a folder started afresh): uploaded again, whole
-        self._run_checked = True
-        if len(segments) >= MAX_SEGMENTS:
-            segments = []  # merged: the whole history again, in segments of up to MAX_SEGMENT bytes
-        pos = segments[-1][2] if segments else 0
-        while size > pos:
-            data = _read_range(hist, pos, min(size, pos + MAX_SEGMENT))
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                break  # no complete line yet
-            data = data[:cut]
-            key = segment_key(pos, pos + cut)
-            self._retry(None, key, lambda key=key, data=data: self.store.put_bytes(key, data))
-            self._remote.objects[key] = cut
-            segments.append((key, pos, pos + cut, hashlib.sha256(data).hexdigest()))
-            pos += cut
+            segments = self._new_segments(old)
+        except (IntegrityError, BadInput, OSError):
+            segments = list(old.history)  # a link or special file in place of the history: it is not read
         files: dict[str, tuple[str, int]] = {}
-        for path, p in local_run_files(self.run_dir).items():
+        try:
+            local = local_run_files(self.run_dir)
+        except OSError:
+            local = {}
+        for path, p in local.items():
             try:
                 st = os.stat(p, follow_symlinks=False)
                 stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -871,6 +855,35 @@ class Mirror:
         for key in sorted(old.keys() - man.keys()):  # replaced segments and sidecar versions: after the manifest
             self._retry(None, f"deletion of {key}", lambda key=key: self.store.delete(key))
             self._remote.objects.pop(key, None)
+
+    def _new_segments(self, old: RunManifest) -> list[tuple[str, int, int, str]]:
+        """The store's segments followed by those uploaded now: ``.loss.jsonl``'s bytes since the last one."""
+        import hashlib
+
+        assert self._remote is not None
+        hist = self.run_dir / HISTORY_NAME
+        size = _history_size(hist)
+        segments = list(old.history)
+        if segments and not self._run_checked:  # once a session: the store's history is this file's beginning
+            key, start, end, sha = segments[-1]
+            if size < end or hashlib.sha256(_read_range(hist, start, end)).hexdigest() != sha:
+                segments = []  # another history (a folder started afresh): uploaded again, whole
+        self._run_checked = True
+        if len(segments) >= MAX_SEGMENTS:
+            segments = []  # merged: the whole history again, in segments of up to MAX_SEGMENT bytes
+        pos = segments[-1][2] if segments else 0
+        while size > pos:
+            data = _read_range(hist, pos, min(size, pos + MAX_SEGMENT))
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                break  # no complete line yet
+            data = data[:cut]
+            key = segment_key(pos, pos + cut)
+            self._retry(None, key, lambda key=key, data=data: self.store.put_bytes(key, data))
+            self._remote.objects[key] = cut
+            segments.append((key, pos, pos + cut, hashlib.sha256(data).hexdigest()))
+            pos += cut
+        return segments
 
     def _load_run(self) -> RunManifest:
         """The store's run manifest (none, or malformed: an empty one, replaced at the next upload); objects under

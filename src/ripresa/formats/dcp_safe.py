@@ -101,10 +101,12 @@ class RefusedGlobal(pickle.UnpicklingError):
 #: Most entries the unpickler's memo may hold (a real 120M-parameter ``.metadata`` memoizes a few thousand).
 MAX_MEMO = 1 << 20
 #: Most work units one ``.metadata`` may cost: one per opcode, plus one per item a container
-#: opcode gathers or copies (``APPENDS``, ``SETITEMS``, ``TUPLE``, ``BUILD``, ``REDUCE`` ...). One unit
-#: allocates at most about 100 bytes, so a hostile pickle costs at most a few hundred MB before it is
-#: refused; a real ``.metadata`` costs about 15 units per shard chunk.
-MAX_PICKLE_UNITS = 4 << 20
+#: opcode gathers or copies (``APPENDS``, ``SETITEMS``, ``TUPLE``, ``BUILD``, ``REDUCE`` ...) and one per
+#: node of a key measured before it is hashed. One unit allocates at most about 64 bytes (an empty list
+#: and its stack slot), so a hostile pickle is refused before it takes about 512 MB; a real ``.metadata``
+#: costs about 0.75 units per byte (about 150 per storage entry: some 55 000 entries, e.g. 600 tensors
+#: sharded over 64 ranks, fit).
+MAX_PICKLE_UNITS = 8 << 20
 #: Deepest nesting of the unpickled index (a real one nests 6 levels: Metadata, dict, entry, list, chunk, Size).
 MAX_METADATA_DEPTH = 32
 

@@ -1141,7 +1141,7 @@ COMMANDS.update({
                 (ANY,), env=SIGNED),
         Command("train --resume --require-signature", (*RIP, "train", "--run", "{O}/new", "--resume",
                                                        "{F}/step_000004.dcp", "--require-signature", *TRAIN),
-                (ANY,), env=SIGNED, expect="genuine_resume"),
+                (ANY,), env=SIGNED, expect="genuine_resume", timeout=120),
     ]},
     "gen": {c.name: c for c in [
         Command("inspect", (*RIP, "inspect", "{F}"), (ANY,)),

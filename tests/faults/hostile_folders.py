@@ -187,6 +187,7 @@ def build_round_two(fx: Fixtures) -> None:
     (fx.mirror / "run" / "mirror.json").write_text(json.dumps({"url": "@F@/m"}) + "\n")
     for step in (2, 4):
         _must([*rp, "convert", f"run/step_{step:06d}.bin", f"sdcp/step_{step:06d}.dcp"], root, {"RIPRESA_HMAC_KEY": KEY})
+    shutil.copy2(fx.run / "config.json", fx.sdcp / "config.json")  # a run folder of .dcp generations (fork reads it)
     _must([*rp, "convert", "sdcp/step_000004.dcp", "sref/step_000004.bin"], root,
           {"RIPRESA_HMAC_KEY": KEY, "RIPRESA_REQUIRE_SIGNATURE": "1"})
     fx.ref_bin_sha = _sha(root / "sref" / "step_000004.bin")
@@ -1139,9 +1140,11 @@ COMMANDS.update({
                 env=(*SIGNED, ("RIPRESA_REQUIRE_SIGNATURE", "1")), expect="genuine_weights"),
         Command("inspect --require-signature", (*RIP, "inspect", "{F}/step_000004.dcp", "--require-signature", "--json"),
                 (ANY,), env=SIGNED),
+        Command("fork (RIPRESA_REQUIRE_SIGNATURE=1)", (*RIP, "fork", "{F}", "--step", "4", "--into", "{O}/fork"), (ANY,),
+                env=(*SIGNED, ("RIPRESA_REQUIRE_SIGNATURE", "1")), expect="genuine_fork"),
         Command("train --resume --require-signature", (*RIP, "train", "--run", "{O}/new", "--resume",
                                                        "{F}/step_000004.dcp", "--require-signature", *TRAIN),
-                (ANY,), env=SIGNED, expect="genuine_resume"),
+                (ANY,), env=SIGNED, expect="genuine_resume", timeout=120),
     ]},
     "gen": {c.name: c for c in [
         Command("inspect", (*RIP, "inspect", "{F}"), (ANY,)),
@@ -1359,7 +1362,8 @@ def round_two_cases(rng: random.Random) -> list[Case]:
         add(F_CWD, "cwd", "plant_package", "ripresa/", [c])
 
     add(F_SWAP, "sdcp", "shard_swap", "step_000004.dcp/__0_0.distcp", ["convert (RIPRESA_REQUIRE_SIGNATURE=1)"] * 3
-        + ["train --resume --require-signature"] * 4 + ["inspect --require-signature"])
+        + ["train --resume --require-signature"] * 4 + ["fork (RIPRESA_REQUIRE_SIGNATURE=1)"] * 4
+        + ["inspect --require-signature"])
 
     add(F_BOMB, "dcp", "memo_bomb", "step_000004.dcp/.metadata", list(COMMANDS["dcp"]))
     add(F_BOMB, "dcp", "deep_metadata", "step_000004.dcp/.metadata", ["train --resume", "inspect"])
@@ -1730,6 +1734,14 @@ def _expect(what: str, case: Case, fx: Fixtures, rc: int | None, od: Path) -> li
         if rc == 0 and (not out.is_file() or _sha(out) != fx.ref_resume_sha):
             return ["FOREIGN WEIGHTS: a --require-signature resume exited 0 but its next generation is not the one "
                     "the signed generation gives (foreign weights were loaded and re-signed)"]
+    if what == "genuine_fork":  # a fork copies and re-signs: every copied file must be the signed generation's
+        src, dst = fx.sdcp / "step_000004.dcp", od / "fork" / "step_000004.dcp"
+        if rc == 0:
+            names = sorted(os.listdir(src))
+            if not dst.is_dir() or sorted(os.listdir(dst)) != names or any(
+                    _sha(src / n) != _sha(dst / n) for n in names):
+                return ["FOREIGN WEIGHTS: a fork under RIPRESA_REQUIRE_SIGNATURE exited 0 but the generation it copied "
+                        "and re-signed is not the signed one"]
     if what == "fallback" and rc != 0:
         return [f"NO FALLBACK: exit {rc}; a resume must skip the bad generation and use the previous one"]
     return []

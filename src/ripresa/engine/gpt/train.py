@@ -455,7 +455,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         for note in notes:
             ckpt.history.append(note)
         if args.run is not None and rank == 0:  # the flags `pivot --restart` relaunches with (docs/ENGINE.md)
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if group else 1
+            local = os.environ.get("LOCAL_WORLD_SIZE", "") if group else "1"
+            local_world = int(local) if local.isdigit() and int(local) >= 1 else world
             ckpt.history.event("launch", **launch_record(args, world, local_world))
         start = ckpt.resume(from_path=args.resume, restore_rng=not args.omit_rng_restore)
         dist_ctx: DistContext | None = ckpt.dist

@@ -913,7 +913,7 @@ class Lane:
                         self.close_s.append(round(time.monotonic() - t0, 1))
             finally:
                 self.store.mend(how)
-            if trainer.poll() not in (None, 0):
+            if kind == "outage" and trainer.poll() not in (None, 0):  # (outage-close judged its own exit above)
                 ok = False
                 self.failures.append(f"outage ({how}): the trainer exited {trainer.poll()}")
         elif kind == "enospc":
@@ -973,6 +973,9 @@ class Lane:
 
         got = hist.wait_for(signal_checkpoint, trainer, 120)
         rc = trainer.poll()
+        hist.poll()
+        if got is None and rc is None and hist.last_step == TOTAL[self.name]:
+            return True, True  # past its last step (in close): ignored; a close that never ends is judged as hung
         if got is None and rc is None:
             self.failures.append("SIGUSR1 at start: no signal checkpoint within 120 s")
             return False, True

@@ -795,13 +795,20 @@ def m_plant_package(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str
     return "ripresa/ package (+ ripresa.py) planted in the working folder"
 
 
-def m_shard_swap(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+def m_shard_swap(k: int) -> Mutation:
+    def mutate(folder: Path, rel: str, rng: random.Random, ctx: Ctx) -> str:
+        return _arm_swap(folder, rel, ctx, k)
+
+    mutate.__name__ = f"m_shard_swap{k}"
+    return mutate
+
+
+def _arm_swap(folder: Path, rel: str, ctx: Ctx, k: int) -> str:
     """Arm the swap: a hard link to another signed generation's shard waits in ``ctx.side``; the watcher of
     :func:`_swap_watcher` puts it in place (atomic rename) right after the command first closes the shard."""
     assert ctx.side is not None
     foreign = folder / "step_000002.dcp" / Path(rel).name
     os.link(foreign, ctx.side / "foreign")
-    k = rng.choice([1, 2, 3])
     (ctx.side / "after").write_text(str(k))
     return f"{rel} to be replaced by step_000002.dcp's after its close number {k} (both signed)"
 
@@ -997,7 +1004,8 @@ ROUND_TWO_MUTATIONS: dict[str, Mutation] = {
     "mirror_marker_outside": m_mirror_marker_outside, "mirror_big_object": m_mirror_big_object,
     "mirror_symlink_object": m_mirror_symlink_object, "mirror_evil_config": m_mirror_evil_config,
     "mirror_json_other_run": m_mirror_json_other_run, "mirror_linked_objects": m_mirror_linked_objects,
-    "mirror_json_nest": m_mirror_json_nest, "plant_package": m_plant_package, "shard_swap": m_shard_swap,
+    "mirror_json_nest": m_mirror_json_nest, "plant_package": m_plant_package,
+    **{f"shard_swap{k}": m_shard_swap(k) for k in (1, 2, 3)},
     "memo_bomb": m_memo_bomb, "deep_metadata": m_deep_metadata("planner_data"),
     "deep_transform": m_deep_metadata("transform_descriptors"), "plant_memo_dcp": m_plant_bomb_dcp("memo"),
     "plant_deep_dcp": m_plant_bomb_dcp("deep"), "ref_bomb": m_ref_bomb, "json_bomb": m_json_bomb,
@@ -1361,9 +1369,10 @@ def round_two_cases(rng: random.Random) -> list[Case]:
     for c in COMMANDS["cwd"]:
         add(F_CWD, "cwd", "plant_package", "ripresa/", [c])
 
-    add(F_SWAP, "sdcp", "shard_swap", "step_000004.dcp/__0_0.distcp", ["convert (RIPRESA_REQUIRE_SIGNATURE=1)"] * 3
-        + ["train --resume --require-signature"] * 4 + ["fork (RIPRESA_REQUIRE_SIGNATURE=1)"] * 4
-        + ["inspect --require-signature"])
+    for k in (1, 2, 3):  # the swap after the shard's 1st, 2nd or 3rd close (whichever precedes a re-open)
+        add(F_SWAP, "sdcp", f"shard_swap{k}", "step_000004.dcp/__0_0.distcp",
+            ["convert (RIPRESA_REQUIRE_SIGNATURE=1)", "train --resume --require-signature",
+             "fork (RIPRESA_REQUIRE_SIGNATURE=1)"] + (["inspect --require-signature"] if k == 1 else []))
 
     add(F_BOMB, "dcp", "memo_bomb", "step_000004.dcp/.metadata", list(COMMANDS["dcp"]))
     add(F_BOMB, "dcp", "deep_metadata", "step_000004.dcp/.metadata", ["train --resume", "inspect"])
@@ -1394,7 +1403,7 @@ def round_two_cases(rng: random.Random) -> list[Case]:
 SAMPLE_ROUND_TWO = (
     (F_MIRROR, "mirror_json_other_run", "mirror push"),
     (F_CWD, "plant_package", "pivot --restart"),
-    (F_SWAP, "shard_swap", "train --resume --require-signature"),
+    (F_SWAP, "shard_swap1", "train --resume --require-signature"),
     (F_BOMB, "memo_bomb", "convert"),
     (F_SECRET, "secret_mirror_json", "mirror status (mirror.json)"),
     (F_ESC, "escape", "inspect"),
@@ -1795,7 +1804,7 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
             timeout = max(timeout, 150.0)
         fired: list[str] = []
         during = (_swap_watcher(folder / case.target, ctx.side / "foreign", fired)
-                  if case.mutation == "shard_swap" else None)
+                  if case.mutation.startswith("shard_swap") else None)
         with _held_lock(folder / "LOCK") if cmd.lock else contextlib.nullcontext(False):
             rc, hung, rss, so, se = run_argv(argv, folder if cmd.in_folder else base, env, logs, timeout, during)
         if during:

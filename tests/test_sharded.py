@@ -289,7 +289,7 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
     assert res.returncode == 0, res.stderr[-3000:]
     assert "pivot at step 8" in res.stdout and "ripresa.torchrun" in res.stdout and "--shard fsdp" in res.stdout
     assert json.loads((run / "config.json").read_text())["mixture"]["phase"] == 1
-    ok(_torchrun_train("--run", run, "--shard", "fsdp", "--every", "4", "--steps", "4", "--quiet", "--threads", "1",
+    ok(_torchrun_train("--run", run, "--shard", "fsdp", "--every", "4", "--steps", "12", "--quiet", "--threads", "1",
                        "--no-audit"))  # the run's own config.json: the new policy
     events = read_history(run / ".loss.jsonl").events
     assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 8 and valid_dcps(run) == [4, 8, 12]
@@ -298,7 +298,7 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
     # 1 -> 2: a single-process run's generation forked, then resumed on 2 ranks (FSDP2)
     sfork = tmp_path / "sfork"
     assert _ripresa("fork", single, "--step", "4", "--into", sfork).returncode == 0
-    ok(_torchrun_train("--run", sfork, "--shard", "fsdp", "--every", "2", "--steps", "2", *common))
+    ok(_torchrun_train("--run", sfork, "--shard", "fsdp", "--every", "2", "--steps", "6", *common))  # end step
     events = read_history(sfork / ".loss.jsonl").events
     assert [e for e in events if e["event"] == "world_size_change"][-1]["world_size"] == 2
     assert valid_dcps(sfork) == [6]

@@ -272,6 +272,20 @@ def test_plot_keeps_the_last_line_per_step_in_compact_arrays(tmp_path):
     assert list(c.steps) == [1, 2, 3] and list(c.losses) == [5.0, 4.0, 3.0]
 
 
+def test_a_long_run_is_drawn_downsampled_with_numbers_from_every_step(tmp_path):
+    from ripresa.engine import plots
+
+    run = tmp_path / "run"
+    run.mkdir()
+    n = plots.MAX_DRAWN_POINTS * 2 + 7
+    with open(run / ".loss.jsonl", "w") as f:
+        f.writelines(f'{{"step":{s},"loss":{1.0 + (s % 10) / 10},"arm":"{"ab"[s % 2]}"}}\n' for s in range(1, n + 1))
+    plots.plot_run(run, tmp_path / "p.png")
+    info = plots.last_plot_info
+    assert info["steps"] == n and info["last_step"] == n and info["last_loss"] == 1.0 + (n % 10) / 10
+    assert info["drawn_points"] <= plots.MAX_DRAWN_POINTS + 1 and info["arms"] == ["a", "b"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["plot", "compare", "fork"])
 def test_a_64_mib_history_is_reduced_in_bounded_memory(tmp_path, command):

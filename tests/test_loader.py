@@ -234,6 +234,6 @@ def test_torchdata_stateful_dataloader_own_resume_drifts_and_is_refused_as_data(
     reference, resumed = _torchdata_resume(3, exact=False)
     assert [idx.tolist() for _x, idx in resumed] == [idx.tolist() for _x, idx in reference]
     assert not same(resumed, reference)
-    with pytest.raises(TypeError, match=r"StatefulDataLoader not made exact.*ripresa\.make_exact\(loader\)"):
+    with pytest.raises(TypeError, match=r"StatefulDataLoader, not made exact.*ripresa\.make_exact\(loader\)"):
         ripresa.TrainingState(model=torch.nn.Linear(3, 1),
                               data=StatefulDataLoader(AugmentedRows(), batch_size=BATCH, shuffle=True))

@@ -15,12 +15,12 @@ dropout masks after the resume; the negative case (slow) adds such a draw back a
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,15 +109,15 @@ torch.save({"start": start, "params": model.state_dict(), "record": record}, f"{
 '''
 
 
-def child_cmd(tmp_path: Path, **cfg) -> list[str]:
+def child_cmd(tmp_path: Path, *, source: str = _CHILD, **cfg) -> list[str]:
     script = tmp_path / "train_exact.py"
-    script.write_text(_CHILD)
+    script.write_text(source)
     full = {"here": str(HERE), "n": N, "batch": BATCH, "workers": 2, **{k: str(v) if isinstance(v, Path) else v
                                                                         for k, v in cfg.items()}}
     return [str(script), json.dumps(full)]
 
 
-def run_child(tmp_path: Path, **cfg) -> subprocess.Popen:
+def run_child(tmp_path: Path, **cfg: Any) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *child_cmd(tmp_path, **cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -147,7 +147,7 @@ def assert_bitwise(resumed: dict, reference: dict, *, cut: int) -> None:
         assert torch.equal(resumed["params"][k], v), f"parameter {k} differs after the resume"
 
 
-def kill_and_resume(tmp_path: Path, *, steps: int, every: int, kill_after: int, **cfg) -> tuple[dict, dict]:
+def kill_and_resume(tmp_path: Path, *, steps: int, every: int, kill_after: int, **cfg: Any) -> tuple[dict, dict]:
     """(uninterrupted, resumed): the reference runs beside the run that kills itself, then the same command again."""
     ref = run_child(tmp_path, run=tmp_path / "ref", steps=steps, every=0, out=tmp_path / "ref.pt", **cfg)
     run = dict(run=tmp_path / "run", steps=steps, every=every, out=tmp_path / "res.pt", **cfg)
@@ -185,7 +185,7 @@ def test_distributed_sampler_under_two_gloo_ranks_keeps_each_ranks_shard(tmp_pat
     """torchrun, 2 gloo ranks, a DistributedSampler: each rank's rows are DistributedSampler's for that rank and
     epoch, and the run SIGKILLed after a mid-epoch checkpoint resumes bitwise on both ranks."""
     steps, every, kill_after = 9, 2, 5
-    per_rank_epoch = -(-(-(-N // 2)) // BATCH)  # 11 rows a rank: 3 batches
+    per_rank_epoch = -(-((N + 1) // 2) // BATCH)  # 11 rows a rank: 3 batches
 
     def torchrun(out, run, **extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -296,9 +296,9 @@ def _check_stateful(data: Any, objects: Mapping[str, Any]) -> None:
             why = ("its own state_dict() does not resume exactly: its iter() draws the sampler's and the workers' "
                    "seeds from torch's global generator after the random streams were restored, and its workers "
                    "re-seed (random augmentation differs after a resume)")
-        kind = "torch DataLoader" if type(data) is torch.utils.data.DataLoader else f"{mod} {kind}"
+        kind = "a plain torch DataLoader" if type(data) is torch.utils.data.DataLoader else f"{mod}'s {kind}"
         raise TypeError(
-            f"data={data!r} is a {kind} not made exact: {why}. Fix: call ripresa.make_exact(loader) once, before the loop "
+            f"data={data!r} is {kind}, not made exact: {why}. Fix: call ripresa.make_exact(loader) once, before the loop "
             "(it makes this very loader exact in place: the order and each sample's augmentation regenerated from "
             "(seed, epoch), an O(1) position), then pass the loader as data=; or use ripresa.StatefulLoader "
             "(README.md, \"Data loaders\")"

@@ -306,3 +306,12 @@ def test_other_samplers_resume_exactly(kind):
     b = build()
     b._ripresa_exact.load_state_dict(a._ripresa_exact.state_dict())
     assert same(head + take(b, 5), reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_samples_seeded_in_the_main_process_leave_the_cuda_generator_alone():
+    """num_workers=0: the per-sample seeding touches torch's CPU generator only (dropout on the GPU shares CUDA's)."""
+    torch.cuda.manual_seed(1)
+    before = torch.cuda.get_rng_state()
+    take(make_exact_loader(4), PER_EPOCH + 1)
+    assert torch.equal(before, torch.cuda.get_rng_state())

@@ -48,10 +48,15 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 @contextlib.contextmanager
 def _seeded(s: int) -> Iterator[None]:
-    """Seed torch (CPU), ``random`` and NumPy's global generator with ``s``; put the three back after."""
+    """Seed torch (CPU), ``random`` and NumPy's global generator with ``s``; put the three back after.
+
+    Only torch's CPU generator: ``torch.manual_seed`` would also reseed every
+    CUDA generator, which a loader without workers shares with the training
+    step (dropout on the GPU), and which is not put back.
+    """
     torch_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
     try:
-        torch.manual_seed(s)
+        torch.default_generator.manual_seed(s)
         random.seed(s)
         np.random.seed([s & 0xFFFFFFFF, s >> 32])
         yield

@@ -37,7 +37,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 import ripresa
 from test_make_exact import Augmented, make_model
 
-accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.get("accum", 1), dataloader_config=DataLoaderConfiguration(
     use_seedable_sampler=cfg.get("seedable", False), dispatch_batches=cfg.get("dispatch", None)))
 set_seed(0)
 model = make_model()
@@ -53,12 +53,15 @@ step = start = ck.resume()
 record = []
 while step < cfg["steps"]:
     for x, y, idx in loader:
-        noise = 1 + 1e-3 * random.random() + 1e-3 * float(np.random.rand())
-        loss = ((model(x) - y) ** 2).mean() * noise
-        accelerator.backward(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            noise = 1 + 1e-3 * random.random() + 1e-3 * float(np.random.rand())
+            loss = ((model(x) - y) ** 2).mean() * noise
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if not accelerator.sync_gradients:
+            continue
         step += 1
         record.append({"step": step, "x": x, "idx": idx})
         ck.step_done(step)
@@ -79,11 +82,14 @@ def test_an_accelerate_loop_resumes_bitwise_after_sigkill(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", [{"seedable": True}, {"dispatch": True}], ids=["seedable_sampler", "dispatch_batches"])
+@pytest.mark.parametrize("cfg", [{"seedable": True}, {"dispatch": True}, {"accum": 2, "steps": 8, "every": 2}],
+                         ids=["seedable_sampler", "dispatch_batches", "gradient_accumulation"])
 def test_accelerate_variants_resume_bitwise(tmp_path, cfg):
-    """accelerate's SeedableRandomSampler, and its DataLoaderDispatcher (dispatch_batches=True)."""
-    reference, resumed = kill_and_resume(tmp_path, steps=15, every=5, kill_after=7, source=_ACCELERATE_CHILD, **cfg)
-    assert_bitwise(resumed, reference, cut=5)
+    """accelerate's SeedableRandomSampler, its DataLoaderDispatcher (dispatch_batches=True), and
+    gradient accumulation (2 micro-batches a step: the checkpoint at step 4 is 8 batches in, mid-epoch)."""
+    run = {"steps": 15, "every": 5, **cfg}
+    reference, resumed = kill_and_resume(tmp_path, kill_after=run["every"] + 2, source=_ACCELERATE_CHILD, **run)
+    assert_bitwise(resumed, reference, cut=run["every"] * ((run["every"] + 2) // run["every"]))
 
 
 def _prepared(**loader_kw):

@@ -16,6 +16,12 @@ deterministic and O(1) to save (docs/FORMAT.md, "The data position"):
 
 So resuming at batch ``k`` of epoch ``e`` — in a fresh process — yields exactly
 the batches an uninterrupted loader yields, random augmentation included.
+
+:func:`make_exact` applies the same mechanism to a ``DataLoader`` the user
+already has (plain, torchdata's ``StatefulDataLoader``, what
+``accelerator.prepare`` returns), in place: its sampler, dataset and
+generator are replaced by exact ones and its class gains an ``__iter__``
+that counts the batches it delivers; :class:`ExactLoader` is its position.
 """
 
 from __future__ import annotations

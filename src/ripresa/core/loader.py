@@ -339,8 +339,8 @@ class _Order:
             self.default_seed = (int(sampler.initial_seed) if hasattr(sampler, "initial_seed")
                                  else _generator_seed(sampler.generator))
         elif kind is SubsetRandomSampler:
-            self.kind, self.indices = "subset", torch.as_tensor(list(sampler.indices), dtype=torch.int64)
-            self.length = len(self.indices)
+            self.kind, self.subset = "subset", torch.as_tensor(list(sampler.indices), dtype=torch.int64)
+            self.length = len(self.subset)
             self.describe = {"kind": "subset", "n": self.length}
             self.default_seed = _generator_seed(sampler.generator)
         elif kind is WeightedRandomSampler:
@@ -388,7 +388,7 @@ class _Order:
         g = torch.Generator()
         g.manual_seed(sample_seed(seed, epoch, _ORDER_INDEX) & _M63)
         if self.kind == "subset":
-            return self.indices[torch.randperm(self.length, generator=g)]
+            return self.subset[torch.randperm(self.length, generator=g)]
         if self.kind == "weighted":
             w = torch.as_tensor(self.weights, dtype=torch.double)
             return torch.multinomial(w, self.length, self.replacement, generator=g)

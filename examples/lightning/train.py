@@ -12,6 +12,7 @@ logged step, as the Trainer reports them to its logger).
 
 For tests and benchmarks only: ``RIPRESA_EXAMPLE_KILL_AFTER=S`` makes the
 script SIGKILL itself right after optimizer step S;
+``RIPRESA_EXAMPLE_SIGNAL_AFTER=S:TERM`` (or ``S:USR1``) sends itself that signal there;
 ``RIPRESA_EXAMPLE_LOADER_AS_IS=1`` (with ``--mode ripresa``) leaves the train
 loader as Lightning built it (a resume that is not exact: the negative case).
 """
@@ -55,11 +56,12 @@ class NoisyRegression(Dataset):
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, dim: int = 8, kill_after: int | None = None) -> None:
+    def __init__(self, dim: int = 8, kill_after: int | None = None, signal_after: str | None = None) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(dim, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                        torch.nn.Linear(32, 1))
         self.kill_after = kill_after
+        self.signal_after = signal_after  # "S:TERM" or "S:USR1"
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -76,6 +78,10 @@ class Regressor(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.kill_after is not None and self.trainer.global_step == self.kill_after:
             os.kill(os.getpid(), signal.SIGKILL)  # a real SIGKILL at a deterministic point
+        if self.signal_after is not None:
+            at, name = self.signal_after.split(":")
+            if self.trainer.global_step == int(at):
+                os.kill(os.getpid(), getattr(signal, f"SIG{name}"))  # as an operator's `kill -TERM PID` would
 
 
 class JsonlLogger(Logger):
@@ -120,7 +126,8 @@ def main() -> int:
 
     pl.seed_everything(args.seed, workers=True)
     kill = os.environ.get("RIPRESA_EXAMPLE_KILL_AFTER")
-    model = Regressor(kill_after=int(kill) if kill else None)
+    model = Regressor(kill_after=int(kill) if kill else None,
+                      signal_after=os.environ.get("RIPRESA_EXAMPLE_SIGNAL_AFTER"))
     loader = DataLoader(NoisyRegression(), batch_size=8, shuffle=True, num_workers=2)
 
     callbacks: list[pl.Callback] = []

@@ -133,10 +133,10 @@ def test_sigterm_stops_cleanly_sigusr1_saves_and_goes_on(tmp_path, sig):
     signalled = _events(tmp_path / "sig-run", "signal")
     # The signal arrived after step 17's hooks: the next step boundary (18) handles it.
     assert [(e["step"], e["action"]) for e in signalled] == [(KILL + 1, "stop" if sig == "TERM" else "checkpoint")]
-    steps = _steps(tmp_path / "sig-run")
-    assert KILL + 1 in steps
+    saved = [(e["step"], e["reason"]) for e in _events(tmp_path / "sig-run", "checkpoint")]
+    assert (KILL + 1, "stop" if sig == "TERM" else "signal") in saved, saved
     if sig == "TERM":  # a clean stop at 18: exit 0, the final model is step 18's, then the same command goes on
-        assert steps[-1] == KILL + 1
+        assert _steps(tmp_path / "sig-run")[-1] == KILL + 1
         assert "Traceback" not in _tail(tmp_path, "signalled")
         _run(cmd, tmp_path, "after-stop")
     assert _wait(ref, tmp_path, "reference") == 0, _tail(tmp_path, "reference")
@@ -193,3 +193,42 @@ def test_steered_verify_of_the_unchanged_script_passes_at_tolerance_0(tmp_path):
 def test_steered_verify_fails_when_the_loader_is_left_as_lightning_built_it(tmp_path):
     rc, report = _verify(tmp_path, "verify", RIPRESA_EXAMPLE_LOADER_AS_IS="1")
     assert rc == 1 and report.get("all_checks_passed") is False, report
+
+
+@pytest.mark.slow
+def test_a_ripresa_generation_wins_over_fit_ckpt_path(tmp_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ripresa.integrations.lightning import ExactResume
+
+    class Counting(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+            self.calls = 0
+
+        def training_step(self, batch, batch_idx):
+            self.calls += 1
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(steps, ckpt_path=None):
+        pl.seed_everything(0)
+        model = Counting()
+        loader = DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4, shuffle=True)
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[
+                                 ModelCheckpoint(dirpath=tmp_path / "pl", every_n_train_steps=5, save_top_k=-1),
+                                 ExactResume(tmp_path / "run", every=5)])
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return trainer, model
+
+    fit(10)  # ripresa's final generation: step 10; Lightning's checkpoints: steps 5 and 10
+    old = next(p for p in (tmp_path / "pl").iterdir() if "step=5" in p.name)
+    with pytest.warns(UserWarning, match="is not loaded over it"):
+        trainer, model = fit(15, ckpt_path=str(old))
+    assert trainer.global_step == 15 and model.calls == 5  # from ripresa's step 10, not Lightning's step 5

@@ -49,14 +49,12 @@ def _cmd(tmp: Path, name: str, mode: str, steps: int = STEPS) -> list[str]:
 
 
 def _start(cmd: list[str], tmp: Path, tag: str, **env: str) -> subprocess.Popen:
-    out = open(tmp / f"{tag}.out", "wb")
-    return subprocess.Popen(cmd, cwd=tmp, env=_env(**env), stdout=out, stderr=subprocess.STDOUT)
+    with open(tmp / f"{tag}.out", "wb") as out:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=tmp, env=_env(**env), stdout=out, stderr=subprocess.STDOUT)
 
 
 def _wait(p: subprocess.Popen, tmp: Path, tag: str) -> int:
-    rc = p.wait(timeout=TIMEOUT)
-    p.stdout and p.stdout.close()
-    return rc
+    return p.wait(timeout=TIMEOUT)
 
 
 def _tail(tmp: Path, tag: str) -> str:

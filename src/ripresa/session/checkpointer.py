@@ -263,7 +263,8 @@ class Checkpointer:
             asynchronous = asynchronous and self.dist.is_main
         asynchronous = asynchronous and self.backend.background
         self.mirror: Mirror | None = None
-        if mirror is not None and (self.dist is None or self.dist.is_main):
+        # A steered path (ripresa verify) never writes to the script's mirror: verify touches only its own folders.
+        if mirror is not None and self.steering is None and (self.dist is None or self.dist.is_main):
             try:
                 self.mirror = open_mirror(mirror, self.run_dir, local_retention=retention, event=self.history.event)
                 record_url(self.run_dir, self.mirror.spec.url)

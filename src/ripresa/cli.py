@@ -229,8 +229,11 @@ def _every(text: str) -> int | str:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .engine.gpt.train import TrainArgs, run
     from .session.cadence import parse_duration, parse_max_redo
+    from .session.checkpointer import local_run_dir
     from .session.deadline import deadline_time
 
+    if args.run is not None:
+        args.run = local_run_dir(args.run, "--run")  # s3://... is refused with the --mirror hint, never a folder 's3:'
     if args.steps is not None and args.steps < 0:
         raise BadInput("--steps must be >= 0", found=args.steps)
     if args.every is not None and args.every != "auto" and args.every < 0:

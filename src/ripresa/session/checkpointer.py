@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -107,6 +108,41 @@ _RESTORE_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError, 
 _MODE_NAMES = {"single": "single-process", "ddp": "DDP", "fsdp2": "sharded (FSDP2)"}
 #: How messages name each kind of generation (its file).
 _KIND_FILES = {"bin": "ANDREA .bin", "st": "general .safetensors", "dcp": "sharded .dcp"}
+
+
+_URL_RE = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+
+
+def local_run_dir(run_dir: str | os.PathLike[str], what: str = "run_dir") -> Path:
+    """``run_dir`` as a local folder; a URL is refused, never turned into a folder named ``s3:``.
+
+    ``file:///abs/path`` (and ``file://localhost/abs/path``) is the local
+    folder it names. Any other ``scheme://...`` (``s3://``, ``gs://``,
+    ``https://``, ...) raises :class:`BadInput` with the fix: a local run folder
+    and the URL as its ``mirror`` (docs/MIRROR.md). A local folder whose name
+    really starts with ``word:`` is written ``./word:/...`` (as text).
+    """
+    text = os.fspath(run_dir)
+    if isinstance(text, bytes):
+        raise TypeError(f"{what} must be a str or os.PathLike of str, not bytes")
+    m = _URL_RE.match(text)
+    if m is None:
+        return Path(text)
+    scheme = m["scheme"].lower()
+    after = text[len(m["scheme"]) + 1:]  # '//host/path', or '/path' when Path() collapsed the '//'
+    if scheme == "file":
+        if not after.startswith("//"):
+            return Path(after)
+        host, _, tail = after[2:].partition("/")
+        if host.lower() not in ("", "localhost"):
+            raise BadInput(f"{what} is a file:// URL of another host", file=text, expected="file:///absolute/path",
+                           found=f"host {host!r}", hint="name a local folder")
+        return Path("/" + tail)
+    url = f"{m['scheme']}://{after.lstrip('/')}"
+    raise BadInput(f"{what} is a URL, not a local run folder: a run folder is always local", file=text,
+                   expected="a local folder (a path, or file:///absolute/path)", found=f"a {scheme}:// URL",
+                   hint=f"keep the run in a local folder and mirror it there: Checkpointer('runs/x', state, "
+                        f"mirror={url!r}) or ripresa train --run runs/x --mirror {url} (docs/MIRROR.md)")
 
 
 class Checkpointer:
@@ -213,7 +249,7 @@ class Checkpointer:
         self.deadline = Deadline(deadline) if deadline is not None else None  # both checked before the folder is locked
         #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
         self.steering = Steering.take_from_env()
-        self.run_dir = Path(run_dir) if self.steering is None else self.steering.run_dir
+        self.run_dir = local_run_dir(run_dir) if self.steering is None else self.steering.run_dir
         if fresh and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise BadInput("--fresh refuses a run folder that is not empty", file=self.run_dir,
                            expected="an empty or new folder", found=sorted(p.name for p in self.run_dir.iterdir())[:8],

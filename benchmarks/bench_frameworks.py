@@ -1,17 +1,20 @@
 """Each framework's own resume against ripresa's, on the unchanged example scripts (docs/INTEGRATIONS.md).
 
 For every framework example (``examples/<fw>/train.py``, the CLI contract of
-docs/INTEGRATIONS.md) three runs of the same command line:
+docs/INTEGRATIONS.md) four runs of the same command line:
 
-1. ``--mode none``: uninterrupted, no checkpointing — the reference;
+1. ``--mode none``: uninterrupted, no checkpointing — the reference of 2;
 2. ``--mode native``: the framework's own checkpoint and resume, SIGKILLed by
    the script itself right after optimizer step S (``RIPRESA_EXAMPLE_KILL_AFTER=S``,
    mid-epoch, after a checkpoint), then the same command again;
-3. ``--mode ripresa``: the one line added, killed and run again the same way.
+3. ``--mode ripresa`` uninterrupted — the reference of 4: the one line makes
+   the loader exact (each sample's randomness seeded from (seed, epoch,
+   index)), so it is a different, equally random run than 1;
+4. ``--mode ripresa`` killed at S and run again the same way.
 
-The final model tensors of 2 and 3 are compared with 1 bitwise (tensors
-differing / total, the largest absolute gap), and so are the values the
-framework logged (the last record of each logged step in ``--log``). The
+The final model tensors of 2 and 4 are compared with their reference bitwise
+(tensors differing / total, the largest absolute gap), and so are the values
+the framework logged (the last record of each logged step in ``--log``). The
 lines a user adds are the example's lines marked ``# ripresa: the one line``.
 
     .venv/bin/python benchmarks/bench_frameworks.py                       # every example present
@@ -156,7 +159,7 @@ def _tail(log: Path, n: int = 12) -> str:
 def run_mode(script: Path, mode: str, work: Path, *, python: str, max_steps: int, every: int, kill_after: int | None,
              seed: int, timeout: float) -> dict[str, Any]:
     """One mode of one example: uninterrupted (``kill_after`` None) or killed at S and run again. Returns its files."""
-    folder = work / mode
+    folder = work / (mode if kill_after is None or mode == "native" else f"{mode}-killed")
     folder.mkdir(parents=True)
     final, logf, out = folder / "final.safetensors", folder / "log.jsonl", folder / "output.log"
     argv = [python, str(script), "--run", str(folder / "run"), "--max-steps", str(max_steps), "--every", str(every),
@@ -181,22 +184,25 @@ def run_mode(script: Path, mode: str, work: Path, *, python: str, max_steps: int
 
 def bench_one(name: str, script: Path, work: Path, *, python: str, max_steps: int, every: int, kill_after: int,
               seed: int, timeout: float, jobs: int, tick: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """The three modes of one example (``jobs`` of them at a time) and their comparison with ``none``."""
-    plans = {"none": None, "native": kill_after, "ripresa": kill_after}
+    """The four runs of one example (``jobs`` of them at a time); each killed run against its uninterrupted reference."""
+    plans = {"none": ("none", None), "native": ("native", kill_after),
+             "ripresa-uninterrupted": ("ripresa", None), "ripresa": ("ripresa", kill_after)}
+    reference = {"native": "none", "ripresa": "ripresa-uninterrupted"}
 
-    def go(mode: str) -> dict[str, Any]:
+    def go(key: str) -> dict[str, Any]:
+        mode, kill = plans[key]
         r = run_mode(script, mode, work / name, python=python, max_steps=max_steps, every=every,
-                     kill_after=plans[mode], seed=seed, timeout=timeout)
-        tick(f"{name}: {mode} done")
+                     kill_after=kill, seed=seed, timeout=timeout)
+        tick(f"{name}: {key} done")
         return r
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = dict(zip(plans, pool.map(go, plans), strict=True))
     row: dict[str, Any] = {"framework": name, "script": str(script), "lines_added": lines_added(script),
                            "seconds": {m: round(r["seconds"], 1) for m, r in results.items()}}
-    for mode in ("native", "ripresa"):
-        row[mode] = {**compare_tensors(results["none"]["final"], results[mode]["final"]).as_dict(),
-                     "logged": compare_logs(results["none"]["log"], results[mode]["log"])}
+    for mode, ref in reference.items():
+        row[mode] = {"reference": ref, **compare_tensors(results[ref]["final"], results[mode]["final"]).as_dict(),
+                     "logged": compare_logs(results[ref]["log"], results[mode]["log"])}
     return row
 
 
@@ -233,7 +239,7 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     lines += ["", f"Each example: `--max-steps {s['max_steps']} --every {s['every']} --seed {s['seed']}`; the native "
               f"and ripresa runs SIGKILLed right after step {s['kill_after']} and run again with the same command; "
-              f"compared with the uninterrupted `--mode none` run. {s['versions']}. "
+              f"each compared with the same mode run uninterrupted (native: `--mode none`). {s['versions']}. "
               f"Measured {report['date']} by `benchmarks/bench_frameworks.py`."]
     if report["not_measured"]:
         lines.append(f"Not measured (example missing): {', '.join(report['not_measured'])}.")
@@ -295,9 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         console = Console(quiet=args.quiet)
         with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("runs", total=3 * len(scripts))
+            task = progress.add_task("runs", total=4 * len(scripts))
             for name, script in scripts.items():
-                progress.update(task, description=f"{name}: none ∥ native ∥ ripresa")
+                progress.update(task, description=f"{name}: none, native, ripresa (uninterrupted, killed)")
                 rows.append(bench_one(name, script, work, python=args.python, max_steps=args.max_steps, every=args.every,
                                       kill_after=args.kill_after, seed=args.seed, timeout=args.timeout, jobs=args.jobs,
                                       tick=lambda what: progress.update(task, advance=1, description=what)))

@@ -136,8 +136,16 @@ def compare_logs(reference: Path, other: Path) -> dict[str, Any]:
 
 
 def lines_added(script: Path) -> int:
-    """Lines the user adds for ripresa: those marked ``# ripresa: the one line``."""
-    return sum(MARK in line for line in script.read_text().splitlines())
+    """Lines the user adds for ripresa: code lines ending in the comment ``# ripresa: the one line``.
+
+    (A docstring or comment that merely quotes the marker is not a line of code.)
+    """
+    count = 0
+    for line in script.read_text().splitlines():
+        text = line.rstrip()
+        if text.endswith(MARK) and text[: -len(MARK)].strip():
+            count += 1
+    return count
 
 
 def _run(argv: list[str], *, env: dict[str, str], log: Path, timeout: float) -> int:

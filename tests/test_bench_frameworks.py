@@ -47,6 +47,9 @@ def test_tensor_and_log_comparisons_are_bitwise(tmp_path):
     assert not cmp["equal"] and cmp["first_difference"]["step"] == 2 and cmp["first_difference"]["key"] == "loss"
     assert not bench.compare_logs(ref, tmp_path / "missing.jsonl")["equal"]
     assert bench.lines_added(FAKE) == 2 and math.isinf(float(bench._gap(math.inf)))
+    quoted = tmp_path / "quoted.py"
+    quoted.write_text('"""Lines marked ``# ripresa: the one line``."""\n# ripresa: the one line\nx = 1  # ripresa: the one line\n')
+    assert bench.lines_added(quoted) == 1
 
 
 @pytest.mark.slow

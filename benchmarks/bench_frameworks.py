@@ -113,9 +113,20 @@ def read_log(path: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+#: Logged values that measure wall-clock time (the HF Trainer's ``train_runtime``, ``train_samples_per_second``,
+#: ``train_steps_per_second``): they differ between any two runs, so they are not compared.
+TIMING_SUFFIXES = ("_runtime", "_per_second")
+
+
 def compare_logs(reference: Path, other: Path) -> dict[str, Any]:
-    """Whether every logged step's values equal the reference's (exact equality; NaN equals NaN)."""
+    """Whether every logged step's values equal the reference's (exact equality; NaN equals NaN).
+
+    Wall-clock values (:data:`TIMING_SUFFIXES`) are left out and listed under ``not_compared``.
+    """
     ref, got = read_log(reference), read_log(other)
+    timing = sorted({k for rec in (*ref.values(), *got.values()) for k in rec if k.endswith(TIMING_SUFFIXES)})
+    ref = {s: {k: v for k, v in r.items() if k not in timing} for s, r in ref.items()}
+    got = {s: {k: v for k, v in r.items() if k not in timing} for s, r in got.items()}
 
     def same(u: Any, v: Any) -> bool:
         if isinstance(u, float) and isinstance(v, float) and math.isnan(u) and math.isnan(v):
@@ -132,7 +143,7 @@ def compare_logs(reference: Path, other: Path) -> dict[str, Any]:
             if not same(r.get(key), g.get(key)):
                 differ.append({"step": step, "key": key, "reference": r.get(key), "resumed": g.get(key)})
     return {"steps_logged": len(ref), "equal": bool(ref) and not differ, "differences": len(differ),
-            "first_difference": differ[0] if differ else None}
+            "first_difference": differ[0] if differ else None, "not_compared": timing}
 
 
 def lines_added(script: Path) -> int:

@@ -41,7 +41,14 @@ def test_tensor_and_log_comparisons_are_bitwise(tmp_path):
     ref, other = tmp_path / "ref.jsonl", tmp_path / "other.jsonl"
     ref.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n')
     other.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 9.0}\n{"step": 2, "loss": 0.25}\n{"step": 3, "lo')
-    assert bench.compare_logs(ref, other) == {"steps_logged": 2, "equal": True, "differences": 0, "first_difference": None}
+    assert bench.compare_logs(ref, other) == {"steps_logged": 2, "equal": True, "differences": 0, "first_difference": None,
+                                              "not_compared": []}
+    # wall-clock values (HF's train_runtime, ..._per_second) differ between any two runs: not compared, listed
+    ref.write_text('{"step": 1, "loss": 0.5, "train_runtime": 12.5, "train_steps_per_second": 3.2}\n')
+    other.write_text('{"step": 1, "loss": 0.5, "train_runtime": 50.1, "train_steps_per_second": 0.8}\n')
+    cmp = bench.compare_logs(ref, other)
+    assert cmp["equal"] and cmp["not_compared"] == ["train_runtime", "train_steps_per_second"]
+    ref.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n')
     other.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.2500001}\n')
     cmp = bench.compare_logs(ref, other)
     assert not cmp["equal"] and cmp["first_difference"]["step"] == 2 and cmp["first_difference"]["key"] == "loss"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -13,6 +14,7 @@ from ripresa.errors import BadInput, RipresaError
 from ripresa.store.retention import (
     DEFAULT_RETENTION,
     KeepAny,
+    KeepBest,
     KeepEvery,
     KeepLast,
     KeepSteps,
@@ -385,3 +387,89 @@ def test_after_a_format_change_keep_last_counts_bin_and_general_generations_as_o
     # and back: a .bin session prunes the general generations with its own
     run("andrea", 7, seen)
     assert seen[-1] == ([7], [6])
+
+
+# ----------------------------------------------------------------------------- KeepBest: retention by a metric
+def _m(**values: float) -> dict[int, dict[str, float]]:
+    return {int(k[1:]): {"val_loss": v} for k, v in values.items()}
+
+
+def test_keep_best_is_pure_over_steps_and_metrics() -> None:
+    metrics = _m(s10=0.5, s20=0.3, s30=0.9, s40=0.3, s50=float("nan"))
+    assert KeepBest("val_loss", k=2).keep_scored([10, 20, 30, 40, 50], metrics) == {20, 40}
+    assert KeepBest("val_loss", k=1).keep_scored([10, 20, 30, 40], metrics) == {20}  # a tie keeps the older
+    assert KeepBest("val_loss", k=2, mode="max").keep_scored([10, 20, 30, 40, 50], metrics) == {30, 10}
+    assert KeepBest("val_loss", k=5).keep_scored([10, 60], metrics) == {10}  # no value: not a candidate
+    assert KeepBest("val_loss").keep([10, 20]) == set()  # no metrics known: nothing is best
+    assert KeepBest("acc").keep_scored([10, 20], metrics) == set()
+
+
+def test_keep_best_composes_and_the_newest_is_always_kept() -> None:
+    policy = KeepLast(1) | KeepBest("val_loss", k=2)
+    assert isinstance(policy, KeepAny) and policy.metric_names == ("val_loss",)
+    metrics = _m(s10=0.2, s20=0.1, s30=0.7, s40=0.8)
+    assert plan_deletions([10, 20, 30, 40], policy, newest_valid=40, metrics=metrics) == [30]
+    # KeepBest alone: the newest is still kept for resume
+    assert plan_deletions([10, 20, 30, 40], KeepBest("val_loss"), newest_valid=40, metrics=metrics) == [10, 30]
+    # applied save after save (top-k is monotone): deleting what is dropped never changes the later answer
+    kept: list[int] = []
+    for step in (10, 20, 30, 40):
+        kept.append(step)
+        for gone in plan_deletions(kept, policy, newest_valid=step, metrics=metrics):
+            kept.remove(gone)
+    assert kept == [10, 20, 40]
+
+
+def test_keep_best_spec_round_trips_and_refuses_nonsense() -> None:
+    for spec in ("best=val_loss:2:min", "last=1,best=acc:3:max", "best=eval/loss:1:min"):
+        assert parse_retention(spec).spec == spec
+    assert parse_retention("best=val_loss") == KeepBest("val_loss", 1, "min")
+    for spec in ("best=val_loss:0", "best=val_loss:2:up", "best=:2", "best=a b:1"):
+        with pytest.raises(BadInput):
+            parse_retention(spec)
+    with pytest.raises(ValueError):
+        KeepBest("val_loss", mode="lowest")
+    with pytest.raises(TypeError):
+        KeepBest(3)  # type: ignore[arg-type]
+
+
+def test_a_checkpointer_keeps_the_best_by_val_loss_across_a_resume(tmp_path) -> None:
+    """The real thing: generations on disk, the metric reported through step_done, a new process-like resume."""
+    import torch
+
+    import ripresa
+    from ripresa.session.checkpointer import METRICS_NAME
+
+    def state() -> ripresa.TrainingState:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(2, 1)
+        return ripresa.TrainingState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+
+    val = {2: 0.9, 4: 0.2, 6: 0.5, 8: 0.7, 10: 0.1, 12: 0.8}
+    policy = KeepLast(1) | KeepBest("val_loss", k=2, mode="min")
+
+    def steps(ckpt, first: int, last: int) -> None:
+        for s in range(first, last + 1):
+            extra = {"val_loss": val[s]} if s in val and s != 8 else {}
+            ckpt.step_done(s, loss=1.0 / s, **extra)
+
+    run = tmp_path / "run"
+    ckpt = ripresa.Checkpointer(run, state(), every=2, retention=policy, asynchronous=False, handle_signals=False)
+    assert ckpt.resume() == 0
+    steps(ckpt, 1, 8)  # val_loss reported at 2, 4, 6 (not 8: step 8 carries 6's value, 0.5)
+    ckpt.close(final_save=False)
+    on_disk = sorted(int(p.name[5:11]) for p in run.glob("step_*.safetensors"))
+    assert on_disk == [4, 6, 8], on_disk  # 4 (0.2) and 6/8 (0.5: the tie keeps 6) best; 8 newest
+    recorded = json.loads((run / METRICS_NAME).read_text())["steps"]
+    assert recorded["8"] == {"val_loss": 0.5} and recorded["4"] == {"val_loss": 0.2}
+    ckpt = ripresa.Checkpointer(run, state(), every=2, retention=policy, asynchronous=False, handle_signals=False)
+    assert ckpt.resume() == 8
+    steps(ckpt, 9, 12)  # 10: 0.1 (the best), 12: 0.8
+    ckpt.close(final_save=False)
+    on_disk = sorted(int(p.name[5:11]) for p in run.glob("step_*.safetensors"))
+    assert on_disk == [4, 10, 12], on_disk
+    # a hostile metrics file is refused before anything is deleted on its word
+    (run / METRICS_NAME).write_text('{"schema": "ripresa.retention_metrics/1", "steps": {"4": {"val_loss": "x"}}}')
+    with pytest.raises(BadInput, match="retention metrics"):
+        ripresa.Checkpointer(run, state(), every=2, retention=policy, handle_signals=False)
+    assert sorted(int(p.name[5:11]) for p in run.glob("step_*.safetensors")) == [4, 10, 12]

@@ -59,7 +59,7 @@ def test_train_writes_generations_audits_sidecars_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_verify_the_engine_at_tolerance_zero(tmp_path):
     out = tmp_path / "v"
-    res = ripresa_cli("verify", "--steps", "6", "--cut", "3", "--tolerance", "0", "--output", out, "--",
+    res = ripresa_cli("verify", "--contract", "--steps", "6", "--cut", "3", "--tolerance", "0", "--output", out, "--",
                       sys.executable, "-m", "ripresa", "train", *FAST, "--every", "0", "--no-audit")
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads((out / "verification.json").read_text())

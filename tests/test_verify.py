@@ -44,7 +44,7 @@ def test_verify_resume_script_passes_on_the_exercise(tmp_path):
 @pytest.mark.slow
 def test_ripresa_verify_with_explicit_command(tmp_path):
     out = tmp_path / "v"
-    res = ripresa_cli("verify", "--steps", "10", "--cut", "5", "--output", out, "--", sys.executable, "-B", str(TRAIN))
+    res = ripresa_cli("verify", "--contract", "--steps", "10", "--cut", "5", "--output", out, "--", sys.executable, "-B", str(TRAIN))
     assert res.returncode == 0, res.stdout + res.stderr
     assert json.loads((out / "verification.json").read_text())["all_checks_passed"] is True
 
@@ -62,7 +62,7 @@ def test_ripresa_verify_with_explicit_command(tmp_path):
 )
 def test_broken_resumes_are_caught(tmp_path, fault, first_part):
     out = tmp_path / fault
-    res = ripresa_cli("verify", "--output", out, "--", sys.executable, "-B", str(FIXTURES / "faulty_regression.py"), "--fault", fault)
+    res = ripresa_cli("verify", "--contract", "--output", out, "--", sys.executable, "-B", str(FIXTURES / "faulty_regression.py"), "--fault", fault)
     assert res.returncode == 1, res.stdout + res.stderr
     report = json.loads((out / "verification.json").read_text())
     assert report["positive"] is False and report["all_checks_passed"] is False

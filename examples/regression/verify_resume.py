@@ -17,4 +17,4 @@ from ripresa.cli import main
 
 if __name__ == "__main__":
     train = Path(__file__).resolve().with_name("train.py")
-    sys.exit(main(["verify", *sys.argv[1:], "--", sys.executable, "-B", str(train)]))
+    sys.exit(main(["verify", "--contract", *sys.argv[1:], "--", sys.executable, "-B", str(train)]))

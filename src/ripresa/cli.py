@@ -64,11 +64,12 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
         sub, "verify", _cmd_verify,
         help="prove a resume exact: continuous vs interrupted vs resumed vs resumed-without-RNG",
         description="Run a trainer four times in fresh processes and compare the trajectories after the cut. "
-        "A trainer that follows the contract --steps/--output/--resume/--omit-rng-restore and writes summary.json "
-        "is run with those options; any other script that uses ripresa's Checkpointer is run unchanged and its "
-        "Checkpointer is steered through the environment (RIPRESA_VERIFY) and records the trajectory itself. "
-        "By default the contract is tried first and, when no summary.json appears, the script is steered "
-        "(docs/VERIFY.md). Without a command after --, the 33-parameter reference exercise is verified.",
+        "By default the script (one that uses ripresa's Checkpointer, or a framework integration) runs unchanged and "
+        "its Checkpointer is steered through the environment (RIPRESA_VERIFY) into folders under --output, where it "
+        "records the trajectory itself: the script's own run folder is never touched. With --contract, a trainer "
+        "that follows the contract --steps/--output/--resume/--omit-rng-restore and writes summary.json is run with "
+        "those options (docs/VERIFY.md). Without a command after --, the 33-parameter reference exercise is verified "
+        "(a contract trainer).",
         usage="ripresa verify --output DIR [--steps N] [--cut K] [--tolerance T] [--contract | --steer] [-- python train.py ARGS...]",
     )
     p.add_argument("--output", type=Path, required=True, help="new folder for the four runs and verification.json")
@@ -78,18 +79,19 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--json", action="store_true", help="print verification.json instead of tables")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--contract", dest="mode", action="store_const", const="contract", default="auto",
-                     help="the command implements the contract (no steering, no fallback)")
+    how.add_argument("--contract", dest="mode", action="store_const", const="contract", default=None,
+                     help="the command implements the contract (--steps/--output/--resume/--omit-rng-restore)")
     how.add_argument("--steer", dest="mode", action="store_const", const="steer",
-                     help="run the command unchanged and steer its Checkpointer (no contract attempt)")
+                     help="run the command unchanged and steer its Checkpointer (the default for a command)")
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .verify.verify import reference_exercise_command, render_verdict, verify_resume
 
     command = args.trainer or reference_exercise_command()
+    mode = args.mode or ("steer" if args.trainer else "contract")  # the reference exercise is a contract trainer
     verdict = verify_resume(command, output=args.output, steps=args.steps, cut=args.cut, atol=args.tolerance, rtol=args.rtol,
-                             mode=args.mode)
+                             mode=mode)
     if args.json:
         import json
 
@@ -227,8 +229,11 @@ def _every(text: str) -> int | str:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .engine.gpt.train import TrainArgs, run
     from .session.cadence import parse_duration, parse_max_redo
+    from .session.checkpointer import local_run_dir
     from .session.deadline import deadline_time
 
+    if args.run is not None:
+        args.run = local_run_dir(args.run, "--run")  # s3://... is refused with the --mirror hint, never a folder 's3:'
     if args.steps is not None and args.steps < 0:
         raise BadInput("--steps must be >= 0", found=args.steps)
     if args.every is not None and args.every != "auto" and args.every < 0:

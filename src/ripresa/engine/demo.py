@@ -67,7 +67,7 @@ def run_demo(out: Path, console: Console | None = None) -> int:
 
 def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
     console.rule("[bold]1/2 · proving a resume exact on the 33-parameter reference exercise")
-    verdict = verify_resume(reference_exercise_command(), output=out / "verify", steps=10, cut=5)
+    verdict = verify_resume(reference_exercise_command(), output=out / "verify", steps=10, cut=5, mode="contract")
     render_verdict(verdict, console)
     if not verdict.passed:
         return verdict.exit_code

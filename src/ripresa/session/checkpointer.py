@@ -47,7 +47,9 @@ are ``step_NNNNNN.dcp`` folders written by all ranks. See
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -58,7 +60,7 @@ from typing import Any
 
 from ..core.state import Progress, TrainingState, _tensor_tree_clone
 from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed
-from ..io.fsio import write_atomic
+from ..io.fsio import read_json_small, write_atomic
 from ..store.async_save import AsyncCheckpointWriter
 from ..store.backend import (
     ForeignCheckpointWarning,
@@ -107,6 +109,90 @@ _RESTORE_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError, 
 _MODE_NAMES = {"single": "single-process", "ddp": "DDP", "fsdp2": "sharded (FSDP2)"}
 #: How messages name each kind of generation (its file).
 _KIND_FILES = {"bin": "ANDREA .bin", "st": "general .safetensors", "dcp": "sharded .dcp"}
+
+
+#: The run-folder file recording the metric values each generation was saved with (``KeepBest``).
+METRICS_NAME = "retention_metrics.json"
+METRICS_SCHEMA = "ripresa.retention_metrics/1"
+_METRICS_LIMIT = 16 * 1024 * 1024
+
+
+def _as_metric(value: Any) -> float | None:
+    """A reported metric as a finite float (a Python/NumPy number or a one-element tensor), else None."""
+    if isinstance(value, bool) or isinstance(value, str | bytes):
+        return None
+    try:
+        v = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def read_metrics_sidecar(path: Path) -> dict[int, dict[str, float]]:
+    """The ``{step: {metric: value}}`` recorded in ``retention_metrics.json``; {} when absent.
+
+    Read through the safe opener (no link followed, size bounded); anything but
+    the schema written by the ``Checkpointer`` is a :class:`BadInput`: a metric
+    retention policy must not delete generations on values it cannot trust.
+    """
+    if not os.path.lexists(path):
+        return {}
+    doc = read_json_small(path, "the retention metrics", _METRICS_LIMIT)
+
+    def bad(found: str) -> BadInput:
+        return BadInput("the retention metrics file is not what the Checkpointer writes", file=path,
+                        expected=f'{{"schema": "{METRICS_SCHEMA}", "steps": {{"STEP": {{"METRIC": number}}}}}}',
+                        found=found, hint="move the file away: the best-by-metric generations kept so far then lose "
+                                          "their values and only the step-based part of the policy keeps them")
+
+    if not isinstance(doc, dict) or doc.get("schema") != METRICS_SCHEMA or not isinstance(doc.get("steps"), dict):
+        raise bad(f"{str(doc)[:120]}")
+    out: dict[int, dict[str, float]] = {}
+    for key, values in doc["steps"].items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 18) or not isinstance(values, dict):
+            raise bad(f"step entry {str(key)[:40]!r}")
+        clean: dict[str, float] = {}
+        for name, v in values.items():
+            if not isinstance(name, str) or isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise bad(f"step {key}: {str(name)[:40]!r} = {str(v)[:40]}")
+            clean[name] = float(v)
+        out[int(key)] = clean
+    return out
+
+
+_URL_RE = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+
+
+def local_run_dir(run_dir: str | os.PathLike[str], what: str = "run_dir") -> Path:
+    """``run_dir`` as a local folder; a URL is refused, never turned into a folder named ``s3:``.
+
+    ``file:///abs/path`` (and ``file://localhost/abs/path``) is the local
+    folder it names. Any other ``scheme://...`` (``s3://``, ``gs://``,
+    ``https://``, ...) raises :class:`BadInput` with the fix: a local run folder
+    and the URL as its ``mirror`` (docs/MIRROR.md). A local folder whose name
+    really starts with ``word:`` is written ``./word:/...`` (as text).
+    """
+    text = os.fspath(run_dir)
+    if isinstance(text, bytes):
+        raise TypeError(f"{what} must be a str or os.PathLike of str, not bytes")
+    m = _URL_RE.match(text)
+    if m is None:
+        return Path(text)
+    scheme = m["scheme"].lower()
+    after = text[len(m["scheme"]) + 1:]  # '//host/path', or '/path' when Path() collapsed the '//'
+    if scheme == "file":
+        if not after.startswith("//"):
+            return Path(after)
+        host, _, tail = after[2:].partition("/")
+        if host.lower() not in ("", "localhost"):
+            raise BadInput(f"{what} is a file:// URL of another host", file=text, expected="file:///absolute/path",
+                           found=f"host {host!r}", hint="name a local folder")
+        return Path("/" + tail)
+    url = f"{m['scheme']}://{after.lstrip('/')}"
+    raise BadInput(f"{what} is a URL, not a local run folder: a run folder is always local", file=text,
+                   expected="a local folder (a path, or file:///absolute/path)", found=f"a {scheme}:// URL",
+                   hint=f"keep the run in a local folder and mirror it there: Checkpointer('runs/x', state, "
+                        f"mirror={url!r}) or ripresa train --run runs/x --mirror {url} (docs/MIRROR.md)")
 
 
 class Checkpointer:
@@ -213,7 +299,7 @@ class Checkpointer:
         self.deadline = Deadline(deadline) if deadline is not None else None  # both checked before the folder is locked
         #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
         self.steering = Steering.take_from_env()
-        self.run_dir = Path(run_dir) if self.steering is None else self.steering.run_dir
+        self.run_dir = local_run_dir(run_dir) if self.steering is None else self.steering.run_dir
         if fresh and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise BadInput("--fresh refuses a run folder that is not empty", file=self.run_dir,
                            expected="an empty or new folder", found=sorted(p.name for p in self.run_dir.iterdir())[:8],
@@ -230,6 +316,10 @@ class Checkpointer:
         self._done_step: int | None = None  # the last step step_done() completed (returned from)
         self.max_failed_saves = max_failed_saves
         self.retention = retention
+        #: The metrics ``retention`` reads (``KeepBest``): each generation records their latest values (docs/RETENTION.md).
+        self._metric_names: tuple[str, ...] = getattr(retention, "metric_names", ())
+        self._latest_metrics: dict[str, float] = {}
+        self._gen_metrics: dict[int, dict[str, float]] = {}
         self.format = format
         self.dist: DistContext | None = None if distributed is False else DistContext.detect(state.model)
         if distributed is True and self.dist is None:
@@ -262,8 +352,17 @@ class Checkpointer:
                 self._shards = ShardedWriter(self.dist)
             asynchronous = asynchronous and self.dist.is_main
         asynchronous = asynchronous and self.backend.background
+        if self._metric_names and (self.dist is None or self.dist.is_main):
+            try:
+                self._gen_metrics = read_metrics_sidecar(self.run_dir / METRICS_NAME)
+            except BaseException:
+                self.history.close()
+                self.store.close()
+                raise
+            self.store.metrics = lambda: self._gen_metrics  # read by retention, in the writer's thread too
         self.mirror: Mirror | None = None
-        if mirror is not None and (self.dist is None or self.dist.is_main):
+        # A steered path (ripresa verify) never writes to the script's mirror: verify touches only its own folders.
+        if mirror is not None and self.steering is None and (self.dist is None or self.dist.is_main):
             try:
                 self.mirror = open_mirror(mirror, self.run_dir, local_retention=retention, event=self.history.event)
                 record_url(self.run_dir, self.mirror.spec.url)
@@ -272,6 +371,7 @@ class Checkpointer:
                 self.store.close()
                 raise
             self.store.pinned = self.mirror.pinned  # local retention keeps what the mirror still lacks
+            self.mirror.metrics = self.store.step_metrics  # a KeepBest policy keeps the same best ones remotely
         if self.history.repaired_torn_line:
             self.history.event("torn_line_terminated")
         previous = newest_kind(self.backends)
@@ -365,6 +465,9 @@ class Checkpointer:
         """Record a restored generation: progress, history event, world change, config."""
         self.progress = restored.progress
         self._resumed_step = self.progress.step
+        if self._metric_names:  # the metric values as they were at the resumed step; later ones belong to no generation
+            self._gen_metrics = {s: m for s, m in self._gen_metrics.items() if s <= self._resumed_step}
+            self._latest_metrics = dict(self._gen_metrics.get(self._resumed_step, {}))
         if gen.foreign:  # weights, m and v only: no generation of this run was resumed
             self.history.event("resume", from_step=gen.step, file=str(gen.path), **restored.event)
             self._write_config()
@@ -563,6 +666,8 @@ class Checkpointer:
         if "epoch" in metrics:
             p.epoch = int(metrics["epoch"])
         self.history.step(step, **metrics)
+        if self._metric_names:
+            self._note_metrics(metrics)
         steered_stop = False
         if self._recorder is not None and not self._recorder.finished:
             self._recorder.step(step, metrics)
@@ -659,7 +764,28 @@ class Checkpointer:
         self._save(self.progress.step, reason, must_succeed=True)
         return self._collect(block=True, must_succeed=True)
 
+    def _note_metrics(self, metrics: Mapping[str, Any]) -> None:
+        """Keep the latest finite value of each metric the retention policy reads."""
+        for name in self._metric_names:
+            if name in metrics:
+                value = _as_metric(metrics[name])
+                if value is None:
+                    self._latest_metrics.pop(name, None)  # NaN / inf / not a number: this step is not a candidate
+                else:
+                    self._latest_metrics[name] = value
+
+    def _record_metrics(self, step: int) -> None:
+        """Record, before generation ``step`` is committed, the metric values it is saved with (``KeepBest``)."""
+        if not self._metric_names or (self.dist is not None and not self.dist.is_main):
+            return
+        older = {s: m for s, m in self._gen_metrics.items() if s < step}
+        self._gen_metrics = {**older, step: dict(self._latest_metrics)}  # a new dict: the writer's thread reads it
+        doc = {"schema": METRICS_SCHEMA, "metric_names": list(self._metric_names),
+               "steps": {str(s): m for s, m in sorted(self._gen_metrics.items())}}
+        write_atomic(self.run_dir / METRICS_NAME, [json.dumps(doc, indent=1).encode() + b"\n"])
+
     def _save(self, step: int, reason: str, must_succeed: bool) -> None:
+        self._record_metrics(step)
         if self.dist is not None:
             self._save_dist(step, reason, must_succeed)
             return

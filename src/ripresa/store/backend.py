@@ -342,7 +342,7 @@ class DcpBackend(_Base):
                                  n_params=n, state=rest, hmac_key=self.store.hmac_key)
             valid = [g.step for g in self.generations() if g.valid]
             for old in plan_deletions(valid, self.store.retention, newest_valid=step,
-                                      protected=self.store.protected_steps(valid)):
+                                      protected=self.store.protected_steps(valid), metrics=self.store.step_metrics()):
                 self.delete(old)
             return gen
 

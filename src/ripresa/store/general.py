@@ -321,7 +321,8 @@ def retain_across_kinds(store: CheckpointStore, *, newest_valid: int) -> list[in
             if g.valid:
                 kinds.setdefault(g.step, []).append(backend)
     doomed = plan_deletions(sorted(kinds), store.retention, newest_valid=newest_valid,
-                            protected=store.protected_steps(sorted(kinds)))  # a mirror's pending uploads
+                            protected=store.protected_steps(sorted(kinds)),  # a mirror's pending uploads
+                            metrics=store.step_metrics())  # KeepBest's values
     for step in doomed:
         for backend in kinds[step]:
             backend.delete(step)

@@ -43,7 +43,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -443,6 +443,8 @@ class Mirror:
         self.run_dir = Path(run_dir)
         self.store = store if store is not None else MirrorTarget(open_store(spec.url, timeout=spec.timeout), explicit=True)
         self.policy = spec.keep if spec.keep is not None else default_remote_policy(local_retention)
+        #: The metrics recorded with each generation (a ``KeepBest`` policy): the Checkpointer sets it.
+        self.metrics: Callable[[], Mapping[int, Mapping[str, float]]] = dict
         self._event = _safe(event)
         self.last_upload_seconds: float | None = None
         self.uploaded: list[int] = []
@@ -733,7 +735,7 @@ class Mirror:
         remote = self._remote.committed if self._remote is not None else {}
         candidates = {m: s for m, s in local.items() if m not in remote and m not in self._refused}
         every = sorted(set(remote.values()) | set(candidates.values()))
-        keep = self.policy.keep(every) | ({every[-1]} if every else set())
+        keep = self.policy.keep_scored(every, self.metrics()) | ({every[-1]} if every else set())
         for m, s in candidates.items():
             if s not in keep and m not in self._superseded:
                 self._superseded.add(m)
@@ -940,7 +942,7 @@ class Mirror:
         steps = sorted(set(committed.values()))
         if not steps:
             return
-        keep = self.policy.keep(steps) | {steps[-1]}
+        keep = self.policy.keep_scored(steps, self.metrics()) | {steps[-1]}
         for main, step in sorted(committed.items(), key=lambda x: x[1]):
             if step not in keep:
                 self._delete_group(main)

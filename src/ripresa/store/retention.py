@@ -14,8 +14,16 @@ Python API; only :func:`parse_retention`, which reads text from a user, raises
 * :class:`KeepLast` — the ``n`` newest steps;
 * :class:`KeepEvery` — every step divisible by ``k`` (milestones);
 * :class:`KeepSteps` — named "major" steps, e.g. the step before a pivot;
+* :class:`KeepBest` — the ``k`` best steps by a metric the loop reports
+  (``step_done(step, val_loss=...)``), ``mode="min"`` or ``"max"``: Lightning's
+  ``save_top_k``/``monitor``, the HF ``Trainer``'s ``metric_for_best_model``;
 * :class:`KeepAny` — the union of several policies: a step is kept if *any*
-  of them keeps it. ``KeepLast(3) | KeepEvery(1000)`` builds one.
+  of them keeps it. ``KeepLast(3) | KeepEvery(1000)`` builds one;
+  ``KeepLast(1) | KeepBest("val_loss", k=2)`` keeps the newest and the two best.
+
+A metric policy reads, beside the steps, the metric values recorded with each
+generation (``{step: {"val_loss": 0.41}}``, see :meth:`RetentionPolicy.keep_scored`);
+it stays a pure function of those two lists.
 
 Two guarantees hold whatever the policy says: the newest valid step is never
 deleted, and neither is a *protected* step (a generation being written, or one
@@ -27,6 +35,7 @@ The same policies have a one-line text form for the CLI and ``config.json``::
     last=3                      keep the 3 newest
     last=3,every=1000           ... and every 1000th step
     last=2,steps=500+1200       ... and steps 500 and 1200
+    last=1,best=val_loss:2:min  the newest and the 2 lowest val_loss
 
 Terms are joined by commas and combined by union; :attr:`RetentionPolicy.spec`
 writes that form back, and :func:`parse_retention` reads it.
@@ -34,9 +43,10 @@ writes that form back, and :func:`parse_retention` reads it.
 
 from __future__ import annotations
 
+import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,6 +57,7 @@ from ..errors import BadInput
 __all__ = [
     "DEFAULT_RETENTION",
     "KeepAny",
+    "KeepBest",
     "KeepEvery",
     "KeepLast",
     "KeepSteps",
@@ -55,8 +66,11 @@ __all__ = [
     "plan_deletions",
 ]
 
-_SPEC_GRAMMAR = "comma-separated terms: last=N, every=K, steps=S1+S2+... (N, K >= 1; steps >= 0)"
-_SPEC_EXAMPLE = "e.g. 'last=3', 'last=3,every=1000' or 'last=2,steps=500+1200'"
+_SPEC_GRAMMAR = ("comma-separated terms: last=N, every=K, steps=S1+S2+..., best=METRIC[:K[:min|max]] "
+                 "(N, K >= 1; steps >= 0)")
+_SPEC_EXAMPLE = "e.g. 'last=3', 'last=3,every=1000', 'last=2,steps=500+1200' or 'last=1,best=val_loss:2:min'"
+#: What a metric policy is told: the metric values recorded with each step's generation.
+StepMetrics = Mapping[int, Mapping[str, float]]
 
 
 def _as_step(value: object, what: str) -> int:
@@ -84,6 +98,19 @@ class RetentionPolicy(ABC):
     @abstractmethod
     def spec(self) -> str:
         """The one-line text form, readable back by :func:`parse_retention`."""
+
+    def keep_scored(self, steps: Sequence[int], metrics: StepMetrics) -> set[int]:
+        """The subset of ``steps`` kept, knowing the metrics recorded with each step.
+
+        ``metrics`` maps a step to the values its generation was saved with
+        (a step may be missing, or lack a name). Step-only policies ignore it.
+        """
+        return self.keep(steps)
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The metrics this policy reads (the ``Checkpointer`` records them with each generation)."""
+        return ()
 
     def __or__(self, other: RetentionPolicy) -> KeepAny:
         """``a | b`` keeps a step if ``a`` or ``b`` keeps it."""
@@ -184,21 +211,76 @@ class KeepAny(RetentionPolicy):
                 flat.append(p)
             else:
                 raise TypeError(f"KeepAny.policies holds {p!r:.80}, not a retention policy "
-                                "(KeepLast, KeepEvery, KeepSteps or KeepAny)")
+                                "(KeepLast, KeepEvery, KeepSteps, KeepBest or KeepAny)")
         if not flat:
             raise ValueError(f"KeepAny needs at least one policy (the default is {DEFAULT_RETENTION.spec!r})")
         object.__setattr__(self, "policies", tuple(flat))
 
     def keep(self, steps: Sequence[int]) -> set[int]:
+        return self.keep_scored(steps, {})
+
+    def keep_scored(self, steps: Sequence[int], metrics: StepMetrics) -> set[int]:
         clean = sorted(_as_steps(steps, "step"))
         kept: set[int] = set()
         for p in self.policies:
-            kept |= p.keep(clean)
+            kept |= p.keep_scored(clean, metrics)
         return kept
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n for p in self.policies for n in p.metric_names))
 
     @property
     def spec(self) -> str:
         return ",".join(p.spec for p in self.policies)
+
+
+_METRIC_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
+
+
+@dataclass(frozen=True)
+class KeepBest(RetentionPolicy):
+    """Keep the ``k`` best steps by ``metric``: the lowest (``mode="min"``) or highest (``"max"``) values.
+
+    The value of a step is the one recorded with its generation: the latest
+    ``metric`` the loop reported through ``step_done(step, **metrics)`` at or
+    before that step (docs/RETENTION.md). A step without a finite value (never
+    reported, NaN, inf) is not kept by this policy; ties keep the older step
+    (a later step must be strictly better to displace it, as Lightning's
+    ``save_top_k``). Alone it keeps nothing but the best: combine it with
+    :class:`KeepLast` (``KeepLast(1) | KeepBest("val_loss", k=2)``) to keep
+    fallbacks; the newest generation is kept for resume whatever the policy.
+    """
+
+    metric: str
+    k: int = 1
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not _METRIC_RE.match(self.metric):
+            raise TypeError(f"KeepBest.metric must be a metric name such as 'val_loss', not {self.metric!r:.80}")
+        _set_count(self, "k", "KeepBest(metric, k=1) keeps the single best")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"KeepBest.mode must be 'min' or 'max', not {self.mode!r:.40}")
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return set()  # no metric known: nothing is best (the newest is kept by plan_deletions)
+
+    def keep_scored(self, steps: Sequence[int], metrics: StepMetrics) -> set[int]:
+        scored = []
+        for s in _as_steps(steps, "step"):
+            value = (metrics.get(s) or {}).get(self.metric)
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                scored.append(((value if self.mode == "min" else -value), s))
+        return {s for _, s in sorted(scored)[: self.k]}
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.metric,)
+
+    @property
+    def spec(self) -> str:
+        return f"best={self.metric}:{self.k}:{self.mode}"
 
 
 #: Keep the three newest generations: one to resume from, two to fall back on
@@ -212,6 +294,7 @@ def plan_deletions(
     *,
     newest_valid: int | None,
     protected: Iterable[int] = (),
+    metrics: StepMetrics | None = None,
 ) -> list[int]:
     """The steps whose generations may be deleted, sorted ascending.
 
@@ -226,6 +309,10 @@ def plan_deletions(
     * ``protected`` steps (a generation being written, one a fork reads) are
       never deleted.
 
+    ``metrics`` are the values recorded with each step's generation, for a
+    metric policy (:class:`KeepBest`); without them such a policy keeps nothing
+    beyond what the guarantees keep.
+
     Applying the result and calling again with the remaining steps deletes
     nothing more.
     """
@@ -235,7 +322,7 @@ def plan_deletions(
         keep_always.add(_as_step(newest_valid, "newest_valid"))
     if valid:
         keep_always.add(max(valid))
-    kept = policy.keep(sorted(valid))
+    kept = policy.keep_scored(sorted(valid), metrics or {})
     return sorted(valid - kept - keep_always)
 
 
@@ -283,6 +370,14 @@ def parse_retention(spec: str, *, source: str | Path | None = None) -> Retention
                 policies.append(KeepLast(number(term, value, at_least=1)))
             elif key == "every":
                 policies.append(KeepEvery(number(term, value, at_least=1)))
+            elif key == "best":
+                name, _, more = value.partition(":")
+                k_text, _, mode = more.partition(":")
+                k = number(term, k_text.strip(), at_least=1) if k_text.strip() else 1
+                mode = mode.strip().lower() or "min"
+                if mode not in ("min", "max"):
+                    raise bad(f"in retention term {term!r}: the mode is 'min' or 'max', not {mode!r}", repr(spec))
+                policies.append(KeepBest(name.strip(), k, mode))
             elif key == "steps":
                 parts = value.split("+")
                 policies.append(KeepSteps(frozenset(number(term, p.strip(), at_least=0) for p in parts)))

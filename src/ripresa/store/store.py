@@ -34,7 +34,7 @@ import hashlib
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +134,9 @@ class CheckpointStore:
         self.lock: RunLock | None = None
         #: steps retention must keep besides its policy (a mirror's pending uploads: docs/MIRROR.md), or None
         self.pinned: Callable[[Iterable[int]], Iterable[int]] | None = None
+        #: The metrics recorded with each generation, for a metric retention policy (``KeepBest``): set by the
+        #: ``Checkpointer``; None: none known.
+        self.metrics: Callable[[], Mapping[int, Mapping[str, float]]] | None = None
         self.removed_temporaries: list[Path] = []
         self.require_signature = auth.require_signature_from_env() if require_signature is None else bool(require_signature)
         # A writer loads the key now (a misconfigured key fails at start, not at the
@@ -240,12 +243,16 @@ class CheckpointStore:
         """The steps of ``valid`` that :attr:`pinned` keeps (a mirror's pending uploads)."""
         return set(self.pinned(list(valid))) if self.pinned is not None else set()
 
+    def step_metrics(self) -> Mapping[int, Mapping[str, float]]:
+        """The metrics recorded with each generation (:attr:`metrics`), or an empty mapping."""
+        return self.metrics() if self.metrics is not None else {}
+
     def apply_retention(self, *, newest_valid: int, protected: tuple[int, ...] = ()) -> list[int]:
         """Delete generations the policy drops (never ``newest_valid``, nor a pinned one); return their steps."""
         self._require_writer()
         valid = [g.step for g in self.generations() if g.valid]
         doomed = plan_deletions(valid, self.retention, newest_valid=newest_valid,
-                                protected=(*protected, *self.protected_steps(valid)))
+                                protected=(*protected, *self.protected_steps(valid)), metrics=self.step_metrics())
         for step in doomed:
             self.delete(step)
         if doomed:

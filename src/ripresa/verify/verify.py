@@ -18,13 +18,15 @@ random stream, the next LR and the final evaluation. The state the resumed
 process holds right after its restore is also compared with the state the
 interrupted process saved, so a fault is named where it first appears.
 
-That table is the contract mode. A script that uses the ``Checkpointer`` and
-not the contract runs unchanged on every path, its session steered through
-``RIPRESA_VERIFY`` (:mod:`ripresa.session.steer`): its own run folder per path
+That table is the contract mode (``mode="contract"``, ``--contract``). The
+default mode is the steered one: a script that uses the ``Checkpointer`` runs
+unchanged on every path, its session steered through ``RIPRESA_VERIFY``
+(:mod:`ripresa.session.steer`): its own run folder per path under ``output``
 (the resumed paths get a copy of the interrupted one), a stop with a save at
-the cut, no RNG restore for the negative case; the session records the same
-``summary.json``. ``mode="auto"`` tries the contract first and steers when
-no ``summary.json`` appears. Random streams whose next draw differs between
+the cut, no RNG restore for the negative case, no mirror; the session records
+the same ``summary.json``. The command is never run as itself: every path
+writes only into folders this verifier owns (docs/VERIFY.md, "Your runs are
+never touched"). Random streams whose next draw differs between
 the two fresh reference processes are never seeded by the command: they are
 reported as not used and not compared (:func:`streams_not_used`).
 
@@ -218,19 +220,18 @@ class PathRun:
     env: dict[str, str] = field(default_factory=dict)  # added to the environment (the steering)
 
 
-#: How the verifier runs the command (docs/VERIFY.md): ``auto`` tries the contract, then steers.
-MODES = ("auto", "contract", "steer")
+#: How the verifier runs the command (docs/VERIFY.md): ``steer`` (the default) or ``contract``.
+MODES = ("steer", "contract")
 REFERENCE = ("continuous", "interrupted")
 RESUMED = ("resume", "resume-without-rng")
 
 
 @dataclass
 class PathRuns:
-    """The four paths as run, how (``contract`` or ``steered``), and the contract attempt set aside by ``auto``."""
+    """The four paths as run, and how (``contract`` or ``steered``)."""
 
     runs: dict[str, PathRun]
     mode: str
-    contract_probe: dict[str, PathRun] | None = None
 
 
 #: How ripresa starts its own reference exercise: ``-P``, nothing from the working folder on ``sys.path``.
@@ -280,7 +281,7 @@ def _wave(runs: dict[str, PathRun], names: Sequence[str], progress_cb) -> None:
             progress_cb(name, rc)
 
 
-def _check_wave(runs: dict[str, PathRun], names: Sequence[str], probe: dict[str, PathRun] | None = None) -> None:
+def _check_wave(runs: dict[str, PathRun], names: Sequence[str]) -> None:
     for name in names:
         r = runs[name]
         # A resumed path that failed after writing its trajectory (e.g. its
@@ -291,10 +292,6 @@ def _check_wave(runs: dict[str, PathRun], names: Sequence[str], probe: dict[str,
             how = "run by hand: " + " ".join(r.argv)
             if r.env:
                 how += f" (steered: {STEER_ENV}='{r.env[STEER_ENV]}')"
-            if probe is not None:
-                p = probe[name]
-                how += (f"; under the contract it exited {p.returncode} without summary.json ({p.log}); "
-                        "pass --contract or --steer to choose")
             raise BadInput(
                 f"the {name} path failed (exit {r.returncode}); the verification could not be completed",
                 file=r.log,
@@ -354,8 +351,8 @@ def _check_steered_reference(runs: dict[str, PathRun], steps: int, cut: int) -> 
                 f"the steered {name} path wrote no summary.json", file=r.output / "summary.json",
                 expected="a script that builds a ripresa Checkpointer and calls its resume()",
                 found=f"exit code {r.returncode}, no trajectory; last lines:\n{_tail(r.log)}",
-                hint="ripresa verify steers scripts that use ripresa.Checkpointer; any other trainer "
-                     "implements the contract (docs/VERIFY.md)",
+                hint="ripresa verify steers scripts that use ripresa.Checkpointer; a trainer that implements "
+                     "the contract (--steps/--output/--resume, summary.json) is verified with --contract (docs/VERIFY.md)",
             )
         doc = read_trajectory(r.output / "summary.json")
         got = (doc.get("final") or {}).get("progress", {}).get("step")
@@ -370,47 +367,26 @@ def _check_steered_reference(runs: dict[str, PathRun], steps: int, cut: int) -> 
         raise BadInput("the steered interrupted path left no run folder", file=runs["interrupted"].output / "run")
 
 
-def _set_aside(runs: dict[str, PathRun], output: Path) -> dict[str, PathRun]:
-    """Move the contract attempt's folders and logs to ``output/contract-probe/``."""
-    probe_dir = output / "contract-probe"
-    probe_dir.mkdir()
-    moved = {}
-    for name, r in runs.items():
-        out, log = probe_dir / r.output.name, probe_dir / r.log.name
-        if os.path.lexists(r.output):
-            os.replace(r.output, out)
-        if os.path.lexists(r.log):
-            os.replace(r.log, log)
-        moved[name] = PathRun(name, r.argv, out, log, r.returncode, r.seconds)
-    return moved
-
-
-def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, progress_cb=None, mode: str = "auto") -> PathRuns:
+def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, progress_cb=None, mode: str = "steer") -> PathRuns:
     """Run the four paths, two at a time (continuous ∥ interrupted, then resume ∥ negative).
 
-    ``contract``: the command implements the contract (docs/VERIFY.md). ``steer``:
-    the command runs unchanged and its ``Checkpointer`` is steered. ``auto``: the
-    contract first; when neither reference path writes ``summary.json`` that
-    attempt is set aside (``output/contract-probe/``) and the command is steered.
+    ``steer`` (default): the command runs unchanged and its ``Checkpointer`` is
+    steered into ``output/PATH/run``. ``contract``: the command implements the
+    contract (docs/VERIFY.md) and is given ``--output``/``--resume`` under ``output``.
+    Either way no path is the command run as itself.
     """
     if mode not in MODES:
         raise BadInput("unknown verification mode", expected=" | ".join(MODES), found=mode)
     steered = mode == "steer"
     runs = (_steered_reference if steered else _contract_reference)(command, steps, cut, output)
     _wave(runs, REFERENCE, progress_cb)
-    probe = None
-    if mode == "auto" and not any(_has_summary(runs[n].output) for n in REFERENCE):
-        probe = _set_aside(runs, output)
-        steered = True
-        runs = _steered_reference(command, steps, cut, output)
-        _wave(runs, REFERENCE, progress_cb)
-    _check_wave(runs, REFERENCE, probe)
+    _check_wave(runs, REFERENCE)
     if steered:
         _check_steered_reference(runs, steps, cut)
     runs.update((_steered_resumed if steered else _contract_resumed)(command, steps, cut, output))
     _wave(runs, RESUMED, progress_cb)
-    _check_wave(runs, RESUMED, probe)
-    return PathRuns(runs, "steered" if steered else "contract", probe)
+    _check_wave(runs, RESUMED)
+    return PathRuns(runs, "steered" if steered else "contract")
 
 
 def saved_checkpoint(folder: Path) -> Path:
@@ -494,14 +470,14 @@ def verify_resume(
     atol: float = 1e-12,
     rtol: float = 0.0,
     show_progress: bool = True,
-    mode: str = "auto",
+    mode: str = "steer",
 ) -> Verdict:
     """Run the protocol for ``command`` into the new folder ``output``; write ``verification.json``.
 
-    ``mode`` (docs/VERIFY.md): ``contract`` — the command implements the
-    trainer's contract; ``steer`` — it uses a ``Checkpointer`` and runs
-    unchanged, steered through the environment; ``auto`` (default) — the
-    contract, and when neither reference path writes ``summary.json``, steered.
+    ``mode`` (docs/VERIFY.md): ``steer`` (default) — the command uses a
+    ``Checkpointer`` and runs unchanged, steered through the environment into
+    folders under ``output``; ``contract`` — the command implements the
+    trainer's contract (``--steps``/``--output``/``--resume``/``--omit-rng-restore``).
     """
     output = Path(output)
     if not 0 < cut < steps:
@@ -550,9 +526,6 @@ def verify_resume(
         "command": list(command),
         "mode": ran.mode,
         "streams_not_used": not_used,
-        "contract_probe": None if ran.contract_probe is None else {
-            name: {"argv": r.argv, "returncode": r.returncode, "log": str(r.log)} for name, r in ran.contract_probe.items()
-        },
         "determinism_before_cut": prefix.as_dict(),
         "checks": {
             "resume": [c.as_dict() for c in positive.checks.values()],
@@ -640,8 +613,8 @@ def render_verdict(verdict: Verdict, console=None) -> None:
         )
     console.print(checks)
     if r.get("mode") == "steered":
-        console.print("steered: the command ran unchanged, its Checkpointer recorded the trajectory"
-                      + (" (the contract was tried first: no summary.json)" if r.get("contract_probe") else ""))
+        console.print("steered: the command ran unchanged in folders ripresa verify owns, its Checkpointer "
+                      "recorded the trajectory")
     if r.get("streams_not_used"):
         console.print(f"random streams not used (never seeded by the command, not compared): {', '.join(r['streams_not_used'])}")
     if not r["determinism_before_cut"]["passed"]:

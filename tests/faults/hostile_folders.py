@@ -1054,7 +1054,9 @@ GEN4_DATA = r"step_000004\.(bin|json)$"
 CONFIG = r"^config\.json$"
 ANY = r".*"
 RIP = (PY, "-m", "ripresa")
-TRAIN = ("--steps", "1", "--every", "1", "--threads", "1", "--quiet", "--no-audit")
+#: ``--steps`` of a run folder is the step the run ends at (docs/FAULTS.md, "The end of a run"): 5 trains one
+#: step past the fixtures' step 4 (a resume then a save), five on a blank folder.
+TRAIN = ("--steps", "5", "--every", "1", "--threads", "1", "--quiet", "--no-audit")
 
 BUNDLE_PARSED = (r"^MANIFEST\.json$", r"^checkpoint/step_000004\.(bin|json)$", CONFIG)
 PT = r"^checkpoint\.pt$"

@@ -993,6 +993,11 @@ def _release(store: Any) -> None:
         release()
 
 
+def _run_record_key(name: str) -> bool:
+    """An object of the run's own record (its manifest, history segments, side files), or a folder of them."""
+    return name in (RUN_MANIFEST, "history", "files") or bool(_SEGMENT.fullmatch(name) or _FILE_KEY.fullmatch(name))
+
+
 def classify_target(names: Iterable[str]) -> tuple[str, list[str]]:
     """What a folder's or a prefix's entries say it is: ``("mirror" | "empty" | "layout" | "run" | "foreign", examples)``.
 
@@ -1006,7 +1011,7 @@ def classify_target(names: Iterable[str]) -> tuple[str, list[str]]:
     run = [n for n in names if n in RUN_SIGNS]
     if run:
         return "run", run[:4]
-    other = [n for n in names if not is_temp_name(n.rsplit("/", 1)[-1])
+    other = [n for n in names if not is_temp_name(n.rsplit("/", 1)[-1]) and not _run_record_key(n)
              and n not in ("config.json", CONFIG_SIG, MIRROR_MARKER + ".lock") and main_of(n) is None]
     if other:
         return "foreign", other[:4]

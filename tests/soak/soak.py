@@ -79,6 +79,10 @@ KINDS = {
 }
 for _k in ("general", "andrea"):
     KINDS[_k].append("sigusr1-start")
+#: The mirror's failure events, bounded per outage (docs/MIRROR.md: an outage is recorded once, with a count);
+#: ``mirror_uploaded``/``mirror_retention`` record each generation's upload and grow with the run, not with outages.
+OUTAGE_EVENTS = frozenset({"mirror_outage", "mirror_recovered", "mirror_retry", "mirror_pending", "mirror_error",
+                           "mirror_failed"})
 #: Seconds a trainer may take to exit after SIGTERM (a store outage included) before it counts as hung.
 HANG_S = 90.0
 OUTAGES = ("down", "stall", "reset", "restart")
@@ -532,7 +536,7 @@ class LapHistory:
         self.events: list[dict[str, Any]] = []
         self.from_mirror = False
         self.mirror_resumes = 0  # starts after a lost folder that resumed a pulled generation (step > 0)
-        self.mirror_lines = 0  # history lines of mirror events (mirror_failed, mirror_pending, ...)
+        self.mirror_lines = 0  # history lines of the mirror's failure events (OUTAGE_EVENTS)
         self.start_pids: set[int] = set()  # pids of the soak_start lines read
 
     def reset_file(self) -> None:
@@ -575,7 +579,7 @@ class LapHistory:
                 self.diverged.append(step)
             return
         self.events.append(rec)
-        if isinstance(ev, str) and "mirror" in ev:
+        if ev in OUTAGE_EVENTS:
             self.mirror_lines += 1
         if ev == "checkpoint":
             self.generations += 1
@@ -792,6 +796,13 @@ class Lane:
         if self.mirror is not None:
             shutil.rmtree(self.mirror, ignore_errors=True)
 
+    def _ended_at_total(self, hist: LapHistory, rc: int | None) -> bool:
+        """The trainer had reached the lap's last step: a SIGTERM then lands in close() (exit 0) or after it,
+        once the Checkpointer gave the signal back (its default action), with nothing left to save."""
+        hist.poll()
+        return (rc in (0, -signal.SIGTERM) and hist.last_step == TOTAL[self.name]
+                and TOTAL[self.name] in (hist.committed, hist.starts[-1] if hist.starts else None))
+
     def running(self, hist: LapHistory, trainer: Trainer, timeout: float = 120) -> bool:
         """Wait until this trainer has resumed (its soak_start line): signal handlers are installed."""
         def mine(r: dict[str, Any]) -> bool:  # torchrun: one of this launcher's ranks, never an orphan of a previous one
@@ -854,9 +865,7 @@ class Lane:
                 stops = [e["step"] for e in mine if e.get("event") == "signal" and e.get("action") == "stop"]
                 saved = [e["step"] for e in mine if e.get("event") == "checkpoint" and e.get("reason") == "stop"]
                 last = hist.last_step
-                # at its last step the loop is over: the stop lands in close() (exit 0) or after it (default action)
-                at_end = (rc in (0, -signal.SIGTERM) and last == TOTAL[self.name]
-                          and TOTAL[self.name] in (hist.committed, hist.starts[-1] if hist.starts else None))
+                at_end = self._ended_at_total(hist, rc)
                 if not at_end and (rc != 0 or stops != [last] or saved != [last]):
                     ok = False
                     self.failures.append(f"SIGTERM: exit {rc}, stop signal at {stops}, stop checkpoint {saved}, "
@@ -906,7 +915,7 @@ class Lane:
                         ok = False
                         self.failures.append(f"outage-close ({how}): hung (no exit within {HANG_S:.0f} s of SIGTERM)")
                         trainer.kill_all()
-                    elif sent and rc != 0:
+                    elif sent and rc != 0 and not self._ended_at_total(hist, rc):
                         ok = False
                         self.failures.append(f"outage-close ({how}): exit {rc} after SIGTERM")
                     elif sent:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
 # the order of ripresa.__all__: version, state, samplers, session, checkpoint.pt, store, verify, errors
-PUBLIC = ("__version__ TrainingState Stateful Progress ScriptState RandomStreams EpochSampler DistributedEpochSampler StatefulLoader "
+PUBLIC = ("__version__ TrainingState Stateful Progress ScriptState RandomStreams EpochSampler DistributedEpochSampler StatefulLoader make_exact "
           "Checkpointer save_checkpoint load_checkpoint CheckpointStore verify_resume Trajectory "
           "RipresaError IntegrityError BadInput SaveFailed").split()
 

@@ -182,15 +182,20 @@ def test_a_plain_dataloader_as_data_is_refused_at_construction_naming_the_fix():
     with pytest.raises(TypeError, match="DataLoader") as exc:
         ripresa.TrainingState(model=torch.nn.Linear(3, 1), data=plain)
     assert "StatefulLoader" in str(exc.value) and repr(plain) in str(exc.value)
+    assert "ripresa.make_exact(loader)" in str(exc.value)
 
 
-def _torchdata_resume(cut):
-    """torchdata's StatefulDataLoader, uninterrupted and resumed at ``cut`` (in process): (reference, resumed)."""
+def _torchdata_resume(cut, exact=True):
+    """torchdata's StatefulDataLoader, uninterrupted and resumed at ``cut`` (in process): (reference, resumed).
+
+    ``exact``: made exact by ripresa.make_exact (its position is the handle's); else torchdata's own state_dict().
+    """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     def make():
-        return StatefulDataLoader(AugmentedRows(), batch_size=BATCH, shuffle=True, num_workers=WORKERS,
-                                  generator=torch.Generator().manual_seed(SEED))
+        loader = StatefulDataLoader(AugmentedRows(), batch_size=BATCH, shuffle=True, num_workers=WORKERS,
+                                    generator=torch.Generator().manual_seed(SEED))
+        return loader, (ripresa.make_exact(loader) if exact else loader)
 
     def rest(loader, n):
         out = []
@@ -201,28 +206,34 @@ def _torchdata_resume(cut):
                     break
         return out
 
-    reference = rest(make(), TOTAL)
-    a = make()
-    ripresa.TrainingState(model=torch.nn.Linear(3, 1), data=a)  # a Stateful: accepted as data=
+    reference = rest(make()[0], TOTAL)
+    a, pos_a = make()
+    if exact:
+        assert ripresa.TrainingState(model=torch.nn.Linear(3, 1), data=a).data is pos_a  # the loader stands for its position
     it = iter(a)
     head = [next(it)[:2] for _ in range(cut)]
-    st = a.state_dict()
-    b = make()
-    b.load_state_dict(st)
+    st = pos_a.state_dict()
+    b, pos_b = make()
+    pos_b.load_state_dict(st)
     return reference, head + rest(b, TOTAL - cut)
 
 
-def test_torchdata_stateful_dataloader_resumes_the_order_bitwise():
-    """torchdata's StatefulDataLoader (the `loader` extra) is accepted as data= and resumes the row order exactly."""
-    pytest.importorskip("torchdata")
-    reference, resumed = _torchdata_resume(3)
-    assert [idx.tolist() for _x, idx in resumed] == [idx.tolist() for _x, idx in reference]
-
-
-@pytest.mark.xfail(strict=True, reason="torchdata 0.11 re-seeds its workers from the saved base seed and skips the "
-                   "samples already served without drawing their augmentation: random draws in the workers "
-                   "differ after a resume (docs/FORMAT.md); StatefulLoader seeds every sample instead")
-def test_torchdata_stateful_dataloader_does_not_resume_worker_augmentation():
+def test_torchdata_stateful_dataloader_made_exact_resumes_augmentation_bitwise():
+    """torchdata's StatefulDataLoader (the `loader` extra), made exact, resumes order and worker augmentation."""
     pytest.importorskip("torchdata")
     reference, resumed = _torchdata_resume(3)
     assert same(resumed, reference)
+
+
+@pytest.mark.slow
+def test_torchdata_stateful_dataloader_own_resume_drifts_and_is_refused_as_data():
+    """Why it is refused unless made exact: its own state_dict() resumes the order, not the workers' augmentation."""
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    reference, resumed = _torchdata_resume(3, exact=False)
+    assert [idx.tolist() for _x, idx in resumed] == [idx.tolist() for _x, idx in reference]
+    assert not same(resumed, reference)
+    with pytest.raises(TypeError, match=r"StatefulDataLoader not made exact.*ripresa\.make_exact\(loader\)"):
+        ripresa.TrainingState(model=torch.nn.Linear(3, 1),
+                              data=StatefulDataLoader(AugmentedRows(), batch_size=BATCH, shuffle=True))

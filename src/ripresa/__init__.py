@@ -25,6 +25,7 @@ _LAZY: dict[str, str] = {
     "EpochSampler": "core.data",
     "DistributedEpochSampler": "core.data",
     "StatefulLoader": "core.loader",
+    "make_exact": "core.loader",
     "Checkpointer": "session.checkpointer",
     "save_checkpoint": "formats.torch_pt",
     "load_checkpoint": "formats.torch_pt",
@@ -67,7 +68,7 @@ _DEPRECATED: dict[str, str] = {
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from .core.data import DistributedEpochSampler, EpochSampler
-    from .core.loader import StatefulLoader
+    from .core.loader import StatefulLoader, make_exact
     from .core.rng import RandomStreams
     from .core.state import Progress, ScriptState, Stateful, TrainingState
     from .errors import BadInput, IntegrityError, RipresaError, SaveFailed
@@ -111,6 +112,7 @@ __all__ = [
     "EpochSampler",
     "DistributedEpochSampler",
     "StatefulLoader",
+    "make_exact",
     # the training session over a run folder
     "Checkpointer",
     # one checkpoint.pt file

@@ -225,3 +225,516 @@ class StatefulLoader:
         generator = validate_numpy_state(state.get("generator"), "data.generator")
         self._sampler.load_state_dict(state.get("sampler"))  # validated before it changes anything
         self._sampler.generator.bit_generator.state = generator
+
+
+# ============================================================================ make_exact
+#: ``ExactLoader.state_dict()["format"]``.
+EXACT_FORMAT = "ripresa.exact_loader/1"
+_M63 = (1 << 63) - 1
+#: The loader's own "indices" of sample_seed: the epoch's order and the workers' base seed.
+_ORDER_INDEX, _BASE_SEED_INDEX = _M64, _M64 - 1
+
+
+class _Key(int):
+    """A dataset index that carries the seed of its sample's randomness (:func:`sample_seed`).
+
+    An ``int`` for everything that handles indices (batch samplers, accelerate's
+    shards); only :class:`_ExactDataset` reads :attr:`seed`. It travels to the
+    workers with the index, so they hold no state of their own.
+    """
+
+    seed: int
+
+    def __new__(cls, index: int, seed: int) -> _Key:
+        key = super().__new__(cls, index)
+        key.seed = seed
+        return key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Key, (int(self), self.seed))
+
+    def __repr__(self) -> str:
+        return f"{int(self)}"
+
+
+class _ExactDataset(Dataset):
+    """The user's map-style dataset, ``dataset[key]`` under the randomness of ``key.seed``.
+
+    A plain ``int`` (``loader.dataset[3]`` by hand) reaches the user's dataset
+    unseeded. Other attributes are the user's dataset's (``len``,
+    ``loader.dataset.classes``, ``set_epoch``); dunder names are not forwarded,
+    so torch's fetcher never finds the inner dataset's ``__getitems__`` (which
+    would bypass the per-sample seeding).
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.__dict__["_ripresa_inner"] = dataset
+
+    def __len__(self) -> int:
+        return len(self._ripresa_inner)
+
+    def __getitem__(self, key: Any) -> Any:
+        inner = self._ripresa_inner
+        if isinstance(key, _Key):
+            with _seeded(key.seed):
+                return inner[int(key)]
+        return inner[key]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_ripresa_inner":
+            raise AttributeError(name)
+        return getattr(self._ripresa_inner, name)
+
+    def __repr__(self) -> str:
+        return f"exact({self._ripresa_inner!r})"
+
+
+def _dl_set(dl: Any, name: str, value: Any) -> None:
+    """Set a DataLoader attribute that ``DataLoader.__setattr__`` guards after construction."""
+    object.__setattr__(dl, name, value)
+
+
+def _generator_seed(g: Any) -> int | None:
+    return int(g.initial_seed()) if isinstance(g, torch.Generator) else None
+
+
+class _Order:
+    """The index order of one epoch as a function of ``(seed, epoch)`` only, for each sampler kind torch and accelerate build.
+
+    ``describe`` is what a saved position must match to be loaded (the data
+    set's length and the shape of the order: a resume with another world size,
+    rank, ``num_samples`` or batch size is refused).
+    """
+
+    def __init__(self, sampler: Any, where: str) -> None:
+        from torch.utils.data import (
+            DistributedSampler,
+            RandomSampler,
+            SequentialSampler,
+            SubsetRandomSampler,
+            WeightedRandomSampler,
+        )
+
+        kind = type(sampler)
+        self.default_seed: int | None = None
+        if kind is SequentialSampler:
+            self.kind, self.length = "sequential", len(sampler.data_source)
+            self.describe: dict[str, Any] = {"kind": "sequential", "n": self.length}
+        elif kind is RandomSampler or _is_accelerate(sampler, "SeedableRandomSampler") or _is_torchdata(sampler, "RandomSampler"):
+            self.kind = "random"
+            self.n = len(sampler.data_source)
+            self.replacement, self.length = bool(sampler.replacement), int(sampler.num_samples)
+            self.describe = {"kind": "random", "n": self.n, "num_samples": self.length, "replacement": self.replacement}
+            self.default_seed = (int(sampler.initial_seed) if hasattr(sampler, "initial_seed")
+                                 else _generator_seed(sampler.generator))
+        elif kind is SubsetRandomSampler:
+            self.kind, self.indices = "subset", torch.as_tensor(list(sampler.indices), dtype=torch.int64)
+            self.length = len(self.indices)
+            self.describe = {"kind": "subset", "n": self.length}
+            self.default_seed = _generator_seed(sampler.generator)
+        elif kind is WeightedRandomSampler:
+            self.kind, self.weights = "weighted", sampler.weights
+            self.replacement, self.length = bool(sampler.replacement), int(sampler.num_samples)
+            self.describe = {"kind": "weighted", "n": len(self.weights), "num_samples": self.length,
+                             "replacement": self.replacement}
+            self.default_seed = _generator_seed(sampler.generator)
+        elif kind is DistributedSampler or _is_torchdata(sampler, "StatefulDistributedSampler"):
+            self.kind = "distributed"
+            self.n = len(sampler.dataset)
+            self.shuffle, self.order_seed, self.drop_last = bool(sampler.shuffle), int(sampler.seed), bool(sampler.drop_last)
+            self.world, self.rank = int(sampler.num_replicas), int(sampler.rank)
+            self.length, self.total = int(sampler.num_samples), int(sampler.total_size)
+            self.describe = {"kind": "distributed", "n": self.n, "shuffle": self.shuffle, "order_seed": self.order_seed,
+                             "drop_last": self.drop_last, "world_size": self.world, "rank": self.rank}
+            self.default_seed = self.order_seed
+        else:
+            raise TypeError(
+                f"make_exact: {where} is a {kind.__module__}.{kind.__qualname__}, whose order ripresa cannot "
+                "regenerate from (seed, epoch); it knows SequentialSampler, RandomSampler (shuffle=True), "
+                "SubsetRandomSampler, WeightedRandomSampler, DistributedSampler, accelerate's "
+                "SeedableRandomSampler and torchdata's RandomSampler and StatefulDistributedSampler. Build the DataLoader with one of these, or use ripresa.StatefulLoader "
+                "(README.md, \"Data loaders\")")
+
+    def indices(self, seed: int, epoch: int) -> torch.Tensor:
+        """The epoch's indices (int64), a pure function of ``(seed, epoch)``: no global generator is drawn from."""
+        if self.kind == "sequential":
+            return torch.arange(self.length, dtype=torch.int64)
+        if self.kind == "distributed":  # DistributedSampler.__iter__ after set_epoch(epoch), verbatim
+            if self.shuffle:
+                g = torch.Generator()
+                g.manual_seed(self.order_seed + epoch)
+                idx = torch.randperm(self.n, generator=g)
+            else:
+                idx = torch.arange(self.n, dtype=torch.int64)
+            if not self.drop_last:
+                pad = self.total - len(idx)
+                if pad > 0:
+                    reps = -(-pad // len(idx))
+                    idx = torch.cat([idx, idx.repeat(reps)[:pad]])
+            else:
+                idx = idx[: self.total]
+            return idx[self.rank: self.total: self.world]
+        g = torch.Generator()
+        g.manual_seed(sample_seed(seed, epoch, _ORDER_INDEX) & _M63)
+        if self.kind == "subset":
+            return self.indices[torch.randperm(self.length, generator=g)]
+        if self.kind == "weighted":
+            w = torch.as_tensor(self.weights, dtype=torch.double)
+            return torch.multinomial(w, self.length, self.replacement, generator=g)
+        if self.replacement:
+            return torch.randint(self.n, (self.length,), dtype=torch.int64, generator=g)
+        reps = -(-self.length // self.n) if self.n else 0
+        return torch.cat([torch.randperm(self.n, generator=g) for _ in range(reps)] or
+                         [torch.empty(0, dtype=torch.int64)])[: self.length]
+
+
+class _ExactSampler(torch.utils.data.Sampler):
+    """The innermost sampler of an exact loader: the epoch's order as :class:`_Key` s.
+
+    ``skip=True`` (no batching: ``batch_size=None``) starts at the loader's
+    cursor; inside a batch sampler it yields the whole epoch and the loader
+    skips whole batches. ``set_epoch`` is accepted and ignored: the epoch is
+    counted by the loader itself (docs/FORMAT.md, "The data position").
+    """
+
+    def __init__(self, handle: ExactLoader, order: _Order, *, skip: bool) -> None:
+        self.handle, self.order, self.skip = handle, order, skip
+
+    def __iter__(self) -> Iterator[_Key]:
+        h = self.handle
+        epoch = h._plan_epoch
+        start = h._plan_cursor if self.skip else 0
+        seed = h.seed
+        for i in h._epoch_indices(epoch)[start:].tolist():
+            yield _Key(i, sample_seed(seed, epoch, i))
+
+    def __len__(self) -> int:
+        return self.order.length
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the exact loader counts its epochs itself."""
+
+
+class _ExactBatches(torch.utils.data.Sampler):
+    """A ``BatchSampler`` over :class:`_ExactSampler` that starts at the loader's cursor in O(1)."""
+
+    def __init__(self, handle: ExactLoader, sampler: _ExactSampler, batch_size: int, drop_last: bool) -> None:
+        self.handle, self.sampler, self.batch_size, self.drop_last = handle, sampler, batch_size, drop_last
+
+    def __iter__(self) -> Iterator[list[_Key]]:
+        h = self.handle
+        epoch, seed, bs = h._plan_epoch, h.seed, self.batch_size
+        idx = h._epoch_indices(epoch)
+        n = len(idx)
+        pos = h._plan_cursor * bs
+        while pos < n and not (self.drop_last and n - pos < bs):
+            yield [_Key(i, sample_seed(seed, epoch, i)) for i in idx[pos: pos + bs].tolist()]
+            pos += bs
+
+    def __len__(self) -> int:
+        n = self.sampler.order.length
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the exact loader counts its epochs itself."""
+
+
+class _SkipBatches(torch.utils.data.Sampler):
+    """A known batch sampler (accelerate's ``BatchSamplerShard``) over an exact sampler, from the loader's cursor.
+
+    The epoch's batches are regenerated and the first ``cursor`` dropped: index
+    arithmetic only, no sample is loaded. Other attributes are the wrapped one's.
+    """
+
+    def __init__(self, handle: ExactLoader, batch_sampler: Any) -> None:
+        self.__dict__.update(handle=handle, _ripresa_inner=batch_sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        skip = self.handle._plan_cursor
+        for j, batch in enumerate(self._ripresa_inner):
+            if j >= skip:
+                yield batch
+
+    def __len__(self) -> int:
+        return len(self._ripresa_inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the exact loader counts its epochs itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_ripresa_inner":
+            raise AttributeError(name)
+        return getattr(self._ripresa_inner, name)
+
+
+def _is_accelerate(obj: Any, name: str) -> bool:
+    return type(obj).__name__ == name and type(obj).__module__.startswith("accelerate.")
+
+
+def _is_torchdata(obj: Any, name: str) -> bool:
+    return type(obj).__name__ == name and type(obj).__module__.startswith("torchdata.stateful_dataloader")
+
+
+def _is_batch_sampler(bs: Any) -> bool:
+    """torch's ``BatchSampler`` or torchdata's (the same batches, plus a state of its own that is not used)."""
+    return type(bs) is torch.utils.data.BatchSampler or _is_torchdata(bs, "BatchSampler")
+
+
+_EXACT_CLASSES: dict[type, type] = {}
+
+
+def _exact_class(cls: type) -> type:
+    """``cls`` with an ``__iter__`` that counts the batches it delivers (one subclass per loader class, cached)."""
+    sub = _EXACT_CLASSES.get(cls)
+    if sub is None:
+        def __iter__(self: Any) -> Iterator[Any]:
+            handle: ExactLoader = self.__dict__["_ripresa_exact"]
+            handle._begin()
+            return handle._deliver(cls.__iter__(self))
+
+        sub = type(f"Exact{cls.__name__}", (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                                    "__qualname__": f"Exact{cls.__qualname__}"})
+        _EXACT_CLASSES[cls] = sub
+    return sub
+
+
+class ExactLoader:
+    """The exact position of a ``DataLoader`` made exact by :func:`make_exact` — a ``Stateful`` for ``TrainingState(data=...)``.
+
+    ``state_dict()`` is O(1) (docs/FORMAT.md, "The data position"): the seed,
+    the epoch and the cursor — batches *delivered* by the loader in that epoch,
+    less :attr:`held_back`. A framework that fetches ahead of the step it
+    trains (Lightning's prefetching) sets ``held_back`` to the number of
+    batches it holds that were not yet trained on, so the position saved at a
+    step is the one after that step's batch.
+    """
+
+    def __init__(self, loader: Any, target: Any, order: _Order, seed: int, seed_given: bool, per_epoch: int) -> None:
+        self.loader = loader
+        self._target = target  # the DataLoader whose parts were replaced (an accelerate shard's base loader)
+        self._order = order
+        self.seed = seed
+        self._seed_given = seed_given
+        #: batches in a full epoch (``len(loader)``).
+        self.batches_per_epoch = per_epoch
+        #: batches delivered that the caller has not trained on yet (subtracted by state_dict()).
+        self.held_back = 0
+        self._epoch, self._cursor, self._done = -1, 0, False
+        self._plan_epoch, self._plan_cursor = 0, 0
+        self._cached: tuple[int, int, torch.Tensor] | None = None
+        self._base_generator = torch.Generator()
+
+    # -- position -----------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last batch delivered (-1 before the first)."""
+        return self._epoch
+
+    @property
+    def cursor(self) -> int:
+        """Batches delivered in :attr:`epoch`."""
+        return self._cursor
+
+    def _exhausted(self) -> bool:
+        return self._epoch < 0 or self._done or self._cursor >= self.batches_per_epoch
+
+    def _epoch_indices(self, epoch: int) -> torch.Tensor:
+        cached = self._cached
+        if cached is None or cached[:2] != (self.seed, epoch):
+            cached = self._cached = (self.seed, epoch, self._order.indices(self.seed, epoch))
+        return cached[2]
+
+    def _begin(self) -> None:
+        """At ``iter(loader)``: the rest of the current epoch, or all of the next one; no global generator is drawn from."""
+        if self._exhausted():
+            self._epoch, self._cursor, self._done = self._epoch + 1, 0, False
+        self._plan_epoch, self._plan_cursor = self._epoch, self._cursor
+        # torch draws the workers' base seed from loader.generator at iter(): ours, a function of (seed, epoch).
+        self._base_generator.manual_seed(sample_seed(self.seed, self._epoch, _BASE_SEED_INDEX) & _M63)
+
+    def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
+        epoch = self._epoch
+        for batch in batches:
+            if self._epoch == epoch:
+                self._cursor += 1
+            yield batch
+        if self._epoch == epoch:
+            self._done = True
+
+    # -- Stateful -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"format", "seed", "epoch", "cursor", "batches_per_epoch", "order"}``: the position after the last batch trained on."""
+        epoch, cursor, held, done = self._epoch, self._cursor, int(self.held_back), self._done
+        if held < 0 or held > self._cursor + (self.batches_per_epoch if epoch > 0 else 0):
+            raise ValueError(f"held_back={held} is more than the batches delivered")
+        if held:
+            done = False
+            if held <= cursor:  # (epoch, 0): the epoch begun, none of its batches trained on
+                cursor -= held
+            else:  # the held batches opened this epoch: the position is in the previous one
+                epoch, cursor = epoch - 1, self.batches_per_epoch - (held - cursor)
+        return {"format": EXACT_FORMAT, "seed": int(self.seed), "epoch": int(epoch), "cursor": int(cursor),
+                "done": bool(done), "batches_per_epoch": int(self.batches_per_epoch),
+                "order": dict(self._order.describe)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from a saved position; refuses another data set, order, batching or explicit seed (nothing changed then)."""
+        if not isinstance(state, Mapping) or state.get("format") != EXACT_FORMAT:
+            raise SchemaError("data position was not saved by a loader made exact (ripresa.make_exact)",
+                              expected=EXACT_FORMAT,
+                              found=state.get("format") if isinstance(state, Mapping) else type(state).__name__,
+                              hint="resume with the same kind of loader as the run that saved")
+        seed, epoch, cursor, per = state.get("seed"), state.get("epoch"), state.get("cursor"), state.get("batches_per_epoch")
+        if state.get("order") != self._order.describe or per != self.batches_per_epoch:
+            raise SchemaError("data position was saved for another data set or order",
+                              expected={"order": self._order.describe, "batches_per_epoch": self.batches_per_epoch},
+                              found={"order": state.get("order"), "batches_per_epoch": per},
+                              hint="build the DataLoader as the run that saved (same data set length, sampler, "
+                                   "batch size, drop_last, world size and rank)")
+        if (type(seed) is not int or not 0 <= seed <= _M64 or type(epoch) is not int or epoch < -1
+                or type(cursor) is not int or not 0 <= cursor <= self.batches_per_epoch
+                or type(state.get("done")) is not bool):
+            raise SchemaError("data position is malformed", expected="seed in 0..2**64-1, epoch >= -1, "
+                              f"cursor in 0..{self.batches_per_epoch}, done a bool",
+                              found={k: state.get(k) for k in ("seed", "epoch", "cursor", "done")})
+        if self._seed_given and seed != self.seed:
+            raise SchemaError(f"data position was saved with seed={seed}, this loader has seed={self.seed}",
+                              expected=self.seed, found=seed,
+                              hint="make the loader exact with the seed of the run that saved (the same order and "
+                                   "augmentation), or leave seed= out to take the saved one")
+        self.seed = seed
+        self._epoch, self._cursor, self._done = epoch, cursor, bool(state["done"])
+        self.held_back = 0
+
+    def __repr__(self) -> str:
+        return (f"ExactLoader(epoch={self._epoch}, cursor={self._cursor}/{self.batches_per_epoch}, seed={self.seed}, "
+                f"order={self._order.kind})")
+
+
+def exact_handle(obj: Any) -> ExactLoader | None:
+    """The :class:`ExactLoader` of a loader made exact (or the handle itself); None otherwise."""
+    if isinstance(obj, ExactLoader):
+        return obj
+    d = getattr(obj, "__dict__", None)
+    h = d.get("_ripresa_exact") if isinstance(d, dict) else None
+    return h if isinstance(h, ExactLoader) else None
+
+
+def make_exact(loader: Any, *, seed: int | None = None) -> ExactLoader:
+    """Make a user's own ``DataLoader`` resume exactly, in place; return its position (a ``Stateful``).
+
+    After the call, iterating the *same* loader object yields, epoch after
+    epoch, an order regenerated from ``(seed, epoch)`` — ``shuffle=True``'s
+    ``RandomSampler`` becomes a permutation drawn from a generator seeded by
+    both, a ``DistributedSampler`` keeps its own order and this rank's shard
+    (``seed + epoch``) — and each sample's ``__getitem__`` draws from torch,
+    ``random`` and NumPy seeded by ``(seed, epoch, index)``, in whichever worker.
+    The draws a ``DataLoader`` makes at ``iter()`` (the sampler's seed, the
+    workers' base seed) no longer touch the global generators. ``batch_size``,
+    ``drop_last``, ``num_workers``, ``collate_fn``, ``worker_init_fn``,
+    ``pin_memory`` and ``persistent_workers`` are kept. Each ``iter(loader)``
+    yields the rest of the current epoch (all of the next one when it is done).
+
+    Pass the loader (or the returned handle) as ``TrainingState(data=...)``;
+    its saved position is O(1): seed, epoch, batches delivered. Calling it
+    again returns the same handle. Works on ``DataLoader`` and its subclasses
+    (torchdata's ``StatefulDataLoader``) and on what ``accelerator.prepare``
+    returns (``DataLoaderShard``, ``DataLoaderDispatcher``).
+
+    Args:
+        loader: the DataLoader, over a map-style dataset.
+        seed: the base of the order and of every sample's randomness. Default:
+            the sampler's seed (``DistributedSampler.seed``, accelerate's
+            ``data_seed``), else the seed of the generator given to the loader
+            or sampler, else ``torch.initial_seed()`` (what ``torch.manual_seed``
+            set). A default seed yields to the saved one at a resume; an
+            explicit one must match it.
+
+    Raises:
+        TypeError: not a DataLoader; an iterable-style dataset; a sampler or
+            batch sampler whose order cannot be regenerated (the message names
+            it and the fix).
+    """
+    handle = exact_handle(loader)
+    if handle is not None:
+        if seed is not None and seed != handle.seed:
+            raise ValueError(f"make_exact: this loader is already exact with seed={handle.seed}, not {seed}")
+        return handle
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"make_exact takes a torch.utils.data.DataLoader, not {type(loader).__name__}")
+    if seed is not None and (type(seed) is not int or not 0 <= seed <= _M64):
+        raise ValueError(f"seed must be an int in 0..2**64-1, got {seed!r}")
+    adapter = _is_accelerate(loader, "DataLoaderShard") or _is_accelerate(loader, "DataLoaderDispatcher")
+    dl = loader.__dict__["base_dataloader"] if adapter else loader
+    if exact_handle(dl) is not None or "_ripresa_exact_part" in dl.__dict__:
+        raise TypeError("make_exact: this DataLoader is already part of a loader made exact; pass that one")
+    if isinstance(dl.dataset, torch.utils.data.IterableDataset):
+        has_state = callable(getattr(dl.dataset, "state_dict", None)) and callable(getattr(dl.dataset, "load_state_dict", None))
+        raise TypeError(
+            f"make_exact: the loader's dataset ({type(dl.dataset).__name__}) is an IterableDataset: its order is "
+            "its own, not a sampler's, so ripresa cannot regenerate it. "
+            + ("Save its position itself: pass the dataset as TrainingState(objects={'data': dataset}) and "
+               "make its draws deterministic" if has_state else
+               "It has no state_dict()/load_state_dict(), so its position cannot be saved at all: give it both "
+               "methods (the Stateful protocol), or use a map-style dataset (len and dataset[i]) with a DataLoader "
+               "(shuffle=True) and make_exact"))
+    if isinstance(dl.dataset, _ExactDataset):
+        raise TypeError("make_exact: this DataLoader's dataset is already an exact one; pass the loader made exact")
+
+    handle_ref: list[ExactLoader] = []
+    bs = dl.batch_sampler
+    if bs is None:  # batch_size=None: one sample at a time
+        order = _Order(dl.sampler, "its sampler")
+
+        def install() -> None:
+            _dl_set(dl, "sampler", _ExactSampler(handle_ref[0], order, skip=True))
+        per_epoch = order.length
+    elif _is_batch_sampler(bs):
+        order = _Order(bs.sampler, "its sampler")
+        batch_size, drop_last = int(bs.batch_size), bool(bs.drop_last)
+
+        def install() -> None:
+            sampler = _ExactSampler(handle_ref[0], order, skip=False)
+            _dl_set(dl, "sampler", sampler)
+            _dl_set(dl, "batch_sampler", _ExactBatches(handle_ref[0], sampler, batch_size, drop_last))
+        per_epoch = len(bs)
+    elif _is_accelerate(bs, "BatchSamplerShard") and _is_batch_sampler(bs.batch_sampler):
+        inner = bs.batch_sampler
+        order = _Order(inner.sampler, "the sampler inside accelerate's BatchSamplerShard")
+
+        def install() -> None:
+            inner.sampler = _ExactSampler(handle_ref[0], order, skip=False)
+            _dl_set(dl, "sampler", inner.sampler)
+            _dl_set(dl, "batch_sampler", _SkipBatches(handle_ref[0], bs))
+        per_epoch = len(bs)
+    else:
+        kind = type(bs)
+        raise TypeError(
+            f"make_exact: the loader's batch_sampler is a {kind.__module__}.{kind.__qualname__}: ripresa cannot "
+            "regenerate its batches from (seed, epoch). Build the DataLoader with batch_size= and a sampler "
+            "(shuffle=True, a DistributedSampler, ...), or use ripresa.StatefulLoader (README.md, \"Data loaders\")")
+
+    if seed is None:
+        gen_seed = _generator_seed(dl.generator)
+        chosen = order.default_seed if order.default_seed is not None else gen_seed
+        seed_value, given = (int(chosen) if chosen is not None else int(torch.initial_seed())) & _M64, False
+    else:
+        seed_value, given = seed, True
+    handle = ExactLoader(loader, dl, order, seed_value, given, per_epoch)
+    handle_ref.append(handle)
+
+    # A persistent worker pool made before this call holds the old dataset and sampler: close it.
+    it = dl.__dict__.get("_iterator")
+    if it is not None:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        dl.__dict__["_iterator"] = None
+    install()
+    _dl_set(dl, "dataset", _ExactDataset(dl.dataset))
+    _dl_set(dl, "generator", handle._base_generator)
+    if dl is not loader:
+        dl.__dict__["_ripresa_exact_part"] = True
+    loader.__dict__["_ripresa_exact"] = handle
+    object.__dict__["__class__"].__set__(loader, _exact_class(type(loader)))
+    return handle

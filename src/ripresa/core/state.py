@@ -269,19 +269,44 @@ def config_change_error(changes: Mapping[str, Mapping[str, Any]], source: Path |
                          "with `ripresa fork RUN --set ...` (a mixture change: `ripresa pivot`)")
 
 
+def _exact_data(data: Any) -> Any:
+    """A DataLoader made exact by ``ripresa.make_exact`` stands for its position (its ``ExactLoader``)."""
+    from .loader import exact_handle
+
+    handle = exact_handle(data)
+    return handle if handle is not None else data
+
+
 def _check_stateful(data: Any, objects: Mapping[str, Any]) -> None:
-    """TypeError naming a data object or user object without ``state_dict()``/``load_state_dict()``, and the fix."""
+    """TypeError naming a data object or user object without an exact ``state_dict()``/``load_state_dict()``, and the fix."""
+    from .loader import ExactLoader
+
+    if isinstance(data, torch.utils.data.DataLoader) and not isinstance(data, ExactLoader):
+        # Every DataLoader not made exact: a plain one has no position; torchdata's StatefulDataLoader and
+        # accelerate's prepared loaders have state_dict(), but their resume redraws the sampler's seed and the
+        # workers' seeds (or, accelerate's, fails at the first save): refused here, never at a save.
+        kind, mod = type(data).__name__, type(data).__module__.split(".")[0]
+        if type(data) is torch.utils.data.DataLoader:
+            why = ("it lacks state_dict()/load_state_dict(), so its position and its workers' random state cannot "
+                   "be saved")
+        elif mod == "accelerate":
+            why = ("its state_dict() serves only accelerate's own stateful loader (without it the first save fails: "
+                   "no 'dl_state_dict'), and its resume skips batches without their random state")
+        else:
+            why = ("its own state_dict() does not resume exactly: its iter() draws the sampler's and the workers' "
+                   "seeds from torch's global generator after the random streams were restored, and its workers "
+                   "re-seed (random augmentation differs after a resume)")
+        kind = "torch DataLoader" if type(data) is torch.utils.data.DataLoader else f"{mod} {kind}"
+        raise TypeError(
+            f"data={data!r} is a {kind} not made exact: {why}. Fix: call ripresa.make_exact(loader) once, before the loop "
+            "(it makes this very loader exact in place: the order and each sample's augmentation regenerated from "
+            "(seed, epoch), an O(1) position), then pass the loader as data=; or use ripresa.StatefulLoader "
+            "(README.md, \"Data loaders\")"
+        )
     if data is not None and not isinstance(data, Stateful):
-        if isinstance(data, torch.utils.data.DataLoader):
-            raise TypeError(
-                f"data={data!r} is a plain torch.utils.data.DataLoader: it lacks state_dict()/load_state_dict(), "
-                "so its position and its workers' random state cannot be saved; use "
-                "ripresa.StatefulLoader(dataset, batch_size, shuffle=..., num_workers=..., seed=...) "
-                "or any Stateful loader (torchdata's StatefulDataLoader) instead"
-            )
         raise TypeError(f"data={type(data).__name__} lacks state_dict()/load_state_dict(), so its position cannot be "
-                        "saved; give it both methods (the Stateful protocol), or use ripresa.EpochSampler or "
-                        "ripresa.StatefulLoader")
+                        "saved; give it both methods (the Stateful protocol), or use ripresa.EpochSampler, "
+                        "ripresa.StatefulLoader or ripresa.make_exact(loader)")
     for name, obj in objects.items():
         if not isinstance(obj, Stateful):
             raise TypeError(f"object {name!r} ({type(obj).__name__}) lacks state_dict()/load_state_dict(), so it "
@@ -297,8 +322,10 @@ class TrainingState:
         optimizer: its optimizer (Adam/AdamW moments and per-parameter step).
         scheduler: LR scheduler, constructed *before* any optimizer load.
         scaler: ``torch.amp.GradScaler`` for mixed precision, if used.
-        data: the data position, e.g. :class:`~ripresa.EpochSampler`, or any
-            ``Stateful`` loader (torchdata's ``StatefulDataLoader`` included).
+        data: the data position, e.g. :class:`~ripresa.EpochSampler`,
+            :class:`~ripresa.StatefulLoader`, or a ``DataLoader`` made exact by
+            :func:`~ripresa.make_exact` (the loader or its handle). A
+            ``DataLoader`` not made exact is refused here, naming the fix.
         rng: the run's :class:`~ripresa.RandomStreams` (globals always included).
         objects: named user objects following the ``Stateful`` protocol.
         config: the resolved config (JSON-like primitives).
@@ -329,6 +356,7 @@ class TrainingState:
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         if rng is not None and not isinstance(rng, RandomStreams):
             raise TypeError(f"rng must be a ripresa.RandomStreams, not {type(rng).__name__}")
+        data = _exact_data(data)
         _check_stateful(data, dict(objects or {}))
         self.model = model
         self.optimizer = optimizer

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(a.seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
-                                       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+                                       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(
         output_dir=a.run if a.mode == "native" else os.path.join(a.run, "hf_output"),
         max_steps=a.max_steps,

@@ -23,6 +23,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -77,11 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 
+    scratch = tempfile.TemporaryDirectory(prefix="hf_trainer_out_")  # removed at exit
     torch.manual_seed(a.seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
                                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0))
     args = TrainingArguments(
-        output_dir=a.run if a.mode == "native" else os.path.join(a.run, "hf_output"),
+        # Only native mode writes the Trainer's own checkpoints; the other modes give it a scratch folder.
+        output_dir=a.run if a.mode == "native" else scratch.name,
         max_steps=a.max_steps,
         per_device_train_batch_size=8,
         learning_rate=3e-3,

@@ -152,3 +152,31 @@ def test_steered_verify_of_the_unchanged_hf_example_passes_at_tolerance_zero(tmp
     assert report["mode"] == "steered" and report["positive"] is True, report
     assert report["negative_divergence_detected"] is True
     assert not (tmp_path / "IGNORED").exists()
+
+
+ACC = EXAMPLES / "accelerate" / "train.py"
+
+
+def accelerate_run(run: Path, mode: str, final: Path, *, kill: int | None = None) -> None:
+    env = _env(**({"RIPRESA_EXAMPLE_KILL_AFTER": str(kill)} if kill else {}))
+    res = subprocess.run([sys.executable, "-B", str(ACC), "--run", str(run), "--max-steps", str(STEPS), "--every",
+                          str(EVERY), "--mode", mode, "--final", str(final), "--log", str(final) + ".jsonl"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == (-signal.SIGKILL if kill else 0), res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_accelerate_loop_killed_resumes_bitwise_and_its_native_resume_drifts(tmp_path):
+    """TrainingState over what accelerator.prepare returns (the loader made exact): bitwise after a SIGKILL;
+    save_state/load_state + skip_first_batches, same kill: the tensors differ."""
+    accelerate_run(tmp_path / "ref", "ripresa", tmp_path / "ref.safetensors")
+    accelerate_run(tmp_path / "rip", "ripresa", tmp_path / "rip.safetensors", kill=KILL)
+    accelerate_run(tmp_path / "rip", "ripresa", tmp_path / "rip.safetensors")
+    assert differing(tmp_path / "ref.safetensors", tmp_path / "rip.safetensors")[0] == 0
+    assert Path(str(tmp_path / "ref.safetensors") + ".jsonl").read_text() == \
+        Path(str(tmp_path / "rip.safetensors") + ".jsonl").read_text()
+    accelerate_run(tmp_path / "none", "none", tmp_path / "none.safetensors")
+    accelerate_run(tmp_path / "nat", "native", tmp_path / "nat.safetensors", kill=KILL)
+    accelerate_run(tmp_path / "nat", "native", tmp_path / "nat.safetensors")
+    n, total, gap = differing(tmp_path / "none.safetensors", tmp_path / "nat.safetensors")
+    assert n > total // 2 and gap > 0, (n, total, gap)

@@ -176,6 +176,7 @@ class ExactResume(TrainerCallback):
         self._handle: Any = None
         self._pending: int | None = None  # the step whose log/eval/save is under way
         self._done = 0  # the last step handed to the Checkpointer
+        self._wait_epoch_end = False  # step S's last Trainer call is the one after on_epoch_end
 
     # ------------------------------------------------------------------ start
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -201,8 +202,9 @@ class ExactResume(TrainerCallback):
                            expected=f"a divisor of {handle.batches_per_epoch}", found=ga,
                            hint="the Trainer's loop-local counters decide the last, shorter accumulation of an "
                                 "epoch; after a mid-epoch resume they would end it elsewhere")
-        if self.checkpointer is not None:  # a second train() in this process
-            self.checkpointer.close()
+        if self.checkpointer is not None:  # a train() that raised: its state may be mid-step, never saved
+            self.checkpointer.abort()
+            self.checkpointer = None
         self._trainer, self._handle, self._pending = trainer, handle, None
         model = trainer.model
         config: dict[str, Any] = {}
@@ -262,7 +264,7 @@ class ExactResume(TrainerCallback):
     def _after_step_logged(self) -> None:
         step = self._pending
         ckpt, trainer = self.checkpointer, self._trainer
-        if step is None or ckpt is None or trainer is None or getattr(self, "_wait_epoch_end", False):
+        if step is None or ckpt is None or trainer is None or self._wait_epoch_end:
             return
         self._pending = None
         if step <= self._done:

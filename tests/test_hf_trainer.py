@@ -113,14 +113,18 @@ def test_sigterm_saves_and_stops_and_the_same_command_goes_on_exactly(uninterrup
 @pytest.mark.slow
 def test_resume_from_checkpoint_with_exact_resume_is_refused(tmp_path):
     """Both resumes at once would skip batches on top of the exact position: refused, naming the fix."""
+    train(tmp_path / "native", "native", tmp_path / "native.safetensors", steps=EVERY)  # a Trainer checkpoint
+    hf_checkpoint = tmp_path / "native" / f"checkpoint-{EVERY}"
+    assert hf_checkpoint.is_dir()
     script = tmp_path / "both.py"
     script.write_text(HF.read_text().replace("trainer.train(resume_from_checkpoint=resume)",
-                                             "trainer.train(resume_from_checkpoint=str(a.run))"))
-    res = subprocess.run([sys.executable, "-B", str(script), "--run", str(tmp_path / "run"), "--max-steps", "3",
+                                             f"trainer.train(resume_from_checkpoint={str(hf_checkpoint)!r})"))
+    res = subprocess.run([sys.executable, "-B", str(script), "--run", str(tmp_path / "run"), "--max-steps", "8",
                           "--mode", "ripresa", "--final", str(tmp_path / "f")], env=_env(), capture_output=True,
                          text=True, timeout=600)
     assert res.returncode != 0
-    assert "drop resume_from_checkpoint" in res.stderr
+    assert "drop resume_from_checkpoint" in res.stderr, res.stderr[-3000:]
+    assert not list((tmp_path / "run").glob("step_*"))
 
 
 @pytest.mark.slow

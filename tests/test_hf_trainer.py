@@ -96,7 +96,8 @@ def test_sigterm_saves_and_stops_and_the_same_command_goes_on_exactly(uninterrup
            "--mode", "ripresa", "--final", str(final), "--log", str(final) + ".jsonl"]
     p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
-    while not (run / ".loss.jsonl").exists() and time.monotonic() < deadline:  # step 1 done: handlers installed
+    history = run / ".loss.jsonl"  # created before the Checkpointer installs its handlers; its first event after
+    while not (history.exists() and history.stat().st_size > 0) and time.monotonic() < deadline:
         time.sleep(0.1)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=600)

@@ -59,6 +59,8 @@ from .export import (
     make_dest,
     verify_or_uncommit,
 )
+from .export_hf import README as HF_README
+from .export_hf import drop_tied, hf_config, transformers_record
 from .models import ModelFactory
 
 #: ``source`` of an inference manifest's ``weights`` written from a general generation.
@@ -226,9 +228,13 @@ def _write_inference(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_
             if ptr is not None:
                 seen[ptr] = name
             tensors[name] = t.detach().contiguous()
+    hf = transformers_record(state.get("config"), gen.path)  # a transformers model: a from_pretrained folder
+    if hf is not None:
+        tensors = drop_tied(tensors, tied)
     n_params = sum(int(t.numel()) for t in tensors.values())
-    metadata = {"format": "ripresa.inference", "step": str(gen.step), "source": GENERAL, "source_sha256": f_sha,
-                "ripresa": __version__, "tensors": str(len(tensors)), "tied": json.dumps(tied, sort_keys=True)}
+    metadata = {"format": "pt" if hf is not None else "ripresa.inference", "step": str(gen.step), "source": GENERAL,
+                "source_sha256": f_sha, "ripresa": __version__, "tensors": str(len(tensors)),
+                "tied": json.dumps(tied, sort_keys=True)}
     try:
         data = st_save(tensors, metadata=metadata)
     except Exception as exc:  # safetensors' own errors (a dtype it cannot name)
@@ -236,6 +242,8 @@ def _write_inference(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_
                           found=f"{type(exc).__name__}: {exc}"[:200]) from exc
     bundle.write("model.safetensors", data)
     cfg_bytes, cfg_from = _config(run, state.get("config"))
+    if hf is not None:
+        cfg_bytes, cfg_from = _json_bytes(hf_config(hf)), "transformers"
     if cfg_bytes is not None:
         bundle.write("config.json", cfg_bytes)
     provenance = {
@@ -247,11 +255,16 @@ def _write_inference(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_
         "source": {"format": GENERAL, "name": gen.path.name, "sha256": f_sha, "size": gen.size, "companion_sha256": c_sha},
         "tied": tied, "config_from": cfg_from, "data_identity": state.get("data_identity"),
         "versions": state.get("versions"), "code": state.get("code"),
+        **({"transformers": {"model_class": hf["model_class"], "tied_written_once": tied}} if hf is not None else {}),
     }
     bundle.write("export.json", _json_bytes(provenance))
+    if hf is not None:
+        bundle.write("README.md", HF_README.format(cls=hf["model_class"], step=gen.step, run=run.resolve(),
+                                                   n=len(tensors), tied=tied or "none").encode())
     shapes = "\n".join(f"    {k}: {str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for k, t in list(tensors.items())[:40])
-    bundle.write("README.md", _README_INFERENCE.format(step=gen.step, name=gen.path.name, run=run.resolve(),
-                                                       n=len(tensors), n_params=f"{n_params:,}", shapes=shapes).encode())
+    if hf is None:
+        bundle.write("README.md", _README_INFERENCE.format(step=gen.step, name=gen.path.name, run=run.resolve(),
+                                                           n=len(tensors), n_params=f"{n_params:,}", shapes=shapes).encode())
     extra = {"weights": {"file": "model.safetensors", "source": GENERAL, "source_sha256": f_sha, "n_params": n_params}}
     return {"manifest_extra": extra, "notes": [], "tensors": tensors, "n_params": n_params}
 

@@ -167,11 +167,11 @@ def test_a_plain_dataloader_as_data_is_refused_at_construction_naming_the_fix(tm
     loader = torch.utils.data.DataLoader(cases.Augmented(), batch_size=8, shuffle=True)
     model = torch.nn.Linear(6, 3)
     with pytest.raises(TypeError, match=r"data=<torch\.utils\.data\.dataloader\.DataLoader object .*plain "
-                                        r"torch\.utils\.data\.DataLoader.*StatefulLoader\(dataset, batch_size"):
+                                        r"torch DataLoader, not made exact.*ripresa\.make_exact\(loader\)"):
         ripresa.TrainingState(model=model, data=loader)
     state = ripresa.TrainingState(model=model)
     state.data = loader  # swapped in after the state was built: the Checkpointer refuses it before any lock
-    with pytest.raises(TypeError, match="plain torch.utils.data.DataLoader"):
+    with pytest.raises(TypeError, match="plain torch DataLoader, not made exact"):
         ripresa.Checkpointer(tmp_path / "run", state, every=1, handle_signals=False)
     assert not (tmp_path / "run").exists()
     _free(tmp_path / "run")

@@ -27,7 +27,7 @@ from ..io.fsio import (
     copy_hashing,
     fsync_dir,
     open_run_file,
-    read_json_small,
+    parse_json_bytes,
     read_small,
     sidecar_line,
     write_atomic,
@@ -75,7 +75,9 @@ def _read_signature(parent_bin: Path, step: int) -> bytes | None:
 
 def read_run_config(path: Path, *, error: type[RipresaError] = BadInput) -> dict[str, Any]:
     """A run folder's ``config.json``: :func:`~ripresa.io.fsio.read_json_small`, a JSON object, bounded."""
-    cfg = read_json_small(path, "run config (config.json)", CONFIG_MAX, error=error)
+    raw = read_small(path, "run config (config.json)", CONFIG_MAX, error=error)
+    auth.check_run_file(path, raw)  # signed, or refused under require-signature (docs/FAULTS.md, "Trust model")
+    cfg = parse_json_bytes(raw, path, "run config (config.json)", error=error)
     if not isinstance(cfg, dict):
         raise error("run config is not a JSON object", file=path, expected="a JSON object",
                     found=type(cfg).__name__, hint="the run's config.json is damaged")
@@ -154,7 +156,7 @@ def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[
         "ripresa": __version__,
     }
     write_atomic(into / "lineage.json", [json.dumps(lineage, indent=2).encode() + b"\n"])
-    write_atomic(into / "config.json", [json.dumps(cfg, indent=2).encode() + b"\n"])
+    auth.write_signed_run_file(into / "config.json", json.dumps(cfg, indent=2).encode() + b"\n")
     history = History(into / HISTORY_NAME)
     _copy_history_up_to(parent, history_fd, step, history)
     history.event("fork", step=step, parent_step=step, parent_run=str(parent.resolve()), bin_sha256=gen.bin_sha256,
@@ -221,7 +223,7 @@ def _fork_dcp(parent: Path, step: int, into: Path, sets: Sequence[str]) -> dict[
         "overrides": list(sets), "created": time.time(), "ripresa": __version__,
     }
     write_atomic(into / "lineage.json", [json.dumps(lineage, indent=2).encode() + b"\n"])
-    write_atomic(into / "config.json", [json.dumps(cfg, indent=2).encode() + b"\n"])
+    auth.write_signed_run_file(into / "config.json", json.dumps(cfg, indent=2).encode() + b"\n")
     history = History(into / HISTORY_NAME)
     _copy_history_up_to(parent, history_fd, step, history)
     history.event("fork", step=step, parent_step=step, parent_run=str(parent.resolve()), dcp_marker_sha256=marker_sha,

@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, CheckFailed, RipresaError, SaveFailed
+from ..io import auth
 from ..io.child import child_env, ripresa_argv
-from ..io.fsio import fsync_dir, open_run_file, write_atomic
+from ..io.fsio import fsync_dir, open_run_file
 from ..io.lock import NotRunning, RunLock, is_locked, signal_holder
 from ..store.history import HISTORY_NAME, History, HistoryReader
 from ..store.store import CheckpointStore
@@ -176,7 +177,7 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
                       archived=[f"archive/pivot_{step:06d}/{n}" for n in moved], trainer=stopped)
         history.sync()
         history.close()
-        write_atomic(cfg_path, [json.dumps(cfg, indent=2).encode() + b"\n"])
+        auth.write_signed_run_file(cfg_path, json.dumps(cfg, indent=2).encode() + b"\n")
     finally:
         lock.release()
     report = {"step": step, "phase": phase, "archive": str(archive), "archived": moved, "policy": policy.to_dict(),

@@ -274,6 +274,72 @@ def verify_file(key: bytes, sig: bytes, name: str, data: bytes, where: str | os.
                              hint=f"{name} or its signature was changed by someone without the key")
 
 
+def write_signed_run_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write a run file a resume trusts (``config.json``) atomically, and its signature ``NAME.hmac`` beside it
+    when the run key is configured; written without a key, a signature left from before is removed (it would no
+    longer match). docs/FAULTS.md, "Trust model"."""
+    from .fsio import ops, read_small, write_atomic
+
+    p = Path(path)
+    sig = p.with_name(p.name + SUFFIX)
+    key = load_key()
+    if key is None:
+        write_atomic(p, [data])
+        if os.path.lexists(sig):
+            ops.unlink(sig)
+        return
+    # Crash-safe in three renames: the signature of the new bytes joins the old one, the file is replaced, the
+    # old signature leaves. A kill between any two leaves a signature file with a line matching the file.
+    new = file_signature_line(key, p.name, data)
+    old = b""
+    if os.path.lexists(p):
+        try:
+            old = file_signature_line(key, p.name, read_small(p, p.name, 1 << 24, error=IntegrityError))
+        except IntegrityError:
+            old = b""
+    if old and old != new:
+        write_atomic(sig, [new, old])
+    write_atomic(p, [data])
+    write_atomic(sig, [new])
+
+
+def check_run_file(path: str | os.PathLike[str], data: bytes, *, require: bool | None = None) -> None:
+    """Check the bytes of a run file a resume trusts (``config.json``) against ``NAME.hmac`` beside it.
+
+    With the run key configured and a signature present, it must verify (:class:`SignatureError`, exit 1);
+    under require-signature (``require``, by default ``RIPRESA_REQUIRE_SIGNATURE``) an unsigned one, or one
+    that cannot be checked for want of the key, is refused too. Without either, an unsigned file is used as
+    it is (a run written before its files were signed).
+    """
+    from .fsio import read_small
+
+    p = Path(path)
+    sig_path = p.with_name(p.name + SUFFIX)
+    sig = read_small(sig_path, f"{p.name} signature", 2 * MAX_SIGNATURE, error=IntegrityError) \
+        if os.path.lexists(sig_path) else None
+    key = load_key()
+    require = require_signature_from_env() if require is None else require
+    if sig is not None and key is not None:
+        lines = sig.splitlines(keepends=True)
+        if not 1 <= len(lines) <= 2:  # two while a writer replaces the file (write_signed_run_file)
+            raise SignatureError(f"malformed signature of {p.name}", file=sig_path, expected="one or two lines",
+                                 found=f"{len(lines)} lines")
+        for i, line in enumerate(lines):
+            try:
+                verify_file(key, line, p.name, data, sig_path)
+                break
+            except SignatureError:
+                if i == len(lines) - 1:
+                    raise
+    elif require:
+        raise SignatureError(f"{p.name} is not signed, and signatures are required", file=p,
+                             expected=f"{sig_path.name} beside it, made with the run's key" if key is not None
+                             else "the run's key configured",
+                             found="no signature" if sig is None else "no key to check its signature",
+                             hint=f"a run's {p.name} is signed when ripresa writes it with the key configured; "
+                             "give the settings explicitly, or drop --require-signature to use it knowingly")
+
+
 def record_message(run: str, url: str) -> bytes:
     """The canonical bytes the MAC of a run's ``mirror.json`` covers: the run folder's real path and the URL."""
     if "\n" in run or "\n" in url:
@@ -303,6 +369,8 @@ __all__ = [
     "parse_signature",
     "record_message",
     "verify_file",
+    "check_run_file",
+    "write_signed_run_file",
     "verify_dcp",
     "unsigned_error",
     "SignatureError",

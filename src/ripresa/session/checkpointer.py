@@ -60,6 +60,7 @@ from typing import Any
 
 from ..core.state import Progress, TrainingState, _tensor_tree_clone
 from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed
+from ..io import auth
 from ..io.fsio import read_json_small, write_atomic
 from ..store.async_save import AsyncCheckpointWriter
 from ..store.backend import (
@@ -635,7 +636,8 @@ class Checkpointer:
     def _write_config(self) -> None:
         if self.dist is not None and not self.dist.is_main:
             return
-        write_atomic(self.run_dir / "config.json", [json.dumps(self.state.config, indent=2, default=str).encode() + b"\n"])
+        auth.write_signed_run_file(self.run_dir / "config.json",
+                                   json.dumps(self.state.config, indent=2, default=str).encode() + b"\n")
 
     # ------------------------------------------------------------------ each step
     def step_done(self, step: int, **metrics: Any) -> bool:

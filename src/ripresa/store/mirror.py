@@ -757,6 +757,7 @@ class Mirror:
             return
         try:
             raw = read_small(cfg, "config.json", MAX_CONFIG)
+            auth.check_run_file(cfg, raw, require=False)  # never re-sign a config.json whose own signature fails
         except RipresaError:
             return
         import hashlib
@@ -1454,6 +1455,8 @@ def pull_config(remote: ObjectStore, run_dir: Path, *, require: bool | None = No
             found="no signature" if sig is None else "no key to check its signature",
             hint="give the config explicitly (`ripresa train --config FILE`), or drop --require-signature to use it "
             "knowingly")
+    if sig is not None:  # the run folder's copy stays signed (a resume checks it: docs/FAULTS.md, "Trust model")
+        write_atomic(dst.with_name(dst.name + auth.SUFFIX), [sig])
     write_atomic(dst, [raw])
     return True
 

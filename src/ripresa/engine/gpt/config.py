@@ -57,13 +57,19 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def load_config_file(path: Path) -> dict[str, Any]:
-    """A .toml or .json config (a run's ``config.json``): bounded read, no symlink/FIFO, depth-bounded parse."""
+def load_config_file(path: Path, *, run_file: bool = False) -> dict[str, Any]:
+    """A .toml or .json config (a run's ``config.json``): bounded read, no symlink/FIFO, depth-bounded parse.
+
+    ``run_file``: a run folder's own ``config.json``, which a resume trusts: checked against its signature
+    (refused unsigned under require-signature; docs/FAULTS.md, "Trust model")."""
     from ...formats.companion import loads_bounded
+    from ...io import auth
 
     if not os.path.lexists(path):
         raise BadInput("config file not found", file=path, expected="a .toml or .json file", found="nothing")
     data = read_small(path, "config file", MAX_CONFIG_BYTES)
+    if run_file:
+        auth.check_run_file(path, data)
     try:
         if path.suffix == ".toml":
             raw = tomllib.loads(data.decode("utf-8"))
@@ -109,7 +115,7 @@ def resolve_config(config: str | None, sets: Sequence[str], run_dir: Path | None
     """The resolved config (see the module doc); validated."""
     existing = run_dir / "config.json" if run_dir is not None else None
     if config is None and existing is not None and existing.is_file():
-        cfg = load_config_file(existing)
+        cfg = load_config_file(existing, run_file=True)
     elif config is None:
         cfg = named_config("tiny")
     elif config in CONFIGS:

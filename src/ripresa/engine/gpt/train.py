@@ -333,7 +333,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         reference = Path(args.resume).parent / "config.json"
     run_config = None
     if reference is not None and os.path.lexists(reference):
-        run_config = load_config_file(reference)
+        run_config = load_config_file(reference, run_file=True)
         changed = config_changes(run_config, cfg, OPERATIONAL_CONFIG)
         if changed and not args.allow_config_change:
             raise config_change_error(changed, reference, against=f"the run's {reference.name}")

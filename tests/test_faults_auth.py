@@ -340,8 +340,9 @@ def test_checkpointer_with_required_signatures_resumes_only_from_signed(tmp_path
     monkeypatch.setenv(auth.ENV_REQUIRE, "1")
     run = tmp_path / "run"
     _train(run, 15)
-    assert sorted(p.name for p in run.glob("*.hmac")) == ["step_000005.bin.hmac", "step_000010.bin.hmac",
-                                                            "step_000015.bin.hmac"]
+    assert sorted(p.name for p in run.glob("step_*.hmac")) == ["step_000005.bin.hmac", "step_000010.bin.hmac",
+                                                                 "step_000015.bin.hmac"]
+    assert (run / "config.json.hmac").is_file()  # the run's settings are signed too (docs/FAULTS.md, "Trust model")
     _tamper_bin_at(run, 15)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -377,7 +378,7 @@ def test_ripresa_train_require_signature_end_to_end(tmp_path):
             "--no-audit", "--quiet", "--threads", "1", "--require-signature"]
     r = subprocess.run([*args, "--steps", "4"], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in run.glob("*.hmac")) == ["step_000002.bin.hmac", "step_000004.bin.hmac"]
+    assert sorted(p.name for p in run.glob("step_*.hmac")) == ["step_000002.bin.hmac", "step_000004.bin.hmac"]
     _tamper_bin_at(run, 4)
     r = subprocess.run([*args, "--steps", "4"], capture_output=True, text=True, timeout=600, env=env)  # end step
     assert r.returncode == 0, r.stderr

@@ -628,10 +628,10 @@ class Tmpfs:
         take = max(0, (st.f_bavail - leave_pages) * st.f_frsize)
         filler = self.where / "filler"
         try:
-            f = open(filler, "wb")  # noqa: SIM115
+            f = open(filler, "wb", buffering=0)  # noqa: SIM115 (unbuffered: a full disk shows at a write, never at close)
         except OSError:
             return None
-        with f:
+        try:
             while take > 0:
                 n = min(take, 1 << 20)
                 try:
@@ -639,6 +639,11 @@ class Tmpfs:
                 except OSError:
                     break
                 take -= n
+        finally:
+            try:
+                f.close()
+            except OSError:
+                pass
         return filler
 
     def close(self) -> None:

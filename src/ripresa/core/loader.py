@@ -247,7 +247,7 @@ _ORDER_INDEX, _BASE_SEED_INDEX = _M64, _M64 - 1
 
 
 class _Key(int):
-    """A dataset index that carries the seed of its sample's randomness (:func:`sample_seed`).
+    """A dataset index that carries the random seed of its sample's randomness (:func:`sample_seed`).
 
     An ``int`` for everything that handles indices (batch samplers, accelerate's
     shards); only :class:`_ExactDataset` reads :attr:`seed`. It travels to the
@@ -512,7 +512,7 @@ def _exact_class(cls: type) -> type:
 class ExactLoader:
     """The exact position of a ``DataLoader`` made exact by :func:`make_exact` — a ``Stateful`` for ``TrainingState(data=...)``.
 
-    ``state_dict()`` is O(1) (docs/FORMAT.md, "The data position"): the seed,
+    ``state_dict()`` is O(1) (docs/FORMAT.md, "The data position"): the sampling seed,
     the epoch and the cursor — batches *delivered* by the loader in that epoch,
     less :attr:`held_back`. A framework that fetches ahead of the step it
     trains (Lightning's prefetching) sets ``held_back`` to the number of
@@ -611,7 +611,7 @@ class ExactLoader:
         if self._seed_given and seed != self.seed:
             raise SchemaError(f"data position was saved with seed={seed}, this loader has seed={self.seed}",
                               expected=self.seed, found=seed,
-                              hint="make the loader exact with the seed of the run that saved (the same order and "
+                              hint="make the loader exact with the sampling seed of the run that saved (the same order and "
                                    "augmentation), or leave seed= out to take the saved one")
         self.seed = seed
         self._epoch, self._cursor, self._done = epoch, cursor, bool(state["done"])
@@ -656,7 +656,7 @@ def make_exact(loader: Any, *, seed: int | None = None) -> ExactLoader:
         loader: the DataLoader, over a map-style dataset.
         seed: the base of the order and of every sample's randomness. Default:
             the sampler's seed (``DistributedSampler.seed``, accelerate's
-            ``data_seed``), else the seed of the generator given to the loader
+            ``data_seed``), else the random seed of the generator given to the loader
             or sampler, else ``torch.initial_seed()`` (what ``torch.manual_seed``
             set). A default seed yields to the saved one at a resume; an
             explicit one must match it.

@@ -537,7 +537,7 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     if not files or ".metadata" not in files:
         raise IntegrityError("a .dcp load needs the sha256 of every file its check verified", file=path,
                              expected="the generation's marker hashes", found=sorted(files)[:8])
-    reader = SafeFileSystemReader(path, VerifiedFiles(path, files, sizes))
+    reader = SafeFileSystemReader(path, VerifiedFiles(path, files, sizes))  # .metadata through the restricted unpickler
     reader.read_metadata()  # refuses a hostile .metadata with its own error, before DCP runs
     ctx = _quiet_dcp()
     try:

@@ -166,7 +166,7 @@ def train_single(cfg: dict[str, Any]) -> int:
                                   rng=ripresa.RandomStreams(numpy={"data": gen}), config={"lane": cfg["lane"]})
     ckpt = ripresa.Checkpointer(cfg["run"], state, **_checkpointer_kwargs(cfg))
     start = ckpt.resume(restore_rng=cfg.get("sabotage") != "rng")
-    ckpt.history.event("soak_start", start=start, pid=os.getpid())
+    ckpt.history.event("soak_start", start=start, pid=os.getpid(), token=cfg.get("token"))
     for step in range(start + 1, cfg["total"] + 1):
         ids = torch.as_tensor(sampler.next_batch(), dtype=torch.long) % len(X)
         optimizer.zero_grad(set_to_none=True)
@@ -209,7 +209,7 @@ def train_ddp(cfg: dict[str, Any]) -> int:
     state = ripresa.TrainingState(model=model, optimizer=optimizer, data=sampler, config={"lane": "ddp"})
     ckpt = ripresa.Checkpointer(cfg["run"], state, **_checkpointer_kwargs(cfg))
     start = ckpt.resume(restore_rng=cfg.get("sabotage") != "rng")
-    ckpt.history.event("soak_start", start=start, pid=os.getpid())
+    ckpt.history.event("soak_start", start=start, pid=os.getpid(), token=cfg.get("token"))
     for step in range(start + 1, cfg["total"] + 1):
         ids = sampler.next_batch()
         optimizer.zero_grad(set_to_none=True)
@@ -360,6 +360,7 @@ class Trainer:
     def __init__(self, lane: str, cfg: dict[str, Any], log: Path, server: ForkServer, env: dict[str, str], fresh: bool):
         self.server, self.popen = server, None
         self.how = "torchrun" if lane == "ddp" else "fresh" if fresh else "fork"
+        self.token = cfg["token"]  # written in its soak_start line: this start, whatever its pid
         if lane == "ddp":
             argv = [sys.executable, "-m", "ripresa.torchrun", "--standalone", "--nproc_per_node=2",
                     str(HERE), "--worker", json.dumps(cfg)]
@@ -537,7 +538,7 @@ class LapHistory:
         self.from_mirror = False
         self.mirror_resumes = 0  # starts after a lost folder that resumed a pulled generation (step > 0)
         self.mirror_lines = 0  # history lines of the mirror's failure events (OUTAGE_EVENTS)
-        self.start_pids: set[int] = set()  # pids of the soak_start lines read
+        self.start_tokens: set[str] = set()  # the start tokens of the soak_start lines read
 
     def reset_file(self) -> None:
         """The run folder was lost: a new history begins (what was committed stays the bar)."""
@@ -585,7 +586,7 @@ class LapHistory:
             self.generations += 1
             self.committed = max(self.committed, int(rec["step"]))
         elif ev == "soak_start":
-            self.start_pids.add(rec.get("pid"))
+            self.start_tokens.add(rec.get("token"))
             start = int(rec["start"])
             if self.from_mirror:  # the first start after the folder was lost
                 self.mirror_resumes += start > 0
@@ -704,6 +705,7 @@ class Lane:
             cfg["mirror"] = str(self.mirror)
         if sabotage and self.sabotage == "rng":
             cfg["sabotage"] = "rng"
+        cfg["token"] = os.urandom(6).hex()  # not from self.rng: the seeded choices stay as they were
         return cfg
 
     def start(self, run: Path, sabotage: bool = True) -> Trainer:
@@ -810,11 +812,13 @@ class Lane:
 
     def running(self, hist: LapHistory, trainer: Trainer, timeout: float = 120) -> bool:
         """Wait until this trainer has resumed (its soak_start line): signal handlers are installed."""
-        def mine(r: dict[str, Any]) -> bool:  # torchrun: one of this launcher's ranks, never an orphan of a previous one
-            return r.get("pid") in trainer.ranks() if trainer.how == "torchrun" else r.get("pid") == trainer.pid
+        # By the start's own token, never by pid: pids are reused (pid_max 32768 here), and a new trainer
+        # taken for an old one that had started got its SIGUSR1 before hold() (seed 2127: exit -10).
+        def mine(r: dict[str, Any]) -> bool:
+            return r.get("token") == trainer.token
 
         hist.poll()
-        if any(mine({"pid": p}) for p in hist.start_pids):  # it had started already (an interruption it survived)
+        if trainer.token in hist.start_tokens:  # it had started already (an interruption it survived)
             return trainer.poll() is None
         return hist.wait_for(lambda r: r.get("event") == "soak_start" and mine(r), trainer, timeout) is not None
 
@@ -894,7 +898,9 @@ class Lane:
                     delivered = any(signal_checkpoint(e) for e in hist.events[seen:])
                     rc = trainer.poll()
                     hist.poll()
-                    if not delivered and rc != 0:  # after close() SIGUSR1 is ignored: no exit is explained by it
+                    # after close() SIGUSR1 is ignored: no exit is explained by it, but a full disk's
+                    # SaveFailed after max_failed_saves is the documented end (docs/FAULTS.md)
+                    if not delivered and rc != 0 and not (rc == 1 and trainer.may_fail_saves):
                         ok, delivered = False, True
                         self.failures.append(f"SIGUSR1: exit {rc} without a signal checkpoint")
             trainer.kill_all()
@@ -993,6 +999,8 @@ class Lane:
         if got is None and rc is None:
             self.failures.append("SIGUSR1 at start: no signal checkpoint within 120 s")
             return False, True
+        if got is None and rc == 1 and trainer.may_fail_saves:
+            return True, True  # the disk was full: SaveFailed after max_failed_saves is its documented end
         if got is None and rc != 0 and not any(signal_checkpoint(e) for e in hist.events[seen:]):
             self.failures.append(f"SIGUSR1 at start: exit {rc} without a signal checkpoint")
             return False, True

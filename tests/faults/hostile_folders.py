@@ -187,7 +187,8 @@ def build_round_two(fx: Fixtures) -> None:
     (fx.mirror / "run" / "mirror.json").write_text(json.dumps({"url": "@F@/m"}) + "\n")
     for step in (2, 4):
         _must([*rp, "convert", f"run/step_{step:06d}.bin", f"sdcp/step_{step:06d}.dcp"], root, {"RIPRESA_HMAC_KEY": KEY})
-    shutil.copy2(fx.run / "config.json", fx.sdcp / "config.json")  # a run folder of .dcp generations (fork reads it)
+    for name in ("config.json", "config.json.hmac"):  # a run folder of .dcp generations (fork reads it), signed
+        shutil.copy2(fx.run / name, fx.sdcp / name)
     _must([*rp, "convert", "sdcp/step_000004.dcp", "sref/step_000004.bin"], root,
           {"RIPRESA_HMAC_KEY": KEY, "RIPRESA_REQUIRE_SIGNATURE": "1"})
     fx.ref_bin_sha = _sha(root / "sref" / "step_000004.bin")

@@ -108,7 +108,9 @@ def assert_stats(got, arr):
 
 def test_valid_bin_statistics_match_numpy_across_blocks(tmp_path, monkeypatch):
     run = make_run(tmp_path / "run", steps=(7,), n=5000)
-    monkeypatch.setattr(insp, "STAT_BLOCK", 777)  # several blocks per region, a short last one
+    import ripresa.tools.inspect_bin as inspect_bin
+
+    monkeypatch.setattr(inspect_bin, "STAT_BLOCK", 777)  # several blocks per region, a short last one
     report = insp.inspect_path(run / "step_000007.bin")
     assert report["exit_code"] == 0 and report["ok"] and report["problems"] == [] and report["warnings"] == []
     b = report["bin"]

@@ -231,7 +231,8 @@ class BinBackend(_Base):
 
     def _restore_foreign(self, src: Path, state: TrainingState, sharded: bool) -> Restored:
         """Weights, m and v of a ``.bin`` without companion; data order and random streams start fresh."""
-        from ..formats.andrea_bin import describe_missing, load_into_model_and_adamw, read_bin
+        from ..formats.andrea_bin import describe_missing, read_bin
+        from ..formats.bin_state import load_into_model_and_adamw
 
         if sharded:
             raise BadInput("a foreign .bin (no companion) cannot be resumed into a sharded model", file=src,

@@ -559,7 +559,8 @@ def _inspect_bin(p: Path, given: str | Path, *, check_finite: bool, deep: bool) 
             cinfo["record"] = record
             cinfo.update(_state_summary(doc.get("state")))
             if deep:  # the validation a resume runs (store.load): inspect only renders its result
-                from ..store.store import _malformed_companion, _validate_state
+                from ..store.commit import malformed_companion as _malformed_companion
+                from ..store.commit import validate_state as _validate_state
 
                 with _malformed_companion(comp):
                     _validate_state(companion_fmt.decode_tree(doc["state"]), comp)

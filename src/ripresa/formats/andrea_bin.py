@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import mmap as _mmap
 import os
-import re
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from ..io.fsio import (
     sidecar_path,
     write_sidecar,
 )
+from .naming import NameFormat
 
 # ---- format constants ----------------------------------------------------------
 
@@ -57,8 +57,6 @@ REGIONS = ("weights", "m", "v")
 _PIECE_ELEMS = CHUNK // FLOAT.itemsize
 #: Elements per NaN/Inf scan block (4 MiB of floats → 1 MiB bool temporary).
 _SCAN_ELEMS = 1 << 20
-
-_NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.bin$")
 
 #: What a ``.bin`` never holds, whoever wrote it (a resume point's contents, docs/FORMAT.md, minus weights/m/v).
 BIN_LACKS: tuple[str, ...] = (
@@ -93,20 +91,17 @@ def bin_name(step: int) -> str:
     return f"step_{step:06d}.bin"
 
 
+#: How a ``.bin`` generation's files are named (``step_NNNNNN.bin``, ``.json``, ``.bin.hmac``, ``.bin.sha256``).
+BIN_NAMES = NameFormat(".bin", companion=".json", max_step=MAX_STEP, namer=bin_name)
+
+
 def parse_bin_name(name: str | os.PathLike[str]) -> int | None:
     """``step_000007.bin`` → ``7``; ``None`` for anything that is not a canonical name.
 
     Only the exact form :func:`bin_name` writes is accepted (``step_0000007.bin``
     is not), so names and steps map one to one. A path is reduced to its name.
     """
-    base = Path(name).name
-    m = _NAME_RE.match(base)
-    if m is None:
-        return None
-    step = int(m.group("digits"))
-    if step > MAX_STEP or bin_name(step) != base:
-        return None
-    return step
+    return BIN_NAMES.parse(name)
 
 
 def companion_path(path: str | os.PathLike[str]) -> Path:

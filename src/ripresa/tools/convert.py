@@ -358,8 +358,10 @@ def write(lo: Loaded, dest: Path, kind: str) -> None:
         rest = dict(lo.rest)
         rest["model"], rest["optimizer"] = {}, None
         world = int(((rest.get("extra") or {}).get("distributed") or {}).get("world_size", 1))
-        dcp_fmt.commit_dcp(dest.parent, step, part, world_size=world,
-                           n_params=sum(p.numel() for p in lo.model.parameters()), state=rest, hmac_key=auth.load_key())
+        from ..store.dcp import commit_dcp
+
+        commit_dcp(dest.parent, step, part, world_size=world,
+                   n_params=sum(p.numel() for p in lo.model.parameters()), state=rest, hmac_key=auth.load_key())
     else:
         st = _safetensors()
         tensors = {k: v.detach().contiguous() for k, v in lo.model.state_dict().items()}

@@ -77,7 +77,7 @@ def general_source(run: Path, step: int | None) -> Generation | None:
                                  hint="export another step (`ripresa inspect RUN` shows which are valid)")
         return gen
     newest = latest_valid_of(run, ("bin", "st", "dcp"), deep=True, store=store)
-    return newest if newest is not None and newest.kind == "st" else None
+    return newest if newest is not None and newest.kind == "general" else None
 
 
 def _loaded_state(run: Path, gen: Generation) -> dict[str, Any]:

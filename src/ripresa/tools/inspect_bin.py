@@ -214,10 +214,10 @@ def inspect_bin(p: Path, given: str | Path, *, check_finite: bool, deep: bool) -
             cinfo["record"] = record
             cinfo.update(state_summary(doc.get("state")))
             if deep:  # the validation a resume runs (store.load): inspect only renders its result
-                from ..store.store import _malformed_companion, _validate_state
+                from ..store.commit import malformed_companion, validate_state
 
-                with _malformed_companion(comp):
-                    _validate_state(companion_fmt.decode_tree(doc["state"]), comp)
+                with malformed_companion(comp):
+                    validate_state(companion_fmt.decode_tree(doc["state"]), comp)
                 cinfo["state_valid"] = True
         except RipresaError as exc:
             cinfo["error"] = err_text(exc)

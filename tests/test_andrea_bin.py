@@ -21,19 +21,17 @@ from ripresa.formats import andrea_bin as ab
 from ripresa.formats.andrea_bin import (
     BIN_LACKS,
     MAX_PARAMS,
-    adamw_step,
     bin_name,
     check_n_params,
     companion_path,
     describe_missing,
-    flatten_model_and_adamw,
-    load_into_model_and_adamw,
     parse_bin_name,
     read_bin,
     read_header,
     save_bin,
     write_bin,
 )
+from ripresa.formats.bin_state import adamw_step, flatten_model_and_adamw, load_into_model_and_adamw
 from ripresa.io.fsio import StagedFile, read_sidecar, sidecar_path
 
 FIXTURES = Path(__file__).parent / "fixtures" / "andrea"

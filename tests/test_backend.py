@@ -19,12 +19,13 @@ from ripresa.formats.andrea_bin import BinArrays
 from ripresa.formats.generation import Check, Generation
 from ripresa.formats.torch_pt import load_checkpoint, save_checkpoint
 from ripresa.io.fsio import ops, parse_sha256sum, parse_sha256sum_line, verify_against_sidecar
+from ripresa.store import dcp as store_dcp
 from ripresa.store.backend import (
+    BackendBase,
     BackendSpec,
     BinBackend,
     DcpBackend,
     StorageBackend,
-    _Base,
     backends_for,
     register_backend,
     unregister_backend,
@@ -140,15 +141,15 @@ def test_an_ops_hook_sees_the_dcp_commit_renames_deletes_and_fsyncs(tmp_path):
     def commit(step: int) -> Generation:
         part = dcp_fmt.partial_path(tmp_path, step)
         dcp_fmt.save_shards(model, None, part, no_dist=True)
-        return dcp_fmt.commit_dcp(tmp_path, step, part, world_size=1, n_params=4, state={"progress": {"step": step}})
+        return store_dcp.commit_dcp(tmp_path, step, part, world_size=1, n_params=4, state={"progress": {"step": step}})
 
     commit(1)
     ops.hook = lambda op, path: seen.append((op, path))
     try:
         gen = commit(1)  # a re-save: the old generation is deleted first
         dcp_fmt.partial_path(tmp_path, 9).mkdir()
-        assert dcp_fmt.clean_partials(tmp_path) == [dcp_fmt.partial_path(tmp_path, 9)]
-        dcp_fmt.delete_dcp(tmp_path, 1)
+        assert store_dcp.clean_partials(tmp_path) == [dcp_fmt.partial_path(tmp_path, 9)]
+        store_dcp.delete_dcp(tmp_path, 1)
     finally:
         ops.hook = None
     assert gen.valid and gen.kind == "dcp"
@@ -166,7 +167,7 @@ def test_a_failing_ops_hook_fails_the_dcp_commit_and_keeps_the_old_generation(tm
     model = torch.nn.Linear(2, 2, bias=False)
     part = dcp_fmt.partial_path(tmp_path, 1)
     dcp_fmt.save_shards(model, None, part, no_dist=True)
-    first = dcp_fmt.commit_dcp(tmp_path, 1, part, world_size=1, n_params=4, state={"progress": {"step": 1}})
+    first = store_dcp.commit_dcp(tmp_path, 1, part, world_size=1, n_params=4, state={"progress": {"step": 1}})
     part = dcp_fmt.partial_path(tmp_path, 2)
     dcp_fmt.save_shards(model, None, part, no_dist=True)
 
@@ -177,7 +178,7 @@ def test_a_failing_ops_hook_fails_the_dcp_commit_and_keeps_the_old_generation(tm
     ops.hook = hook
     try:
         with pytest.raises(ripresa.SaveFailed, match="injected"):
-            dcp_fmt.commit_dcp(tmp_path, 2, part, world_size=1, n_params=4, state={"progress": {"step": 2}})
+            store_dcp.commit_dcp(tmp_path, 2, part, world_size=1, n_params=4, state={"progress": {"step": 2}})
     finally:
         ops.hook = None
     assert first.valid and dcp_fmt.check_dcp(tmp_path, 1, deep=True).valid
@@ -187,7 +188,7 @@ def test_a_failing_ops_hook_fails_the_dcp_commit_and_keeps_the_old_generation(tm
 # ---- the registry: a third backend the session uses without change ------------------------
 
 
-class PtBackend(_Base):
+class PtBackend(BackendBase):
     """A small general-purpose backend: ``step_NNNNNN.pt`` (torch.save, weights_only) + ``.sha256``."""
 
     kind = "pt"
@@ -247,16 +248,16 @@ def pt_backend():
 def test_the_builtin_backends_satisfy_the_protocol_and_are_ordered_by_mode(tmp_path):
     with CheckpointStore(tmp_path) as store:
         single, ignored = backends_for("single", store)
-        assert [b.kind for b in single] == ["st", "bin", "dcp"] and [b.kind for b in ignored] == []  # a .dcp newest resumes too
-        assert [b.kind for b in backends_for("ddp", store)[0]] == ["st", "bin", "dcp"]
-        assert [b.kind for b in backends_for("fsdp2", store)[0]] == ["dcp", "st", "bin"]  # 1 -> 2 resumes st too
+        assert [b.kind for b in single] == ["general", "bin", "dcp"] and [b.kind for b in ignored] == []  # a .dcp newest resumes too
+        assert [b.kind for b in backends_for("ddp", store)[0]] == ["general", "bin", "dcp"]
+        assert [b.kind for b in backends_for("fsdp2", store)[0]] == ["dcp", "general", "bin"]  # 1 -> 2 resumes st too
         assert [b.kind for b in backends_for("fsdp2", store)[1]] == []
         # auto is the general format for any state; the .bin when asked for ("andrea") and the state fits it
-        assert [b.kind for b in backends_for("single", store, state=_toy())[0]] == ["st", "bin", "dcp"]
-        assert [b.kind for b in backends_for("single", store, state=_toy(), format="andrea")[0]] == ["bin", "st", "dcp"]
-        assert [b.kind for b in backends_for("ddp", store, state=_toy(), format="andrea")[0]] == ["bin", "st", "dcp"]
+        assert [b.kind for b in backends_for("single", store, state=_toy())[0]] == ["general", "bin", "dcp"]
+        assert [b.kind for b in backends_for("single", store, state=_toy(), format="andrea")[0]] == ["bin", "general", "dcp"]
+        assert [b.kind for b in backends_for("ddp", store, state=_toy(), format="andrea")[0]] == ["bin", "general", "dcp"]
         sgd = TrainingState(model=torch.nn.Linear(2, 2), optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
-        assert [b.kind for b in backends_for("single", store, state=sgd)[0]] == ["st", "bin", "dcp"]
+        assert [b.kind for b in backends_for("single", store, state=sgd)[0]] == ["general", "bin", "dcp"]
         from ripresa.store.general import GeneralBackend
 
         for b in (BinBackend(store), DcpBackend(store), PtBackend(store), GeneralBackend(store)):
@@ -266,7 +267,7 @@ def test_the_builtin_backends_satisfy_the_protocol_and_are_ordered_by_mode(tmp_p
 def test_a_third_registered_backend_is_used_by_the_checkpointer(tmp_path, pt_backend):
     state = _toy()
     ck = ripresa.Checkpointer(tmp_path, state, every=2, asynchronous=True, handle_signals=False)
-    assert [b.kind for b in ck.backends] == ["pt", "st", "bin", "dcp"] and ck.backend.kind == "pt"
+    assert [b.kind for b in ck.backends] == ["pt", "general", "bin", "dcp"] and ck.backend.kind == "pt"
     assert ck.resume() == 0
     for step in (1, 2):
         _train(state)

@@ -72,7 +72,7 @@ def kill_and_restart(tmp_path: Path, case: str) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     info = json.loads(again.stdout.strip().splitlines()[-1])
     assert info["resumed_from"] is not None, (kill_at, info)  # it did resume from a generation the kill left
-    assert info["backend"] == ("bin" if cases.FORMATS[case] == "andrea" else "st"), info
+    assert info["backend"] == ("bin" if cases.FORMATS[case] == "andrea" else "general"), info
     assert cases.differences(cases.load_final(tmp_path / "ref.pt"), cases.load_final(tmp_path / "run.pt")) == []
     sizes = assert_small_companions(folder)
     print(f"{case}: resumed from {Path(info['resumed_from']).name}; companions {sizes}")

@@ -32,6 +32,7 @@ from ripresa.formats.generation import Generation
 from ripresa.io import auth
 from ripresa.session.checkpointer import rank_view
 from ripresa.session.distributed import check_distributed_record
+from ripresa.store import dcp as store_dcp
 from ripresa.store.history import read_history
 from ripresa.store.store import CheckpointWarning
 
@@ -72,7 +73,7 @@ def _dcp_generation(folder: Path, step: int, *, key: bytes | None = None, state=
     folder.mkdir(parents=True, exist_ok=True)
     dcp_fmt.save_shards(model, opt, part, no_dist=True)
     n = sum(p.numel() for p in model.parameters())
-    gen = dcp_fmt.commit_dcp(folder, step, part, world_size=1, n_params=n,
+    gen = store_dcp.commit_dcp(folder, step, part, world_size=1, n_params=n,
                              state=state if state is not None else {"progress": {"step": step}}, hmac_key=key)
     assert gen.valid, gen.reason
     return gen
@@ -269,7 +270,7 @@ def test_dcp_generations_are_signed_and_checked(tmp_path, monkeypatch):
     monkeypatch.setenv(auth.ENV_REQUIRE, "1")
     unsigned = dcp_fmt.check_dcp(run, 10)
     assert not unsigned.valid and "not signed" in unsigned.reason
-    dcp_fmt.delete_dcp(run, 5)
+    store_dcp.delete_dcp(run, 5)
     assert not sig.exists() and not gen.path.exists()
 
 

@@ -29,6 +29,7 @@ from ripresa.formats import dcp as dcp_fmt
 from ripresa.formats.andrea_bin import read_bin
 from ripresa.formats.generation import Generation
 from ripresa.session.distributed import DistContext, NullHistory, rank_generator, rank_seed
+from ripresa.store import dcp as store_dcp
 from ripresa.store.backend import latest_valid_any
 from ripresa.store.history import read_history
 from ripresa.store.store import CheckpointStore, CheckpointWarning
@@ -335,7 +336,7 @@ def _fake_dcp(folder: Path, step: int) -> Generation:
     """A real (tiny) DCP save committed as generation ``step`` (a deep check reads its .metadata)."""
     part = dcp_fmt.partial_path(folder, step)
     dcp_fmt.save_shards(torch.nn.Linear(1, 3, bias=False), None, part, no_dist=True)
-    return dcp_fmt.commit_dcp(folder, step, part, world_size=1, n_params=3, state={"progress": {"step": step}})
+    return store_dcp.commit_dcp(folder, step, part, world_size=1, n_params=3, state={"progress": {"step": step}})
 
 
 def test_dcp_generations_validate_and_fall_back(tmp_path):
@@ -355,8 +356,8 @@ def test_dcp_generations_validate_and_fall_back(tmp_path):
     msgs = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
     assert "6" in msgs[0] and "sha256 mismatch" in msgs[0] and "missing commit marker" in msgs[1]
     (tmp_path / ".step_000008.dcp.partial").mkdir()
-    assert dcp_fmt.clean_partials(tmp_path) and not (tmp_path / ".step_000008.dcp.partial").exists()
-    dcp_fmt.delete_dcp(tmp_path, 2)
+    assert store_dcp.clean_partials(tmp_path) and not (tmp_path / ".step_000008.dcp.partial").exists()
+    store_dcp.delete_dcp(tmp_path, 2)
     assert dcp_fmt.dcp_steps_on_disk(tmp_path) == [4, 6]
 
 

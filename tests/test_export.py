@@ -172,9 +172,9 @@ def test_numpy_snippet_in_readme_reads_the_same_weights(bundle, run_dir, monkeyp
 
 
 def test_export_of_an_older_step_copies_that_generation(run_dir, tmp_path, monkeypatch):
-    import ripresa.tools.export as export_mod
+    import ripresa.tools.bundle as bundle_mod
 
-    monkeypatch.setattr(export_mod, "PROGRESS_MIN_BYTES", 0)  # draw the byte progress bars (on stderr)
+    monkeypatch.setattr(bundle_mod, "PROGRESS_MIN_BYTES", 0)  # draw the byte progress bars (on stderr)
     dest = tmp_path / "older"
     dest.mkdir()  # an existing empty folder is accepted
     report = export_run(run_dir, dest, model_factory=GPT_FACTORY, step=10, show_progress=True)
@@ -290,7 +290,7 @@ def test_a_manifest_of_an_unknown_version_is_refused_even_with_its_hash_recomput
 
 
 def test_a_failed_reload_leaves_no_complete_looking_bundle(run_dir, tmp_path, monkeypatch):
-    import ripresa.tools.export as export_mod
+    import ripresa.tools.export_bin as export_mod
 
     def broken(model, where):
         raise IntegrityError("the reloaded model gives non-finite logits", file=where)
@@ -483,9 +483,9 @@ def _readme_cases():
 @pytest.mark.parametrize("case", [c[0] for c in _readme_cases()])
 def test_readme_text_from_package_data_is_byte_identical_to_the_former_fstrings(case):
     from ripresa._version import __version__
-    from ripresa.tools import export as export_mod
+    from ripresa.tools import export_readme
 
     _, kind, kwargs = next(c for c in _readme_cases() if c[0] == case)
-    render = export_mod._resume_readme if kind == "resume" else export_mod._inference_readme
+    render = export_readme.resume_readme if kind == "resume" else export_readme.inference_readme
     expected = (README_GOLDEN / f"{case}.md").read_text(encoding="utf-8").replace("{{version}}", __version__)
     assert render(**kwargs) == expected

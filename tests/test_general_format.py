@@ -135,7 +135,7 @@ def test_the_general_format_holds_what_the_bin_cannot_and_resumes_exactly(tmp_pa
     resumed = train(case, tmp_path / "run", 12, 3)
     assert_bitwise_equal(final_tensors(ref), final_tensors(resumed))
     gen = validate_general(tmp_path / "run", 12, deep=True).generation
-    assert gen.valid and gen.kind == "st"
+    assert gen.valid and gen.kind == "general"
     assert [c.name for c in gen.checks] == ["marker present", "marker format", "tensor header", "tensor step",
                                             "companion sha256", "companion schema", "companion record",
                                             "tensor sha256", "companion state"]
@@ -161,7 +161,7 @@ def test_auto_is_the_general_format_and_a_bin_folder_goes_on_in_it_recording_the
     model = torch.nn.Linear(4, 3)
     state = TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     with ripresa.Checkpointer(tmp_path / "auto", state, every=1, handle_signals=False) as ck:
-        assert ck.backend.kind == "st"  # auto: the general format, even for a state the .bin holds
+        assert ck.backend.kind == "general"  # auto: the general format, even for a state the .bin holds
     with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False, format="andrea") as ck:
         assert ck.backend.kind == "bin"
         ck.resume()
@@ -170,7 +170,7 @@ def test_auto_is_the_general_format_and_a_bin_folder_goes_on_in_it_recording_the
         state.optimizer.step()
         ck.step_done(1)
     with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
-        assert ck.backend.kind == "st" and [b.kind for b in ck.backends] == ["st", "bin", "dcp"]
+        assert ck.backend.kind == "general" and [b.kind for b in ck.backends] == ["general", "bin", "dcp"]
         assert ck.resume() == 1 and ck.resumed_from.kind == "bin"  # the .bin generation resumes
         state.optimizer.zero_grad()
         model(torch.randn(2, 4)).sum().backward()
@@ -179,9 +179,9 @@ def test_auto_is_the_general_format_and_a_bin_folder_goes_on_in_it_recording_the
     assert (tmp_path / "step_000001.bin").exists() and (tmp_path / "step_000002.safetensors").exists()
     events = [json.loads(line) for line in (tmp_path / ".loss.jsonl").read_text().splitlines()]
     changes = [e for e in events if e.get("event") == "format_change"]
-    assert len(changes) == 1 and changes[0] == {**changes[0], "previous": "bin", "now": "st", "format": "auto"}
+    assert len(changes) == 1 and changes[0] == {**changes[0], "previous": "bin", "now": "general", "format": "auto"}
     with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
-        assert ck.resume() == 2 and ck.resumed_from.kind == "st"
+        assert ck.resume() == 2 and ck.resumed_from.kind == "general"
 
 
 def test_a_companion_stays_small_with_two_1024x1024_buffers(tmp_path):
@@ -191,7 +191,7 @@ def test_a_companion_stays_small_with_two_1024x1024_buffers(tmp_path):
     model.register_buffer("mask_b", torch.randn(1024, 1024))
     state = TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:  # auto: the general format
-        assert ck.backend.kind == "st"
+        assert ck.backend.kind == "general"
         ck.resume()
         ck.step_done(1)
     f, c, _ = general_paths(tmp_path, 1)
@@ -611,8 +611,8 @@ def test_inspect_shows_general_generations_through_their_named_checks(tmp_path):
     run = inspect_path(tmp_path)["run"]
     assert run["resume_step"] == 4
     rows = run["generations"]
-    assert [(r["step"], r["kind"], r["valid"]) for r in rows] == [(2, "st", True), (4, "st", True)]
-    assert rows[-1]["resume"] and rows[-1]["files"] == {"st": True, "companion": True, "marker": True}
+    assert [(r["step"], r["kind"], r["valid"]) for r in rows] == [(2, "general", True), (4, "general", True)]
+    assert rows[-1]["resume"] and rows[-1]["files"] == {"general": True, "companion": True, "marker": True}
     assert [c["name"] for c in rows[-1]["checks"]][-2:] == ["tensor sha256", "companion state"]
     f, _, _ = general_paths(tmp_path, 4)
     raw = bytearray(f.read_bytes())

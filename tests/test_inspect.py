@@ -108,7 +108,9 @@ def assert_stats(got, arr):
 
 def test_valid_bin_statistics_match_numpy_across_blocks(tmp_path, monkeypatch):
     run = make_run(tmp_path / "run", steps=(7,), n=5000)
-    monkeypatch.setattr(insp, "STAT_BLOCK", 777)  # several blocks per region, a short last one
+    import ripresa.tools.inspect_bin as inspect_bin
+
+    monkeypatch.setattr(inspect_bin, "STAT_BLOCK", 777)  # several blocks per region, a short last one
     report = insp.inspect_path(run / "step_000007.bin")
     assert report["exit_code"] == 0 and report["ok"] and report["problems"] == [] and report["warnings"] == []
     b = report["bin"]
@@ -350,11 +352,12 @@ def test_unknown_kind_exit_2(tmp_path):
 def test_run_folder_with_dcp_generations(tmp_path):
     """An FSDP2 run folder: `ripresa inspect` lists its .dcp generations and the one a resume uses."""
     from ripresa.formats import dcp as dcp_fmt
+    from ripresa.store import dcp as store_dcp
 
     for s in (2, 4):
         part = dcp_fmt.partial_path(tmp_path, s)
         dcp_fmt.save_shards(torch.nn.Linear(1, 3, bias=False), None, part, no_dist=True)  # a real tiny DCP save
-        assert dcp_fmt.commit_dcp(tmp_path, s, part, world_size=1, n_params=3, state={"progress": {"step": s}}).valid
+        assert store_dcp.commit_dcp(tmp_path, s, part, world_size=1, n_params=3, state={"progress": {"step": s}}).valid
     shard = tmp_path / "step_000004.dcp" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-5] + b"xxxxx")  # damaged newest (same size)
     res = ripresa_cli("inspect", tmp_path, "--json")

@@ -320,6 +320,7 @@ def test_a_sharded_dcp_generation_is_mirrored_and_pulled_deep_checked(tmp_path, 
 
     from ripresa.core.state import Progress, TrainingState
     from ripresa.formats import dcp
+    from ripresa.store.dcp import commit_dcp
     from ripresa.store.mirror import Mirror, pull
     from ripresa.store.restore import rest_proxy
     from ripresa.store.retention import KeepLast
@@ -334,7 +335,7 @@ def test_a_sharded_dcp_generation_is_mirrored_and_pulled_deep_checked(tmp_path, 
     part = dcp.partial_path(run, 5)
     dcp.save_shards(model, opt, part, no_dist=True)  # one rank's shards, as an FSDP2 run writes them
     rest = rest_proxy(TrainingState(model=model, optimizer=opt)).snapshot(Progress(step=5), None, include_parameters=False)
-    assert dcp.commit_dcp(run, 5, part, world_size=1, n_params=10, state=rest).valid
+    assert commit_dcp(run, 5, part, world_size=1, n_params=10, state=rest).valid
     mirror = Mirror(fast(s3.url), run, local_retention=KeepLast(3))
     assert mirror.round() and s3.committed() == [5]
     assert {"step_000005.dcp/.metadata", "step_000005.dcp/__0_0.distcp", "step_000005.dcp/ripresa.json"} <= set(s3.keys())

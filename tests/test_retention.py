@@ -353,6 +353,7 @@ def test_after_a_format_change_keep_last_counts_bin_and_general_generations_as_o
 
     import ripresa
     from ripresa.formats import dcp as dcp_fmt
+    from ripresa.store import dcp as store_dcp
     from ripresa.store.retention import KeepLast
 
     torch.manual_seed(0)
@@ -380,7 +381,7 @@ def test_after_a_format_change_keep_last_counts_bin_and_general_generations_as_o
     # an older .dcp generation beside them (a single process resumes a .dcp only when it is the newest)
     part = dcp_fmt.partial_path(tmp_path, 1)
     dcp_fmt.save_shards(torch.nn.Linear(4, 3), None, part, no_dist=True)
-    dcp_fmt.commit_dcp(tmp_path, 1, part, world_size=1, n_params=15, state={"progress": {"step": 1}})
+    store_dcp.commit_dcp(tmp_path, 1, part, world_size=1, n_params=15, state={"progress": {"step": 1}})
     run("auto", 6, seen)
     assert seen[3:] == [([3], [4]), ([], [4, 5]), ([], [5, 6])]
     assert steps_of(".dcp") == [1] and dcp_fmt.check_dcp(tmp_path, 1).valid

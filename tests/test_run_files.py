@@ -406,7 +406,7 @@ def test_train_refuses_a_config_that_does_not_fit_its_checkpoints(run_copy):
 
 def test_export_refuses_a_config_that_does_not_fit_the_bin_before_building(run_copy, tmp_path):
     from ripresa.errors import SchemaError
-    from ripresa.tools.export import _build_model
+    from ripresa.tools.export_bin import _build_model
 
     cfg = json.loads((run_copy / "config.json").read_text())
     big = dict(cfg["model"], n_layer=48, n_embd=1024, n_head=16)  # under the size cap, not the .bin's

@@ -373,7 +373,8 @@ def test_lock_records_host_boot_and_namespace(tmp_path: Path) -> None:
 
 def test_fdinfo_and_proc_locks_name_the_real_holder(holder, procs) -> None:
     # The two kernel records signal_holder trusts, read for a real holder and a bystander.
-    from ripresa.io.lock import _holds_lock, _proc_locks_holder
+    from ripresa.io.liveness import holds_lock as _holds_lock
+    from ripresa.io.liveness import proc_locks_holder as _proc_locks_holder
 
     run, proc, log = holder
     st = os.stat(run / LOCK_NAME)

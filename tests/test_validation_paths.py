@@ -267,12 +267,13 @@ def test_cli_turns_an_unexpected_exception_into_one_paragraph_and_exit_2(tmp_pat
 def test_inspect_text_and_json_on_a_run_holding_dcp_generations(tmp_path):
     """`ripresa inspect` in text mode on a run with .dcp generations (was a KeyError in the renderer)."""
     from ripresa.formats import dcp as dcp_fmt
+    from ripresa.store import dcp as store_dcp
 
     make_run(tmp_path, steps=(3,))
     for s in (4, 6):
         part = dcp_fmt.partial_path(tmp_path, s)
         dcp_fmt.save_shards(torch.nn.Linear(1, 3, bias=False), None, part, no_dist=True)  # a real tiny DCP save
-        assert dcp_fmt.commit_dcp(tmp_path, s, part, world_size=1, n_params=3, state={"progress": {"step": s}}).valid
+        assert store_dcp.commit_dcp(tmp_path, s, part, world_size=1, n_params=3, state={"progress": {"step": s}}).valid
     shard = tmp_path / "step_000006.dcp" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-5] + b"xxxxx")  # the newest is damaged (same size)
     code, out, err = run_cli("inspect", tmp_path)

@@ -145,7 +145,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.require_signature:
         from .io.auth import require_from_cli
-        from .store.store import check_generation_file
+        from .store.kinds import check_generation_file
 
         require_from_cli("ripresa inspect --require-signature")
         if not args.path.is_dir():

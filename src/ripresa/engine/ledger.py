@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, IntegrityError, LockHeld, RipresaError, SaveFailed
+from ..io.fileops import describe_oserror as _describe_oserror
 from ..io.fsio import (
-    _describe_oserror,
     fsync_dir,
     is_temp_name,
     open_regular,

@@ -329,9 +329,11 @@ def restart_command(run: Path, launch: dict[str, Any] | None, gen: Any) -> list[
     flags = _replayed_flags(launch, run)
     shard = (launch or {}).get("options", {}).get("shard", "ddp")
     world = int((launch or {}).get("world_size", 1))
-    if gen is not None and gen.kind == "dcp":
+    from ..store.backend import spec_of
+
+    if gen is not None and spec_of(gen.kind).collective:  # a sharded kind (.dcp)
         verified = _newest_generation(run, deep=True)
-        if verified is None or verified.kind != "dcp" or not _is_int(verified.world_size, 1):
+        if verified is None or not spec_of(verified.kind).collective or not _is_int(verified.world_size, 1):
             raise BadInput("the sharded run's world size cannot be taken from a verified generation", file=run,
                            expected="a .dcp generation that passes its deep check (every hash, the signature "
                                     "when required)", found=f"newest verified: {getattr(verified, 'path', None)}",

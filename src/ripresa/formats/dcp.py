@@ -1,43 +1,11 @@
-"""Sharded generations written with ``torch.distributed.checkpoint`` (docs/FORMAT.md, ``.dcp``).
+"""The ``.dcp`` byte layout: sharded FSDP2 generations written with ``torch.distributed.checkpoint``.
 
-One generation of an FSDP2 run::
-
-    step_NNNNNN.dcp/              the DCP folder
-        .metadata                 DCP's index (written by rank 0)
-        __R_0.distcp              the shards of rank R (one file per rank)
-        ripresa.json              the companion: everything DCP does not hold
-    step_NNNNNN.dcp.hmac          with an HMAC key: the signature, written right
-                                  before the marker (:func:`ripresa.io.auth.dcp_message`)
-    step_NNNNNN.dcp.sha256        the commit marker, written last: one
-                                  ``sha256sum`` line per file of the folder
-
-``ripresa.json`` holds the same state as a ``.bin``'s companion (progress,
-scheduler, scaler, data position, ``Stateful`` objects, random streams, config,
-versions, code and data identity), with per-rank random streams and data
-positions in ``state.extra.distributed.ranks``, plus the size of every DCP file.
-Model and optimizer (weights, m, v, per-parameter steps, hyper-parameters) are
-in the DCP files, keyed by parameter name, so they load on any number of ranks.
-
-Commit protocol (every rank, then rank 0):
-
-1. every rank writes its shards into ``.step_NNNNNN.dcp.partial`` (DCP fsyncs
-   each file; rank 0 writes ``.metadata`` once all ranks have written);
-2. a barrier: every rank finished its part;
-3. rank 0 writes ``ripresa.json`` into the folder, fsyncs it and the folder,
-   renames the folder to ``step_NNNNNN.dcp``, fsyncs the run folder, hashes
-   every file and writes the marker atomically, last.
-
-A reader trusts a ``.dcp`` generation only when the marker lists exactly the
-files of the folder, the companion's hash and the files' sizes match, and —
-under require-signature — the signature matches; ``deep`` re-hashes every
-file and reads the ``.metadata`` through the restricted reader of
-:mod:`ripresa.formats.dcp_safe` (nothing of it is ever unpickled freely; a
-resume checks its candidate deeply before loading it). The load then reads
-exactly the bytes that were verified: :func:`load_shards` re-reads every file
-it needs into memory while hashing it against the hashes the check recorded
-(:class:`ripresa.formats.dcp_safe.VerifiedFiles`), and DCP reads only those
-buffers, so a shard swapped between the check and the load is refused, never
-loaded. ``cd RUN && sha256sum -c step_NNNNNN.dcp.sha256`` checks it by hand.
+Names (``step_NNNNNN.dcp/``, ``.dcp.hmac``, ``.dcp.sha256``, ``.step_NNNNNN.dcp.partial``), the
+companion ``ripresa.json``, the marker and the named checks (:func:`check_dcp`; ``deep`` reads
+``.metadata`` through :mod:`ripresa.formats.dcp_safe`), and model/optimizer through DCP
+(:func:`save_shards`, :func:`load_shards`: exactly the verified bytes): docs/FORMAT.md, "FSDP2
+``step_NNNNNN.dcp/``". The commit (companion, rename, signature, marker last) is the one protocol
+of every kind: :mod:`ripresa.store.dcp`; the sharded save and resume: docs/SHARDED.md.
 """
 
 from __future__ import annotations
@@ -51,29 +19,23 @@ from typing import Any
 
 import torch
 
-from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed, SchemaError
+from ..errors import BadInput, IntegrityError, RipresaError, SchemaError
 from ..io import auth
 from ..io.fsio import (
     open_run_file,
-    ops,
     parse_json_bytes,
     parse_sha256sum_line,
     read_small,
     sha256_fd,
-    sha256_file,
-    sidecar_line,
-    write_atomic,
 )
 from . import companion as companion_fmt
 from .generation import Checks, Generation, reason_of
+from .naming import NameFormat
 
 FORMAT = "ripresa.dcp"
 FORMAT_VERSION = 1
 COMPANION_NAME = "ripresa.json"
 
-_NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.dcp$")
-_MARKER_NAME_RE = re.compile(r"^step_(?P<digits>[0-9]{6,})\.dcp\.sha256$")
-_PARTIAL_RE = re.compile(r"^\.step_[0-9]{6,}\.dcp\.partial$")
 MAX_MARKER_BYTES = 1 << 20
 MAX_COMPANION_BYTES = 256 * 1024 * 1024
 
@@ -85,14 +47,14 @@ def dcp_name(step: int) -> str:
     return f"step_{step:06d}.dcp"
 
 
+#: How a ``.dcp`` generation is named: the folder ``step_NNNNNN.dcp``, ``.dcp.hmac`` and ``.dcp.sha256`` beside
+#: it, ``.step_NNNNNN.dcp.partial`` while its shards are written.
+DCP_NAMES = NameFormat(".dcp", folder=True, partial=True, namer=dcp_name)
+
+
 def parse_dcp_name(name: str | os.PathLike[str]) -> int | None:
     """``step_000007.dcp`` → 7; None for anything else (only the canonical form)."""
-    base = Path(name).name
-    m = _NAME_RE.match(base)
-    if m is None:
-        return None
-    step = int(m.group("digits"))
-    return step if dcp_name(step) == base else None
+    return DCP_NAMES.parse(name)
 
 
 def dcp_paths(folder: Path, step: int) -> tuple[Path, Path]:
@@ -108,7 +70,7 @@ def signature_path(folder: Path, step: int) -> Path:
 
 def partial_path(folder: Path, step: int) -> Path:
     """The folder every rank writes its shards into before the commit."""
-    return Path(folder) / f".{dcp_name(step)}.partial"
+    return Path(folder) / DCP_NAMES.partial_name(step)
 
 
 def dcp_steps_on_disk(folder: Path) -> list[int]:
@@ -117,11 +79,9 @@ def dcp_steps_on_disk(folder: Path) -> list[int]:
     if not Path(folder).is_dir():
         return []
     for entry in os.scandir(folder):
-        s = parse_dcp_name(entry.name)
+        s = DCP_NAMES.parse(entry.name)
         if s is None:
-            m = _MARKER_NAME_RE.match(entry.name)
-            if m and parse_dcp_name(entry.name[: -len(".sha256")]) is not None:
-                s = int(m.group("digits"))
+            s = DCP_NAMES.is_marker(entry.name)
         if s is not None:
             steps.add(s)
     return sorted(steps)
@@ -327,75 +287,13 @@ def dcp_generations(folder: Path, *, deep: bool = False) -> list[Generation]:
     return [check_dcp(folder, s, deep=deep) for s in dcp_steps_on_disk(folder)]
 
 
-#: The generation kinds: ``bin`` (one process, DDP) and ``dcp`` (FSDP2).
-KINDS = ("bin", "dcp")
-
-
 # ---- writing ----------------------------------------------------------------------
-
-
-def clean_partials(folder: Path) -> list[Path]:
-    """Remove ``.step_NNNNNN.dcp.partial`` folders left by interrupted saves (rank 0, at start)."""
-    removed = []
-    if not Path(folder).is_dir():
-        return removed
-    for entry in os.scandir(folder):
-        if _PARTIAL_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
-            ops.rmtree(Path(entry.path))
-            removed.append(Path(entry.path))
-    return removed
-
-
-def delete_dcp(folder: Path, step: int) -> None:
-    """Remove a ``.dcp`` generation, marker first (it reads as uncommitted if interrupted), then its signature."""
-    d, mk = dcp_paths(Path(folder), step)
-    for p in (mk, signature_path(Path(folder), step)):
-        try:
-            ops.unlink(p)
-        except FileNotFoundError:
-            pass
-    ops.rmtree(d)
 
 
 def encode_companion(step: int, world_size: int, n_params: int, files: dict[str, int], state: dict[str, Any]) -> bytes:
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step), "world_size": int(world_size),
            "n_params": int(n_params), "files": dict(sorted(files.items())), "state": companion_fmt.encode_tree(state)}
     return companion_fmt.dumps(doc)
-
-
-def commit_dcp(folder: Path, step: int, partial: Path, *, world_size: int, n_params: int, state: dict[str, Any],
-               hmac_key: bytes | None = None) -> Generation:
-    """Rank 0, after every rank wrote its shards into ``partial``: companion, rename, signature, marker (last).
-
-    With ``hmac_key`` the signature ``step_NNNNNN.dcp.hmac`` (every file's
-    sha256, :func:`ripresa.io.auth.dcp_message`) is durable before the marker.
-    """
-    folder = Path(folder)
-    final, marker = dcp_paths(folder, step)
-    try:
-        files = {e.name: e.stat().st_size for e in os.scandir(partial) if e.is_file(follow_symlinks=False)}
-        if ".metadata" not in files:
-            raise SaveFailed("DCP wrote no .metadata", file=partial, hint="the sharded save did not complete")
-        write_atomic(partial / COMPANION_NAME, [encode_companion(step, world_size, n_params, files, state)])
-        ops.fsync_dir(partial)
-        if os.path.lexists(marker) or os.path.lexists(final):
-            # Re-saving a step: uncommit the old generation first, so no reader
-            # ever pairs the old marker with new files.
-            delete_dcp(folder, step)
-            ops.fsync_dir(folder)
-        ops.rename(partial, final)
-        ops.fsync_dir(folder)
-        hashes = {name: sha256_file(final / name).sha256 for name in sorted(os.listdir(final))}
-        if hmac_key is not None:
-            write_atomic(signature_path(folder, step), [auth.dcp_signature_line(hmac_key, step, final.name, hashes)])
-        write_atomic(marker, [sidecar_line(h, f"{final.name}/{name}") for name, h in hashes.items()])
-    except OSError as exc:
-        raise SaveFailed(f"writing the .dcp generation {step} failed: {exc}", file=final,
-                         hint="the previous generation is intact") from exc
-    gen = check_dcp(folder, step, require_signature=hmac_key is not None, hmac_key=hmac_key)
-    if not gen.valid:
-        raise IntegrityError(f".dcp generation {step} failed its check right after the save", file=final, found=gen.reason)
-    return gen
 
 
 # ---- model and optimizer through DCP ------------------------------------------------------

@@ -420,9 +420,8 @@ class VerifiedFiles:
 
     def read(self, name: str, *, keep: bool = False) -> memoryview:
         """The verified bytes of ``name`` (kept for later calls with ``keep``)."""
-        import hashlib
-
-        from ..io.fsio import open_run_file, read_exact_hashing
+        from ..io.fsio import open_run_file
+        from ..io.hashing import read_whole_hashing
 
         if name in self._cache:
             return self._cache[name]
@@ -440,13 +439,10 @@ class VerifiedFiles:
                                      expected=f"{self.sizes.get(name)} bytes", found=f"{size} bytes",
                                      hint="it was replaced or edited after the generation was checked; none of it "
                                      "was loaded (an older generation will be used)")
-            buf = bytearray(size)
-            h = hashlib.sha256()
-            read_exact_hashing(fd, [memoryview(buf)], h, path=p, what=".dcp file")
-            grew = bool(os.read(fd, 1))
+            buf, digest, grew = read_whole_hashing(fd, size, path=p, what=".dcp file")
         finally:
             os.close(fd)
-        got = h.hexdigest()
+        got = digest.sha256
         if grew or got != want:
             raise IntegrityError("a .dcp file changed between its check and the load", file=p, expected=want,
                                  found="a file that grew while read" if grew else got,

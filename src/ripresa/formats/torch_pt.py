@@ -37,11 +37,11 @@ from ..io.fsio import (
     clean_temporaries,
     fsync_dir,
     open_regular,
-    read_exact_hashing,
     read_sidecar,
     require_regular_file,
     write_sidecar,
 )
+from ..io.hashing import read_whole_hashing
 
 #: Leaf types allowed anywhere in a checkpoint (what ``weights_only`` can load
 #: without extra globals, minus anything that could smuggle code).
@@ -162,20 +162,14 @@ def load_checkpoint(path: str | Path, *, require_signature: bool | None = None) 
 def _read_verified(path: Path) -> tuple[bytearray, Digest]:
     """The whole file, read once (one descriptor, checked regular: a FIFO never blocks) while hashed, and its
     digest checked against the ``.sha256`` sidecar; never a second open of the path."""
-    import hashlib
-
     p = require_regular_file(path)
     expected = read_sidecar(p)
     fd = open_regular(p, "checkpoint")
     try:
-        size = os.fstat(fd).st_size
-        raw = bytearray(size)
-        h = hashlib.sha256()
-        read_exact_hashing(fd, [memoryview(raw)], h, path=p, what="checkpoint")
-        grew = bool(os.read(fd, 1))
+        raw, digest, grew = read_whole_hashing(fd, os.fstat(fd).st_size, path=p, what="checkpoint")
     finally:
         os.close(fd)
-    found = h.hexdigest()
+    found = digest.sha256
     if grew or found != expected:
         raise IntegrityError(
             "sha256 mismatch: the file changed after it was committed",
@@ -184,7 +178,7 @@ def _read_verified(path: Path) -> tuple[bytearray, Digest]:
             found="a file that grew while read" if grew else found,
             hint="the file is damaged (truncated, bit rot, or edited); use an earlier generation",
         )
-    return raw, Digest(found, size)
+    return raw, digest
 
 
 def refuse_unsigned(path: Path, require_signature: bool | None = None) -> None:

@@ -3,7 +3,7 @@
 The liveness side of the run lock (:mod:`ripresa.io.lock`, docs/FAULTS.md,
 "Concurrent writers" and "Signalling the trainer"): :func:`pid_alive` is the
 one pid liveness test of ripresa (temporary-file owners, ledger writers,
-``LOCK``); :func:`_holds_lock` asks ``/proc`` whether a live process holds the
+``LOCK``); :func:`holds_lock` asks ``/proc`` whether a live process holds the
 exclusive ``flock`` of a given ``LOCK`` file, the check made before any signal
 is sent to a trainer. Nothing here trusts a file's content: every answer comes
 from the kernel (``kill(pid, 0)``, ``/proc/PID/fd``, ``fdinfo``,
@@ -17,7 +17,7 @@ import functools
 import os
 import signal
 
-__all__ = ["pid_alive"]
+__all__ = ["boot_id", "holds_lock", "pid_alive", "pid_max", "pidfd_open", "pidns", "proc_locks_holder"]
 
 #: Linux's hard limit on pids (``PID_MAX_LIMIT`` on 64-bit); used where
 #: ``/proc/sys/kernel/pid_max`` cannot be read.
@@ -27,7 +27,7 @@ _MAX_PROC_LOCKS_LINES = 1 << 20
 
 
 @functools.lru_cache(maxsize=1)
-def _pid_max() -> int:
+def pid_max() -> int:
     """The largest pid this kernel hands out (``/proc/sys/kernel/pid_max``, else ``2**22``)."""
     try:
         with open("/proc/sys/kernel/pid_max", "rb") as f:
@@ -38,7 +38,7 @@ def _pid_max() -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def _boot_id() -> str | None:
+def boot_id() -> str | None:
     """This kernel's boot id (changes at every boot, differs between machines)."""
     try:
         with open("/proc/sys/kernel/random/boot_id", "rb") as f:
@@ -48,7 +48,7 @@ def _boot_id() -> str | None:
     return text or None
 
 
-def _pidns() -> int | None:
+def pidns() -> int | None:
     """Inode of this process's pid namespace (``/proc/self/ns/pid``), or None without /proc."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -65,7 +65,7 @@ def pid_alive(pid: object) -> bool:
     kernel. A live process of another user counts as alive. The one pid
     liveness test of ripresa (temporary-file owners, ledger writers, LOCK).
     """
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid > _pid_max():
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or pid > pid_max():
         return False
     try:
         os.kill(pid, 0)
@@ -94,7 +94,7 @@ def _fd_holds_flock(fdinfo: bytes) -> bool | None:
     return seen
 
 
-def _proc_locks_holder(pid: int, ino: int) -> bool | None:
+def proc_locks_holder(pid: int, ino: int) -> bool | None:
     """From ``/proc/locks``: does ``pid`` hold an exclusive FLOCK on inode ``ino``? None if unreadable.
 
     ``/proc/locks`` is readable by every user; its lines read
@@ -125,7 +125,7 @@ def _proc_locks_holder(pid: int, ino: int) -> bool | None:
     return False
 
 
-def _holds_lock(pid: int, key: tuple[int, int]) -> tuple[bool | None, str]:
+def holds_lock(pid: int, key: tuple[int, int]) -> tuple[bool | None, str]:
     """Does process ``pid`` hold the lock of the ``LOCK`` file identified by ``key``?
 
     True / False with what was found, or None when this system cannot tell
@@ -142,7 +142,7 @@ def _holds_lock(pid: int, key: tuple[int, int]) -> tuple[bool | None, str]:
     except OSError:
         # Another user's process, hidepid, a process that made itself non-dumpable:
         # the world-readable lock table still names the holder.
-        verdict = _proc_locks_holder(pid, key[1])
+        verdict = proc_locks_holder(pid, key[1])
         if verdict is None:
             return None, f"/proc/{pid}/fd and /proc/locks are not readable"
         return verdict, "" if verdict else f"pid {pid} holds no lock on this LOCK (/proc/locks)"
@@ -171,13 +171,13 @@ def _holds_lock(pid: int, key: tuple[int, int]) -> tuple[bool | None, str]:
             no_lock_lines = False
     if no_lock_lines:
         # A kernel that does not list locks in fdinfo (before Linux 4.1): the lock table decides.
-        verdict = _proc_locks_holder(pid, key[1])
+        verdict = proc_locks_holder(pid, key[1])
         if verdict:
             return True, ""
     return False, f"pid {pid} has this run's LOCK open but does not hold its lock"
 
 
-def _pidfd_open(pid: int) -> int | None:
+def pidfd_open(pid: int) -> int | None:
     """A pidfd for ``pid`` (raises ProcessLookupError if none), or None where pidfds are missing."""
     opener = getattr(os, "pidfd_open", None)
     if opener is None or not hasattr(signal, "pidfd_send_signal"):

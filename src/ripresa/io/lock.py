@@ -31,15 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput, LockHeld
-from .liveness import (
-    _boot_id,
-    _holds_lock,
-    _pid_max,
-    _pidfd_open,
-    _pidns,
-    _proc_locks_holder,  # noqa: F401 (re-exported: tests check it through this module)
-    pid_alive,
-)
+from .liveness import boot_id as _boot_id
+from .liveness import holds_lock as _holds_lock
+from .liveness import pid_alive
+from .liveness import pid_max as _pid_max
+from .liveness import pidfd_open as _pidfd_open
+from .liveness import pidns as _pidns
 
 __all__ = [
     "LOCK_NAME",

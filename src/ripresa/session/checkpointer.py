@@ -69,6 +69,7 @@ from ..store.backend import (
     backend_of,
     backends_for,
     choose_writer,
+    describe,
     newest_kind,
 )
 from ..store.history import HISTORY_NAME, History
@@ -108,8 +109,6 @@ _RESTORE_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError, 
 
 #: How messages name each run mode.
 _MODE_NAMES = {"single": "single-process", "ddp": "DDP", "fsdp2": "sharded (FSDP2)"}
-#: How messages name each kind of generation (its file).
-_KIND_FILES = {"bin": "ANDREA .bin", "st": "general .safetensors", "dcp": "sharded .dcp"}
 
 
 #: The run-folder file recording the metric values each generation was saved with (``KeepBest``).
@@ -549,7 +548,7 @@ class Checkpointer:
         """Why resuming ``g`` (of backend ``b``) is announced: another *mode* (a sharded ``.dcp`` against a
         ``.bin``/``.safetensors``: FSDP2 against single-process/DDP) or, in the same mode, another *format*
         (``.bin`` against general ``.safetensors``)."""
-        theirs, mine = _KIND_FILES.get(b.kind, b.kind), _KIND_FILES.get(writer.kind, writer.kind)
+        theirs, mine = describe(b.kind), describe(writer.kind)
         if b.collective != writer.collective:
             return (f"resuming {g.path.name}, a {theirs} generation written by another mode than this "
                     f"{_MODE_NAMES[self.mode]} run (it writes {mine} generations)")

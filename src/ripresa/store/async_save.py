@@ -1,21 +1,11 @@
-"""Asynchronous saves: a short copy at the step boundary, the rest in the background.
+"""Asynchronous saves: a short copy at the step boundary, the rest in the background (docs/FORMAT.md).
 
-At the step boundary, weights, m and v are copied into preallocated staging
-buffers (pinned host memory on CUDA, so the device-to-host copy is a DMA);
-that copy is the only stall the training loop sees. A background thread then
-streams, hashes, ``fsync``s and commits the generation through the
-:class:`~ripresa.store.store.CheckpointStore` while training goes on.
-
-* At most one save is in flight. A new request first waits for the previous
-  one (the staging buffers are reused, so they must be free); requests are
-  never interleaved. At a 100-step cadence a save normally finishes long
-  before the next one is due, so this wait is zero in practice.
-* A background failure is kept and raised at the next :meth:`poll`,
-  :meth:`save` or :meth:`wait`, as :class:`~ripresa.errors.SaveFailed`
-  naming the step; the previous generation is untouched.
-* The writer thread is not a daemon: a process that exits (SIGTERM path)
-  first lets the in-flight save complete. Call :meth:`wait` explicitly on
-  the exit path to surface its result.
+Weights, m and v are copied into preallocated staging buffers (pinned on CUDA) — the only stall —
+and a background thread commits the generation while training goes on ("Saving in the
+background"). At most one save is in flight; a background failure is raised at the next
+:meth:`AsyncCheckpointWriter.poll`, :meth:`~AsyncCheckpointWriter.save` or
+:meth:`~AsyncCheckpointWriter.wait` as :class:`~ripresa.errors.SaveFailed`, the previous generation
+untouched; the thread is not a daemon, so an exiting process lets the in-flight save complete.
 """
 
 from __future__ import annotations

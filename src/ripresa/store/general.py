@@ -1,23 +1,14 @@
-"""General generations: ``step_NNNNNN.safetensors`` + companion + marker, for any model and optimizer (docs/FORMAT.md).
+"""The general kind: ``step_NNNNNN.safetensors`` + companion + marker, for any model and optimizer.
 
-One generation = three files (four with a signature)::
-
-    step_NNNNNN.safetensors          every tensor of the state (safetensors layout)
-    step_NNNNNN.safetensors.json     the companion: the rest, each tensor a reference to its key
-    step_NNNNNN.safetensors.hmac     optional HMAC signature (as for a .bin generation)
-    step_NNNNNN.safetensors.sha256   the commit marker, written last: two sha256sum lines
-
-The same commit protocol as a ``.bin`` generation (:mod:`ripresa.store.store`):
-both files streamed through :class:`~ripresa.io.fsio.StagedFile` (hashed
-while written, ``fsync``'d), renamed, the folder ``fsync``'d, the signature,
-then the marker; retention after the new generation is checked. One
-validation path (:func:`validate_general`) with named checks.
+Files, checks and byte layout: docs/FORMAT.md ("The general format"),
+:mod:`ripresa.formats.safetensors_file` and :mod:`ripresa.formats.general`. It commits through
+the one protocol of every kind (:func:`~ripresa.store.commit.commit_generation`) and validates
+through :func:`validate_general` (named checks).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,46 +22,42 @@ from ..formats import companion as companion_fmt
 from ..formats import general as general_fmt
 from ..formats import safetensors_file as st
 from ..formats.generation import Check, Checks, Generation, reason_of
+from ..formats.naming import NameFormat
 from ..io import auth
-from ..io.fsio import (
-    StagedFile,
-    fsync_dir,
-    open_run_file,
-    ops,
-    read_small,
-    sidecar_line,
-    write_atomic,
-)
-from .backend import BinBackend, _Base, _load_full_into
-from .restore import Loaded, rest_proxy
-from .retention import plan_deletions
-from .store import (
-    CheckpointStore,
-    _malformed_companion,
-    _validate_state,
+from ..io.fsio import StagedFile, open_run_file, read_small, sidecar_line
+from .base import BackendBase, load_full_into
+from .commit import (
+    Written,
+    commit_generation,
     companion_checks,
+    delete_files,
+    malformed_companion,
     marker_checks,
+    validate_state,
 )
+from .folder import RunFolder
+from .restore import Loaded, rest_proxy
 
+#: The kind's one name (``Generation.kind``, the registry, ``format=``); ``st`` is its old name, still read.
+KIND = "general"
 SUFFIX = ".safetensors"
-_FILE = re.compile(r"^step_(\d{6,})\.safetensors(?:\.json|\.sha256|\.hmac)?$")
+#: How general generations are named: ``step_NNNNNN.safetensors`` and ``.json``, ``.hmac``, ``.sha256`` beside it.
+GENERAL_NAMES = NameFormat(SUFFIX, companion="+.json", canonical=False)
 
 
 def general_name(step: int) -> str:
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"bad step {step!r}")
-    return f"step_{step:06d}{SUFFIX}"
+    return GENERAL_NAMES.name(step)
 
 
 def general_paths(folder: Path, step: int) -> tuple[Path, Path, Path]:
     """(tensor file, companion, marker) of ``step`` in ``folder``."""
-    f = Path(folder) / general_name(step)
-    return f, f.with_name(f.name + ".json"), f.with_name(f.name + ".sha256")
+    f, c, mk = GENERAL_NAMES.paths(folder, step)
+    assert c is not None
+    return f, c, mk
 
 
 def parse_general_name(name: str) -> int | None:
-    m = re.fullmatch(r"step_(\d{6,})\.safetensors", name)
-    return int(m.group(1)) if m else None
+    return GENERAL_NAMES.parse(name) if "/" not in name else None
 
 
 @dataclass
@@ -101,7 +88,7 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
     """
     f, c, mk = general_paths(Path(folder), step)
     checks = Checks()
-    out = GeneralValidation(Generation(step, "st", f, c, mk, valid=False), checks.items)
+    out = GeneralValidation(Generation(step, KIND, f, c, mk, valid=False), checks.items)
     fd: int | None = None
     try:
         f_sha, c_sha = marker_checks(checks, f, c, mk, step, key)
@@ -132,18 +119,18 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
             with checks.run("tensor sha256", expected=f_sha) as found:
                 tensors, _ = st.read_fd(fd, f, header, expected_sha256=f_sha)
                 found["found"] = f_sha
-            with checks.run("companion state"), _malformed_companion(c):
+            with checks.run("companion state"), malformed_companion(c):
                 out.state = general_fmt.join_state(doc, tensors, c)
-                _validate_state(out.state, c)
+                validate_state(out.state, c)
     except RipresaError as exc:
         if raise_first:
             raise
-        out.generation = Generation(step, "st", f, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
+        out.generation = Generation(step, KIND, f, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
         return out
     finally:
         if fd is not None:
             os.close(fd)
-    out.generation = Generation(step, "st", f, c, mk, valid=True, size=header.file_size, files={f.name: f_sha, c.name: c_sha},
+    out.generation = Generation(step, KIND, f, c, mk, valid=True, size=header.file_size, files={f.name: f_sha, c.name: c_sha},
                                 deep_checked=deep or load, signature_verified=key is not None, checks=tuple(checks))
     return out
 
@@ -152,55 +139,38 @@ def save_general(folder: Path, step: int, tensors: dict[str, Any], encoded_state
                  hmac_key: bytes | None) -> Generation:
     """Write general generation ``step`` durably (files, folder fsync, signature, marker last); return its check."""
     f, c, mk = general_paths(folder, step)
-    sig = auth.signature_path(f)
-    if os.path.lexists(mk) or os.path.lexists(sig):  # re-saving a step: uncommit the old one first
-        for old in (mk, sig):
-            if os.path.lexists(old):
-                ops.unlink(old)
-        fsync_dir(folder)
     meta = {"format": general_fmt.FORMAT, "format_version": str(general_fmt.FORMAT_VERSION), "step": str(step)}
-    with StagedFile(f) as ff:
-        st.write(ff, tensors, meta)
-        f_digest = ff.finish()
-        doc = general_fmt.companion_doc(f.name, f_digest.sha256, f_digest.size, step, len(tensors), aliases,
-                                        encoded_state)
-        with StagedFile(c) as fc:
-            fc.write(companion_fmt.dumps(doc))
-            c_digest = fc.finish()
-            ff.publish()
-            fc.publish()
-    fsync_dir(folder)
-    if hmac_key is not None:
-        write_atomic(sig, [auth.signature_line(hmac_key, step, f.name, f_digest.sha256, c.name, c_digest.sha256)])
-    write_atomic(mk, [sidecar_line(f_digest, f.name), sidecar_line(c_digest, c.name)])
-    gen = validate_general(folder, step).generation
-    if not gen.valid:
-        raise IntegrityError(f"general generation {step} failed its check right after the save", file=f, found=gen.reason)
-    return gen
+
+    def write() -> Written:
+        with StagedFile(f) as ff:
+            st.write(ff, tensors, meta)
+            f_digest = ff.finish()
+            doc = general_fmt.companion_doc(f.name, f_digest.sha256, f_digest.size, step, len(tensors), aliases,
+                                            encoded_state)
+            with StagedFile(c) as fc:
+                fc.write(companion_fmt.dumps(doc))
+                c_digest = fc.finish()
+                ff.publish()
+                fc.publish()
+        return Written([sidecar_line(f_digest, f.name), sidecar_line(c_digest, c.name)],
+                       lambda k: auth.signature_line(k, step, f.name, f_digest.sha256, c.name, c_digest.sha256))
+
+    return commit_generation(folder, step, marker=mk, signature=auth.signature_path(f), key=hmac_key, write=write,
+                             check=lambda: validate_general(folder, step).generation, what="general generation", file=f)
 
 
-class GeneralBackend(_Base):
+class GeneralBackend(BackendBase):
     """``step_NNNNNN.safetensors`` + companion + marker: any model, any optimizer (written by single-process and
     DDP sessions; every mode resumes it, an FSDP2 one loads it whole and shards it)."""
 
-    kind = "st"
+    kind = KIND
     label = ".safetensors generation"
     written_by = ".safetensors ones are written for states a .bin cannot hold (format='general' or 'auto')"
     background = True
-
-    def step_of(self, path: Path) -> int | None:
-        return parse_general_name(Path(path).name)
-
-    def steps_on_disk(self) -> list[int]:
-        steps = set()
-        for entry in os.scandir(self.folder):
-            m = _FILE.match(entry.name)
-            if m:
-                steps.add(int(m.group(1)))
-        return sorted(steps)
+    names = GENERAL_NAMES
 
     def _key(self) -> bytes | None:
-        return self.store.hmac_key if self.store.require_signature else None
+        return self.store.signature_key()
 
     def check(self, step: int, *, deep: bool = False) -> Generation:
         return validate_general(self.folder, step, deep=deep, key=self._key()).generation
@@ -226,15 +196,15 @@ class GeneralBackend(_Base):
     def load(self, gen: Generation, state: TrainingState) -> Loaded:
         known = self._checked.pop(gen.step, None) if gen.path.parent == self.folder else None
         v = validate_general(gen.path.parent, gen.step, load=True, key=self._key(), raise_first=True, header=known)
-        return Loaded(v.state, True, _load_full_into, gen.companion)
+        return Loaded(v.state, True, load_full_into, gen.companion)
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(self, store: RunFolder) -> None:
         super().__init__(store)
         self._staging: torch.Tensor | None = None  # reused by background saves (one in flight at most)
         self._checked: dict[int, st.Header | None] = {}  # step -> header parsed by check_to_resume
 
-    def capture(self, step: int, state: TrainingState, progress: Progress, extra: dict[str, Any] | None, *,
-                stage: Callable[[Any], Any] | None = None, world_size: int = 1) -> Callable[[], Generation]:
+    def commit_for(self, step: int, state: TrainingState, progress: Progress, extra: dict[str, Any] | None, *,
+                   stage: Callable[[Any], Any] | None = None, world_size: int = 1) -> Callable[[], Generation]:
         """Capture ``state`` now: everything but model and optimizer as a snapshot, their tensors by reference.
 
         For a background save (``stage`` given: the session's writer, which has
@@ -254,9 +224,7 @@ class GeneralBackend(_Base):
         folder, key = self.folder, self.store.hmac_key
 
         def commit() -> Generation:
-            gen = save_general(folder, step, tensors, encoded, aliases, hmac_key=key)
-            retain_across_kinds(self.store, newest_valid=step)
-            return gen
+            return save_general(folder, step, tensors, encoded, aliases, hmac_key=key)
 
         return commit
 
@@ -283,49 +251,4 @@ class GeneralBackend(_Base):
     def delete(self, step: int) -> None:
         """Remove a generation, marker first (it reads as uncommitted if interrupted)."""
         f, c, mk = general_paths(self.folder, step)
-        for p in (mk, auth.signature_path(f), f, c):
-            try:
-                ops.unlink(p)
-            except FileNotFoundError:
-                pass
-
-
-def open_general(store: CheckpointStore) -> GeneralBackend:
-    return GeneralBackend(store)
-
-
-def check_general_file(path: Path) -> None:
-    """``ripresa inspect --require-signature step_NNNNNN.safetensors``: the generation's deep check with the
-    signature required; :class:`~ripresa.io.auth.SignatureError` (exit 1) when it fails."""
-    p = Path(path)
-    step = parse_general_name(p.name.removesuffix(".json"))
-    if step is None:
-        raise BadInput("not a general generation's file", file=p, expected="step_NNNNNN.safetensors", found=p.name)
-    key = auth.load_key()
-    if key is None:
-        raise auth.missing_key_error("--require-signature")
-    gen = validate_general(p.parent, step, deep=True, key=key).generation
-    if not gen.valid:
-        raise auth.SignatureError(f"generation {step} is not trusted under --require-signature: {gen.reason}",
-                                  file=p, hint="an unsigned, mis-signed or damaged generation is never trusted")
-
-
-def retain_across_kinds(store: CheckpointStore, *, newest_valid: int) -> list[int]:
-    """Apply ``store.retention`` to the valid ``.bin`` and general generations together (docs/FORMAT.md,
-    "Retention across kinds"): one sequence of steps; each dropped one is deleted by its own kind, marker
-    first; ``.dcp`` folders are not touched, nor a step the store pins (a mirror's pending upload). Returns the
-    steps deleted."""
-    kinds: dict[int, list[_Base]] = {}
-    for backend in (BinBackend(store), GeneralBackend(store)):
-        for g in backend.generations():
-            if g.valid:
-                kinds.setdefault(g.step, []).append(backend)
-    doomed = plan_deletions(sorted(kinds), store.retention, newest_valid=newest_valid,
-                            protected=store.protected_steps(sorted(kinds)),  # a mirror's pending uploads
-                            metrics=store.step_metrics())  # KeepBest's values
-    for step in doomed:
-        for backend in kinds[step]:
-            backend.delete(step)
-    if doomed:
-        fsync_dir(store.folder)
-    return doomed
+        delete_files(mk, auth.signature_path(f), f, c)

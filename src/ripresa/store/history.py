@@ -1,29 +1,12 @@
-"""The run's append-only history, ``.loss.jsonl`` (``docs/FORMAT.md``).
+"""The run's append-only history, ``.loss.jsonl`` (docs/FORMAT.md, "History ``.loss.jsonl``").
 
-One JSON object per line: one line per optimizer step
-(``{"step", "loss", "lr", "arm", "tokens", "time", ...}``) plus event lines
-(``{"event": "resume" | "checkpoint" | "signal" | "pivot" | "fork" | "zombie_arm" | ..., ...}``).
-
-Rules:
-
-* never archived, truncated, rewritten or reset — only appended;
-* appending is O(1): the file is opened once in append mode and each line is
-  one ``write`` (no read, no seek, no rewrite), flushed to the OS at once and
-  ``fsync``'d at each checkpoint (:meth:`History.sync`);
-* after a crash, a resumed run re-appends the steps the dead process had
-  logged past its last checkpoint; readers take the **last** line written for
-  each step as canonical;
-* a torn last line (killed mid-write) is ignored by readers; before the next
-  append the writer terminates it with a newline, so it never corrupts what
-  follows. Readers skip any line that is not a complete JSON object and count
-  it;
-* the file is hostile input (``docs/FAULTS.md``): the writer and the readers
-  open it with :func:`ripresa.io.fsio.open_run_file` (a symlink is refused, never
-  followed out of the run folder; a FIFO is refused, never waited on), and
-  readers stream it with a bounded line length (:data:`MAX_LINE`): an
-  over-long line is skipped and counted, never held in memory whole; a line
-  with a number out of range (a step that is not an int in ``[0, 2**63)``,
-  any int beyond ``±2**63``) is skipped and counted too.
+One JSON object per line: a line per optimizer step plus event lines. Only ever appended (one
+``write`` per line, ``fsync``'d at each checkpoint by :meth:`History.sync`); after a crash a resumed
+run re-appends the steps past its last checkpoint and readers take the **last** line of a step; a
+torn last line is terminated before the next append and skipped by readers. The file is hostile
+input (docs/FAULTS.md): opened with :func:`ripresa.io.fsio.open_run_file` (no symlink, no FIFO) and
+streamed with a bounded line length (:data:`MAX_LINE`); over-long lines and out-of-range numbers
+are skipped and counted.
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """The mirror: a run's committed generations copied to a second store, and a resume from it (docs/MIRROR.md).
 
-Upload (a :class:`Mirror`'s background thread, never the training thread):
-after each commit the thread wakes, lists what the store holds, and uploads
-each local generation it lacks — every file its local commit marker names,
-re-hashed as read and required to match the marker's sha256, then the
-signature (if any), then **the marker object last**. A reader trusts a remote
-generation only through its marker. A failure (network, timeout, reset, 5xx,
-throttling) is retried with exponential back-off and jitter (``mirror_retry``
-in the history); a round that gives up starts an *outage*, recorded once
-(``mirror_outage``, then ``mirror_recovered`` with the count), during which
-rounds back off (capped, jittered) and the generation stays *pending*, retried
-at the next round or commit. After the generations, each round uploads the
-run's own files: new ``.loss.jsonl`` segments and changed sidecars, under a
-``run.json`` manifest uploaded last (docs/MIRROR.md "The run's own files").
-:meth:`Mirror.close` is bounded (docs/MIRROR.md "The close"). Training is
-never stopped or slowed by the store. Local retention never deletes a pending
-generation (:meth:`Mirror.pinned`); the remote keeps its own policy (default:
-twice the local ``keep_last``), deleting a generation marker first. Objects
-without a marker (an upload cut short) are deleted by the next writer.
-
-Resume (:func:`pull`): the newest remote generation whose marker verifies is
-downloaded into the run folder through the local commit protocol (temporary
-names, ``fsync``, marker last), deep-checked there (every hash; the signature
-when signatures are required), and resumed like any local generation. One that
-fails is removed again, recorded (``mirror_refused``) and the previous remote
-generation is tried. On a blank machine :func:`pull_run` first restores the
-run's history and sidecars (:func:`restore_run`), hash-checked.
-
-Trust (docs/MIRROR.md, "Trust"): a target is written only once it is a mirror
-(:func:`claim_target`: its ``RIPRESA_MIRROR`` marker; a run folder or a folder
-of other files is refused) and locked; ``mirror.json`` is followed by ``push``
-only when authenticated by the run's key (or, keyless, to a marked mirror);
-``config.json`` is signed in the mirror; every event is redacted.
+Upload: a :class:`Mirror`'s background thread (never the training thread) uploads each committed
+generation it lacks, every file re-hashed against its local marker, **the marker object last**;
+failures are retried with jittered back-off, outages recorded once, pending generations pinned
+against local retention (:meth:`Mirror.pinned`). Resume: :func:`pull` lands the newest remote
+generation whose marker verifies through the local commit protocol and deep-checks it;
+:func:`pull_run` first restores the run's history and sidecars (:func:`restore_run`). Trust (a
+marked, locked target; a signed ``mirror.json`` and ``config.json``): docs/MIRROR.md, "Trust".
+Generation names and kinds come from the registry (:func:`ripresa.store.kinds.owner_of`).
 """
 
 from __future__ import annotations
@@ -64,6 +40,7 @@ from ..io.fsio import (
 from ..io.objstore import LocalStore, ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
 from ..io.redact import redact_fields, redact_url
 from .history import HISTORY_NAME
+from .kinds import backend_of, owner_of, spec_of
 from .retention import KeepAny, KeepLast, RetentionPolicy
 from .store import CheckpointStore
 
@@ -75,11 +52,8 @@ _JITTER = random.Random()
 __all__ = ["Mirror", "MirrorSpec", "MirrorTarget", "RemoteView", "RunManifest", "claim_target", "local_generations",
            "open_mirror", "pull", "pull_config", "pull_run", "record_url", "recorded", "redacting", "restore_run"]
 
-_MAIN = r"step_(\d{6,})\.(bin|safetensors|dcp)"
-_OF_MAIN = re.compile(rf"(?P<main>{_MAIN})(?:\.json|\.hmac|\.sha256|/[^/]+)?")
-_BIN_COMPANION = re.compile(r"step_(\d{6,})\.json")
-_MARKER = re.compile(rf"({_MAIN})\.sha256")
-_KIND = {"bin": "bin", "safetensors": "st", "dcp": "dcp"}
+#: The kinds a pull takes by default, and their order at equal steps (any other registered kind after them).
+PULL_KINDS = ("bin", "general", "dcp")
 #: Largest marker read (bytes): a ``.dcp`` marker has one line per file.
 MAX_MARKER = 1 << 20
 #: Largest ``config.json`` pulled (bytes).
@@ -121,16 +95,17 @@ class MirrorSpec:
 
 
 def main_of(key: str) -> tuple[str, int] | None:
-    """(the generation's main name, its step) that object ``key`` belongs to, or None."""
-    m = _BIN_COMPANION.fullmatch(key)
-    if m:
-        return f"step_{m.group(1)}.bin", int(m.group(1))
-    m = _OF_MAIN.fullmatch(key)
-    return (m.group("main"), int(m.group(2))) if m else None
+    """(the generation's main name, its step) that object ``key`` belongs to, or None (the kinds' names)."""
+    owner = owner_of(key)
+    return (owner.main, owner.step) if owner is not None else None
 
 
 def kind_of(main: str) -> str:
-    return _KIND[main.rsplit(".", 1)[1]]
+    """The kind of the generation whose main name is ``main``."""
+    owner = owner_of(main)
+    if owner is None:
+        raise ValueError(f"not a generation's name: {main!r}")
+    return owner.spec.kind
 
 
 def local_generations(run_dir: Path) -> dict[str, int]:
@@ -139,9 +114,9 @@ def local_generations(run_dir: Path) -> dict[str, int]:
     if not Path(run_dir).is_dir():
         return out
     for entry in os.scandir(run_dir):
-        m = _MARKER.fullmatch(entry.name)
-        if m and entry.is_file(follow_symlinks=False):
-            out[m.group(1)] = int(m.group(2))
+        owner = owner_of(entry.name)
+        if owner is not None and entry.name == owner.main + ".sha256" and entry.is_file(follow_symlinks=False):
+            out[owner.main] = owner.step
     return out
 
 
@@ -150,11 +125,12 @@ def marker_files(main: str, raw: bytes, where: str) -> list[tuple[str, str]]:
     parsed = parse_sha256sum(raw, in_folder=True)
     ok = parsed is not None and len(parsed) >= 2 and len({n for _, n in parsed}) == len(parsed)
     if ok:
+        folder_kind = spec_of(kind_of(main)).naming.folder
         for _, name in parsed:
             of = main_of(name)
-            if of is None or of[0] != main or name.endswith((".sha256", ".hmac")) or name == main + ".json" and main.endswith(".bin"):
+            if of is None or of[0] != main or name.endswith((".sha256", ".hmac")):
                 ok = False
-            if main.endswith(".dcp") != ("/" in name):
+            if folder_kind != ("/" in name):
                 ok = False
     if not ok:
         raise IntegrityError("malformed commit marker", file=where, expected=f"sha256sum lines naming the files of {main}",
@@ -1212,10 +1188,8 @@ def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, e
 def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step: int, ckpt: CheckpointStore,
           event: Callable[..., None], spec: MirrorSpec) -> Generation:
     """Download ``main`` into ``run_dir`` through the local commit protocol, marker last; deep-check it there."""
-    from .backend import backend_of
-
-    kind = kind_of(main)
-    backend = backend_of(kind, ckpt)
+    names = spec_of(kind_of(main)).naming
+    backend = backend_of(kind_of(main), ckpt)
     where = f"{remote.url}/{main}.sha256"
     raw = _retrying(lambda: remote.get_bytes(main + ".sha256", limit=MAX_MARKER), event=event, what=main + ".sha256", spec=spec)
     files = marker_files(main, raw, where)
@@ -1239,7 +1213,7 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
             return local  # already here and intact: nothing to download
     if os.path.lexists(run_dir / (main + ".sha256")) or os.path.lexists(run_dir / main):
         backend.delete(step)  # a local generation of that step that failed its checks: replaced (marker first)
-    partial = run_dir / f".{main}.partial" if kind == "dcp" else None
+    partial = run_dir / names.partial_name(step) if names.folder else None
     if partial is not None:
         if partial.exists():
             ops.rmtree(partial)
@@ -1275,7 +1249,7 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
 
 
 def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,
-         kinds: Iterable[str] = ("bin", "st", "dcp"), event: Callable[..., None] | None = None,
+         kinds: Iterable[str] = PULL_KINDS, event: Callable[..., None] | None = None,
          spec: MirrorSpec = _PULL) -> Generation | None:
     """Land the newest remote generation (or ``step``'s) whose marker verifies; None when the store holds none.
 
@@ -1285,11 +1259,14 @@ def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int
     none verifies: :class:`~ripresa.errors.CheckFailed` (exit 1).
     """
     ev = event or (lambda name, **kw: None)
-    kinds = tuple(kinds)
+    kinds = tuple(spec_of(k).kind for k in kinds)  # an old name ("st") reads as its kind's
     view = RemoteView(_retrying(remote.list, event=ev, what="listing", spec=spec))
-    order = {"bin": 0, "st": 1, "dcp": 2}
+
+    def order(kind: str) -> int:
+        return PULL_KINDS.index(kind) if kind in PULL_KINDS else len(PULL_KINDS)
+
     cands = sorted(((s, m) for m, s in view.committed.items() if kind_of(m) in kinds and (step is None or s == step)),
-                   key=lambda x: (-x[0], order[kind_of(x[1])]))
+                   key=lambda x: (-x[0], order(kind_of(x[1]))))
     refused: list[str] = []
     for s, main in cands:
         try:
@@ -1408,7 +1385,7 @@ def restore_run(remote: ObjectStore, run_dir: Path, *, event: Callable[..., None
 
 
 def pull_run(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,
-             kinds: Iterable[str] = ("bin", "st", "dcp"), event: Callable[..., None] | None = None,
+             kinds: Iterable[str] = PULL_KINDS, event: Callable[..., None] | None = None,
              spec: MirrorSpec = _PULL) -> Generation | None:
     """A blank machine's resume from the mirror: :func:`restore_run` (history, sidecars, config.json), then
     :func:`pull` (the newest verified generation); a ``history_restored`` event says what came back and from
@@ -1463,8 +1440,6 @@ def pull_config(remote: ObjectStore, run_dir: Path, *, require: bool | None = No
 
 def has_local_generation(run_dir: Path) -> bool:
     """True when the run folder holds a committed generation (any kind) that passes its checks."""
-    from .backend import backend_of
-
     if not Path(run_dir).is_dir():
         return False
     store = CheckpointStore(run_dir, writer=False)

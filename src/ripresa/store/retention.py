@@ -1,44 +1,12 @@
-"""Retention: which saved generations to keep — pure policies over step numbers.
+"""Retention: which saved generations to keep — pure policies over step numbers (docs/RETENTION.md).
 
-A policy never touches the disk. It looks at the list of steps that have a
-*valid* (committed, verified) generation and says which of them it keeps;
-:func:`plan_deletions` turns that into the list of steps the store may delete.
-The store applies it only after a new generation is durable and verified
-(docs/FORMAT.md), so the policies can be tested exhaustively without a single file.
-
-Policies (frozen dataclasses, validated on construction: a wrong type raises
-``TypeError``, an out-of-range number ``ValueError``, as any misuse of the
-Python API; only :func:`parse_retention`, which reads text from a user, raises
-:class:`~ripresa.errors.BadInput`):
-
-* :class:`KeepLast` — the ``n`` newest steps;
-* :class:`KeepEvery` — every step divisible by ``k`` (milestones);
-* :class:`KeepSteps` — named "major" steps, e.g. the step before a pivot;
-* :class:`KeepBest` — the ``k`` best steps by a metric the loop reports
-  (``step_done(step, val_loss=...)``), ``mode="min"`` or ``"max"``: Lightning's
-  ``save_top_k``/``monitor``, the HF ``Trainer``'s ``metric_for_best_model``;
-* :class:`KeepAny` — the union of several policies: a step is kept if *any*
-  of them keeps it. ``KeepLast(3) | KeepEvery(1000)`` builds one;
-  ``KeepLast(1) | KeepBest("val_loss", k=2)`` keeps the newest and the two best.
-
-A metric policy reads, beside the steps, the metric values recorded with each
-generation (``{step: {"val_loss": 0.41}}``, see :meth:`RetentionPolicy.keep_scored`);
-it stays a pure function of those two lists.
-
-Two guarantees hold whatever the policy says: the newest valid step is never
-deleted, and neither is a *protected* step (a generation being written, or one
-a fork is copying from). A policy that keeps nothing therefore still leaves
-the run resumable.
-
-The same policies have a one-line text form for the CLI and ``config.json``::
-
-    last=3                      keep the 3 newest
-    last=3,every=1000           ... and every 1000th step
-    last=2,steps=500+1200       ... and steps 500 and 1200
-    last=1,best=val_loss:2:min  the newest and the 2 lowest val_loss
-
-Terms are joined by commas and combined by union; :attr:`RetentionPolicy.spec`
-writes that form back, and :func:`parse_retention` reads it.
+A policy never touches the disk: it says which of the steps holding a *valid* generation it keeps
+(:class:`KeepLast`, :class:`KeepEvery`, :class:`KeepSteps`, :class:`KeepBest` by a recorded metric,
+:class:`KeepAny` their union), and :func:`plan_deletions` turns that into the steps to delete, never
+the newest valid one nor a protected one. :func:`parse_retention` reads the one-line text form
+(``last=3,every=1000``; :attr:`RetentionPolicy.spec` writes it). Misuse of the Python API raises
+``TypeError``/``ValueError``; only text from a user raises :class:`~ripresa.errors.BadInput`.
+The run folder applies the plan after a durable commit (:meth:`ripresa.store.folder.RunFolder.retain`).
 """
 
 from __future__ import annotations

@@ -1,43 +1,11 @@
 """``ripresa convert SRC DEST``: one checkpoint, another format, verified bit for bit.
 
-Formats (chosen by name):
-
-=====================  ===================================================  =====================
-name                   holds                                                as SRC / as DEST
-=====================  ===================================================  =====================
-``step_NNNNNN.dcp``    DCP shards (model + optimizer by parameter name)      yes / yes
-                       + ``ripresa.json`` (everything else) + marker
-``step_NNNNNN.bin``    ANDREA ``.bin`` + companion ``.json`` + marker         yes / yes
-(a generation)
-``*.bin`` (plain)      weights, m, v, step only (no companion)               yes / yes
-``step_NNNNNN.``       a general generation: every tensor + companion       yes / yes
-``safetensors``        ``.safetensors.json`` + marker (docs/FORMAT.md)
-``*.pt``               ``checkpoint.pt`` (torch-native, ``weights_only``)     yes / yes
-``*.safetensors``      model weights only (an inference export; any other   yes / yes
-                       name than a general generation's)
-=====================  ===================================================  =====================
-
-A complete source (a ``.dcp``, ``.bin`` or general generation, a ``checkpoint.pt``)
-converts to any format; a partial one (a plain ``.bin``: weights, m, v, step;
-a ``.safetensors``: weights) only to formats that hold no more than it has —
-missing state is never invented. The destination must not exist (its folder
-may). The model is the ANDREA GPT of the checkpoint's config (``--config``
-for a source without one); the conversion goes through a live model and AdamW
-on the CPU, so it needs the memory of one full copy.
-
-After writing, the destination is read back into fresh objects and compared
-with the source **bitwise**: every model tensor, every optimizer tensor (m, v,
-per-parameter step), the optimizer hyper-parameters, and every other field
-(progress, random streams, data position, config, identities, per-rank
-entries). A difference fails the command (exit 1) and names the first field
-that differs.
-
-Hostile sources (docs/FAULTS.md): a ``.dcp`` source is read through
-:mod:`ripresa.formats.dcp_safe` (no free unpickling of ``.metadata`` or of
-shard items). Under ``RIPRESA_REQUIRE_SIGNATURE`` only signed generations
-(``.bin`` or ``.dcp``) are accepted as sources — a plain ``.bin``, a
-``checkpoint.pt`` or a ``.safetensors`` carries no signature and is refused —
-and a ``.bin`` or ``.dcp`` destination is signed with the configured key.
+The format of each side is chosen by its name (a ``.dcp``, ``.bin`` or general
+generation, a plain ``.bin``, a ``checkpoint.pt``, a weights-only
+``.safetensors``); missing state is never invented. The conversion goes through
+a live model and AdamW on the CPU, then the destination is read back and
+compared with the source bitwise. Formats, what each holds, hostile sources and
+signatures: docs/FORMAT.md ("Conversions").
 """
 
 from __future__ import annotations
@@ -62,14 +30,8 @@ from ..errors import (
     SchemaError,
 )
 from ..formats import dcp as dcp_fmt
-from ..formats.andrea_bin import (
-    BIN_LACKS,
-    flatten_model_and_adamw,
-    load_into_model_and_adamw,
-    parse_bin_name,
-    read_bin,
-    save_bin,
-)
+from ..formats.andrea_bin import BIN_LACKS, parse_bin_name, read_bin, save_bin
+from ..formats.bin_state import flatten_model_and_adamw, load_into_model_and_adamw
 from ..io import auth
 from ..io.fsio import StagedFile, fsync_dir, parse_json_bytes, read_sidecar, write_sidecar
 from ..store.retention import KeepLast
@@ -396,8 +358,10 @@ def write(lo: Loaded, dest: Path, kind: str) -> None:
         rest = dict(lo.rest)
         rest["model"], rest["optimizer"] = {}, None
         world = int(((rest.get("extra") or {}).get("distributed") or {}).get("world_size", 1))
-        dcp_fmt.commit_dcp(dest.parent, step, part, world_size=world,
-                           n_params=sum(p.numel() for p in lo.model.parameters()), state=rest, hmac_key=auth.load_key())
+        from ..store.dcp import commit_dcp
+
+        commit_dcp(dest.parent, step, part, world_size=world,
+                   n_params=sum(p.numel() for p in lo.model.parameters()), state=rest, hmac_key=auth.load_key())
     else:
         st = _safetensors()
         tensors = {k: v.detach().contiguous() for k, v in lo.model.state_dict().items()}

@@ -1,26 +1,11 @@
 """``ripresa export`` of a general generation (``step_NNNNNN.safetensors`` + companion + marker).
 
-Called by :func:`ripresa.tools.export.export_run` when the generation to
-export is of the general format (what a ``Checkpointer`` writes by default,
-docs/FORMAT.md "General generation"). The same protocol as a ``.bin``
-export (docs/FORMAT.md, "Export bundles"): the generation is deep-checked
-(every file's sha256 against its marker) before anything is copied, every
-file is copied hashed and must match its marker, ``MANIFEST.sha256`` is
-written last, then the bundle is read back and reloaded.
-
-* resume bundle: ``checkpoint/step_NNNNNN.safetensors`` (+ ``.json``,
-  ``.sha256``, ``.hmac`` when signed), the run's ``config.json`` (or the
-  generation's own config), its metrics, lineage and versions; the reload
-  is the general format's full validation (every tensor hashed, every
-  reference of the companion resolved, the state's consistency);
-* ``--inference``: ``model.safetensors``, the model's tensors read from the
-  tensor file under their ``model/<state_dict name>`` keys (docs/FORMAT.md,
-  "Keys"), tied weights written as copies under each name so that
-  ``model.load_state_dict(load_file(...))`` works with ``strict=True``; the
-  reload compares them bitwise with the source.
-
-No model is built: a general run's model is the user's code, which ripresa
-does not have (the GPT of ``ripresa train`` writes ``.bin`` generations).
+Called by :func:`ripresa.tools.export.export_run` for a ``Checkpointer``'s
+default format, with the same protocol as a ``.bin`` export (the kit of
+:mod:`ripresa.tools.bundle`): deep-checked before any copy, every file copied
+hashed, ``MANIFEST.sha256`` last, then read back and reloaded. No model is
+built (a general run's model is the user's code). Resume bundles, ``--inference``
+(tied weights written under each name): docs/FORMAT.md ("Export bundles", "Keys").
 """
 
 from __future__ import annotations
@@ -40,24 +25,24 @@ from ..io.fsio import Digest, parse_json_bytes, read_small
 from ..store.backend import backend_of, latest_valid_of
 from ..store.general import general_paths, validate_general
 from ..store.store import CheckpointStore
-from .export import (
+from .bundle import (
     INFERENCE,
     JSON_MAX,
     MANIFEST_JSON,
     RESUME,
-    _as_dict,
-    _Bundle,
-    _check_dest,
-    _copy_signature,
-    _exporter_versions,
-    _json_bytes,
-    _meter,
-    _now,
-    _safe_rel,
-    _size_or_zero,
+    Bundle,
+    Verifier,
+    as_dict,
+    check_dest,
     copy_metrics,
+    copy_signature,
+    exporter_versions,
+    json_bytes,
     make_dest,
-    verify_or_uncommit,
+    meter,
+    now,
+    safe_rel,
+    size_or_zero,
 )
 from .export_hf import README as HF_README
 from .export_hf import drop_tied, hf_config, transformers_record
@@ -92,7 +77,7 @@ def general_source(run: Path, step: int | None) -> Generation | None:
                                  hint="export another step (`ripresa inspect RUN` shows which are valid)")
         return gen
     newest = latest_valid_of(run, ("bin", "st", "dcp"), deep=True, store=store)
-    return newest if newest is not None and newest.kind == "st" else None
+    return newest if newest is not None and newest.kind == "general" else None
 
 
 def _loaded_state(run: Path, gen: Generation) -> dict[str, Any]:
@@ -115,31 +100,31 @@ def _config(run: Path, companion_cfg: Any) -> tuple[bytes | None, str]:
         parse_json_bytes(raw, path, "the run's config.json")
         return raw, "run"
     if isinstance(companion_cfg, dict) and companion_cfg:
-        return _json_bytes(companion_cfg), "generation"
+        return json_bytes(companion_cfg), "generation"
     return None, "none"
 
 
 def export_general(run: Path, dest: Path, gen: Generation, *, model_factory: ModelFactory | None = None, inference: bool = False,
-                   show_progress: bool = True) -> dict[str, Any]:
-    """Export general generation ``gen`` (deep-checked) of ``run`` into the new folder ``dest``; verify; report."""
+                   show_progress: bool = True, verify: Verifier) -> dict[str, Any]:
+    """Export general generation ``gen`` (deep-checked) of ``run`` into the new folder ``dest``; ``verify``; report."""
     t0 = time.monotonic()
     run, dest = Path(run), Path(dest)
-    _check_dest(dest, run)
+    check_dest(dest, run)
     f, c, mk = general_paths(run, gen.step)
     f_sha, c_sha = gen.files.get(f.name), gen.files.get(c.name)
     assert gen.valid and gen.size is not None and f_sha is not None and c_sha is not None
     dest_created = make_dest(dest)
-    total = 0 if inference else sum(_size_or_zero(p) for p in (
+    total = 0 if inference else sum(size_or_zero(p) for p in (
         f, c, mk, run / "config.json", run / ".loss.jsonl", run / ".samples.json", run / ".state.json"))
-    with _meter(total, f"export step {gen.step}", show_progress) as advance:
-        bundle = _Bundle(dest, advance)
+    with meter(total, f"export step {gen.step}", show_progress) as advance:
+        bundle = Bundle(dest, advance)
         try:
             info = (_write_inference if inference else _write_resume)(bundle, run, gen, f_sha, c_sha)
             manifest = bundle.commit(INFERENCE if inference else RESUME, gen.step, info["manifest_extra"])
         except BaseException:
             bundle.abort(dest_created)
             raise
-    verification = verify_or_uncommit(dest, model_factory, show_progress, info.get("tensors"))
+    verification = verify(dest, model_factory, show_progress, info.get("tensors"))
     return {
         "kind": manifest["kind"], "run": str(run), "dest": str(dest), "step": gen.step,
         "source": {"format": GENERAL, "tensors": str(f), "tensors_sha256": f_sha, "tensors_size": gen.size,
@@ -157,7 +142,7 @@ def _model_params(state: dict[str, Any]) -> int:
     return sum(int(t.numel()) for t in model.values() if isinstance(t, torch.Tensor)) if isinstance(model, dict) else 0
 
 
-def _write_resume(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_sha: str) -> dict[str, Any]:
+def _write_resume(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_sha: str) -> dict[str, Any]:
     notes: list[str] = []
     f, c, mk = general_paths(run, gen.step)
     rel = {"tensors": f"checkpoint/{f.name}", "companion": f"checkpoint/{c.name}", "marker": f"checkpoint/{mk.name}"}
@@ -166,12 +151,12 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_sha
                 error=IntegrityError)
     raw = bundle.copy(c, rel["companion"], what="the generation's companion", expected=c_sha, keep=True,
                       error=IntegrityError)
-    rel_sig = _copy_signature(bundle, gen, "checkpoint")
+    rel_sig = copy_signature(bundle, gen, "checkpoint")
     bundle.copy(mk, rel["marker"], what="the generation's commit marker", error=IntegrityError)
     assert raw is not None
     doc = parse_json_bytes(raw, c, "the generation's companion", error=IntegrityError)
-    state = _as_dict(doc.get("state")) if isinstance(doc, dict) else {}
-    count = _as_dict(doc.get("tensors")).get("count") if isinstance(doc, dict) else None
+    state = as_dict(doc.get("state")) if isinstance(doc, dict) else {}
+    count = as_dict(doc.get("tensors")).get("count") if isinstance(doc, dict) else None
     cfg_bytes, cfg_from = _config(run, state.get("config"))
     if cfg_bytes is not None:
         bundle.write("config.json", cfg_bytes)
@@ -180,10 +165,10 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_sha
     else:
         notes.append("no config.json: neither the run nor the generation records one")
     metrics = copy_metrics(bundle, run, notes)
-    bundle.write("versions.json", _json_bytes({
+    bundle.write("versions.json", json_bytes({
         "what": "software that wrote this checkpoint and the identity of the training code and data",
         "versions": state.get("versions"), "code": state.get("code"), "data_identity": state.get("data_identity"),
-        "exported_with": _exporter_versions()}))
+        "exported_with": exporter_versions()}))
     has_lineage = os.path.lexists(run / "lineage.json")
     if has_lineage:
         bundle.copy(run / "lineage.json", "lineage.json", what="the run's lineage.json")
@@ -192,18 +177,18 @@ def _write_resume(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_sha
     provenance = {
         "format": "ripresa.tools.export", "format_version": 1, "kind": RESUME,
         "what": "a resume checkpoint (general format): everything needed to continue the training exactly",
-        "created": _now(), "exported_with": f"ripresa {__version__}", "source_run": str(run.resolve()),
-        "step": gen.step, "progress": _as_dict(state.get("progress")), "generation": generation,
+        "created": now(), "exported_with": f"ripresa {__version__}", "source_run": str(run.resolve()),
+        "step": gen.step, "progress": as_dict(state.get("progress")), "generation": generation,
         "config_from": cfg_from, "lineage_in_companion": state.get("lineage") or [], "metrics": metrics, "notes": notes,
     }
-    bundle.write("export.json", _json_bytes(provenance))
+    bundle.write("export.json", json_bytes(provenance))
     bundle.write("README.md", _README_RESUME.format(step=gen.step, f=f.name, c=c.name, mk=mk.name, run=run.resolve(),
                                                     count=count, metrics=", ".join(metrics) or "none",
                                                     lineage="lineage.json" if has_lineage else "none").encode())
     return {"manifest_extra": {"generation": generation}, "notes": notes, "n_params": None}
 
 
-def _write_inference(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_sha: str) -> dict[str, Any]:
+def _write_inference(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_sha: str) -> dict[str, Any]:
     try:
         from safetensors.torch import save as st_save
     except ImportError as exc:  # pragma: no cover - safetensors is a dependency
@@ -243,21 +228,21 @@ def _write_inference(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_
     bundle.write("model.safetensors", data)
     cfg_bytes, cfg_from = _config(run, state.get("config"))
     if hf is not None:
-        cfg_bytes, cfg_from = _json_bytes(hf_config(hf)), "transformers"
+        cfg_bytes, cfg_from = json_bytes(hf_config(hf)), "transformers"
     if cfg_bytes is not None:
         bundle.write("config.json", cfg_bytes)
     provenance = {
         "format": "ripresa.tools.export", "format_version": 1, "kind": INFERENCE,
         "what": "an inference export: the model's tensors only. NOT a resume checkpoint (no optimizer state, "
                 "random generator states, data position or LR schedule)",
-        "created": _now(), "exported_with": f"ripresa {__version__}", "source_run": str(run.resolve()),
-        "step": gen.step, "progress": _as_dict(state.get("progress")),
+        "created": now(), "exported_with": f"ripresa {__version__}", "source_run": str(run.resolve()),
+        "step": gen.step, "progress": as_dict(state.get("progress")),
         "source": {"format": GENERAL, "name": gen.path.name, "sha256": f_sha, "size": gen.size, "companion_sha256": c_sha},
         "tied": tied, "config_from": cfg_from, "data_identity": state.get("data_identity"),
         "versions": state.get("versions"), "code": state.get("code"),
         **({"transformers": {"model_class": hf["model_class"], "tied_written_once": tied}} if hf is not None else {}),
     }
-    bundle.write("export.json", _json_bytes(provenance))
+    bundle.write("export.json", json_bytes(provenance))
     if hf is not None:
         bundle.write("README.md", HF_README.format(cls=hf["model_class"], step=gen.step, run=run.resolve(),
                                                    n=len(tensors), tied=tied or "none").encode())
@@ -274,19 +259,19 @@ def _write_inference(bundle: _Bundle, run: Path, gen: Generation, f_sha: str, c_
 
 def reload_resume(dest: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Reload a general resume bundle: the format's full validation of the copied generation."""
-    gen = _as_dict(manifest.get("generation"))
+    gen = as_dict(manifest.get("generation"))
     step = manifest.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or not isinstance(gen.get("tensors"), str):
         raise IntegrityError(f"{MANIFEST_JSON} does not name the generation", file=dest / MANIFEST_JSON,
                              expected="step and generation.tensors", found={"step": step, "generation": gen})
-    path = _safe_rel(dest, gen["tensors"], dest / MANIFEST_JSON)
+    path = safe_rel(dest, gen["tensors"], dest / MANIFEST_JSON)
     if path.name != general_paths(path.parent, step)[0].name:
         raise IntegrityError("the manifest names another generation file", file=path,
                              expected=general_paths(path.parent, step)[0].name, found=path.name)
     store = CheckpointStore(path.parent, writer=False)  # a required signature (RIPRESA_REQUIRE_SIGNATURE) is checked
     key = store.hmac_key if store.require_signature else None
     v = validate_general(path.parent, step, load=True, key=key, raise_first=True)  # every tensor hashed, state resolved
-    progress = _as_dict(v.state.get("progress"))
+    progress = as_dict(v.state.get("progress"))
     if progress.get("step") != step:
         raise IntegrityError("the exported generation describes another step", file=path, expected=step,
                              found=progress.get("step"))

@@ -1,20 +1,11 @@
 """``ripresa export --inference`` of a run whose model is a Hugging Face ``transformers`` model.
 
-``ripresa.integrations.transformers.ExactResume`` records the model's class
-name and its full ``config`` (``model.config.to_json_string(use_diff=False)``)
-in the run's experiment config, under ``"transformers"``; every generation's
-companion carries it. When that record is present, the inference export of a
-general generation is a folder that ``AutoModel...from_pretrained(folder)``
-loads without ripresa (docs/INTEGRATIONS_transformers.md, "Export"):
-
-* ``config.json``: the recorded config, with ``architectures`` naming the class;
-* ``model.safetensors``: the ``state_dict`` tensors under their names, with
-  ``{"format": "pt"}`` metadata as ``save_pretrained`` writes it; a tied weight
-  (``lm_head.weight`` sharing ``wte``'s storage) is written once, under its
-  first name, as ``save_pretrained`` does, and ``from_pretrained`` ties it back.
-
-Nothing is imported from ``transformers`` here and nothing recorded is
-executed: the record is JSON, checked for its shape, and written back as JSON.
+When the run's config records the model (``ExactResume``'s ``"transformers"``
+entry), the inference export of a general generation is a folder that
+``AutoModel...from_pretrained(folder)`` loads without ripresa: ``config.json``
+from the record and ``model.safetensors`` with a tied weight written once, as
+``save_pretrained`` does. Nothing recorded is executed: the record is JSON,
+checked for its shape (docs/INTEGRATIONS_transformers.md, "Export for from_pretrained").
 """
 
 from __future__ import annotations

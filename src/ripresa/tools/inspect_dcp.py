@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput, RipresaError
+from .report import Verdict, base_report, finish
 
 
 def inspect_dcp(p: Path, given: str | Path, *, deep: bool) -> tuple[dict[str, Any], list[tuple[str, int]], list[str]]:
@@ -74,6 +75,20 @@ def _numel(shape: list[int]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def dcp_report(p: Path, given: str | Path, *, check_finite: bool, deep: bool) -> dict[str, Any]:
+    """The whole ``inspect`` report of the generation folder ``p`` (its ``dcp`` section: :func:`inspect_dcp`)."""
+    report = base_report(given, "dcp", check_finite, deep)
+    v = Verdict()
+    report["dcp"], problems, warns = inspect_dcp(p, given, deep=deep)
+    for text, code in problems:
+        v.fail(text, code)
+    for text in warns:
+        v.warn(text)
+    if check_finite:
+        v.warn("--check-finite is not applied to .dcp shards (the tensors are not read); export or convert first")
+    return finish(report, v)
 
 
 def render_dcp(d: dict[str, Any], console: Any) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RipresaError
+from .report import Verdict, base_report, err_text, finish, fmt, fmt_size, fmt_status, state_summary
 
 #: Tensors listed one by one in the report (all of them are counted in ``dtypes`` and ``groups``).
 MAX_LISTED_TENSORS = 64
@@ -50,10 +51,9 @@ def inspect_safetensors(p: Path, given: str | Path, *, check_finite: bool, deep:
     from ..io import auth
     from ..io.fsio import sha256_file
     from ..store.general import general_paths, parse_general_name, validate_general
-    from .inspect import _base, _err_text, _finish, _state_summary, _Verdict
 
-    report = _base(given, "safetensors", check_finite, deep)
-    v = _Verdict()
+    report = base_report(given, "safetensors", check_finite, deep)
+    v = Verdict()
     section: dict[str, Any] = {
         "file": str(p), "size": None, "generation": False, "step": parse_general_name(p.name), "header": None,
         "sha256": None, "aliases": {}, "companion": None, "checks": [], "valid": None, "reason": None,
@@ -64,8 +64,8 @@ def inspect_safetensors(p: Path, given: str | Path, *, check_finite: bool, deep:
         header = st.read_header(p)
     except RipresaError as exc:
         report["error"] = exc.as_dict()
-        v.fail(_err_text(exc), exc.exit_code)
-        return _finish(report, v)
+        v.fail(err_text(exc), exc.exit_code)
+        return finish(report, v)
     section["header"] = _header_summary(header)
     ours = header.metadata.get("format") == general_fmt.FORMAT
     if not ours or section["step"] is None:
@@ -77,15 +77,15 @@ def inspect_safetensors(p: Path, given: str | Path, *, check_finite: bool, deep:
                 st.read(p)  # every tensor read once: the byte ranges hold what the header says
                 section["sha256"] = sha256_file(p, what="safetensors file").sha256
             except RipresaError as exc:
-                v.fail(_err_text(exc), exc.exit_code)
-        return _finish(report, v)
+                v.fail(err_text(exc), exc.exit_code)
+        return finish(report, v)
 
     section["generation"] = True
     key = auth.load_key() if auth.require_signature_from_env() else None
     if auth.require_signature_from_env() and key is None:
         exc = auth.missing_key_error("ripresa inspect --require-signature")
-        v.fail(_err_text(exc), exc.exit_code)
-        return _finish(report, v)
+        v.fail(err_text(exc), exc.exit_code)
+        return finish(report, v)
     val = validate_general(p.parent, section["step"], deep=deep, key=key)
     gen = val.generation
     section["checks"] = [c.as_dict() for c in gen.checks]
@@ -112,10 +112,10 @@ def inspect_safetensors(p: Path, given: str | Path, *, check_finite: bool, deep:
             cinfo["record"] = doc["tensors"]
             cinfo["size"] = os.lstat(comp).st_size
             section["aliases"] = doc["aliases"]
-            cinfo.update(_state_summary(doc["state"]))
+            cinfo.update(state_summary(doc["state"]))
     if check_finite:
         v.warn("--check-finite reads .bin files; a general generation's tensors are not scanned for NaN/Inf")
-    return _finish(report, v)
+    return finish(report, v)
 
 
 def render_safetensors(s: dict[str, Any], console: Any) -> None:
@@ -123,37 +123,35 @@ def render_safetensors(s: dict[str, Any], console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from .inspect import _fmt, _size, _status
-
     title = "general generation" if s["generation"] else "safetensors file (foreign)"
     t = Table(title=f"{title} — {escape(s['file'])}", show_header=False)
     t.add_column("field")
     t.add_column("value")
-    t.add_row("size", escape(_size(s["size"])))
+    t.add_row("size", escape(fmt_size(s["size"])))
     h = s["header"]
     if h is not None:
-        t.add_row("tensors", f"{h['tensors']} ({escape(_size(h['data_bytes']))} of data, header {h['header_bytes']} bytes)")
+        t.add_row("tensors", f"{h['tensors']} ({escape(fmt_size(h['data_bytes']))} of data, header {h['header_bytes']} bytes)")
         t.add_row("dtypes", escape(", ".join(f"{k} x{n}" for k, n in h["dtypes"].items())))
         for g, info in h["groups"].items():
-            t.add_row(f"  {escape(g or '(top level)')}/", f"{info['tensors']} tensors, {escape(_size(info['bytes']))}")
+            t.add_row(f"  {escape(g or '(top level)')}/", f"{info['tensors']} tensors, {escape(fmt_size(info['bytes']))}")
         if h["metadata"]:
             t.add_row("metadata", escape(", ".join(f"{k}={val}" for k, val in h["metadata"].items())))
     if s["generation"]:
-        t.add_row("step", _fmt(s["step"]))
-        t.add_row("valid", _status(s["valid"]) + (f"  {escape(str(s['reason']))}" if s["reason"] else ""))
+        t.add_row("step", fmt(s["step"]))
+        t.add_row("valid", fmt_status(s["valid"]) + (f"  {escape(str(s['reason']))}" if s["reason"] else ""))
         t.add_row("sha256", s["sha256"] or "[dim]not computed[/]")
         for alias, target in s["aliases"].items():
             t.add_row("  alias", f"{escape(alias)} -> {escape(target)}")
         c = s["companion"] or {}
         if c.get("record") is not None:
-            t.add_row("companion", f"{escape(Path(c['path']).name)} ({escape(_size(c.get('size')))})")
+            t.add_row("companion", f"{escape(Path(c['path']).name)} ({escape(fmt_size(c.get('size')))})")
             if c.get("progress") is not None:
                 t.add_row("  progress", escape(str(c["progress"])))
             if c.get("versions") is not None:
                 t.add_row("  versions", escape(", ".join(f"{k} {val}" for k, val in c["versions"].items()
                                                          if k in ("python", "torch", "numpy", "ripresa"))))
         for chk in s["checks"]:
-            t.add_row(f"  check {escape(chk['name'])}", _status(chk["ok"]) + (
+            t.add_row(f"  check {escape(chk['name'])}", fmt_status(chk["ok"]) + (
                 f"  {escape(str(chk.get('message') or ''))[:200]}" if not chk["ok"] else ""))
     console.print(t)
     if h is not None and h["entries"]:

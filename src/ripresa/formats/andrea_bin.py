@@ -1,29 +1,11 @@
-"""The ANDREA raw ``.bin`` checkpoint (docs/FORMAT.md): exact, for interop.
+"""The ANDREA raw ``.bin`` checkpoint: exact bytes, for interop (docs/FORMAT.md, "ANDREA ``step_NNNNNN.bin``").
 
-Layout (all little-endian, nothing before, between or after)::
-
-    offset 0        int32               step       optimizer steps completed, >= 0
-    offset 4        int32               n_params   1 .. 2**31-1
-    offset 8        float32[n_params]   weights    model.parameters() order, flattened
-    offset 8 + 4n   float32[n_params]   m          AdamW exp_avg   (first moment)
-    offset 8 + 8n   float32[n_params]   v          AdamW exp_avg_sq (second moment)
-    total size      8 + 12 * n_params bytes, exactly
-
-The file has no magic and no checksum. ripresa keeps integrity *beside* it
-(``step_NNNNNN.bin.sha256``, written through :mod:`ripresa.io.fsio`) and never
-inside it, so a ``.bin`` written by ripresa is byte-for-byte what the ANDREA
-engine writes and reads.
-
-Writing streams per-parameter tensors straight into a :class:`~ripresa.io.fsio.StagedFile`
-(which hashes in the same pass): no second full copy of the model is ever
-concatenated in memory. Reading validates the header and the size *before*
-allocating anything, so a damaged or hostile header cannot make ripresa
-allocate gigabytes.
-
-A ``.bin`` alone is not a complete resume point: it lacks the random
-generators, data position, scheduler, ... (see :func:`describe_missing`). It
-still loads: weights, m and v are restored and the rest is reported missing,
-never invented.
+``step``, ``n_params`` (int32 LE), then float32 weights, m and v: ``8 + 12 * n_params`` bytes, no
+magic, no checksum; integrity lives *beside* it (``step_NNNNNN.bin.sha256``), so a ``.bin`` written
+by ripresa is byte-for-byte what the ANDREA engine writes. Writing streams each parameter into a
+:class:`~ripresa.io.fsio.StagedFile` (hashed in the same pass, no concatenated copy); reading checks
+header and size *before* allocating. Names: :data:`BIN_NAMES`. A ``.bin`` alone is not a complete
+resume point (:func:`describe_missing`): it loads weights, m and v and reports the rest missing.
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.state import Progress, TrainingState, _tensor_tree_clone
-from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed
+from ..core.state import Progress, TrainingState
+from ..errors import BadInput, IntegrityError, SaveFailed
 from ..io import auth
 from ..io.fsio import read_json_small, write_atomic
 from ..store.async_save import AsyncCheckpointWriter
@@ -89,9 +89,9 @@ from .distributed import (
     WORLD_CHANGE_NOTE,
     DistContext,
     NullHistory,
-    fault_point,
 )
-from .sharded_async import ShardedWriter, save_async
+from .saving import CollectivePipeline, LocalPipeline, RankZeroPipeline, SaveHooks
+from .sharded_async import AsyncCollectivePipeline, ShardedWriter
 from .signals import SignalRequests, hold
 from .steer import DistSteeredRecorder, SteeredRecorder, Steering
 from .torchrun import bind_to_launcher
@@ -328,9 +328,8 @@ class Checkpointer:
                            hint="launch with torchrun; a single process passes distributed=None or False")
         self.world_change: dict[str, Any] | None = None
         self.fresh_streams = False
-        self._captured_step: int | None = None  # distributed: the step whose state every rank handed over last
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
-        self._shards: ShardedWriter | None = None  # FSDP2, asynchronous: every rank's background DCP writes
+        shards: ShardedWriter | None = None  # FSDP2, asynchronous: every rank's background DCP writes
         choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
@@ -350,7 +349,7 @@ class Checkpointer:
                 self._open_backends()
                 self.history = NullHistory()  # type: ignore[assignment]
             if asynchronous and self.mode == "fsdp2":
-                self._shards = ShardedWriter(self.dist)
+                shards = ShardedWriter(self.dist)  # a collective: built here, in the same order on every rank
             asynchronous = asynchronous and self.dist.is_main
         asynchronous = asynchronous and self.backend.background
         if self._metric_names and (self.dist is None or self.dist.is_main):
@@ -384,10 +383,8 @@ class Checkpointer:
         self.failed_saves = 0
         self.last_saved_step: int | None = None
         self.resumed_from: Generation | None = None
-        self._pending: tuple[int, str, float] | None = None  # (step, reason, t0) of the in-flight save
-        self._deferred_error: SaveFailed | None = None  # distributed: a stop-save failure, raised on every rank
-        self._last_gen: Any = None
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
+        self.pipeline = self._pipeline(shards)
         if self.cadence is not None:
             self.cadence.background, self.cadence.follow = self.writer is not None, self.dist is None
         self.on_deadline = on_deadline
@@ -403,6 +400,16 @@ class Checkpointer:
         """The storage backends of this run mode (docs/ARCHITECTURE.md): the first writes, all are resumed."""
         self.backends, self._ignored = backends_for(self.mode, self.store, state=self.state, format=self.format)
         self.backend: StorageBackend = self.backends[0]
+
+    def _pipeline(self, shards: ShardedWriter | None) -> LocalPipeline:
+        """The save pipeline of this run mode and backend (session/saving.py), picked once, as the backend is."""
+        hooks = SaveHooks(committed=self._committed, failed=self._failed, failed_quietly=self._failed_quietly)
+        args = (self.backend, self.state, lambda: self.progress, self.writer, hooks, self.save_stalls, self.run_dir)
+        if self.dist is None:
+            return LocalPipeline(*args)
+        if not self.backend.collective:
+            return RankZeroPipeline(*args, self.dist, shards)
+        return (CollectivePipeline if shards is None else AsyncCollectivePipeline)(*args, self.dist, shards)
 
     def _backend_of(self, gen: Generation) -> StorageBackend:
         """The backend that owns ``gen`` (one of this session's, or a registered one for ``--resume PATH``)."""
@@ -476,8 +483,7 @@ class Checkpointer:
         self.resumed_from = gen
         self.fresh_streams = restored.fresh
         self.last_saved_step = gen.step if from_path is None else None
-        if self.dist is not None:
-            self._captured_step = self.last_saved_step
+        self.pipeline.resumed(self.last_saved_step)
         dist_fields = {} if self.dist is None else {"world_size": world_size}
         self.history.event("resume", from_step=gen.step, file=str(gen.path), rng_restored=restore_rng, **dist_fields,
                            lineage=self.state.lineage[-1] if self.state.lineage else None)
@@ -674,7 +680,7 @@ class Checkpointer:
         if self._recorder is not None and not self._recorder.finished:
             self._recorder.step(step, metrics)
             steered_stop = step >= self._recorder.steer.stop_at
-        self._collect(block=False)
+        self.pipeline.collect(block=False)
         who: dict[str, Any] = {}
         deadline_stop = self.deadline is not None and self.deadline.check(
             step, median(self._step_times), getattr(self, "mirror", None), self.history.event)
@@ -713,10 +719,7 @@ class Checkpointer:
         elif self.cadence is not None:
             self._cadence_event(step, force=False)
         if stop:
-            if self.dist is None:
-                self._collect(block=True, must_succeed=True)
-            else:
-                self._collect_all()
+            self.pipeline.finish()
             if self._recorder is not None:
                 self._recorder.finish(self.progress)  # the state saved is the state recorded: nothing ran between
             if deadline_stop and self.deadline is not None and (self.dist is None or self.dist.is_main):
@@ -759,12 +762,8 @@ class Checkpointer:
 
         Distributed: every rank calls it; rank 0 returns the generation, the others None.
         """
-        if self.dist is not None:
-            self._save(self.progress.step, reason, must_succeed=True)
-            self._collect_all()
-            return self._last_gen if self.dist.is_main else None
         self._save(self.progress.step, reason, must_succeed=True)
-        return self._collect(block=True, must_succeed=True)
+        return self.pipeline.finish()
 
     def _note_metrics(self, metrics: Mapping[str, Any]) -> None:
         """Keep the latest finite value of each metric the retention policy reads."""
@@ -787,62 +786,22 @@ class Checkpointer:
         write_atomic(self.run_dir / METRICS_NAME, [json.dumps(doc, indent=1).encode() + b"\n"])
 
     def _save(self, step: int, reason: str, must_succeed: bool) -> None:
+        """Save ``step`` through the pipeline; then the sidecars (once) and the ``on_checkpoint`` hook."""
         self._record_metrics(step)
-        if self.dist is not None:
-            self._save_dist(step, reason, must_succeed)
-            return
-        if self.last_saved_step == step and self._pending is None:
-            return  # this exact state is already committed
-        t0 = time.perf_counter()
-        try:
-            self._submit(step, reason, must_succeed, t0)
-        except SaveFailed as exc:
-            self._failed(step, exc, must_succeed)
-            return
-        self._write_sidecars()
-        for name, fn in self.sidecars.items():
-            write_atomic(self.run_dir / name, [json.dumps(fn(), indent=1, allow_nan=True).encode() + b"\n"])
+        if not self.pipeline.save(step, reason, must_succeed):
+            return  # already saved, or failed (reported)
+        if self.pipeline.main:
+            self._write_sidecars()
         if self.on_checkpoint is not None:
-            self.on_checkpoint(step)  # runs while the background writer writes
+            self.on_checkpoint(step)  # on every rank (a sharded model's forward is collective); runs while the writer writes
 
     def _write_sidecars(self) -> None:
         for name, fn in self.sidecars.items():
             write_atomic(self.run_dir / name, [json.dumps(fn(), indent=1, allow_nan=True).encode() + b"\n"])
 
-    def _submit(self, step: int, reason: str, must_succeed: bool, t0: float, extra: dict[str, Any] | None = None) -> None:
-        """Capture the state now through the writing backend; commit it in the background, or now."""
-        if self.writer is not None:
-            self._collect(block=True, must_succeed=must_succeed)
-            write = self.backend.capture(step, self.state, self.progress, extra, stage=self.writer.stage)
-            self.writer.submit(step, write)
-            self._pending = (step, reason, t0)
-            self.save_stalls.append(time.perf_counter() - t0)
-        else:
-            gen = self.backend.capture(step, self.state, self.progress, extra)()
-            self.save_stalls.append(time.perf_counter() - t0)
-            self._committed(gen, reason, time.perf_counter() - t0)
-
-    def _collect(self, *, block: bool, must_succeed: bool = False) -> Generation | None:
-        """Account for a finished (or, with ``block``, the in-flight) background save."""
-        if self.writer is None or self._pending is None:
-            return None
-        if not block and self.writer.in_flight:
-            return None
-        step, reason, t0 = self._pending
-        self._pending = None
-        try:
-            gen = self.writer.wait()
-        except SaveFailed as exc:
-            self._failed(step, exc, must_succeed)
-            return None
-        if gen is not None:
-            self._committed(gen, reason, self.writer.last_write_s)
-        return gen
-
     def _committed(self, gen: Any, reason: str, seconds: float) -> None:
         self.failed_saves = 0
         self.last_saved_step = gen.step
-        self._last_gen = gen
         background = self.writer is not None
         stall = self.save_stalls[-1] if self.save_stalls else seconds
         if self.cadence is not None and background:
@@ -857,110 +816,14 @@ class Checkpointer:
             self.mirror.notify(gen.step)
 
     def _failed(self, step: int, exc: SaveFailed, must_succeed: bool) -> None:
-        if self._captured_step == step:
-            self._captured_step = None  # a later request for this step saves it again
-        self.failed_saves += 1
-        self.history.event("checkpoint_failed", step=step, error=exc.message, found=str(exc.found)[:200])
+        self._failed_quietly(step, exc)
         if must_succeed or self.failed_saves >= self.max_failed_saves:
             raise exc
         warnings.warn(f"checkpoint at step {step} failed (training goes on; next cadence retries):\n{exc}", stacklevel=3)
 
-    # ------------------------------------------------------------------ distributed saving
-    def _rank_entry(self) -> dict[str, Any]:
-        """This rank's own state, captured now: random streams, data position, user objects."""
-        s = self.state
-        assert self.dist is not None
-        return {
-            "rank": self.dist.rank,
-            "rng": s.rng.state_dict(),
-            "data": _tensor_tree_clone(s.data.state_dict()) if s.data is not None else None,
-            "objects": {n: _tensor_tree_clone(o.state_dict()) for n, o in s.objects.items()},
-        }
-
-    def _save_dist(self, step: int, reason: str, must_succeed: bool) -> None:
-        """Every rank: hand over this rank's part; DDP: rank 0 writes the .bin; FSDP2: all write the .dcp."""
-        d = self.dist
-        assert d is not None
-        if d.broadcast(self._captured_step == step):  # rank 0 decides, so every rank takes the same path
-            return
-        t0 = time.perf_counter()
-        entry = self._rank_entry()
-        fault_point("before_gather", step, d.rank)
-        entries = d.gather(entry)  # every rank has handed over its part once this returns on rank 0
-        self._captured_step = step
-        extra = {"distributed": {**d.describe(), "ranks": entries}} if d.is_main else None
-        if self.backend.collective:
-            if not self._save_collective(step, reason, must_succeed, extra, t0):
-                return
-        elif d.is_main:
-            try:
-                self._submit(step, reason, must_succeed, t0, extra)
-            except SaveFailed as exc:
-                if must_succeed:
-                    self._deferred_error = exc  # raised by _collect_all, after every rank has been told
-                    self.failed_saves += 1
-                    self.history.event("checkpoint_failed", step=step, error=exc.message, found=str(exc.found)[:200])
-                else:
-                    self._failed(step, exc, must_succeed)
-                return
-        if d.is_main:
-            self._write_sidecars()
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(step)  # on every rank: a sharded model's forward is collective
-
-    def _save_collective(self, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None, t0: float) -> bool:
-        """Every rank writes its part (FSDP2: its shards), a barrier, then rank 0 commits (companion, rename, marker)."""
-        d = self.dist
-        assert d is not None
-        if self._shards is not None:  # staged now, written in the background (session/sharded_async.py)
-            return save_async(self, step, reason, must_succeed, extra, t0)
-        if d.is_main:
-            self.backend.prepare(step)
-        d.barrier()
-        error: str | None = None
-        try:
-            self.backend.write_part(step, self.state)
-        except Exception as exc:  # DCP reports a failure on every rank
-            error = f"{type(exc).__name__}: {str(exc)[:300]}"
-        fault_point("after_shards", step, d.rank)
-        d.barrier()  # every rank has finished its part: only now may the generation count
-        gen = None
-        if d.is_main and error is None:
-            try:
-                gen = self.backend.capture(step, self.state, self.progress, extra, world_size=d.world_size)()
-            except (RipresaError, OSError) as exc:
-                error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-        error = d.broadcast(error)
-        if error is not None:
-            if d.is_main:
-                self.backend.abandon(step)
-            self._failed(step, SaveFailed(f"sharded save of step {step} failed: {error}", file=self.run_dir,
-                                          hint="the previous generation is intact"), must_succeed)
-            return False
-        self.save_stalls.append(time.perf_counter() - t0)
-        if d.is_main:
-            self._committed(gen, reason, time.perf_counter() - t0)
-        return True
-
-    def _collect_all(self) -> None:
-        """Distributed: rank 0 finishes its in-flight write; every rank learns whether it committed."""
-        d = self.dist
-        assert d is not None
-        err: SaveFailed | None = None
-        if self._shards is not None:
-            self._shards.wait()  # this rank's write; a failure anywhere fails rank 0's commit, broadcast below
-        if d.is_main:
-            err, self._deferred_error = self._deferred_error, None
-            if err is None:
-                try:
-                    self._collect(block=True, must_succeed=True)
-                except SaveFailed as exc:
-                    err = exc
-        msg = d.broadcast(None if err is None else err.message)
-        if err is not None:
-            raise err
-        if msg is not None:
-            raise SaveFailed(f"rank 0 could not commit the checkpoint: {msg}", hint="the previous generation is intact")
+    def _failed_quietly(self, step: int, exc: SaveFailed) -> None:
+        self.failed_saves += 1
+        self.history.event("checkpoint_failed", step=step, error=exc.message, found=str(exc.found)[:200])
 
     # ------------------------------------------------------------------ end
     def close(self, *, final_save: bool | None = None) -> None:
@@ -981,21 +844,14 @@ class Checkpointer:
             if self._recorder is not None and self._recorder.started:
                 self._recorder.finish(self.progress)  # the script stopped before the steered step: record where
             step = self._final_step() if final else None
-            if self.dist is not None:
-                self._collect_all()
-                if step is not None:
-                    self._save(step, "final", must_succeed=True)
-                    self._collect_all()
-            else:
-                self._collect(block=True, must_succeed=True)
-                if step is not None and self.last_saved_step != step:
-                    self._save(step, "final", must_succeed=True)
-                    self._collect(block=True, must_succeed=True)
+            self.pipeline.finish()
+            if step is not None and not self.pipeline.holds(step):
+                self._save(step, "final", must_succeed=True)
+                self.pipeline.finish()
             if self.mirror is not None:
                 heard = len(self.signals.received)  # a signal during the close leaves it at once (docs/MIRROR.md)
                 self.mirror.close(interrupted=lambda: len(self.signals.received) > heard)
-            if self._shards is not None:
-                self._shards.close()  # its gloo save group ends now, not at interpreter exit
+            self.pipeline.close()  # FSDP2, asynchronous: its gloo save group ends now, not at interpreter exit
         finally:
             try:
                 self.history.sync()
@@ -1028,8 +884,7 @@ class Checkpointer:
         left half-written by choice); its failure, if any, is not raised.
         """
         try:
-            if self.writer is not None and self._pending is not None:
-                self.writer.wait()
+            self.pipeline.drain()
         except Exception:
             pass
         self._release()

@@ -120,7 +120,7 @@ def _check_progress_consistency(state: Mapping[str, Any], path: Path | None) -> 
 _INT64 = 2**63 - 1
 #: What a restore can raise on a state that passed every check but was still not what the
 #: live objects accept (a last line: each is turned into a SchemaError naming the file).
-_UNEXPECTED = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError, AssertionError)
+UNEXPECTED = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError, AssertionError)
 
 
 def validate_saved_state(state: Any, *, where: str | Path | None = None) -> None:
@@ -150,7 +150,7 @@ def validate_saved_state(state: Any, *, where: str | Path | None = None) -> None
         raise
     except RipresaError as exc:  # pragma: no cover - validate_checkpoint raises SchemaError
         raise SchemaError(exc.message, file=file, expected=exc.expected, found=exc.found) from exc
-    except _UNEXPECTED as exc:
+    except UNEXPECTED as exc:
         raise SchemaError("saved state is malformed", file=file, found=f"{type(exc).__name__}: {str(exc)[:160]}") from exc
 
     def bad(what: str, expected: Any = None, found: Any = None) -> SchemaError:

@@ -30,7 +30,7 @@ from ..errors import BadInput, IdentityMismatch, IntegrityError, RipresaError, S
 from .identity import COMPARED_VERSIONS, code_identity, versions
 from .identity import data_identity as compute_data_identity
 from .rng import RandomStreams
-from .schema import _UNEXPECTED, FORMAT, FORMAT_VERSION, validate_saved_state  # noqa: F401 (re-exported)
+from .schema import FORMAT, FORMAT_VERSION, UNEXPECTED, validate_saved_state  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # annotation only (excluded from the layer contract)
     from ..formats.torch_pt import Checkpoint
@@ -95,16 +95,16 @@ def _like(saved: Any, live: Any, where: str, depth: int = 0) -> str | None:
     return None
 
 
-def _tensor_tree_clone(obj: Any) -> Any:
+def tensor_tree_clone(obj: Any) -> Any:
     """Deep copy with tensors detached, cloned and moved to CPU (a true snapshot)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, Mapping):
-        return {k: _tensor_tree_clone(v) for k, v in obj.items()}
+        return {k: tensor_tree_clone(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_tensor_tree_clone(v) for v in obj]
+        return [tensor_tree_clone(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_tensor_tree_clone(v) for v in obj)
+        return tuple(tensor_tree_clone(v) for v in obj)
     return copy.deepcopy(obj)
 
 
@@ -405,19 +405,19 @@ class TrainingState:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "progress": progress.as_dict(),
-            "model": _tensor_tree_clone(model_sd),
-            "optimizer": _tensor_tree_clone(opt_sd) if opt_sd is not None else None,
-            "scheduler": _tensor_tree_clone(sched) if sched is not None else None,
-            "scaler": _tensor_tree_clone(self.scaler.state_dict()) if self.scaler is not None else None,
-            "data": _tensor_tree_clone(self.data.state_dict()) if self.data is not None else None,
-            "objects": {n: _tensor_tree_clone(o.state_dict()) for n, o in self.objects.items()},
+            "model": tensor_tree_clone(model_sd),
+            "optimizer": tensor_tree_clone(opt_sd) if opt_sd is not None else None,
+            "scheduler": tensor_tree_clone(sched) if sched is not None else None,
+            "scaler": tensor_tree_clone(self.scaler.state_dict()) if self.scaler is not None else None,
+            "data": tensor_tree_clone(self.data.state_dict()) if self.data is not None else None,
+            "objects": {n: tensor_tree_clone(o.state_dict()) for n, o in self.objects.items()},
             "rng": self.rng.state_dict(),
             "config": copy.deepcopy(self.config),
             "versions": dict(self.versions),
             "code": copy.deepcopy(self.code),
             "data_identity": dict(self.data_identity),
             "lineage": copy.deepcopy(self.lineage),
-            "extra": _tensor_tree_clone(dict(extra or {})),
+            "extra": tensor_tree_clone(dict(extra or {})),
             "optimizer_params": optimizer_record(self.model, self.optimizer),
         }
 
@@ -532,7 +532,7 @@ class TrainingState:
                                  allow_config_change=allow_config_change)
         except RipresaError:
             raise
-        except _UNEXPECTED as exc:
+        except UNEXPECTED as exc:
             # Every check ran before any change; this is a state the live objects still refused.
             raise SchemaError("the saved state could not be restored into the live objects", file=source,
                               found=f"{type(exc).__name__}: {str(exc)[:200]}",

@@ -29,13 +29,13 @@ previous generation stays the newest valid one.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from ..errors import SaveFailed
+from ..store.backend import StorageBackend
 from .distributed import DistContext, fault_point
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .checkpointer import Checkpointer
+from .saving import CollectivePipeline
 
 
 class ShardedWriter:
@@ -97,51 +97,57 @@ class ShardedWriter:
         return [f"rank {r}: {e}" for r, e in enumerate(out) if e is not None]
 
 
-def save_async(ck: Checkpointer, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None,
-               t0: float) -> bool:
-    """One asynchronous sharded save (every rank); False when it failed before the write started."""
-    from ..formats import dcp as dcp_fmt
+class AsyncCollectivePipeline(CollectivePipeline):
+    """FSDP2, asynchronous: every rank stages its shards now and writes them in the background; rank 0 commits."""
 
-    d, sw = ck.dist, ck._shards
-    assert d is not None and sw is not None
-    sw.wait()  # a failure of the previous write is rank 0's to record (its commit never ran)
-    if d.is_main:
-        ck._collect(block=True, must_succeed=False)
-        ck.backend.prepare(step)  # before the agreement below: no rank writes before the stale partial is gone
-    staged, error = None, None
-    try:
-        staged = sw.stager.stage(dcp_fmt.shard_state(ck.state.model, ck.state.optimizer))
-    except Exception as exc:  # staging failed on this rank (memory): no rank may start writing
-        error = f"{type(exc).__name__}: {str(exc)[:300]}"
-    errors = sw.all_errors(error)
-    if errors:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        assert self.shards is not None and (self.writer is not None or not self.dist.is_main)
+
+    def write(self, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None, t0: float) -> bool:
+        """One asynchronous sharded save (every rank); False when it failed before the write started."""
+        from ..formats import dcp as dcp_fmt
+
+        d, sw = self.dist, self.shards
+        assert sw is not None
+        sw.wait()  # a failure of the previous write is rank 0's to record (its commit never ran)
         if d.is_main:
-            ck.backend.abandon(step)
-        ck._failed(step, SaveFailed(f"sharded save of step {step} failed while staging: {'; '.join(errors)[:600]}",
-                                    file=ck.run_dir, hint="the previous generation is intact"), must_succeed)
-        return False
-    partial = dcp_fmt.partial_path(ck.run_dir, step)
-    sw.future = dcp_fmt.write_shards_async(staged, partial, group=sw.group,
-                                           after_write=lambda: fault_point("shards_written", step, d.rank))
-    if d.is_main:
-        assert ck.writer is not None
-        commit = ck.backend.capture(step, ck.state, ck.progress, extra, world_size=d.world_size)
-        ck.writer.submit(step, _commit_after(ck, step, sw.future, commit))
-        ck._pending = (step, reason, t0)
-    ck.save_stalls.append(time.perf_counter() - t0)
-    return True
+            self.collect(block=True, must_succeed=False)
+            self.backend.prepare(step)  # before the agreement below: no rank writes before the stale partial is gone
+        staged, error = None, None
+        try:
+            staged = sw.stager.stage(dcp_fmt.shard_state(self.state.model, self.state.optimizer))
+        except Exception as exc:  # staging failed on this rank (memory): no rank may start writing
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        errors = sw.all_errors(error)
+        if errors:
+            if d.is_main:
+                self.backend.abandon(step)
+            self.fail(step, SaveFailed(f"sharded save of step {step} failed while staging: {'; '.join(errors)[:600]}",
+                                       file=self.run_dir, hint="the previous generation is intact"), must_succeed)
+            return False
+        partial = dcp_fmt.partial_path(self.run_dir, step)
+        sw.future = dcp_fmt.write_shards_async(staged, partial, group=sw.group,
+                                               after_write=lambda: fault_point("shards_written", step, d.rank))
+        if d.is_main:
+            assert self.writer is not None
+            commit = self.backend.capture(step, self.state, self.progress(), extra, world_size=d.world_size)
+            self.writer.submit(step, _commit_after(self.backend, self.run_dir, step, sw.future, commit))
+            self.pending = (step, reason, t0)
+        self.stalls.append(time.perf_counter() - t0)
+        return True
 
 
-def _commit_after(ck: Checkpointer, step: int, future: Any, commit: Any) -> Any:
+def _commit_after(backend: StorageBackend, run_dir: Path, step: int, future: Any, commit: Any) -> Any:
     """Rank 0's background write: wait until every rank's shards are durable, then commit."""
 
     def write() -> Any:
         try:
             future.result()
         except BaseException as exc:
-            ck.backend.abandon(step)
+            backend.abandon(step)
             raise SaveFailed(f"sharded save of step {step} failed: {type(exc).__name__}: {str(exc)[:400]}",
-                             file=ck.run_dir, hint="a rank failed or died while writing; the previous generation is intact") from None
+                             file=run_dir, hint="a rank failed or died while writing; the previous generation is intact") from None
         return commit()
 
     return write

@@ -26,6 +26,8 @@ from ..io.lock import pid_alive
 
 SCHEMA = "ripresa.tools.inspect"
 SCHEMA_VERSION = 1
+#: What `inspect` reads (its error messages say so).
+INSPECTABLE = "a .bin, a .safetensors file, a checkpoint.pt, a step_NNNNNN.dcp folder or a run folder"
 
 #: Floats per streaming block of the statistics pass (4 MiB of float32; the
 #: float64 temporaries of one block are 8 MiB each).
@@ -242,7 +244,7 @@ def error_report(path: str | Path, exc: RipresaError, *, check_finite: bool = Fa
 
 
 def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = True) -> dict[str, Any]:
-    """Inspect a ``.bin``, a ``checkpoint.pt`` or a run folder; return the report.
+    """Inspect a ``.bin``, a ``.safetensors``, a ``checkpoint.pt``, a ``.dcp`` folder or a run folder; return the report.
 
     The report is JSON-able (see the module docstring for its keys) and
     carries its ``exit_code``. Raises :class:`~ripresa.errors.BadInput`
@@ -255,7 +257,7 @@ def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = T
         raise BadInput(
             "nothing to inspect: the path does not exist",
             file=p,
-            expected="a .bin, a checkpoint.pt or a run folder",
+            expected=INSPECTABLE,
             found="nothing at this path" if not os.path.lexists(p) else "a dangling symlink",
             hint="check the path",
         ) from None
@@ -282,7 +284,7 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
         raise BadInput(
             "cannot inspect a special file",
             file=p,
-            expected="a .bin, a checkpoint.pt or a run folder",
+            expected=INSPECTABLE,
             found="a FIFO, socket or device",
             hint="ripresa never reads from special files",
         )
@@ -298,7 +300,7 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
     raise BadInput(
         "unknown kind of file",
         file=p,
-        expected="an ANDREA .bin, a .safetensors file, a checkpoint.pt (torch zip archive) or a run folder",
+        expected="an ANDREA .bin, a .safetensors file, a checkpoint.pt (torch zip archive), a step_NNNNNN.dcp folder or a run folder",
         found=f"a file named '{p.name}'",
         hint="for a generation's .json or .sha256, inspect its .bin or the run folder",
     )

@@ -180,3 +180,28 @@ def test_compare_says_within_noise_before_naming_a_winner(tmp_path):
     plots.render_comparison(clear, console)
     text = " ".join(console.export_text().split())
     assert "a converges lower" in text and "the EMAs' noise ±" in text and "within noise" not in text
+
+
+# ---- the demo's last line: a command that works in the shell that ran it ---------------------------------------
+
+
+def test_demo_suggests_a_ripresa_command_this_shell_has(monkeypatch, tmp_path):
+    import os
+    import sys
+    from pathlib import Path
+
+    from ripresa.engine.demo import ripresa_command
+
+    script = Path(sys.executable).parent / "ripresa"  # the console script of this installation (.venv/bin/ripresa)
+    if not script.is_file():
+        pytest.skip("ripresa is not installed as a console script beside this interpreter")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # not on the PATH: the script's path, which works from here
+    cmd = ripresa_command()
+    assert cmd != "ripresa" and os.path.samefile(cmd, script)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{script.parent}")  # activated: the plain name
+    assert ripresa_command() == "ripresa"
+    other = tmp_path / "ripresa"  # another ripresa first on the PATH is not this one: the path again
+    other.write_text("#!/bin/sh\nexit 3\n")
+    other.chmod(0o755)
+    assert ripresa_command() != "ripresa"

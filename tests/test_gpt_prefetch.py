@@ -6,7 +6,7 @@ random step and started again with the same command ends with the same bytes
 of its ``ScriptState`` — as a run never interrupted. The negatives: the same
 script with the prefetched batch left out of the saved state, or with the
 first batch drawn before ``resume()``, diverges after a resume, so the pattern
-of README.md, "State in script variables", matters.
+of docs/API.md, "State in script variables", matters.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def test_sigterm_at_a_random_step_checkpoints_exits_0_and_restart_ends_bitwise_e
     _interrupt_and_compare(tmp_path, signal.SIGTERM, seed, steps=30, every=7)
 
 
-#: Two ways to break the pattern of README.md, "State in script variables": (what the example says, what the copy says)
+#: Two ways to break the pattern of docs/API.md, "State in script variables": (what the example says, what the copy says)
 BROKEN = {
     # the prefetched batch left out of the saved state: drawn again, from the restored streams, at the resume
     "batch-not-saved": [("script.update(batch=(X, Y), ", "script.update(batch=None, ")],
@@ -183,12 +183,12 @@ def test_a_script_that_breaks_the_pattern_diverges_after_a_resume(tmp_path, how)
 
 
 def test_the_readme_diff_is_the_marked_lines_of_the_example():
-    """The README shows every line the example adds or changes (marked ``# ripresa``), and nothing else."""
+    """docs/API.md shows every line the example adds or changes (marked ``# ripresa``), and nothing else."""
     import re
 
     from conftest import REPO
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "API.md").read_text()
     diff = next(b for b in re.findall(r"```diff\n(.*?)```", readme, flags=re.S) if "ScriptState" in b)
     added = [line[1:].rstrip() for line in diff.splitlines() if line.startswith("+")]
     marked = [re.sub(r"\s*# ripresa.*$", "", line).rstrip() for line in SCRIPT.read_text().splitlines()

@@ -9,7 +9,7 @@ gradient accumulation, an evaluation that draws batches too, AdamW with
 decay / no-decay groups, a cosine learning rate, bf16 autocast on CUDA.
 The 13 lines marked ``# ripresa`` are all that was added or changed; the
 batch prefetched at the end of a step and the early-stopping variables travel
-in a ``ScriptState`` (README.md, "State in script variables"). Kill it any
+in a ``ScriptState`` (docs/API.md, "State in script variables"). Kill it any
 way you like and start the same command again: it goes on bit-exactly.
 """
 

@@ -3,7 +3,7 @@
 "Checkpoint" in ripresa always means a *resume point* saved to disk — never
 activation checkpointing (recomputing activations in backward to save memory).
 
-The public API is ``__all__`` below (README.md, "Public API"); everything else
+The public API is ``__all__`` below (docs/API.md, "Public API"); everything else
 is imported from its module, e.g. ``ripresa.store.retention.KeepLast``.
 """
 

@@ -126,7 +126,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "Exit 0 valid (a run folder: a resume finds a valid generation), 1 a check failed, 2 bad input.",
         usage="ripresa inspect PATH [--json] [--check-finite] [--deep | --no-deep]",
     )
-    p.add_argument("path", type=Path, help="a .bin, a .safetensors (docs/INSPECT.md), a checkpoint.pt or a run folder")
+    p.add_argument("path", type=Path, help="a .bin, a .safetensors, a checkpoint.pt, a step_NNNNNN.dcp folder or a run folder (docs/INSPECT.md)")
     p.add_argument("--json", action="store_true", help="print one JSON document (keys: docs/INSPECT.md) instead of tables")
     p.add_argument("--check-finite", action="store_true", help="fail (exit 1) on NaN/Inf in weights, m, v or any floating tensor")
     p.add_argument(
@@ -314,7 +314,7 @@ def _cmd_signal(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- pivot / fork
 def _add_pivot(sub: argparse._SubParsersAction) -> None:
-    p = _command(sub, "pivot", _cmd_pivot, help="change the data-mixture policy of a run without retraining (README: Pivot and fork)")
+    p = _command(sub, "pivot", _cmd_pivot, help="change the data-mixture policy of a run without retraining (docs/ENGINE.md: Pivot and fork)")
     p.add_argument("run", type=Path, help="run folder (running or stopped)")
     p.add_argument("--caps", nargs="+", default=[], metavar="ARM=X", help="new maximum shares")
     p.add_argument("--floors", nargs="+", default=[], metavar="ARM=Y", help="new minimum shares")
@@ -356,6 +356,8 @@ def _cmd_fork(args: argparse.Namespace) -> int:
     r = fork(args.run, args.step, args.into, args.sets)
     what = f"bin sha256 {r['bin_sha256'][:16]}" if "bin_sha256" in r else f".dcp marker sha256 {r['dcp_marker_sha256'][:16]}"
     print(f"forked {args.run} at step {r['step']} into {r['into']} ({what}…, overrides {r['overrides']})")
+    for warning in r.get("warnings", ()):
+        print(f"ripresa fork: warning: {warning}", file=sys.stderr)
     print(f"continue with: {r['command']}")
     return 0
 
@@ -568,6 +570,17 @@ def _unexpected(command: str, exc: BaseException) -> int:
     return 2
 
 
+def _refuse_unknown_command(own: list[str]) -> None:
+    """A mistyped command is bad input (exit 2) naming the commands and the nearest ones (a typo: ``inpsect``)."""
+    if not own or own[0].startswith("-") or own[0] in _COMMANDS or own[0] == "generate":
+        return
+    import difflib
+
+    near = difflib.get_close_matches(own[0], sorted(_COMMANDS), n=3, cutoff=0.6)
+    raise BadInput("unknown command", expected=", ".join(sorted(_COMMANDS)), found=own[0],
+                   hint=("did you mean " + " or ".join(repr(n) for n in near) + "?") if near else "ripresa --help")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ripresa`` and ``python -m ripresa``; returns the exit code.
 
@@ -610,6 +623,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
             return ledger_main(own[1:])
         parser = build_parser()
+        _refuse_unknown_command(own)
         args = parser.parse_args(own)
         args.trainer = trainer
         command = args.command

@@ -364,7 +364,7 @@ class _Order:
                 "regenerate from (seed, epoch); it knows SequentialSampler, RandomSampler (shuffle=True), "
                 "SubsetRandomSampler, WeightedRandomSampler, DistributedSampler, accelerate's "
                 "SeedableRandomSampler and torchdata's RandomSampler and StatefulDistributedSampler. Build the DataLoader with one of these, or use ripresa.StatefulLoader "
-                "(README.md, \"Data loaders\")")
+                "(docs/API.md, \"Data loaders\")")
 
     def indices(self, seed: int, epoch: int) -> torch.Tensor:
         """The epoch's indices (int64), a pure function of ``(seed, epoch)``: no global generator is drawn from."""
@@ -723,7 +723,7 @@ def make_exact(loader: Any, *, seed: int | None = None) -> ExactLoader:
         raise TypeError(
             f"make_exact: the loader's batch_sampler is a {kind.__module__}.{kind.__qualname__}: ripresa cannot "
             "regenerate its batches from (seed, epoch). Build the DataLoader with batch_size= and a sampler "
-            "(shuffle=True, a DistributedSampler, ...), or use ripresa.StatefulLoader (README.md, \"Data loaders\")")
+            "(shuffle=True, a DistributedSampler, ...), or use ripresa.StatefulLoader (docs/API.md, \"Data loaders\")")
 
     if seed is None:
         gen_seed = _generator_seed(dl.generator)

@@ -301,7 +301,7 @@ def _check_stateful(data: Any, objects: Mapping[str, Any]) -> None:
             f"data={data!r} is {kind}, not made exact: {why}. Fix: call ripresa.make_exact(loader) once, before the loop "
             "(it makes this very loader exact in place: the order and each sample's augmentation regenerated from "
             "(seed, epoch), an O(1) position), then pass the loader as data=; or use ripresa.StatefulLoader "
-            "(README.md, \"Data loaders\")"
+            "(docs/API.md, \"Data loaders\")"
         )
     if data is not None and not isinstance(data, Stateful):
         raise TypeError(f"data={type(data).__name__} lacks state_dict()/load_state_dict(), so its position cannot be "
@@ -562,11 +562,21 @@ class TrainingState:
             flags = sorted(
                 {"--allow-version-change" if k.startswith("versions.") else "--allow-code-change" if k.startswith("code.") else "--allow-data-change" for k in refused}
             )
+            expected, found = {}, {}
+            for k, v in refused.items():
+                if k == "data_identity":  # name the sources that changed, not the whole table
+                    saved, now = dict(v["saved"] or {}), dict(v["now"] or {})
+                    for name in sorted(set(saved) | set(now)):
+                        if saved.get(name) != now.get(name):
+                            expected[f"data source {name!r}"] = saved.get(name, "absent")
+                            found[f"data source {name!r}"] = now.get(name, "absent")
+                else:
+                    expected[k], found[k] = v["saved"], v["now"]
             raise IdentityMismatch(
                 "the checkpoint was written by different versions, code or data",
                 file=source,
-                expected={k: v["saved"] for k, v in refused.items()},
-                found={k: v["now"] for k, v in refused.items()},
+                expected=expected,
+                found=found,
                 hint=f"an exact resume needs the same; to accept the change knowingly pass {' '.join(flags)} (it is recorded)",
             )
         cfg = config_changes(state.get("config"), self.config, self.config_ignore)
@@ -680,7 +690,7 @@ class ScriptState:
     The names are fixed at construction: assigning an undeclared name is an
     ``AttributeError`` (a typo would otherwise be silently left out of every
     checkpoint), and a checkpoint whose names differ is refused at the resume
-    (docs/FORMAT.md, "Script variables"). README.md, "State in script
+    (docs/FORMAT.md, "Script variables"). docs/API.md, "State in script
     variables", gives the rule for where ``resume()`` goes.
     """
 

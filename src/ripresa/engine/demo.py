@@ -32,7 +32,7 @@ def _train_cmd(run: Path, *extra: str) -> list[str]:
     return ripresa_argv("train", "--run", str(run), "--config", "tiny", "--threads", "1", "--quiet", *extra)
 
 
-def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> int:
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
@@ -43,7 +43,7 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float 
             if steps and max(steps) >= step:
                 return max(steps)
         time.sleep(0.05)
-    raise RuntimeError("the trainer did not make progress")
+    raise RuntimeError(f"the trainer did not reach step {step} in {timeout:.0f} s (a hang guard; see train.log)")
 
 
 def _valid(run: Path) -> list[int]:
@@ -118,6 +118,30 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
         f"  {out / 'verify'}/verification.json   the resume proof\n"
         f"  {run}/step_NNNNNN.bin (+ .json companion, .bin.sha256 marker)   generations {_valid(run)}\n"
         f"  {run}/.loss.jsonl   append-only history · .samples.json   audits · .state.json   bandit · config.json\n"
-        f"  try: ripresa inspect {run}"
+        f"  try: {ripresa_command()} inspect {run}{_path_hint()}"
     )
     return 0
+
+
+def ripresa_command() -> str:
+    """How to call ``ripresa`` from the shell that started this process: ``ripresa`` when that is this very
+    installation on the PATH, else the script beside this interpreter (``.venv/bin/ripresa`` from the clone),
+    else ``python -m ripresa`` with this interpreter."""
+    import shutil
+    import sys
+
+    here = Path(sys.executable).parent / "ripresa"
+    found = shutil.which("ripresa")
+    if found is not None and os.path.realpath(found) == os.path.realpath(here):
+        return "ripresa"
+    if here.is_file() and os.access(here, os.X_OK):
+        rel = os.path.relpath(here)
+        return rel if not rel.startswith("..") else str(here)
+    return f"{sys.executable} -m ripresa"
+
+
+def _path_hint() -> str:
+    cmd = ripresa_command()
+    if cmd == "ripresa" or " -m " in cmd or not (Path(cmd).parent / "activate").is_file():
+        return ""
+    return f"\n  (ripresa is not on this shell's PATH: `source {Path(cmd).parent}/activate` puts it there)"

@@ -167,7 +167,15 @@ def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[
     if not check.valid:
         raise IntegrityError(f"the forked generation does not verify: {check.reason}", file=into)
     return {"into": str(into), "step": step, "bin_sha256": gen.bin_sha256, "overrides": list(sets),
-            "command": f"ripresa train --run {into}"}
+            "command": f"ripresa train --run {into}", "warnings": _warnings(cfg, step)}
+
+
+def _warnings(cfg: dict[str, Any], step: int) -> list[str]:
+    """What the fork's config will do that its author probably did not mean (a learning rate below its floor)."""
+    from .gpt.train import lr_floor_warning
+
+    floor = lr_floor_warning(cfg["train"], step)
+    return [floor] if floor else []
 
 
 def _dcp_steps(parent: Path) -> list[int]:
@@ -235,6 +243,6 @@ def _fork_dcp(parent: Path, step: int, into: Path, sets: Sequence[str]) -> dict[
         raise IntegrityError(f"the forked .dcp generation does not verify: {check.reason}", file=dst)
     world = gen.world_size or 1
     return {"into": str(into), "step": step, "dcp_marker_sha256": marker_sha, "overrides": list(sets),
-            "world_size": world,
+            "world_size": world, "warnings": _warnings(cfg, step),
             "command": f"python -m ripresa.torchrun --standalone --nproc_per_node={world} -m -- ripresa train "
                        f"--run {into} --shard fsdp  (or: ripresa train --run {into}, one process)"}

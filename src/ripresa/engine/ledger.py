@@ -2,7 +2,7 @@
 
 ``ripresa generate RUN --inputs FILE --out OUT.jsonl [--step N]`` completes
 every prompt of ``FILE`` (one per line) with the GPT of one generation of a
-run folder. It is the third kind of save (README.md: "Pictures, comparisons,
+run folder. It is the third kind of save (docs/ENGINE.md: "Pictures, comparisons,
 bundles, batch inference") — neither a resume checkpoint nor an inference
 export: what must survive a crash is *which items are already done*, so that
 a restarted job neither skips nor repeats one. The output file is the ledger
@@ -720,14 +720,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ripresa.engine.ledger RUN --inputs FILE --out OUT.jsonl [--step N] ...``; returns the exit code."""
     p = argparse.ArgumentParser(prog="ripresa generate",
                                 description="Complete a file of prompts, one per line, into a crash-safe JSONL ledger.")
-    p.add_argument("run", type=Path)
-    p.add_argument("--inputs", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--step", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=_top_k, default=40, help="an integer, or none")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("run", type=Path, help="a run folder made by ripresa train (config.json + generations)")
+    p.add_argument("--inputs", type=Path, required=True, metavar="FILE",
+                   help="the prompts, one per line (UTF-8); the line number is the item's id")
+    p.add_argument("--out", type=Path, required=True, metavar="OUT.jsonl",
+                   help="the ledger: one line per completed item, appended and fsync'd; run the same command again "
+                        "after a kill and it continues (OUT.meta.json beside it binds it to the step and the inputs)")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="the generation whose weights complete the prompts (default: the newest valid one; hash-verified)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="bytes generated per prompt (default 32)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
+    p.add_argument("--top-k", type=_top_k, default=40, help="sample among the k likeliest bytes: an integer, or none")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     # testing knobs: slow each item down, and log each generation (before it is recorded)

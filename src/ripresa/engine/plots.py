@@ -8,7 +8,7 @@ their order. Two pictures:
   EMA (bold), thin marks at checkpoints, labelled marks at resume / signal /
   pivot / fork / zombie-arm events (and failed checkpoints, fresh bandits), and
   a second panel with the rolling share of each data-mixture arm;
-* :func:`compare_runs` — the audit fork (README): two or more runs compared
+* :func:`compare_runs` — the audit fork (docs/ENGINE.md, "Pivot and fork"): two or more runs compared
   from the fork point (or their largest common first step): final loss, EMA
   at the last common step, best loss, and which converges lower. The PNG
   overlays the EMA curves (raw loss faint).
@@ -590,6 +590,36 @@ def plot_run(run_dir: Path, png: Path | None = None) -> Path:
 # ---- ripresa compare ------------------------------------------------------------------------------
 
 
+#: ``compare`` names a winner only when the EMA gap is at least this many times the EMAs' noise.
+CONFIDENT_GAP = 2.0
+
+
+def noise_window(alpha: float) -> int:
+    """Steps over which ``compare`` measures the loss's spread: the EMA's memory, ``1/(1-alpha)``, at least 10."""
+    return max(10, round(1.0 / (1.0 - alpha)))
+
+
+def _ema_noise(losses: Any, alpha: float, window: int) -> float | None:
+    """The standard deviation of an EMA's value due to the step-to-step noise of the loss.
+
+    The spread of the raw loss over the last ``window`` finite steps, around
+    a straight line fitted to them (the trend is not noise), scaled by
+    ``sqrt((1 - alpha) / (1 + alpha))`` — the standard deviation of an EMA of
+    independent noise of unit spread. ``None`` with fewer than 3 steps.
+    """
+    import numpy as np
+
+    tail = losses[-window:]
+    tail = tail[np.isfinite(tail)]
+    if len(tail) < 3:
+        return None
+    x = np.arange(len(tail), dtype=np.float64)
+    slope, icept = np.polyfit(x, tail, 1)
+    resid = tail - (slope * x + icept)
+    spread = float(np.sqrt(np.sum(resid * resid) / (len(tail) - 2)))
+    return spread * math.sqrt((1.0 - alpha) / (1.0 + alpha))
+
+
 def compare_runs(runs: Sequence[Path], png: Path | None = None, *, ema: float = EMA_ALPHA) -> dict:
     """Compare runs from their fork point; say which converges lower.
 
@@ -599,8 +629,13 @@ def compare_runs(runs: Sequence[Path], png: Path | None = None, *, ema: float = 
     has logged (``last_common_step``). Per run: ``final_loss`` (raw loss at
     that step), ``ema_loss`` (EMA there), ``best_loss``/``best_step`` (lowest
     loss in the compared range), ``steps`` compared, the run's own
-    ``last_step`` and ``last_loss``. ``winner``: the run with the lowest
-    finite EMA (``None`` when none is finite). JSON-able.
+    ``last_step`` and ``last_loss``, ``ema_noise`` (:func:`_ema_noise`).
+    ``winner``: the run with the lowest finite EMA (``None`` when none is
+    finite). How sure that is: ``noise`` (the two lowest EMAs' noises
+    combined), ``gap_over_noise`` (``margin / noise``) and ``within_noise``
+    (the gap is under :data:`CONFIDENT_GAP` times the noise: the verdict does
+    not name a winner). The noise is that of one run per side; the spread
+    between seeds is not measured. JSON-able.
     """
     if len(runs) < 2:
         raise BadInput("compare needs at least two runs", expected="RUN_A RUN_B [...]", found=[str(r) for r in runs])
@@ -629,6 +664,7 @@ def compare_runs(runs: Sequence[Path], png: Path | None = None, *, ema: float = 
 
     rows: list[dict[str, Any]] = []
     curves: list[tuple[list[int], list[float], list[float]]] = []
+    window = noise_window(ema)
     for name, r, fork in zip(names, loaded, forks, strict=True):
         i0 = bisect.bisect_left(r.steps, from_step)  # steps are sorted, one per step
         st, ls = r.steps[i0:], r.losses[i0:]
@@ -650,6 +686,8 @@ def compare_runs(runs: Sequence[Path], png: Path | None = None, *, ema: float = 
         })
         _, idx = _drawn(len(st))  # drawn every k-th step at most MAX_DRAWN_POINTS per curve
         curves.append(([st[i] for i in idx], [ls[i] for i in idx], [em[i] for i in idx]))
+        row = rows[-1]
+        row["ema_noise"] = _json_float(_ema_noise(np.asarray(ls[: at + 1], dtype=np.float64), ema, window))
     ranked = sorted((row for row in rows if row["ema_loss"] is not None), key=lambda row: row["ema_loss"])
     margin = ranked[1]["ema_loss"] - ranked[0]["ema_loss"] if len(ranked) > 1 else None
     tie = margin == 0.0  # identical EMAs: neither converges lower
@@ -657,10 +695,17 @@ def compare_runs(runs: Sequence[Path], png: Path | None = None, *, ema: float = 
     for row in rows:
         row["winner"] = row["run"] == winner
         row["ema_gap"] = (row["ema_loss"] - ranked[0]["ema_loss"]) if ranked and row["ema_loss"] is not None else None
+    # How sure: the gap between the two lowest EMAs against the noise of those two EMAs (docs/ENGINE.md, "compare").
+    noises = [row["ema_noise"] for row in ranked[:2]]
+    noise = math.sqrt(sum(x * x for x in noises)) if len(noises) == 2 and None not in noises else None
+    ratio = (margin / noise if noise else math.inf) if margin is not None and noise is not None else None
     result: dict[str, Any] = {
         "runs": rows, "winner": winner, "tie": tie, "margin": margin, "from_step": from_step,
         "forked": any(f is not None for f in forks), "last_common_step": last_common, "common_steps": n_common,
         "ema_alpha": float(ema), "png": None,
+        "noise": _json_float(noise) if noise is not None else None, "noise_window": window,
+        "gap_over_noise": _json_float(ratio) if ratio is not None and math.isfinite(ratio) else None,
+        "within_noise": None if ratio is None or tie else bool(ratio < CONFIDENT_GAP),
     }
     if png is not None:
         result["png"] = str(_draw_comparison(result, curves, Path(png)))
@@ -679,7 +724,7 @@ def _draw_comparison(result: dict[str, Any], curves: list[tuple[list[int], list[
         colour = RUN_COLOURS[i % len(RUN_COLOURS)]
         ax.plot(st, ls, color=colour, lw=0.8, alpha=0.22, zorder=2)
         ema_txt = f"{row['ema_loss']:.4f}" if row["ema_loss"] is not None else "n/a"
-        tag = "  ◀ lower" if row["winner"] else ""
+        tag = "  ◀ lower" if row["winner"] and not result.get("within_noise") else ""
         ax.plot(st, em, color=colour, lw=2.4, zorder=3, label=f"{row['run']}: EMA {ema_txt}{tag}")
         all_raw += ls
         all_ema += em
@@ -694,15 +739,18 @@ def _draw_comparison(result: dict[str, Any], curves: list[tuple[list[int], list[
     ax.grid(True, color="#ececec", lw=0.6)
     ax.legend(loc="upper right", fontsize=9.5, framealpha=0.9)
     names = " vs ".join(row["run"] for row in result["runs"])
-    verdict = (f"{result['winner']} converges lower" if result["winner"] is not None
+    verdict = ("within noise" if result.get("within_noise")
+               else f"{result['winner']} converges lower" if result["winner"] is not None
                else "a tie" if result.get("tie") else "no finite EMA to compare")
     fig.suptitle(f"{names} — {what}, EMA at step {last_common}: {verdict}", fontsize=13, fontweight="bold")
     return _save_png(fig, Canvas, out)
 
 
 def render_comparison(result: dict[str, Any], console: Any) -> None:
-    """Print :func:`compare_runs`'s result as a rich table and a one-line verdict."""
+    """Print :func:`compare_runs`'s result as a rich table and a one-line verdict (how sure, before a winner)."""
     from rich.table import Table
+
+    from ..text import escape_markup
 
     def num(x: float | None) -> str:
         return "—" if x is None else f"{x:.4f}"
@@ -718,7 +766,7 @@ def render_comparison(result: dict[str, Any], console: Any) -> None:
     for row in result["runs"]:
         gap = row.get("ema_gap")
         best = f"{num(row['best_loss'])} ({row['best_step']})" if row["best_step"] is not None else "—"
-        name = f"[bold green]{row['run']} ★[/]" if row.get("winner") else row["run"]
+        name = f"[bold green]{row['run']} ★[/]" if row.get("winner") and not result.get("within_noise") else row["run"]
         table.add_row(name, str(row["steps"]), f"{row['first_step']}–{row['last_step']}", num(row["final_loss"]),
                       num(row["ema_loss"]), "—" if gap is None else f"+{gap:.4f}", best, num(row["last_loss"]))
     console.print(table)
@@ -727,8 +775,23 @@ def render_comparison(result: dict[str, Any], console: Any) -> None:
     elif result["winner"] is None:
         console.print("[yellow]no run has a finite EMA loss: nothing converges[/]")
     else:
-        margin = result.get("margin")
-        by = f" by {margin:.4f}" if margin is not None else ""
-        console.print(f"[bold]{result['winner']}[/] converges lower (EMA at step {result['last_common_step']}{by})")
+        margin, noise, window = result.get("margin"), result.get("noise"), result.get("noise_window")
+        if margin is None:
+            console.print(f"[bold]{result['winner']}[/] is the only run with a finite EMA loss")
+        elif result.get("within_noise") is None:
+            console.print(f"[bold]{result['winner']}[/] has the lower EMA at step {result['last_common_step']} "
+                          f"(by {margin:.4f}); too few steps to measure the noise: no confidence given")
+        elif result["within_noise"]:
+            console.print(f"[yellow]within noise:[/] {escape_markup(result['winner'])}'s EMA at step "
+                          f"{result['last_common_step']} is lower by {margin:.4f}, but the EMAs' noise is ±{noise:.4f} "
+                          f"(the loss's spread over the last {window} steps): a gap under {CONFIDENT_GAP:g}× the "
+                          "noise names no winner. Train longer, or repeat each side with other seeds "
+                          "(--set train.seed=N) and compare again")
+        else:
+            ratio = result.get("gap_over_noise")
+            times = f"{ratio:.1f}× " if ratio is not None else "far above "
+            console.print(f"[bold]{escape_markup(result['winner'])}[/] converges lower (EMA at step "
+                          f"{result['last_common_step']} by {margin:.4f}, {times}the EMAs' noise ±{noise:.4f} over the "
+                          f"last {window} steps; one run per side: the spread between seeds is not measured)")
     if result.get("png"):
         console.print(f"plot: {result['png']}")

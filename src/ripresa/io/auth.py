@@ -6,7 +6,7 @@ generation gets a ``.hmac`` line whose MAC binds the step, the file names and
 their sha256s, so an edited, renamed or re-paired generation fails; with
 ``require_signature`` an unsigned or mis-signed one is invalid. Formats of the
 line and of the signed message: docs/FORMAT.md ("Commit marker", "Signature
-step_NNNNNN.dcp.hmac"); threat model: README "Authenticated checkpoints" and
+step_NNNNNN.dcp.hmac"); threat model: docs/OPERATIONS.md "Authenticated checkpoints" and
 docs/FAULTS.md.
 """
 

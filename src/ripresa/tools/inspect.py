@@ -24,9 +24,12 @@ from .inspect_pt import inspect_pt, render_pt
 from .inspect_run import inspect_run, render_run
 from .report import SCHEMA, SCHEMA_VERSION, STAT_BLOCK, Stats, error_report
 
+#: What `inspect` reads (its error messages say so).
+INSPECTABLE = "a .bin, a .safetensors file, a checkpoint.pt, a step_NNNNNN.dcp folder or a run folder"
+
 
 def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = True) -> dict[str, Any]:
-    """Inspect a ``.bin``, a ``checkpoint.pt`` or a run folder; return the report.
+    """Inspect a ``.bin``, a ``.safetensors``, a ``checkpoint.pt``, a ``.dcp`` folder or a run folder; return the report.
 
     The report is JSON-able (see the module docstring for its keys) and
     carries its ``exit_code``. Raises :class:`~ripresa.errors.BadInput`
@@ -39,7 +42,7 @@ def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = T
         raise BadInput(
             "nothing to inspect: the path does not exist",
             file=p,
-            expected="a .bin, a checkpoint.pt or a run folder",
+            expected=INSPECTABLE,
             found="nothing at this path" if not os.path.lexists(p) else "a dangling symlink",
             hint="check the path",
         ) from None
@@ -66,7 +69,7 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
         raise BadInput(
             "cannot inspect a special file",
             file=p,
-            expected="a .bin, a checkpoint.pt or a run folder",
+            expected=INSPECTABLE,
             found="a FIFO, socket or device",
             hint="ripresa never reads from special files",
         )
@@ -80,7 +83,7 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
     raise BadInput(
         "unknown kind of file",
         file=p,
-        expected="an ANDREA .bin, a .safetensors file, a checkpoint.pt (torch zip archive) or a run folder",
+        expected="an ANDREA .bin, a .safetensors file, a checkpoint.pt (torch zip archive), a step_NNNNNN.dcp folder or a run folder",
         found=f"a file named '{p.name}'",
         hint="for a generation's .json or .sha256, inspect its .bin or the run folder",
     )

@@ -10,6 +10,7 @@ then validation (the model shape, the mixture policy against the arms).
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 import tomllib
@@ -28,9 +29,18 @@ MAX_STEPS = {"tiny": 2000, "andrea-12m": 200_000, "andrea-120m": 200_000}
 DEFAULT_PROMPTS = ["def ", "The ", "import ", "class Simple"]
 
 
+def did_you_mean(word: str, choices: Sequence[str]) -> str | None:
+    """``"did you mean 'x'?"`` for the nearest valid names of a typo (difflib), or None when none is near."""
+    near = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
+    if not near:
+        return None
+    return "did you mean " + " or ".join(repr(n) for n in near) + "?"
+
+
 def named_config(name: str) -> dict[str, Any]:
     if name not in CONFIGS:
-        raise BadInput("unknown config", expected=sorted(CONFIGS) + ["FILE.toml"], found=name)
+        raise BadInput("unknown config", expected=sorted(CONFIGS) + ["FILE.toml"], found=name,
+                       hint=did_you_mean(name, sorted(CONFIGS)))
     train = TRAIN_DEFAULTS[name].to_dict()
     train.update({"max_steps": MAX_STEPS[name], "seed": 1337, "every": 100})
     return {
@@ -100,15 +110,30 @@ def apply_sets(cfg: dict[str, Any], sets: Sequence[str]) -> dict[str, Any]:
             value = text
         node = cfg
         parts = key.split(".")
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             if not isinstance(node.get(p), dict):
-                raise BadInput("--set names an unknown section", expected=sorted(k for k, v in node.items() if isinstance(v, dict)),
-                               found=key, hint="e.g. --set train.lr=1e-3 or --set model.n_layer=4")
+                sections = sorted(k for k, v in node.items() if isinstance(v, dict))
+                near = did_you_mean(".".join([*parts[:i], p]), [".".join([*parts[:i], s]) for s in sections])
+                raise BadInput("--set names an unknown section", expected=sections, found=key,
+                               hint=near or "e.g. --set train.lr=1e-3 or --set model.n_layer=4")
             node = node[p]
         if parts[-1] not in node and parts[0] not in ("mixture",):
-            raise BadInput("--set names an unknown key", expected=sorted(node), found=key)
+            prefix = ".".join(parts[:-1])
+            names = [f"{prefix}.{k}" if prefix else k for k in node]
+            if not prefix:  # a key without its section (--set lr=...): every section's keys too
+                names += [f"{sec}.{k}" for sec, v in cfg.items() if isinstance(v, dict) for k in v]
+            raise BadInput("--set names an unknown key", expected=sorted(node), found=key,
+                           hint=_nearest_key(key, names))
         node[parts[-1]] = value
     return cfg
+
+
+def _nearest_key(key: str, names: Sequence[str]) -> str | None:
+    """The nearest valid ``section.key`` names of a typo, matched on the key's last part."""
+    leaf = key.rpartition(".")[2]
+    leaves = difflib.get_close_matches(leaf, sorted({n.rpartition(".")[2] for n in names}), n=3, cutoff=0.7)
+    hits = sorted((n for n in names if n.rpartition(".")[2] in leaves), key=lambda n: leaves.index(n.rpartition(".")[2]))
+    return "did you mean " + " or ".join(repr(n) for n in hits[:3]) + "?" if hits else None
 
 
 def resolve_config(config: str | None, sets: Sequence[str], run_dir: Path | None, extra_sources: Sequence[str] = ()) -> dict[str, Any]:
@@ -120,6 +145,12 @@ def resolve_config(config: str | None, sets: Sequence[str], run_dir: Path | None
         cfg = named_config("tiny")
     elif config in CONFIGS:
         cfg = named_config(config)
+    elif not os.path.lexists(config):  # neither a preset nor a file: name the presets (and the nearest one)
+        near = did_you_mean(config, sorted(CONFIGS))
+        raise BadInput("unknown config: neither a preset nor a file", file=config,
+                       expected=f"a preset ({', '.join(sorted(CONFIGS))}) or a .toml/.json file",
+                       found="no preset of this name, no file at this path",
+                       hint=near or "a preset's name, or the path of a config file (docs/ENGINE.md)")
     else:  # a file the user names (a link to it is the user's choice): resolved; a run's own config.json is not
         cfg = load_config_file(Path(config).resolve())
     cfg = apply_sets(cfg, sets)
@@ -165,3 +196,8 @@ def validate(cfg: dict[str, Any]) -> None:
             raise BadInput(f"train.{key} must be a non-negative number", found=repr(t.get(key)))
     if not cfg["data"].get("sources"):
         raise BadInput("config names no data source", expected="data.sources = [...]")
+    from ..mixture import MixturePolicy
+
+    # caps and floors name arms of this config (a fork's --set is refused here, not at the fork's first start)
+    arms = [str(spec).partition("=")[0] for spec in cfg["data"]["sources"]]
+    MixturePolicy.from_dict({k: v for k, v in cfg["mixture"].items() if k in ("floors", "caps")}).validate(arms)

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -132,6 +133,24 @@ def lr_at(step: int, t: dict[str, Any]) -> float:
         return lr * (step + 1) / warm
     frac = min(1.0, (step - warm) / max(1, total - warm))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (lr - min_lr)
+
+
+def lr_floor_warning(t: dict[str, Any], step: int = 0) -> str | None:
+    """The warning for a ``train.lr`` below the schedule's floor ``train.min_lr`` (None when it is not).
+
+    :func:`lr_at` decays from ``lr`` to ``min_lr``: with ``lr < min_lr`` that
+    "decay" *raises* the learning rate, which nobody asking for a lower one
+    means (docs/ENGINE.md, "The learning-rate schedule"). Said once when a
+    process starts (``train``) or a fork writes its config (``fork``).
+    """
+    lr, floor = float(t["lr"]), float(t["min_lr"])
+    if not lr < floor:
+        return None
+    now, end = lr_at(step, t), lr_at(max(step, int(t["max_steps"])), t)
+    return (f"train.lr={lr:g} is below the schedule's floor train.min_lr={floor:g}: the cosine schedule goes from "
+            f"lr to min_lr, so the learning rate rises ({now:.3g} at step {step}, {end:.3g} at step "
+            f"{max(step, int(t['max_steps']))}) instead of decaying; to decay from {lr:g}, also lower the floor, "
+            f"e.g. --set train.min_lr={lr / 10:g}")
 
 
 class MixtureSlot:
@@ -478,6 +497,10 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         if start:
             origin = ckpt.resumed_from
             say(f"resumed {run_dir} at step {start} ({_gen_name(origin) if origin else args.resume})")
+        floor_warning = lr_floor_warning(t, start)
+        if floor_warning is not None and rank == 0:  # once per start, on the console and in the history
+            print(f"ripresa train: warning: {floor_warning}", file=sys.stderr, flush=True)
+            ckpt.history.event("lr_below_floor", step=start, lr=float(t["lr"]), min_lr=float(t["min_lr"]))
         n_params = sum(p.numel() for p in model.parameters())
         # --run: --steps is the run's end step; --output (the verify contract): this process's steps.
         if args.steps is None:
@@ -596,7 +619,8 @@ def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, 
     model = forward if model is None else model
     dist_ctx = ckpt.dist
     world = dist_ctx.world_size if dist_ctx is not None else 1
-    tokens_per_step = t["batch_size"] * sampler.block_size * world
+    samples_per_step = t["batch_size"] * world  # crops of block_size bytes: the global batch (docs/ENGINE.md)
+    tokens_per_step = samples_per_step * sampler.block_size
     columns = [TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                TextColumn("{task.fields[rate]} steps/s"), TextColumn("next ckpt {task.fields[next]}"), TimeElapsedColumn()]
     if ckpt.deadline is not None:  # the time left to the planned stop (docs/CADENCE.md, "Deadline")
@@ -633,7 +657,8 @@ def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, 
             mixture.update(arm, loss_value)
             if traj is not None:
                 traj.step(step, rows=offsets, lr=lr, loss=loss_value, arm=arm)
-            stop = ckpt.step_done(step, loss=loss_value, lr=lr, arm=arm, tokens=tokens_per_step)
+            stop = ckpt.step_done(step, loss=loss_value, lr=lr, arm=arm, tokens=tokens_per_step,
+                                  samples=samples_per_step)
             now = time.perf_counter()
             if now - last_t >= 0.5 or stop or step == goal:
                 rate = (step - last_step) / (now - last_t) if now > last_t else 0.0

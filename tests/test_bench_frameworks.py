@@ -57,6 +57,13 @@ def test_tensor_and_log_comparisons_are_bitwise(tmp_path):
     quoted = tmp_path / "quoted.py"
     quoted.write_text('"""Lines marked ``# ripresa: the one line``."""\n# ripresa: the one line\nx = 1  # ripresa: the one line\n')
     assert bench.lines_added(quoted) == 1
+    # an accelerate loop has no callbacks: its added lines are marked `# ripresa`; imports are not counted
+    quoted.write_text('"""Marked ``# ripresa``."""\nimport ripresa  # ripresa\nfrom x import y  # ripresa: the one line\n'
+                      's = ripresa.TrainingState(m,  # ripresa\n    data=d)  # ripresa\nk = "# ripresa"\n'
+                      'k.close()  # ripresa\nk.save()  # ripresas\n')
+    assert bench.lines_added(quoted) == 3
+    assert [bench.lines_added(REPO / "examples" / f / "train.py") for f in ("lightning", "hf_trainer", "accelerate")] \
+        == [1, 1, 7]
 
 
 @pytest.mark.slow

@@ -13,7 +13,10 @@ augmentation in ``__getitem__`` (torch, ``random``, NumPy), ``shuffle=True``,
 2 workers, dropout, AdamW and a linear schedule with warmup.
 
 ``RIPRESA_EXAMPLE_KILL_AFTER=S`` SIGKILLs the process right after optimizer
-step S completed (its checkpoint, if one was due, taken). No download.
+step S completed (its checkpoint, if one was due, taken);
+``RIPRESA_EXAMPLE_LOADER_AS_IS=1`` (with ``--mode ripresa``) leaves the loader
+out of the ``TrainingState`` (not made exact, its position and random draws not
+captured: a resume that is not exact, the negative case). No download.
 """
 
 from __future__ import annotations
@@ -83,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode == "ripresa":
         import ripresa  # ripresa
 
-        state = ripresa.TrainingState(model, optimizer, scheduler, data=ripresa.make_exact(loader),  # ripresa
-                                      objects={"log": ripresa.ScriptState(log=log)})  # ripresa
+        if os.environ.get("RIPRESA_EXAMPLE_LOADER_AS_IS") == "1":  # the negative case: the loader left out
+            state = ripresa.TrainingState(model, optimizer, scheduler, objects={"log": ripresa.ScriptState(log=log)})
+        else:
+            state = ripresa.TrainingState(model, optimizer, scheduler, data=ripresa.make_exact(loader),  # ripresa
+                                          objects={"log": ripresa.ScriptState(log=log)})  # ripresa
         ckpt = ripresa.Checkpointer(a.run, state, every=a.every)  # ripresa
         step = ckpt.resume()  # ripresa
-        log = state.objects["log"].log
+        log = state.objects["log"].log  # ripresa
     elif a.mode == "native":
         ckpt_dir = os.path.join(a.run, "accelerate_state")
         if os.path.isdir(ckpt_dir):

@@ -145,3 +145,45 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+
+
+# ------------------------------------------------------------------- shared fixtures (tests/README.md)
+
+
+@pytest.fixture
+def tiny():
+    """The shared tiny state (tests/support/tiny.py): ``nn.Linear(4, 3)``, AdamW, StepLR, seed 0."""
+    from support.tiny import tiny_state
+
+    return tiny_state(scheduler=(2, 0.5), config={"tiny": True})
+
+
+@pytest.fixture
+def clean_fault_ops():
+    """No fault hook, recorder or byte budget before and after the test (tests/faults/common.py: ``reset_ops``).
+    Use it with ``pytestmark = pytest.mark.usefixtures("clean_fault_ops")``."""
+    from faults.common import reset_ops
+
+    reset_ops()
+    yield
+    reset_ops()
+
+
+@pytest.fixture
+def no_hmac_env(monkeypatch):
+    """No HMAC key, key file or signature requirement in the environment (docs/FORMAT.md, signing)."""
+    from ripresa.io import auth
+
+    for var in (auth.ENV_KEY, auth.ENV_KEY_FILE, auth.ENV_REQUIRE):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: tiny models run fastest so; two OpenMP threads on a busy 2-core box spin."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

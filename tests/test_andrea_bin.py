@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.helpers import rchar
 
 from ripresa.errors import BadInput, IntegrityError, RipresaError, SaveFailed, SchemaError
 from ripresa.formats import andrea_bin as ab
@@ -183,13 +184,6 @@ def test_sidecar_passes_real_sha256sum_and_detects_damage(tmp_path):
     assert ei.value.exit_code == 1 and "sha256" in ei.value.message
 
 
-def _rchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError("no rchar in /proc/self/io")
-
-
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
 def test_read_with_hash_reads_the_file_once_and_detects_a_flipped_byte(tmp_path):
     """read_bin(expected_sha256=...) reads each byte once: hashing rides on the data read."""
@@ -200,17 +194,17 @@ def test_read_with_hash_reads_the_file_once_and_detects_a_flipped_byte(tmp_path)
     digest = save_bin(path, 9, w, m, v)
     size = path.stat().st_size
     assert size == 8 + 12 * n
-    before = _rchar()
+    before = rchar()
     c = read_bin(path, expected_n=n, expected_sha256=digest.sha256)
-    read = _rchar() - before
+    read = rchar() - before
     assert size <= read < 1.2 * size, f"read {read} bytes for a {size}-byte file"
     assert c.digest == digest
     for a, b in ((c.weights, w), (c.m, m), (c.v, v)):
         np.testing.assert_array_equal(a, b)
     # mmap: hashing the mapped memory reads nothing through read(2)
-    before = _rchar()
+    before = rchar()
     cm = read_bin(path, expected_sha256=digest.sha256, mmap=True)
-    assert _rchar() - before < 0.2 * size and cm.digest == digest
+    assert rchar() - before < 0.2 * size and cm.digest == digest
     np.testing.assert_array_equal(cm.v, v)
     del cm
     # one flipped bit in each region (and in the last byte) is still caught, both ways

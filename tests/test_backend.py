@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.tiny import tiny_state
 
 import ripresa
 from ripresa.core.state import TrainingState
@@ -42,10 +43,7 @@ def _arrays(n: int) -> BinArrays:
 
 
 def _toy() -> TrainingState:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return TrainingState(model=model, optimizer=opt, config={"toy": True})
+    return tiny_state(config={"toy": True})  # tests/support/tiny.py
 
 
 def _train(state: TrainingState) -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import ripresa_cli
 from support.ripresa_faults import install_delay_hook
+from support.tiny import tiny_state
 
 import ripresa
 from ripresa.cli import main as cli_main
@@ -134,9 +135,8 @@ def test_deadline_plan_reserves_save_upload_export_and_a_reported_margin():
 
 
 def _tiny_state():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    return model, ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    state = tiny_state((8, 8))  # tests/support/tiny.py
+    return state.model, state
 
 
 def test_checkpointer_refuses_bad_cadence_and_deadline_arguments_before_locking(tmp_path):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.helpers import rebless_dcp
 
 import ripresa
 from ripresa.cli import main as cli_main
@@ -39,10 +40,7 @@ from ripresa.store.store import CheckpointWarning
 KEY = b"ripresa-dcp-hostile-test-key-32b"
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in (auth.ENV_KEY, auth.ENV_KEY_FILE, auth.ENV_REQUIRE):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_hmac_env")  # tests/conftest.py
 
 
 class _Payload:
@@ -79,18 +77,6 @@ def _dcp_generation(folder: Path, step: int, *, key: bytes | None = None, state=
     return gen
 
 
-def _rebless(folder: Path, step: int, *, companion: dict | None = None) -> None:
-    """What an attacker without the key can do: make the companion's sizes and the marker match again."""
-    d, mk = dcp_fmt.dcp_paths(folder, step)
-    comp = d / dcp_fmt.COMPANION_NAME
-    doc = companion if companion is not None else json.loads(comp.read_bytes())
-    if isinstance(doc, dict) and isinstance(doc.get("files"), dict):
-        doc["files"] = {n: (d / n).stat().st_size for n in sorted(os.listdir(d)) if n != dcp_fmt.COMPANION_NAME}
-    comp.write_bytes(json.dumps(doc).encode())
-    lines = [f"{hashlib.sha256((d / n).read_bytes()).hexdigest()}  {d.name}/{n}\n" for n in sorted(os.listdir(d))]
-    mk.write_text("".join(lines))
-
-
 def _load_checked(model, opt, path: Path) -> None:
     """What every loader does: a (shallow) check records the marker's hashes, then exactly those bytes load."""
     step = dcp_fmt.parse_dcp_name(path.name)
@@ -103,7 +89,7 @@ def _load_checked(model, opt, path: Path) -> None:
 def _plant_payload(folder: Path, step: int, marker: Path) -> None:
     d, _ = dcp_fmt.dcp_paths(folder, step)
     (d / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    _rebless(folder, step)
+    rebless_dcp(folder, step)
 
 
 # ---------------------------------------------------------------- class 1: no unpickling of untrusted bytes
@@ -206,7 +192,7 @@ def test_shard_items_load_with_weights_only(tmp_path):
         f.write(evil)
     info.offset, info.length = offset, len(evil)
     (gen.path / ".metadata").write_bytes(pickle.dumps(md))
-    _rebless(tmp_path / "run", 5)
+    rebless_dcp(tmp_path / "run", 5)
     assert dcp_fmt.check_dcp(tmp_path / "run", 5, deep=True).valid  # the metadata itself is well-formed
     model, opt = _toy()
     with pytest.raises(IntegrityError) as err:
@@ -225,7 +211,7 @@ def test_metadata_that_points_outside_its_shards_is_refused(tmp_path, edit, foun
     md = dcp_safe.read_metadata(gen.path)
     edit(next(iter(md.storage_data.values())))
     (gen.path / ".metadata").write_bytes(pickle.dumps(md))
-    _rebless(tmp_path / "run", 5)
+    rebless_dcp(tmp_path / "run", 5)
     g = dcp_fmt.check_dcp(tmp_path / "run", 5, deep=True)
     assert not g.valid and found in g.reason
     model, opt = _toy()
@@ -261,7 +247,7 @@ def test_dcp_generations_are_signed_and_checked(tmp_path, monkeypatch):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
-    _rebless(run, 5)
+    rebless_dcp(run, 5)
     assert dcp_fmt.check_dcp(run, 5, deep=True).valid is True  # sha256 alone: the attacker wins
     tampered = dcp_fmt.check_dcp(run, 5, deep=True, require_signature=True, hmac_key=KEY)
     assert not tampered.valid and "signature does not match" in tampered.reason
@@ -339,7 +325,7 @@ def test_hostile_companion_fields_are_integrity_errors(tmp_path, mutate, reason)
         mk.write_text("".join(f"{hashlib.sha256((d / n).read_bytes()).hexdigest()}  {d.name}/{n}\n"
                               for n in sorted(os.listdir(d))))
     else:
-        _rebless(run, 5, companion=doc)
+        rebless_dcp(run, 5, companion=doc)
     g = dcp_fmt.check_dcp(run, 5, deep=True)
     assert not g.valid and reason in g.reason, g.reason
 

@@ -33,8 +33,9 @@ from faults.common import (
     companion_for,
     latest_valid_quietly,
     quiet_store,
-    reset_ops,
 )
+from support.helpers import sha256_file
+from support.tiny import mlp_state
 
 import ripresa
 from ripresa.cli import main as cli_main
@@ -47,13 +48,7 @@ N = 500
 OTHER_KEY = b"another-key-that-is-long-enough!"
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    reset_ops()
-    for var in (auth.ENV_KEY, auth.ENV_KEY_FILE, auth.ENV_REQUIRE):
-        monkeypatch.delenv(var, raising=False)
-    yield
-    reset_ops()
+pytestmark = pytest.mark.usefixtures("clean_fault_ops", "no_hmac_env")  # tests/conftest.py
 
 
 def _signed_run(folder: Path, steps=(1, 2), key: bytes = KEY) -> Path:
@@ -63,14 +58,10 @@ def _signed_run(folder: Path, steps=(1, 2), key: bytes = KEY) -> Path:
     return folder
 
 
-def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
 def _remark(folder: Path, step: int) -> None:
     """What an attacker without the key can do: make the sha256 marker match again."""
     b, c, mk = generation_paths(folder, step)
-    mk.write_text(f"{_sha(b)}  {b.name}\n{_sha(c)}  {c.name}\n")
+    mk.write_text(f"{sha256_file(b)}  {b.name}\n{sha256_file(c)}  {c.name}\n")
 
 
 def _companion_points_at_bin(folder: Path, step: int) -> None:
@@ -78,7 +69,7 @@ def _companion_points_at_bin(folder: Path, step: int) -> None:
 
     b, c, _ = generation_paths(folder, step)
     doc = json.loads(c.read_bytes())
-    doc["bin"]["sha256"] = _sha(b)
+    doc["bin"]["sha256"] = sha256_file(b)
     c.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
 
 
@@ -130,7 +121,7 @@ def _sign_with_guessed_key(folder):
     """The attacker signs a tampered .bin with a key of their own, keeping our key id."""
     _tamper_bin(folder)
     b, c, _ = generation_paths(folder, 2)
-    line = auth.signature_line(b"guessed-key-guessed-key-guessed!", 2, b.name, _sha(b), c.name, _sha(c)).decode()
+    line = auth.signature_line(b"guessed-key-guessed-key-guessed!", 2, b.name, sha256_file(b), c.name, sha256_file(c)).decode()
     kid = auth.key_id(KEY)
     sig = folder / "step_000002.bin.hmac"
     sig.write_text(line.replace(line.split("key=")[1][:16], kid))
@@ -163,7 +154,7 @@ def _replay_into_another_step(folder):
     for suffix in (".bin", ".json", ".bin.hmac"):
         shutil.copy(folder / f"step_000002{suffix}", folder / f"step_000003{suffix}")
     b, c, mk = generation_paths(folder, 3)
-    mk.write_text(f"{_sha(b)}  {b.name}\n{_sha(c)}  {c.name}\n")
+    mk.write_text(f"{sha256_file(b)}  {b.name}\n{sha256_file(c)}  {c.name}\n")
 
 
 ATTACKS = {
@@ -218,7 +209,7 @@ def test_what_the_signature_does_not_protect(tmp_path):
     thief = _signed_run(tmp_path / "thief")
     _tamper_bin(thief)
     b, c, _ = generation_paths(thief, 2)
-    (thief / "step_000002.bin.hmac").write_bytes(auth.signature_line(KEY, 2, b.name, _sha(b), c.name, _sha(c)))
+    (thief / "step_000002.bin.hmac").write_bytes(auth.signature_line(KEY, 2, b.name, sha256_file(b), c.name, sha256_file(c)))
     assert latest_valid_quietly(quiet_store(thief, require_signature=True, hmac_key=KEY)).step == 2  # forged
     lax = _signed_run(tmp_path / "lax")
     _tamper_bin(lax)
@@ -229,7 +220,7 @@ def test_signature_format_and_constant_time_compare(tmp_path, monkeypatch):
     folder = _signed_run(tmp_path / "run")
     sig = (folder / "step_000002.bin.hmac").read_text()
     b, c, _ = generation_paths(folder, 2)
-    msg = auth.message(2, b.name, _sha(b), c.name, _sha(c))
+    msg = auth.message(2, b.name, sha256_file(b), c.name, sha256_file(c))
     assert sig == f"ripresa-hmac-sha256 v1 key={auth.key_id(KEY)} step=2 mac={hmac.new(KEY, msg, 'sha256').hexdigest()}\n"
     assert KEY.hex() not in sig and hashlib.sha256(KEY).hexdigest()[:16] not in sig
     calls = []
@@ -312,15 +303,8 @@ def test_cli_require_signature(tmp_path, monkeypatch, capsys):
     assert "needs the HMAC key" in capsys.readouterr().err
 
 
-def _toy():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return ripresa.TrainingState(model=model, optimizer=opt, config={"toy": True})
-
-
 def _train(run: Path, total: int) -> ripresa.Checkpointer:
-    state = _toy()
+    state = mlp_state(config={"toy": True})  # tests/support/tiny.py
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
     ck = ripresa.Checkpointer(run, state, every=5, asynchronous=False, handle_signals=False, format="andrea")
     start = ck.resume()
@@ -361,9 +345,9 @@ def _tamper_bin_at(folder: Path, step: int) -> None:
     data[-4:] = np.float32(3.0).tobytes()
     b.write_bytes(bytes(data))
     doc = json.loads(c.read_bytes())
-    doc["bin"]["sha256"] = _sha(b)
+    doc["bin"]["sha256"] = sha256_file(b)
     c.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
-    mk.write_text(f"{_sha(b)}  {b.name}\n{_sha(c)}  {c.name}\n")
+    mk.write_text(f"{sha256_file(b)}  {b.name}\n{sha256_file(c)}  {c.name}\n")
 
 
 @pytest.mark.slow

@@ -40,7 +40,6 @@ from faults.common import (
     in_child,
     pick,
     recover_and_check,
-    reset_ops,
     temporaries,
 )
 from support.ripresa_faults import fault_env
@@ -57,11 +56,7 @@ N = 20_000  # a 240 KB .bin: 59 pages of 4 KiB
 PAGE = 4096
 
 
-@pytest.fixture(autouse=True)
-def _clean_ops():
-    reset_ops()
-    yield
-    reset_ops()
+pytestmark = pytest.mark.usefixtures("clean_fault_ops")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -25,7 +25,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import socket
 import struct
 import tracemalloc
@@ -41,12 +40,12 @@ from faults.common import (
     companion_for,
     latest_valid_quietly,
     quiet_store,
-    reset_ops,
     same_tree,
     scale,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.helpers import must_not_block
 
 from ripresa.errors import IntegrityError, RipresaError, SchemaError
 from ripresa.formats import companion as companion_fmt
@@ -61,25 +60,7 @@ PWNED = "PWNED_BY_RIPRESA_FIXTURE"
 N = 300
 
 
-@pytest.fixture(autouse=True)
-def _clean_ops():
-    reset_ops()
-    yield
-    reset_ops()
-
-
-@contextlib.contextmanager
-def must_not_block(seconds: float = 10.0):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"blocked for more than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+pytestmark = pytest.mark.usefixtures("clean_fault_ops")  # tests/conftest.py
 
 
 def _two_generations(folder: Path, *, key: bytes | None = None) -> None:
@@ -99,7 +80,7 @@ def _generation_refuses(folder: Path, step: int, match: str, *, key: bytes | Non
     """Generation ``step`` is invalid (reason mentions ``match``), its load raises a RipresaError,
     and a resume falls back to the generation before it, bitwise intact."""
     store = quiet_store(folder, require_signature=key is not None, hmac_key=key)
-    with must_not_block():
+    with must_not_block(10):
         g = store.check(step, deep=True)
         if g.valid:
             return False, "accepted"
@@ -129,7 +110,7 @@ def test_hostile_bin_fixtures():
         path = HOSTILE / case["name"]
         tracemalloc.start()
         try:
-            with must_not_block():
+            with must_not_block(10):
                 read_bin(path, expected_n=case.get("expected_n"), check_finite=case.get("check_finite", False))
             ok, why = case["expect"] == "load", "accepted"
         except RipresaError as exc:
@@ -161,7 +142,7 @@ def test_hostile_checkpoint_pt_fixtures(tmp_path, monkeypatch):
         side = (HOSTILE / (case["name"] + ".sha256")).read_text().replace(case["name"], "checkpoint.pt")
         (work / "checkpoint.pt.sha256").write_text(side)
         try:
-            with must_not_block():
+            with must_not_block(10):
                 load_checkpoint(work / "checkpoint.pt")
             ok, why = False, "accepted"
         except RipresaError as exc:
@@ -185,7 +166,7 @@ def test_hostile_sidecar_fixtures(tmp_path):
         shutil.copy(HOSTILE / "sidecar_target.bin", work / "target.bin")
         shutil.copy(HOSTILE / case["name"], work / "target.bin.sha256")
         try:
-            with must_not_block():
+            with must_not_block(10):
                 fsio.verify_against_sidecar(work / "target.bin")
             ok, why = False, "accepted"
         except RipresaError as exc:
@@ -301,7 +282,7 @@ def test_special_files_where_generation_files_are_expected(tmp_path):
             (folder / "checkpoint.pt.sha256").write_text(f"{'0' * 64}  checkpoint.pt\n")
             _make_special(folder / role, kind, tmp_path)
             try:
-                with must_not_block():
+                with must_not_block(10):
                     load_checkpoint(folder / "checkpoint.pt")
                 ok, why = False, "accepted"
             except RipresaError as exc:

@@ -60,11 +60,7 @@ N_LARGE = 300_000
 KILLED = -signal.SIGKILL
 
 
-@pytest.fixture(autouse=True)
-def _clean_ops():
-    reset_ops()
-    yield
-    reset_ops()
+pytestmark = pytest.mark.usefixtures("clean_fault_ops")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------- the generation save

@@ -28,7 +28,6 @@ from faults.common import (
     companion_for,
     pick,
     recover_and_check,
-    reset_ops,
     same_tree,
     scale,
     temporaries,
@@ -47,11 +46,7 @@ N = 3000
 FIXED_MODES = ("synced", "all", "meta-first", "data-first")
 
 
-@pytest.fixture(autouse=True)
-def _clean_ops():
-    reset_ops()
-    yield
-    reset_ops()
+pytestmark = pytest.mark.usefixtures("clean_fault_ops")  # tests/conftest.py
 
 
 def _record(folder: Path, action) -> list[fsio.RecordedOp]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ripresa_cli, ripresa_train_proc, valid_steps, wait_for_step
+from support.tiny import tiny_state
 
 import ripresa
 from ripresa.store.history import read_history
@@ -24,10 +25,8 @@ FAST = ["--config", "tiny", "--quiet", "--set", "train.batch_size=4", "--threads
 
 
 def _state() -> tuple[torch.nn.Module, torch.optim.Optimizer, ripresa.TrainingState]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, opt, ripresa.TrainingState(model=model, optimizer=opt, config={"toy": 1})
+    state = tiny_state((4, 2), lr=1e-2, config={"toy": 1})  # tests/support/tiny.py
+    return state.model, state.optimizer, state
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

@@ -6,17 +6,16 @@ import errno
 import hashlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.helpers import must_not_block, rchar
 
 from ripresa.errors import BadInput, IntegrityError, SaveFailed
 from ripresa.io import fsio
@@ -50,31 +49,8 @@ def _no_hook():
     fsio.ops.hook = None
 
 
-@contextmanager
-def must_not_block(seconds: float = 5.0):
-    """Fail (instead of hanging) if the body blocks, e.g. opening a FIFO."""
-
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"blocked for more than {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def temps_in(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if is_temp_name(p.name))
-
-
-def rchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError("no rchar in /proc/self/io")
 
 
 # ---- StagedFile / write_atomic ----------------------------------------------------

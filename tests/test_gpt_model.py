@@ -17,13 +17,7 @@ from ripresa.engine.gpt.sources import CropSampler
 TINY = CONFIGS["tiny"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; two OpenMP threads on a busy 2-core box spin for 10x longer."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _tiny(seed: int = 0) -> GPT:

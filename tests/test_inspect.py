@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import ripresa_cli
+from support.helpers import arrays_for, small_companion
 
 from ripresa.errors import BadInput
-from ripresa.formats.andrea_bin import BinArrays, describe_missing
+from ripresa.formats.andrea_bin import describe_missing
 from ripresa.store.retention import KeepLast
 from ripresa.store.store import CheckpointStore, generation_paths
 from ripresa.tools import inspect as insp
@@ -41,17 +42,6 @@ PT_KEYS = {
 }
 RUN_KEYS = {"folder", "generations", "resume_step", "lock", "temporaries", "finite"}
 GEN_KEYS = {"step", "valid", "reason", "size", "deep_checked", "resume", "files", "kind", "checks"}
-
-
-def arrays_for(step: int, n: int) -> BinArrays:
-    """Deterministic weights/m/v for a step (as in test_store.py)."""
-    g = np.random.default_rng(step)
-    w, m, v = (g.standard_normal(n).astype(np.float32) for _ in range(3))
-    return BinArrays((w,), (m,), (np.abs(v),))
-
-
-def small_companion(step: int) -> dict:
-    return {"progress": {"step": step}, "note": f"generation {step}", "t": torch.arange(3)}
 
 
 def make_run(folder, steps=(1, 2, 3), n=3000, arrays=arrays_for):

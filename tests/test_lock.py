@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.helpers import next_line
 
 from ripresa.errors import BadInput, LockHeld
 from ripresa.io.lock import LOCK_NAME, RunLock, pid_alive, read_lock_holder
@@ -82,16 +82,6 @@ except LockHeld:
 )
 
 
-def _line(proc: subprocess.Popen[str], timeout: float = 10.0) -> str:
-    """The next line of a child's stdout, failing (not hanging) if it never comes."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, "child printed nothing in time"
-    line = proc.stdout.readline()
-    assert line, f"child exited early with {proc.wait()}"
-    return line.strip()
-
-
 @pytest.fixture
 def spawn() -> Iterator:
     procs: list[subprocess.Popen[str]] = []
@@ -127,7 +117,7 @@ def test_other_process_is_refused_then_a_killed_holder_does_not_block(
     tmp_path: Path, spawn
 ) -> None:
     holder = spawn(HOLDER, tmp_path)
-    assert _line(holder) == f"locked {holder.pid}"
+    assert next_line(holder) == f"locked {holder.pid}"
     lock_file = tmp_path / LOCK_NAME
     content = lock_file.read_bytes()
     assert content.split(b"\n")[0] == str(holder.pid).encode()  # plain pid on line 1
@@ -170,9 +160,9 @@ def test_four_processes_racing_exactly_one_wins(tmp_path: Path, spawn, round_: i
     go = tmp_path / "go"
     racers = [spawn(RACER, tmp_path, go) for _ in range(4)]
     for racer in racers:
-        assert _line(racer) == "ready"
+        assert next_line(racer) == "ready"
     go.touch()
-    results = [_line(racer) for racer in racers]
+    results = [next_line(racer) for racer in racers]
     winners = [r for r, racer in zip(results, racers, strict=True) if r == f"won {racer.pid}"]
     assert len(winners) == 1, results
     winner_pid = winners[0].split()[1]
@@ -213,15 +203,15 @@ def test_reading_the_holder_in_its_own_process_keeps_the_lock(tmp_path: Path, sp
         info = read_lock_holder(tmp_path)
         assert info is not None and info.pid == os.getpid()
     child = spawn(TRY_ONCE, tmp_path)
-    assert _line(child) == "lost"
+    assert next_line(child) == "lost"
     lock.release()
     child = spawn(TRY_ONCE, tmp_path)
-    assert _line(child) == "won"
+    assert next_line(child) == "won"
 
 
 def test_forked_child_does_not_keep_a_killed_holder_locked(tmp_path: Path, spawn) -> None:
     holder = spawn(HOLDER_THAT_FORKS, tmp_path)
-    word, pid, child = _line(holder).split()
+    word, pid, child = next_line(holder).split()
     assert word == "locked" and int(pid) == holder.pid
     spawn.extra_pids.append(int(child))
     with pytest.raises(LockHeld):
@@ -295,7 +285,7 @@ def test_missing_folder_and_missing_lock_file(tmp_path: Path) -> None:
 def test_held_lock_without_a_pid_is_reported(tmp_path: Path, spawn, monkeypatch) -> None:
     monkeypatch.setattr("ripresa.io.lock._HOLDER_WAIT_S", 0.05)
     holder = spawn(HOLDER, tmp_path)
-    assert _line(holder) == f"locked {holder.pid}"
+    assert next_line(holder) == f"locked {holder.pid}"
     (tmp_path / LOCK_NAME).write_text("garbage")  # something rewrote the holder's content
     with pytest.raises(BadInput) as unreadable:
         read_lock_holder(tmp_path, wait=0)
@@ -334,7 +324,7 @@ def test_a_reader_probing_never_makes_a_writer_fail(tmp_path: Path, spawn) -> No
     # read_lock_holder probes with a shared lock held for microseconds; a
     # writer that starts at that instant must not be refused.
     prober = spawn(PROBER, tmp_path)
-    assert _line(prober) == "probing"
+    assert next_line(prober) == "probing"
     for _ in range(100):
         time.sleep(0.001)  # unlocked most of the time, so that the prober's probes succeed
         with RunLock(tmp_path) as lock:
@@ -356,7 +346,7 @@ def test_pid_alive_never_addresses_a_group_and_never_raises() -> None:
 def test_lock_that_names_no_valid_pid_is_reported_not_raised(tmp_path: Path, spawn, monkeypatch) -> None:
     monkeypatch.setattr("ripresa.io.lock._HOLDER_WAIT_S", 0.05)
     holder = spawn(HOLDER, tmp_path)
-    assert _line(holder) == f"locked {holder.pid}"
+    assert next_line(holder) == f"locked {holder.pid}"
     genuine = (tmp_path / LOCK_NAME).read_bytes().split(b"\n")[1]
     for first in (b"0", b"-1", str(2**40).encode(), b"9" * 50_000):
         with open(tmp_path / LOCK_NAME, "r+b") as f:

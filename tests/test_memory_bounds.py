@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.tiny import tiny_state
 
 import ripresa
 from ripresa.errors import IntegrityError
@@ -31,9 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------------------ helpers
 
 def _general_run(folder: Path, steps: int = 2) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    state = ripresa.TrainingState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    state = tiny_state((4, 4), optimizer="sgd", lr=0.1)  # tests/support/tiny.py
+    model = state.model
     with ripresa.Checkpointer(folder, state, every=1, asynchronous=False, handle_signals=False) as ck:
         for step in range(ck.resume() + 1, steps + 1):
             state.optimizer.zero_grad()

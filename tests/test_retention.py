@@ -350,15 +350,15 @@ def test_after_a_format_change_keep_last_counts_bin_and_general_generations_as_o
     import warnings
 
     import torch
+    from support.tiny import tiny_state
 
     import ripresa
     from ripresa.formats import dcp as dcp_fmt
     from ripresa.store import dcp as store_dcp
     from ripresa.store.retention import KeepLast
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    state = ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    state = tiny_state()
+    model = state.model
 
     def steps_of(suffix: str) -> list[int]:
         return sorted(int(n[5:11]) for n in os.listdir(tmp_path) if n.endswith(suffix))
@@ -436,15 +436,13 @@ def test_keep_best_spec_round_trips_and_refuses_nonsense() -> None:
 
 def test_a_checkpointer_keeps_the_best_by_val_loss_across_a_resume(tmp_path) -> None:
     """The real thing: generations on disk, the metric reported through step_done, a new process-like resume."""
-    import torch
+    from support.tiny import tiny_state
 
     import ripresa
     from ripresa.session.checkpointer import METRICS_NAME
 
     def state() -> ripresa.TrainingState:
-        torch.manual_seed(0)
-        m = torch.nn.Linear(2, 1)
-        return ripresa.TrainingState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+        return tiny_state((2, 1), optimizer="sgd", lr=0.1)
 
     val = {2: 0.9, 4: 0.2, 6: 0.5, 8: 0.7, 10: 0.1, 12: 0.8}
     policy = KeepLast(1) | KeepBest("val_loss", k=2, mode="min")

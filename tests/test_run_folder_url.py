@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import ripresa_cli
 
 import ripresa
@@ -14,17 +13,12 @@ from ripresa.errors import BadInput
 from ripresa.session.checkpointer import local_run_dir
 
 
-def _state() -> ripresa.TrainingState:
-    m = torch.nn.Linear(2, 1)
-    return ripresa.TrainingState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
-
-
 @pytest.mark.parametrize("url", ["s3://bucket/run", "gs://b/runs/x", "https://host/run", Path("s3://bucket/run"),
                                  "S3://Bucket/run", "file://otherhost/x"])
-def test_a_url_run_folder_is_refused_and_creates_nothing(tmp_path, monkeypatch, url):
+def test_a_url_run_folder_is_refused_and_creates_nothing(tmp_path, monkeypatch, url, tiny):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(BadInput) as err:
-        ripresa.Checkpointer(url, _state(), every=0, handle_signals=False)
+        ripresa.Checkpointer(url, tiny, every=0, handle_signals=False)
     assert list(tmp_path.iterdir()) == []  # no ./s3:/bucket/run
     if "otherhost" not in str(url):
         text = str(err.value)
@@ -37,14 +31,14 @@ def test_the_hint_gives_the_url_back_even_from_a_path(tmp_path):
     assert "mirror='s3://bucket/run'" in str(err.value)
 
 
-def test_file_urls_and_look_alikes_are_local_folders(tmp_path, monkeypatch):
+def test_file_urls_and_look_alikes_are_local_folders(tmp_path, monkeypatch, tiny):
     monkeypatch.chdir(tmp_path)
     assert local_run_dir(f"file://{tmp_path}/run") == tmp_path / "run"
     assert local_run_dir(f"file://localhost{tmp_path}/run") == tmp_path / "run"
     assert local_run_dir(Path(f"file://{tmp_path}/run")) == tmp_path / "run"
     assert local_run_dir("./s3:/bucket") == Path("s3:/bucket")  # explicitly relative: a folder named s3:
     assert local_run_dir("runs/x") == Path("runs/x") and local_run_dir("C:/x") == Path("C:/x")
-    ckpt = ripresa.Checkpointer(f"file://{tmp_path}/run", _state(), every=0, handle_signals=False, asynchronous=False)
+    ckpt = ripresa.Checkpointer(f"file://{tmp_path}/run", tiny, every=0, handle_signals=False, asynchronous=False)
     assert ckpt.run_dir == tmp_path / "run"
     assert ckpt.resume() == 0
     ckpt.step_done(1)

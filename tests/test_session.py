@@ -129,16 +129,12 @@ def test_history_torn_line_is_ignored_and_never_corrupts(tmp_path):
     assert json.loads(lines[0])["step"] == 1 and lines[3] == b'{"step":4,"loss":4.'  # never rewritten
 
 
-def test_fresh_refuses_a_non_empty_folder(tmp_path):
+def test_fresh_refuses_a_non_empty_folder(tmp_path, tiny):
     import ripresa
 
     (tmp_path / "x").write_text("something")
-    import torch
-
-    model = torch.nn.Linear(2, 1)
-    st = ripresa.TrainingState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
     with pytest.raises(ripresa.BadInput, match="--fresh"):
-        ripresa.Checkpointer(tmp_path, st, fresh=True, handle_signals=False)
+        ripresa.Checkpointer(tmp_path, tiny, fresh=True, handle_signals=False)
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -25,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.helpers import next_line
 
 import ripresa
 from ripresa.errors import BadInput
@@ -66,15 +66,6 @@ time.sleep(60)
 """
 
 
-def _line(proc: subprocess.Popen[str], timeout: float = 20.0) -> str:
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, "child printed nothing in time"
-    line = proc.stdout.readline()
-    assert line, f"child exited early with {proc.wait()}"
-    return line.strip()
-
-
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen]]:
     started: list[subprocess.Popen] = []
@@ -96,7 +87,7 @@ def holder(tmp_path: Path, procs) -> tuple[Path, subprocess.Popen, Path]:
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run), str(log)], stdout=subprocess.PIPE,
                             text=True, env=ENV, start_new_session=True)
     procs.append(proc)
-    assert _line(proc) == f"locked {proc.pid}"
+    assert next_line(proc, 20) == f"locked {proc.pid}"
     return run, proc, log
 
 
@@ -232,7 +223,7 @@ def test_a_process_with_lock_open_but_not_holding_it_is_refused(holder, procs) -
     reader = subprocess.Popen([sys.executable, "-c", READER, str(run)], stdout=subprocess.PIPE, text=True, env=ENV,
                               start_new_session=True)
     procs.append(reader)
-    assert _line(reader) == f"open {reader.pid}"
+    assert next_line(reader, 20) == f"open {reader.pid}"
     _, genuine = _genuine(run)
     _forge(run, str(reader.pid), {**genuine, "pid": reader.pid})
     stderr = _refused(_signal_cli(run, "stop"))
@@ -439,7 +430,7 @@ def test_unreadable_proc_fd_falls_back_to_the_kernel_lock_table(procs) -> None:
         proc = subprocess.Popen([*AS_NOBODY, sys.executable, "-c", NONDUMPABLE_HOLDER, str(run), str(log)],
                                 stdout=subprocess.PIPE, text=True, env=ENV, start_new_session=True, cwd=base)
         procs.append(proc)
-        assert _line(proc) == f"locked {proc.pid}"  # setpriv execs: same pid
+        assert next_line(proc, 20) == f"locked {proc.pid}"  # setpriv execs: same pid
         probe = subprocess.run([*AS_NOBODY, sys.executable, "-c", f"import os; os.listdir('/proc/{proc.pid}/fd')"],
                                capture_output=True, text=True, env=ENV, timeout=60, cwd=base)
         if probe.returncode == 0:
@@ -448,7 +439,7 @@ def test_unreadable_proc_fd_falls_back_to_the_kernel_lock_table(procs) -> None:
         sleeper = subprocess.Popen([*AS_NOBODY, sys.executable, "-c", NONDUMPABLE_SLEEPER], stdout=subprocess.PIPE,
                                    text=True, env=ENV, start_new_session=True, cwd=base)
         procs.append(sleeper)
-        assert _line(sleeper) == f"sleeping {sleeper.pid}"
+        assert next_line(sleeper, 20) == f"sleeping {sleeper.pid}"
 
         def cli(action: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run([*AS_NOBODY, sys.executable, "-m", "ripresa", "signal", str(run), action],
@@ -478,7 +469,7 @@ def test_torchrun_forwards_only_to_its_own_children(procs) -> None:
     spawner = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
                                start_new_session=True)
     procs.append(spawner)
-    grandchild = int(_line(spawner))
+    grandchild = int(next_line(spawner, 20))
     try:
         assert child.pid in children() and grandchild not in children()
         _send_to_child(grandchild, signal.SIGTERM)

@@ -15,25 +15,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from support.helpers import arrays_for, small_companion
 
 import ripresa
-from ripresa.formats.andrea_bin import BinArrays
 from ripresa.formats.bin_state import bin_arrays, companion_snapshot, join_state
 from ripresa.io import fsio
 from ripresa.store.async_save import AsyncCheckpointWriter
 from ripresa.store.retention import KeepLast
 from ripresa.store.store import CheckpointStore, CheckpointWarning, generation_paths
-
-
-def arrays_for(step: int, n: int) -> BinArrays:
-    """Deterministic weights/m/v for a step, so a reader can check them bitwise."""
-    g = np.random.default_rng(step)
-    w, m, v = (g.standard_normal(n).astype(np.float32) for _ in range(3))
-    return BinArrays((w,), (m,), (np.abs(v),))
-
-
-def small_companion(step: int) -> dict:
-    return {"progress": {"step": step}, "note": f"generation {step}", "t": torch.arange(3)}
 
 
 def assert_contents(contents, step, n):

@@ -17,7 +17,6 @@ crash the interpreter).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.helpers import rebless_dcp
+from support.tiny import fit, mlp
 
 import ripresa
 from ripresa.cli import main as cli_main
@@ -46,24 +47,12 @@ from ripresa.store.store import CheckpointStore, CheckpointWarning
 KEY = b"ripresa-verified-bytes-test-key!"
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch):
-    for var in (auth.ENV_KEY, auth.ENV_KEY_FILE, auth.ENV_REQUIRE):
-        monkeypatch.delenv(var, raising=False)
+pytestmark = pytest.mark.usefixtures("no_hmac_env")  # tests/conftest.py
 
 
 def _toy(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    model = mlp(seed)  # tests/support/tiny.py
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
-    for _ in range(steps):
-        opt.zero_grad()
-        (model(x) - x).pow(2).mean().backward()
-        opt.step()
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -84,7 +73,7 @@ def _dcp_run(run: Path, steps: tuple[int, ...], *, key: bytes | None, seed: int 
     saved, done = {}, 0
     try:
         for step in steps:
-            _train(model, opt, step - done)
+            fit(model, opt, step - done)
             done = step
             backend.prepare(step)
             backend.write_part(step, state)
@@ -172,7 +161,7 @@ def test_resume_under_require_signature_falls_back_when_a_shard_is_swapped_after
                for w in caught)
     events = read_history(run / ".loss.jsonl").events
     assert any(e["event"] == "skipped_generation" and "10" in e["reason"] for e in events)
-    _train(model, opt, 1)
+    fit(model, opt, 1)
     ck.step_done(6)
     ck.close(final_save=True)  # a new signed generation: of the verified state, never of the foreign one
     gen6 = [g for g in ck.backend.generations() if g.step == 6]
@@ -182,7 +171,7 @@ def test_resume_under_require_signature_falls_back_when_a_shard_is_swapped_after
     g5 = dcp_fmt.check_dcp(run, 5, deep=True, require_signature=True, hmac_key=KEY)
     doc5 = dcp_fmt.read_dcp_companion(g5.path, g5.companion_sha256)
     dcp_fmt.load_shards(ref, ref_opt, g5.path, files=g5.files, sizes=doc5["files"], no_dist=True)
-    _train(ref, ref_opt, 1)
+    fit(ref, ref_opt, 1)
     again, again_opt = _toy(seed=6)
     state2 = ripresa.TrainingState(model=again, optimizer=again_opt, config={"toy": True})
     ck2 = ripresa.Checkpointer(run, state2, every=5, asynchronous=False, handle_signals=False)
@@ -238,17 +227,6 @@ def test_a_real_concurrent_swapper_never_gets_foreign_weights_loaded(tmp_path):
 # ---------------------------------------------------------------- class 4: a bounded, iterative .metadata reader
 
 
-def _rebless(run: Path, step: int) -> None:
-    """What an attacker without the key can do: make the companion's sizes and the marker match again."""
-    d, mk = dcp_fmt.dcp_paths(run, step)
-    comp = d / dcp_fmt.COMPANION_NAME
-    doc = json.loads(comp.read_bytes())
-    doc["files"] = {n: (d / n).stat().st_size for n in sorted(os.listdir(d)) if n != dcp_fmt.COMPANION_NAME}
-    comp.write_bytes(json.dumps(doc).encode())
-    mk.write_text("".join(f"{hashlib.sha256((d / n).read_bytes()).hexdigest()}  {d.name}/{n}\n"
-                          for n in sorted(os.listdir(d))))
-
-
 #: 11 bytes: PROTO 2, NONE, LONG_BINPUT 0x0fffffff (a C unpickler sizes its memo table by the index: 2 GiB), POP, NONE, STOP.
 MEMO_BOMB = b"\x80\x02N" + b"r" + struct.pack("<I", 0x0FFFFFFF) + b"0N."
 
@@ -284,7 +262,7 @@ def test_an_11_byte_memo_bomb_is_refused_in_bounded_memory(tmp_path):
     run = tmp_path / "run"
     _dcp_run(run, (5,), key=None)
     (run / "step_000005.dcp" / ".metadata").write_bytes(MEMO_BOMB)
-    _rebless(run, 5)
+    rebless_dcp(run, 5)
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     except OSError:
@@ -301,7 +279,7 @@ def test_the_memo_bomb_in_a_fresh_process(tmp_path):
     run = tmp_path / "run"
     _dcp_run(run, (5,), key=None)
     (run / "step_000005.dcp" / ".metadata").write_bytes(MEMO_BOMB)
-    _rebless(run, 5)
+    rebless_dcp(run, 5)
     valid, base, peak, reason = _probe(run, 5)
     assert not valid and "not a DCP index" in reason
     # torch alone takes ~300-400 MB here, so the bound is on what the check adds
@@ -317,7 +295,7 @@ def _deep_metadata(run: Path, step: int, depth: int) -> None:
     sentinel = b"\x8c\x0cDEEPDEEPDEEP"
     assert raw.count(sentinel) == 1
     p.write_bytes(raw.replace(sentinel, b"]" * depth + b"a" * (depth - 1)))
-    _rebless(run, step)
+    rebless_dcp(run, step)
 
 
 @pytest.mark.slow
@@ -353,7 +331,7 @@ def test_metadata_bombs_are_refused_in_bounded_memory(tmp_path, name, payload, f
     run = tmp_path / "run"
     _dcp_run(run, (5,), key=None)
     (run / "step_000005.dcp" / ".metadata").write_bytes(payload)
-    _rebless(run, 5)
+    rebless_dcp(run, 5)
     valid, base, peak, reason = _probe(run, 5)
     assert not valid and found in reason, reason
     assert peak < 1536, f"{name}: peak RSS {peak} MB"

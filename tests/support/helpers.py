@@ -1,0 +1,88 @@
+"""Small helpers more than one test file needs (tests/README.md, "Shared helpers").
+
+Each was a private copy in two or more test files; the copies now import it from here.
+Fixtures that undo process-wide settings (fault hooks, HMAC variables, thread count)
+live in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import select
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ripresa.formats.andrea_bin import BinArrays
+
+
+def sha256_file(p: Path) -> str:
+    """The sha256 (hex) of a file's bytes."""
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def rchar() -> int:
+    """Bytes this process has read so far (``rchar`` of /proc/self/io: read(2), pread(2), ...)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@contextlib.contextmanager
+def must_not_block(seconds: float = 5.0) -> Iterator[None]:
+    """Fail (TimeoutError) instead of hanging if the body blocks, e.g. opening a FIFO."""
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"blocked for more than {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def next_line(proc: subprocess.Popen[str], timeout: float = 10.0) -> str:
+    """The next line of a child's stdout, failing (not hanging) if it never comes."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, "child printed nothing in time"
+    line = proc.stdout.readline()
+    assert line, f"child exited early with {proc.wait()}"
+    return line.strip()
+
+
+def arrays_for(step: int, n: int) -> BinArrays:
+    """Deterministic weights/m/v of a .bin generation for a step, so a reader checks them bitwise."""
+    g = np.random.default_rng(step)
+    w, m, v = (g.standard_normal(n).astype(np.float32) for _ in range(3))
+    return BinArrays((w,), (m,), (np.abs(v),))
+
+
+def small_companion(step: int) -> dict:
+    """A small companion (``.pt`` side) for :func:`arrays_for`'s generation."""
+    return {"progress": {"step": step}, "note": f"generation {step}", "t": torch.arange(3)}
+
+
+def rebless_dcp(folder: Path, step: int, *, companion: dict | None = None) -> None:
+    """What an attacker without the HMAC key can do to a .dcp generation: make the companion's file sizes and the
+    marker's sha256 lines match the (tampered) files again; ``companion`` replaces the companion's document."""
+    from ripresa.formats import dcp as dcp_fmt
+
+    d, mk = dcp_fmt.dcp_paths(folder, step)
+    comp = d / dcp_fmt.COMPANION_NAME
+    doc = companion if companion is not None else json.loads(comp.read_bytes())
+    if isinstance(doc, dict) and isinstance(doc.get("files"), dict):
+        doc["files"] = {n: (d / n).stat().st_size for n in sorted(os.listdir(d)) if n != dcp_fmt.COMPANION_NAME}
+    comp.write_bytes(json.dumps(doc).encode())
+    mk.write_text("".join(f"{sha256_file(d / n)}  {d.name}/{n}\n" for n in sorted(os.listdir(d))))

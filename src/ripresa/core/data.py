@@ -1,14 +1,9 @@
-"""Resumable data order: epoch permutations, a cursor, and the ids each batch took.
+"""Resumable data order: epoch permutations, a cursor, and the ids each batch took (docs/FORMAT.md, "The data position").
 
-A mid-epoch resume must continue with exactly the next rows, and crossing into
-the next epoch must draw the same next permutation. Knowing the epoch number
-alone is not enough; :class:`EpochSampler` saves how to *regenerate* the
-epoch's permutation — the generator's state at the epoch's start, or the
-epoch's Feistel key — and the cursor inside it, never the permutation itself:
-the saved position is a few hundred bytes whatever the number of rows
-(docs/FORMAT.md, "The data position"). The permutation is drawn from a NumPy
-``Generator`` (PCG64 by default) whose state is captured with the other random
-streams, so the *next* epoch's permutation is reproduced too.
+:class:`EpochSampler` saves how to *regenerate* the epoch's permutation (the generator's state
+at the epoch's start, or the epoch's Feistel key) and the cursor inside it, never the
+permutation: a few hundred bytes whatever the number of rows. A mid-epoch resume continues
+with exactly the next rows, and the next epoch's permutation is drawn the same.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """A ``torch.utils.data.DataLoader`` whose position resumes exactly, worker augmentation included.
 
-:class:`StatefulLoader` wraps a real ``DataLoader`` (worker processes,
-prefetching, ``collate_fn``, ``worker_init_fn``) and makes two things
-deterministic and O(1) to save (docs/FORMAT.md, "The data position"):
-
-* **which rows** each batch holds: the order is an :class:`~ripresa.EpochSampler`
-  (its saved position is how to regenerate the epoch's permutation plus a
-  cursor), and the cursor counts the batches *delivered to the caller*, not
-  those the workers prefetched;
-* **what randomness** each sample's transform draws: before ``dataset[i]`` is
-  called — in whichever worker — torch's CPU generator, Python's ``random`` and
-  NumPy's global generator are seeded from ``(seed, epoch, i)``
-  (:func:`sample_seed`), then put back. Which worker fetches a sample, how many
-  workers there are and how far they prefetched no longer matter.
-
-So resuming at batch ``k`` of epoch ``e`` — in a fresh process — yields exactly
-the batches an uninterrupted loader yields, random augmentation included.
-
-:func:`make_exact` applies the same mechanism to a ``DataLoader`` the user
-already has (plain, torchdata's ``StatefulDataLoader``, what
-``accelerator.prepare`` returns), in place: its sampler, dataset and
-generator are replaced by exact ones and its class gains an ``__iter__``
-that counts the batches it delivers; :class:`ExactLoader` is its position.
+:class:`StatefulLoader` wraps a real ``DataLoader``: its order is an :class:`~ripresa.EpochSampler`
+whose cursor counts the batches *delivered*, and each sample's transform draws from generators
+seeded from ``(seed, epoch, i)`` (:func:`sample_seed`) in whichever worker. :func:`make_exact`
+makes a ``DataLoader`` the user already has exact, in place (:class:`ExactLoader` is its position).
+The saved layout: docs/FORMAT.md, "The data position"; use: README.md, "Data loaders".
 """
 
 from __future__ import annotations

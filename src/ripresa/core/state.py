@@ -1,25 +1,18 @@
-"""Complete training-state capture and restore (docs/FORMAT.md, docs/VERIFY.md).
+"""Complete training-state capture and restore (docs/FORMAT.md; the restore's walk: docs/ARCHITECTURE.md, "One resume").
 
-:class:`TrainingState` holds references to the live objects of a run — model,
-optimizer, scheduler, GradScaler, data position, random streams, any
-``Stateful`` user object — plus the run's config, code and data identity.
-:meth:`TrainingState.snapshot` captures all of it at one instant (a step
-boundary) as ``weights_only``-safe primitives; :meth:`TrainingState.restore`
-puts it back in the order that keeps it exact:
-
-    model → scheduler → optimizer → scaler → data position → user objects →
-    random streams (last, immediately before the next step)
-
-The scheduler must have been *constructed* before ``optimizer.load_state_dict``
-(constructing a scheduler rewrites the LRs); build all objects first, then call
-``restore``. Everything is validated before anything is changed, so a refused
-checkpoint leaves the live objects as they were.
+:class:`TrainingState` holds references to the live objects of a run (model, optimizer,
+scheduler, GradScaler, data position, random streams, ``Stateful`` user objects) plus its
+config, code and data identity. :meth:`TrainingState.snapshot` captures all of it at a step
+boundary; :meth:`TrainingState.restore` checks everything first (:meth:`~TrainingState.check_restore`),
+then puts it back: model → scheduler → optimizer → scaler → data position → user objects →
+random streams last. Build every object (the scheduler before the restore) first.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -314,6 +307,29 @@ def _check_stateful(data: Any, objects: Mapping[str, Any]) -> None:
                             "in a ripresa.ScriptState")
 
 
+@dataclass(frozen=True)
+class RestorePlan:
+    """What :meth:`TrainingState.check_restore` accepted: the identity and config changes a restore records."""
+
+    changes: dict[str, dict[str, Any]]
+    config: dict[str, dict[str, Any]]
+
+
+@contextmanager
+def _restore_errors(source: Path | None) -> Iterator[None]:
+    """What the live objects still refuse after every check is a :class:`SchemaError` naming ``source``."""
+    try:
+        yield
+    except RipresaError:
+        raise
+    except UNEXPECTED as exc:
+        # Every check ran before any change; this is a state the live objects still refused.
+        raise SchemaError("the saved state could not be restored into the live objects", file=source,
+                          found=f"{type(exc).__name__}: {str(exc)[:200]}",
+                          hint="the checkpoint does not fit this run (or was edited); build the same objects as "
+                          "the run that saved, or resume from another generation") from exc
+
+
 class TrainingState:
     """Everything that determines the next updates of a run.
 
@@ -526,18 +542,27 @@ class TrainingState:
         loaded = not isinstance(checkpoint, Mapping) and hasattr(checkpoint, "state") and hasattr(checkpoint, "path")
         source = checkpoint.path if loaded else None
         state = checkpoint.state if loaded else checkpoint
-        try:
-            return self._restore(state, source, restore_rng=restore_rng, allow_version_change=allow_version_change,
-                                 allow_code_change=allow_code_change, allow_data_change=allow_data_change,
-                                 allow_config_change=allow_config_change)
-        except RipresaError:
-            raise
-        except UNEXPECTED as exc:
-            # Every check ran before any change; this is a state the live objects still refused.
-            raise SchemaError("the saved state could not be restored into the live objects", file=source,
-                              found=f"{type(exc).__name__}: {str(exc)[:200]}",
-                              hint="the checkpoint does not fit this run (or was edited); build the same objects as "
-                              "the run that saved, or resume from another generation") from exc
+        allow = {"allow_version_change": allow_version_change, "allow_code_change": allow_code_change,
+                 "allow_data_change": allow_data_change, "allow_config_change": allow_config_change}
+        with _restore_errors(source):
+            return self.restore_checked(state, self.check_restore(state, source, **allow), restore_rng=restore_rng,
+                                        source=source)
+
+    def restore_read(self, state: Mapping[str, Any], *, restore_rng: bool = True, allow_version_change: bool = False,
+                     allow_code_change: bool = False, allow_data_change: bool = False,
+                     allow_config_change: bool | None = None) -> Progress:
+        """:meth:`restore` of a state whose structure was checked where it was read.
+
+        A storage backend's load runs :func:`~ripresa.core.schema.validate_saved_state`
+        on the state it returns (``store/restore.py``); here the rest of
+        :meth:`restore` runs (the checks against the live objects, then the
+        restore, random streams last), with the same errors.
+        """
+        allow = {"allow_version_change": allow_version_change, "allow_code_change": allow_code_change,
+                 "allow_data_change": allow_data_change, "allow_config_change": allow_config_change}
+        with _restore_errors(None):
+            return self.restore_checked(state, self.check_restore(state, structure_checked=True, **allow),
+                                        restore_rng=restore_rng)
 
     def check_identity(self, state: Mapping[str, Any], source: Path | None = None, *,
                        allow_version_change: bool = False, allow_code_change: bool = False,
@@ -584,13 +609,32 @@ class TrainingState:
             raise config_change_error(cfg, source, against="the checkpoint's")
         return changes, cfg
 
-    def _restore(self, state: Mapping[str, Any], source: Path | None, *, restore_rng: bool, allow_version_change: bool,
-                 allow_code_change: bool, allow_data_change: bool, allow_config_change: bool | None = None) -> Progress:
-        validate_saved_state(state, where=source)
+    def check_restore(self, state: Mapping[str, Any], source: Path | None = None, *, structure_checked: bool = False,
+                      allow_version_change: bool = False, allow_code_change: bool = False,
+                      allow_data_change: bool = False, allow_config_change: bool | None = None) -> RestorePlan:
+        """Every check of a restore, before anything changes (docs/ARCHITECTURE.md, "One resume").
+
+        The saved state's structure (:func:`~ripresa.core.schema.validate_saved_state`;
+        skipped with ``structure_checked``: it ran where the state was read), its
+        fit to the live objects (:meth:`check_structure`) and its identity
+        (:meth:`check_identity`). Returns what :meth:`restore_checked` records.
+        """
+        if not structure_checked:
+            validate_saved_state(state, where=source)
         self.check_structure(state, source)
         changes, cfg = self.check_identity(state, source, allow_version_change=allow_version_change,
                                            allow_code_change=allow_code_change, allow_data_change=allow_data_change,
                                            allow_config_change=allow_config_change)
+        return RestorePlan(changes, cfg)
+
+    def restore_checked(self, state: Mapping[str, Any], plan: RestorePlan, *, restore_rng: bool = True,
+                        source: Path | None = None) -> Progress:
+        """Restore a state :meth:`check_restore` accepted (nothing is checked again); return the saved progress."""
+        with _restore_errors(source):
+            return self._apply(state, plan, restore_rng)
+
+    def _apply(self, state: Mapping[str, Any], plan: RestorePlan, restore_rng: bool) -> Progress:
+        changes, cfg = plan.changes, plan.config
         self.lineage = list(state.get("lineage", []))
         accepted = {**changes, **{f"config.{k}": v for k, v in cfg.items()}}
         if accepted:

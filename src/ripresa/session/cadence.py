@@ -1,18 +1,11 @@
 """Checkpoint cadence from measurements: ``every="auto"`` and ``ripresa advise`` (docs/CADENCE.md).
 
-A checkpoint costs the loop ``C`` seconds (the stall: what ``step_done``
-spends saving); a failure, on average once per ``MTBF`` seconds, loses the
-work since the last committed generation. The interval that minimises the
-expected waste ``C/τ + τ/(2·MTBF)`` is Young's ``τ = √(2·C·MTBF)`` (Daly's
-higher-order terms are left out: docs/CADENCE.md says why and how small they
-are). :class:`AutoCadence` turns measured step time, stall and background
-write time into an interval in steps, bounded by ``max_redo`` (steps or
-seconds of work a failure may cost), at least one step, and — for background
-saves — not shorter than the write, since one save is in flight at most.
-
-:func:`advise` computes the same from a run's history alone, for several MTBF
-values. The history is hostile input: unusable values are skipped, and a
-history with no step times or no checkpoint is a :class:`~ripresa.errors.BadInput`.
+:class:`AutoCadence` turns the measured step time, save stall and background write time into
+an interval in steps: Young's ``τ = √(2·C·MTBF)``, bounded by ``max_redo``, at least one step
+and, for background saves, not shorter than the write. :func:`advise` computes the same from a
+run's history alone (hostile input: unusable values are skipped; no step times or no checkpoint
+is a :class:`~ripresa.errors.BadInput`). The model, its bounds and why Daly's terms are left
+out: docs/CADENCE.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """A deadline: stop in time to save, finish the mirror upload and export before it (docs/CADENCE.md, "Deadline").
 
-The planned stop is ``deadline − (save + upload + export) − margin``:
-
-* ``save``: the last measured save, start to commit (stall + background write);
-  a session with a deadline saves once after :data:`~ripresa.session.cadence.WARMUP_STEPS`
-  steps to measure it when no cadence save came first;
-* ``upload``: the mirror's last upload (``checkpointer.mirror.last_upload_seconds``),
-  0 without a mirror, the save time while none is measured;
-* ``export``: the estimate ``3·save + 2 s`` (the real time is recorded in
-  ``deadline_done``);
-* ``margin``: ``max(3 steps, 10 % of the three, 5 s)``, reported in the plan.
-
-The session asks :meth:`Deadline.due` at each step boundary; when the next
-step would end past the planned stop it stops through the SIGTERM path (a
-committed stop generation), then :meth:`Deadline.finish` drains the mirror
-(``drain(timeout)``: the time left to the deadline less the export's
-estimate, at least 1 s and never past the deadline) and runs the injected
-export (``on_deadline``). History events:
-``deadline_plan`` (first plan, and each change of the stop by more than
-``max(5 s, 5 % of the tail)``), ``deadline_stop`` and ``deadline_done``.
+The planned stop is ``deadline − (save + upload + export) − margin``, each term measured or
+estimated as docs/CADENCE.md says. The session asks :meth:`Deadline.due` at each step boundary;
+when the next step would end past the planned stop it stops through the SIGTERM path (a
+committed stop generation), then :meth:`Deadline.finish` drains the mirror and runs the
+injected export (``on_deadline``). History events: ``deadline_plan``, ``deadline_stop``,
+``deadline_done``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
-"""Asynchronous sharded (FSDP2) saves: stage at the step boundary, every rank writes in the background.
+"""Asynchronous sharded (FSDP2) saves: every rank stages its shards at the step boundary and writes them in the background.
 
-The commit rule is the synchronous one's (docs/ARCHITECTURE.md, "Distributed
-runs"): a ``step_NNNNNN.dcp`` generation counts only once every rank's shards
-are durable, and rank 0 writes the marker last. What changes is who waits:
-
-1. every rank finishes its previous write first (one save in flight);
-2. every rank copies its shards out of the live tensors
-   (:class:`~ripresa.formats.dcp.ShardStager`: pinned host buffers on CUDA,
-   host memory on CPU; allocated once, reused) — the only stall the training
-   loop sees — and the ranks agree that every copy succeeded (one small
-   collective, after rank 0 removed a stale partial folder);
-3. every rank starts ``dcp.async_save`` of its copy on a dedicated gloo
-   process group (the save's collectives run in a background thread and must
-   not share a communicator with the training's, which may be NCCL);
-   each rank's file is written and fsynced, DCP gathers every rank's result
-   and rank 0 writes ``.metadata`` — so rank 0's future succeeds only once
-   every rank's part is durable;
-4. rank 0's background writer waits for that future, then commits
-   (``formats.dcp.commit_dcp``: companion, rename, signature, marker last;
-   retention) and the session records the checkpoint at the next step
-   boundary, as for a single-process save.
-
-A rank killed during the write (the hook point ``shards_written``, after its
-file and before the gather) fails rank 0's future: nothing is committed, the
-previous generation stays the newest valid one.
+:class:`ShardedWriter` holds a rank's staging buffers, its gloo save group and its in-flight
+``dcp.async_save``; :class:`AsyncCollectivePipeline` is the save pipeline over it
+(``session/saving.py``). The commit rule is the synchronous one's: a ``.dcp`` generation counts
+only once every rank's shards are durable, and rank 0 writes the marker last; a rank that fails
+or dies during the write fails rank 0's commit. The steps: docs/ARCHITECTURE.md, "Distributed
+runs"; the user's view: docs/SHARDED.md.
 """
 
 from __future__ import annotations
@@ -99,10 +81,6 @@ class ShardedWriter:
 
 class AsyncCollectivePipeline(CollectivePipeline):
     """FSDP2, asynchronous: every rank stages its shards now and writes them in the background; rank 0 commits."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        assert self.shards is not None and (self.writer is not None or not self.dist.is_main)
 
     def write(self, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None, t0: float) -> bool:
         """One asynchronous sharded save (every rank); False when it failed before the write started."""

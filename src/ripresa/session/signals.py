@@ -1,28 +1,11 @@
-"""Signals as requests, handled at the next step boundary.
+"""Signals as requests, handled at the next step boundary (docs/FAULTS.md, "Signalling the trainer").
 
-Who may send them from the command line (`ripresa signal`, `ripresa pivot`),
-and how that sender makes sure it signals this run's trainer and no other
-process: docs/FAULTS.md, "Signalling the trainer".
-
-| signal            | request                                                   |
-|-------------------|-----------------------------------------------------------|
-| SIGTERM, SIGINT   | finish the current step, write a checkpoint, exit 0       |
-| SIGUSR1           | finish the current step, write a checkpoint, continue     |
-
-The handlers only set flags; the save happens in the main flow, at the step
-boundary. A second SIGTERM during the save only sets the flag again, so it
-cannot abort the save.
-
-SIGUSR1 never ends a run (its default action would): the rules of every
-moment of a process's life are in docs/ARCHITECTURE.md, "Signals through the
-launcher". In short: :func:`hold` (called first thing by ``ripresa train``
-and ``python -m ripresa.torchrun``, and by any script that wants the same)
-defers a SIGUSR1 that arrives before the Checkpointer exists; a SIGUSR1 that
-was *blocked* by the parent (the launcher starts its ranks with it blocked)
-stays pending until :meth:`SignalRequests.install` unblocks it; both become
-one checkpoint request at the first step boundary. After ``close()`` a
-SIGUSR1 is ignored with a note on stderr, and at interpreter exit (where
-Python would put the default action back) it is ignored outright.
+SIGTERM and SIGINT: finish the current step, write a checkpoint, exit 0; SIGUSR1: the same, then
+continue. The handlers only set flags; the save happens in the main flow, at the step boundary,
+so a second SIGTERM during the save cannot abort it. SIGUSR1 never ends a run: :func:`hold`
+defers one that arrives before the Checkpointer exists, one blocked by the parent stays pending
+until :meth:`SignalRequests.install` unblocks it, and after ``close()`` or at interpreter exit
+it is ignored (docs/ARCHITECTURE.md, "Signals through the launcher").
 """
 
 from __future__ import annotations

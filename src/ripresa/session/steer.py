@@ -1,24 +1,12 @@
-"""A :class:`~ripresa.Checkpointer` steered by ``ripresa verify`` (docs/VERIFY.md,
-"Verifying a script that uses the Checkpointer, with no extra code").
+"""A :class:`~ripresa.Checkpointer` steered by ``ripresa verify`` (docs/VERIFY.md, "Verifying a script
+that uses the Checkpointer, with no extra code").
 
-``ripresa verify`` runs a script that does not implement the verification
-contract four times, unchanged, and steers its ``Checkpointer`` through one
-environment variable, :data:`ENV`, holding a JSON document of schema
-:data:`SCHEMA`::
-
-    {"schema": "ripresa.verify.steer/1", "path": "interrupted",
-     "run_dir": "DIR/interrupted/run", "output": "DIR/interrupted",
-     "stop_at": 10, "restore_rng": true}
-
-The steered session uses ``run_dir`` instead of the folder the script names,
-makes ``step_done(stop_at)`` save as on SIGTERM and return True, restores the
-random streams only when ``restore_rng`` (the negative control), and records
-the trajectory itself (:class:`SteeredRecorder`) into ``output/summary.json``.
-
-The variable is honoured only when present with exactly this schema (a
-process without it behaves as before; a malformed one is refused, never
-half-read), and it is taken out of the environment by the first
-``Checkpointer`` built, so a process the script starts later is not steered.
+``ripresa verify`` runs an unchanged script four times and steers its ``Checkpointer`` through
+one environment variable, :data:`ENV`, a JSON document of schema :data:`SCHEMA` (the run folder
+to use, the step to stop at, whether to restore the random streams); the steered session records
+the trajectory itself (:class:`SteeredRecorder`, :class:`DistSteeredRecorder`). A malformed
+document is refused, never half-read; the first ``Checkpointer`` built takes the variable out of
+the environment (docs/VERIFY.md).
 """
 
 from __future__ import annotations

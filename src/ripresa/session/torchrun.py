@@ -1,36 +1,11 @@
 """``python -m ripresa.torchrun``: ``torchrun`` that passes SIGUSR1 (and SIGTERM, SIGINT) on to every rank.
 
-Same arguments as ``torchrun``; two differences:
-
-* **Signals.** Stock ``torchrun`` does not handle SIGUSR1 (its default action
-  kills the launcher and orphans the ranks), and on SIGTERM/SIGINT it forwards
-  the signal, waits ``--shutdown-timeout`` seconds (30) for the ranks and then
-  SIGKILLs them and exits non-zero. Here the launcher forwards SIGTERM, SIGINT
-  and SIGUSR1 to every rank and keeps supervising: the ranks agree on a step,
-  save it, and then all continue (SIGUSR1) or all exit 0 (SIGTERM/SIGINT), so
-  the launcher exits 0 too — a requested stop is a success, and
-  ``--max-restarts`` does not restart it. A second SIGTERM only sets the
-  ranks' flag again; it never aborts their save.
-* **SIGUSR1 never ends anything.** The launcher blocks SIGUSR1 as its first
-  act (before it imports torch) and takes it with ``sigwait`` in a thread of
-  its own; every rank (and every restart of a rank) is started with it
-  blocked, so a SIGUSR1 sent to a rank that is still starting stays pending
-  until the rank's Checkpointer installs its handler and unblocks it — there
-  is no moment at which its default action could apply
-  (docs/ARCHITECTURE.md, "Signals through the launcher").
-* **Ranks die with the launcher.** torchrun starts each rank in a session of
-  its own, so a SIGKILL of the launcher (or of its process group) used to
-  leave the ranks training on, unsupervised, in the run folder. A rank's
-  Checkpointer asks the kernel to SIGKILL it when the launcher dies, and a
-  rank whose launcher is already gone stops before it touches the run folder.
-* **Options.** Abbreviated options are not accepted, so a trainer option
-  such as ``--run`` is never mistaken for torchrun's ``--run-path``.
-
-Example::
-
-    python -m ripresa.torchrun --standalone --nproc_per_node=2 -m ripresa train --run runs/ddp
-    kill -USR1 <launcher pid>      # every rank saves the same step and continues
-    kill -TERM <launcher pid>      # every rank saves the same step; all exit 0
+Same arguments as ``torchrun`` (abbreviated options refused: ``--run`` is never ``--run-path``).
+The launcher forwards SIGTERM, SIGINT and SIGUSR1 to every rank and keeps supervising: the ranks
+save the same step, then all continue (SIGUSR1) or all exit 0 (a stop), and so does the launcher.
+SIGUSR1 never ends anything: blocked from the launcher's first line and in every rank until its
+Checkpointer handles it. Ranks die with their launcher. The rules, moment by moment:
+docs/ARCHITECTURE.md, "Signals through the launcher"; use: README.md and docs/SHARDED.md.
 """
 
 from __future__ import annotations

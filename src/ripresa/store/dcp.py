@@ -126,7 +126,7 @@ class DcpBackend(BackendBase):
             # marker hashes the check found (signed under require-signature), never re-opened by DCP
             dcp.load_shards(model, optimizer, gen.path, files=gen.files, sizes=doc["files"], no_dist=not sharded)
 
-        return Loaded(dcp.decode_state(doc, gen.path), False, load_weights, gen.companion)
+        return Loaded(dcp.decode_state(doc, gen.path), False, load_weights, gen.companion, validated=True)
 
     def prepare(self, step: int) -> None:
         self.abandon(step)

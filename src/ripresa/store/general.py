@@ -196,7 +196,7 @@ class GeneralBackend(BackendBase):
     def load(self, gen: Generation, state: TrainingState) -> Loaded:
         known = self._checked.pop(gen.step, None) if gen.path.parent == self.folder else None
         v = validate_general(gen.path.parent, gen.step, load=True, key=self._key(), raise_first=True, header=known)
-        return Loaded(v.state, True, load_full_into, gen.companion)
+        return Loaded(v.state, True, load_full_into, gen.companion, validated=True)  # companion state: validate_saved_state
 
     def __init__(self, store: RunFolder) -> None:
         super().__init__(store)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..core.schema import check_distributed_record
-from ..core.state import Progress, TrainingState
+from ..core.state import Progress, RestorePlan, TrainingState
 from ..errors import IntegrityError
 
 
@@ -37,6 +37,8 @@ class Loaded:
     whole: bool
     load_weights: Callable[[torch.nn.Module, Any, Mapping[str, Any], bool], None]
     file: Path | None = None
+    #: The load ran :func:`~ripresa.core.schema.validate_saved_state` on ``saved`` (when it declares a format).
+    validated: bool = False
 
 
 @dataclass
@@ -58,12 +60,14 @@ def restore_loaded(state: TrainingState, loaded: Loaded, *, restore_rng: bool, a
     else:
         saved_record(saved, loaded.file)
     rng = restore_rng and not fresh
+    # The structure was checked where the state was read, unless this is a rank's view (other entries swapped in).
+    read = loaded.validated and rank is None and isinstance(saved, dict) and "format" in saved
     if loaded.whole and not sharded:
-        progress = state.restore(saved, restore_rng=rng, **allow)
+        progress = (state.restore_read if read else state.restore)(saved, restore_rng=rng, **allow)
     else:
-        validate_rest(state, saved, allow)
+        plan = validate_rest(state, saved, allow)
         loaded.load_weights(state.model, state.optimizer, saved, sharded)
-        progress = restore_rest(state, saved, rng, allow)
+        progress = restore_rest(state, saved, rng, allow, plan if read else None)
     return Restored(progress, saved.get("extra") or {}, fresh)
 
 
@@ -113,21 +117,27 @@ def _strip(rest: Mapping[str, Any]) -> dict[str, Any]:
     return r
 
 
-def validate_rest(state: TrainingState, rest: Mapping[str, Any], allow: Mapping[str, bool]) -> None:
-    """Refuse, before anything is changed, what :meth:`TrainingState.restore` would refuse."""
-    proxy = rest_proxy(state)
-    r = _strip(rest)
-    proxy.check_structure(r)
-    proxy.check_identity(r, allow_version_change=allow.get("allow_version_change", False),
-                         allow_code_change=allow.get("allow_code_change", False),
-                         allow_data_change=allow.get("allow_data_change", False),
-                         allow_config_change=allow.get("allow_config_change"))
+def validate_rest(state: TrainingState, rest: Mapping[str, Any], allow: Mapping[str, bool]) -> RestorePlan:
+    """Refuse, before anything is changed, what :meth:`TrainingState.restore` would refuse (the structure was
+    checked where the state was read); return what the restore records."""
+    return rest_proxy(state).check_restore(
+        _strip(rest), structure_checked=True, allow_version_change=allow.get("allow_version_change", False),
+        allow_code_change=allow.get("allow_code_change", False), allow_data_change=allow.get("allow_data_change", False),
+        allow_config_change=allow.get("allow_config_change"))
 
 
-def restore_rest(state: TrainingState, rest: Mapping[str, Any], restore_rng: bool, allow: Mapping[str, bool]) -> Progress:
-    """Scheduler, scaler, data, objects, then the random streams last (model and optimizer are loaded)."""
+def restore_rest(state: TrainingState, rest: Mapping[str, Any], restore_rng: bool, allow: Mapping[str, bool],
+                 plan: RestorePlan | None = None) -> Progress:
+    """Scheduler, scaler, data, objects, then the random streams last (model and optimizer are loaded).
+
+    With ``plan`` (what :func:`validate_rest` accepted of a state checked where it was read) nothing is checked
+    again; without, :meth:`TrainingState.restore` checks everything once more (a rank's view).
+    """
     proxy = rest_proxy(state)
-    progress = proxy.restore(_strip(rest), restore_rng=restore_rng, **allow)
+    if plan is not None:
+        progress = proxy.restore_checked(_strip(rest), plan, restore_rng=restore_rng)
+    else:
+        progress = proxy.restore(_strip(rest), restore_rng=restore_rng, **allow)
     state.lineage = proxy.lineage
     state.accepted_config_changes = proxy.accepted_config_changes
     return progress

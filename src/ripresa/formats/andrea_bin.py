@@ -1,12 +1,12 @@
-"""The ANDREA raw ``.bin`` checkpoint: exact, for interop (layout: docs/FORMAT.md, "ANDREA step_NNNNNN.bin").
+"""The ANDREA raw ``.bin`` checkpoint: exact bytes, for interop (docs/FORMAT.md, "ANDREA ``step_NNNNNN.bin``").
 
-A header (int32 step, int32 n_params), then float32 weights, m and v: 8 + 12n
-bytes, no magic, no checksum; ripresa keeps integrity *beside* it (the marker
-``step_NNNNNN.bin.sha256``), so the bytes are what the ANDREA engine writes.
-Writing streams per-parameter tensors into a hashing :class:`~ripresa.io.fsio.StagedFile`;
-reading validates header and size before allocating anything. A ``.bin`` alone
-lacks the rest of a resume point (:func:`describe_missing`). The bytes only: a
-model and its AdamW are mapped to and from them in :mod:`ripresa.formats.bin_state`.
+``step``, ``n_params`` (int32 LE), then float32 weights, m and v: ``8 + 12 * n_params`` bytes, no
+magic, no checksum; integrity lives *beside* it (``step_NNNNNN.bin.sha256``), so a ``.bin`` written
+by ripresa is byte-for-byte what the ANDREA engine writes. Writing streams each parameter into a
+:class:`~ripresa.io.fsio.StagedFile` (hashed in the same pass, no concatenated copy); reading checks
+header and size *before* allocating. Names: :data:`BIN_NAMES`. A ``.bin`` alone is not a complete
+resume point (:func:`describe_missing`). The bytes only: a model and its AdamW map to them in
+:mod:`ripresa.formats.bin_state`.
 """
 
 from __future__ import annotations

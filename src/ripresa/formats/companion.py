@@ -1,22 +1,12 @@
-"""The companion ``step_NNNNNN.json`` of an ANDREA ``.bin`` (docs/FORMAT.md).
+"""The companion JSON of a generation: everything an exact resume needs besides the weights (docs/FORMAT.md).
 
-The ``.bin`` holds weights, m and v and a step; everything else an exact
-resume needs — random streams, data position, scheduler, scaler, progress,
-optimizer hyper-parameters, model buffers, config, versions, code and data
-identity — lives in this JSON file, written beside the ``.bin`` (never inside
-it) with the ``.bin``'s sha256 and size.
-
-Tensors are encoded losslessly as ``{"__tensor__": dtype, "shape": [...],
-"data": [...]}`` (floats via ``repr``, so float64 round-trips bit-exactly;
-float32/bfloat16/float16 values are exactly representable in a double);
-tuples as ``{"__tuple__": [...]}``; dicts with non-string keys (optimizer
-state is keyed by parameter index) as ``{"__dict__": [[key, value], ...]}``.
-
-Every companion read from disk may be hostile (docs/FAULTS.md): it is parsed
-with :func:`loads_bounded` (nesting depth checked before the parser recurses)
-and decoded with :func:`decode_tree`, which checks each tagged node — dtype,
-shape, element count and element types — before it allocates anything, and
-raises only :class:`~ripresa.errors.SchemaError`.
+Random streams, data position, scheduler, scaler, progress, optimizer hyper-parameters, buffers,
+config, versions and identity, beside the ``.bin`` (never inside it) with its sha256 and size.
+Tensors are encoded losslessly (``{"__tensor__": dtype, "shape", "data"}``, floats via ``repr``),
+tuples as ``{"__tuple__"}``, dicts with non-string keys as ``{"__dict__"}``. A companion read from
+disk may be hostile (docs/FAULTS.md): :func:`loads_bounded` checks the nesting depth before the
+parser recurses, :func:`decode_tree` checks every tagged node before it allocates, and raises only
+:class:`~ripresa.errors.SchemaError`.
 """
 
 from __future__ import annotations

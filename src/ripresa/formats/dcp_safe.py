@@ -1,44 +1,12 @@
-"""Reading ``torch.distributed.checkpoint`` folders without unpickling untrusted bytes.
+"""Reading ``torch.distributed.checkpoint`` folders without unpickling untrusted bytes (docs/FORMAT.md).
 
-``torch.distributed.checkpoint`` as shipped trusts its files: its
-``FileSystemReader.read_metadata`` is a plain ``pickle.load`` of ``.metadata``
-(any global, so any code), and its ``DefaultLoadPlanner.load_bytes`` is a
-``torch.load(weights_only=False)`` of every non-tensor item inside the
-``.distcp`` shard files (an optimizer's hyper-parameters). A ``.dcp``
-generation's commit marker holds plain sha256s, so whoever can write the
-folder can make a crafted ``.metadata`` pass it (docs/FAULTS.md, hostile run
-folders). Every DCP read of ripresa goes through this module instead:
-
-* :class:`SafeFileSystemReader` reads ``.metadata`` (at most
-  :data:`MAX_METADATA_BYTES`, never through a symlink or a FIFO) with
-  :class:`MetadataUnpickler`, whose ``find_class`` allows only the DCP
-  metadata classes, ``torch.Size``, ``torch`` dtypes and layouts and
-  ``pathlib.PosixPath`` — a refused global is an
-  :class:`~ripresa.errors.IntegrityError` naming the file and the global, and
-  nothing of it is imported or run. It then checks what the metadata says
-  against the folder before DCP uses it: every storage entry names a shard
-  file of the folder (``__R_I.distcp``, no path), its byte range lies inside
-  that file, and no storage transform (compression) is declared — ripresa
-  never writes one. Each slice of a shard is read (bounded by that range) and
-  its ``torch.save`` zip directory is checked (members stored, not
-  compressed; their sizes within the slice) before ``torch.load``.
-* :class:`SafeLoadPlanner` loads the non-tensor items with
-  ``torch.load(weights_only=True)``.
-* :class:`VerifiedFiles`: a load never re-opens a path its check hashed.
-  Every file DCP needs is read once (the safe opener: no symlink, no FIFO)
-  into memory while hashed, compared with the sha256 the generation's check
-  recorded (the marker, signed under require-signature), and DCP slices only
-  those buffers; all of a rank's files are verified before any item is loaded.
-
-The unpickler is bounded by design: the pure-Python one (iterative), a dict
-memo of at most :data:`MAX_MEMO` entries, every opcode metered
-(:data:`MAX_PICKLE_UNITS`), each key measured before it is hashed, and the
-result checked iteratively (:func:`check_shape`: at most
-:data:`MAX_METADATA_DEPTH` levels, no container reached twice). Every refusal
-is an :class:`~ripresa.errors.IntegrityError`, so a resume falls back.
-
-:func:`read_metadata` is the same check for ``inspect`` and ``check_dcp``
-(one validation path: what a deep check passes, a load passes too).
+DCP as shipped ``pickle.load``s ``.metadata`` and ``torch.load(weights_only=False)``s non-tensor
+items; every DCP read of ripresa goes through this module instead ("Reading ``.metadata`` and
+shard items", "Loading exactly the verified bytes"): :class:`SafeFileSystemReader` with the
+restricted, bounded :class:`MetadataUnpickler` (allowed globals only; every storage entry checked
+against the folder), :class:`SafeLoadPlanner` (``weights_only=True``), and :class:`VerifiedFiles`
+(every file read once while hashed against the check's sha256s). :func:`read_metadata` is the same
+check for ``inspect`` and ``check_dcp``. Every refusal is an :class:`~ripresa.errors.IntegrityError`.
 """
 
 from __future__ import annotations

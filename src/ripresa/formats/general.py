@@ -1,16 +1,10 @@
-"""A general generation: every tensor in ``step_NNNNNN.safetensors``, the rest in a small JSON companion (docs/FORMAT.md).
+"""A general generation's state: every tensor in ``step_NNNNNN.safetensors``, the rest in a JSON companion.
 
-:func:`split_state` turns a complete snapshot (``TrainingState.snapshot()``:
-model, any optimizer, scheduler, scaler, data, user objects, random streams)
-into the tensors of the file, keyed by their flattened path (:func:`key_of`),
-and the companion's state tree, in which each tensor is a reference
-``{"__ref__": key}``. Tied weights (model entries that are the same view of
-the same storage) are stored once; the companion names the alias. A tensor
-whose dtype safetensors cannot name is stored as its raw bytes (``U8``) and
-its reference carries the real dtype and shape. A list of at least
-:data:`MIN_LIST_REF` ints (a random stream's state words) is an int64 tensor of
-the file too, referenced as ``{"__ref__": key, "list": "int64"}``.
-:func:`join_state` is the inverse, checking every reference before it resolves it.
+:func:`split_state` turns a complete snapshot into the file's tensors, keyed by their flattened path
+(:func:`key_of`), and the companion's tree, where each tensor is a reference ``{"__ref__": key}``;
+tied weights are stored once, a dtype safetensors cannot name is stored as raw ``U8`` bytes, a long
+int list (a random stream's state) is an int64 tensor. :func:`join_state` is the inverse, checking
+every reference before it resolves it. docs/FORMAT.md, "General generation" ("Keys", "Companion").
 """
 
 from __future__ import annotations

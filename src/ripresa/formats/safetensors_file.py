@@ -1,25 +1,11 @@
-"""The byte layout of a general generation ``step_NNNNNN.safetensors`` (docs/FORMAT.md).
+"""The byte layout of a general generation ``step_NNNNNN.safetensors`` (docs/FORMAT.md, "the safetensors layout").
 
-The safetensors layout, written and read by ripresa itself (the
-``safetensors`` package is not needed; ``safetensors.safe_open(path, "pt")``
-reads what this module writes)::
-
-    offset 0       uint64 LE   N: the header's length in bytes (N <= MAX_HEADER)
-    offset 8       N bytes     UTF-8 JSON header, padded with spaces so 8 + N is a multiple of 8:
-                               {"__metadata__": {str: str}, key: {"dtype", "shape", "data_offsets": [begin, end]}, ...}
-    offset 8 + N   the tensors' bytes, contiguous, no gap, nothing after; offsets relative to 8 + N
-
-Tensors are laid out by decreasing item size (then in state order), so each
-one starts at an offset that is a multiple of its own item size.
-
-Reading is hostile-safe (:func:`parse_header`): the header length is bounded
-and inside the file, the JSON is bounded in depth, every dtype comes from
-:data:`DTYPES`, every shape is a list of non-negative ints whose element
-count times the item size equals its byte range, every range lies inside the
-file, ranges neither overlap nor leave gaps, and they cover the data exactly.
-All of it is decided from the header and the file size, before any tensor is
-allocated; every refusal is an :class:`~ripresa.errors.IntegrityError` naming
-the file.
+The safetensors layout written and read by ripresa itself (``safetensors.safe_open(path, "pt")``
+reads it): a uint64 LE header length, a space-padded JSON header, then the tensors' bytes,
+contiguous, by decreasing item size. Reading is hostile-safe (:func:`parse_header`): length,
+depth, dtypes (:data:`DTYPES`), shapes and byte ranges (inside the file, no overlap, no gap) are
+all decided from the header and the file size before any tensor is allocated; every refusal is an
+:class:`~ripresa.errors.IntegrityError` naming the file.
 """
 
 from __future__ import annotations

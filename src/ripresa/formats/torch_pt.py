@@ -1,18 +1,11 @@
-"""The torch-native ``checkpoint.pt`` (docs/FORMAT.md).
+"""The torch-native ``checkpoint.pt`` (docs/FORMAT.md, "``checkpoint.pt``").
 
-A dict of tensors and primitives that loads with
-``torch.load(path, map_location="cpu", weights_only=True)`` and nothing else:
-no ``weights_only=False``, no extra safe globals. Beside it,
-``checkpoint.pt.sha256`` in ``sha256sum`` format is the commit marker, written
-last. See ``docs/FORMAT.md`` for the schema.
-
-Writing: the pickle is streamed into a temporary sibling while it is hashed,
-``fsync``'d, renamed, the folder ``fsync``'d, then the sidecar is written the
-same way. Loading: the sidecar, the hash, the zip directory
-(:func:`check_zip_directory`: stored members only, sizes within the file,
-a bounded member count, names inside one archive folder), then the safe
-unpickler, then the schema — nothing is trusted before the step that checks
-it, and nothing is inflated or allocated from a size the file declares.
+A dict of tensors and primitives that loads with ``torch.load(weights_only=True)`` and nothing
+else, with ``checkpoint.pt.sha256`` (``sha256sum`` format) as its commit marker, written last.
+Writing streams the pickle into a temporary sibling while hashing it, ``fsync``, rename, folder
+``fsync``, then the sidecar. Loading checks, in order, the sidecar, the hash, the zip directory
+(:func:`check_zip_directory`), the safe unpickler and the schema: nothing is trusted before the step
+that checks it, nothing is inflated or allocated from a size the file declares.
 """
 
 from __future__ import annotations

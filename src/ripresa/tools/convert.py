@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,94 +131,121 @@ def load(path: str | Path, *, model_factory: ModelFactory, config: str | dict[st
     # Under require-signature only signed generations are sources; a destination this
     # command just wrote is read back to compare it, whatever its kind.
     require = auth.require_signature_from_env() and not _written_here
-    if require and kind in ("plain-bin", "safetensors", "pt"):
-        raise auth.unsigned_error({"plain-bin": "a plain .bin", "safetensors": "a .safetensors",
-                                   "pt": "a checkpoint.pt"}[kind], src, "this format carries no HMAC signature")
-    if kind == "bin":
-        from ..formats.bin_state import join_state
-        from ..store.store import CheckpointStore
+    if require and kind in _UNSIGNED:
+        raise auth.unsigned_error(_UNSIGNED[kind], src, "this format carries no HMAC signature")
+    return _LOADERS[kind](src, kind, require, config, model_factory)
 
-        step = parse_bin_name(src.name)
-        assert step is not None
-        store = CheckpointStore(src.parent, writer=False, require_signature=require or None)
-        gen = store.check(step)
-        if not gen.valid:
-            raise CheckFailed(f"the source generation is not valid: {gen.reason}", file=src)
-        from ..formats import companion as companion_fmt
-        from ..io.fsio import read_json_small
 
-        doc = read_json_small(src.with_suffix(".json"), "companion", companion_fmt.MAX_COMPANION_BYTES, error=IntegrityError)
-        saved = doc.get("state") if isinstance(doc, dict) else None
-        cfg = _model_config(saved.get("config") if isinstance(saved, dict) else None, config, src, model_factory)
-        rec = doc.get("bin") if isinstance(doc, dict) else None
-        n_bin = rec.get("n_params") if isinstance(rec, dict) else None
-        model, opt = _build_sized(model_factory, cfg, src, n_bin if type(n_bin) is int else None, exact=True)
-        contents, comp = store.load(step, expected_n=sum(p.numel() for p in model.parameters()))
-        full = join_state(_Shim(model, opt), contents, comp)  # type: ignore[arg-type]
-        model.load_state_dict(full["model"], strict=True)
-        opt.load_state_dict(full["optimizer"])
-        return Loaded(kind, src, model, opt, _split(full), step, cfg)
-    if kind == "general":
-        from ..store.general import parse_general_name, validate_general
+def _load_bin(src: Path, kind: str, require: bool, config: str | dict[str, Any] | None, model_factory: ModelFactory) -> Loaded:
+    """A ``.bin`` generation: its store's check and load, joined with its companion."""
+    from ..formats.bin_state import join_state
+    from ..store.store import CheckpointStore
 
-        step = parse_general_name(src.name)
-        assert step is not None
-        key = auth.load_key() if require else None
-        if require and key is None:
-            raise auth.missing_key_error("require_signature (RIPRESA_REQUIRE_SIGNATURE)")
-        try:
-            v = validate_general(src.parent, step, load=True, key=key, raise_first=True)
-        except IntegrityError as exc:
-            raise CheckFailed(f"the source generation is not valid: {exc.message}", file=src, found=exc.found) from exc
-        saved = v.state
-        cfg = _model_config(saved.get("config"), config, src, model_factory)
-        model, opt = _build_sized(model_factory, cfg, src, _numel(saved.get("model")))
-        model.load_state_dict(saved["model"], strict=True)
-        if saved.get("optimizer") is None:
-            raise SchemaError("the generation has no optimizer state", file=src, hint="ripresa convert needs the optimizer")
-        opt.load_state_dict(saved["optimizer"])
-        return Loaded(kind, src, model, opt, _split(saved), step, cfg)
-    if kind == "pt":
-        from ..formats.torch_pt import load_checkpoint
+    step = parse_bin_name(src.name)
+    assert step is not None
+    store = CheckpointStore(src.parent, writer=False, require_signature=require or None)
+    gen = store.check(step)
+    if not gen.valid:
+        raise CheckFailed(f"the source generation is not valid: {gen.reason}", file=src)
+    from ..formats import companion as companion_fmt
+    from ..io.fsio import read_json_small
 
-        ck = load_checkpoint(src, require_signature=require)
-        cfg = _model_config(ck.state.get("config"), config, src, model_factory)
-        model, opt = _build_sized(model_factory, cfg, src, _numel(ck.state.get("model")))
-        model.load_state_dict(ck.state["model"], strict=True)
-        if ck.state.get("optimizer") is None:
-            raise SchemaError("the checkpoint.pt has no optimizer state", file=src, hint="ripresa convert needs AdamW's m and v")
-        opt.load_state_dict(ck.state["optimizer"])
-        return Loaded(kind, src, model, opt, _split(ck.state), ck.step, cfg)
-    if kind == "dcp":
-        step = dcp_fmt.parse_dcp_name(src.name)
-        if step is None:
-            raise BadInput("a .dcp source must be named step_NNNNNN.dcp", file=src, found=src.name)
-        gen = dcp_fmt.check_dcp(src.parent, step, deep=True, require_signature=require)
-        if not gen.valid:
-            raise CheckFailed(f"the source .dcp generation is not valid: {gen.reason}", file=src)
-        doc = dcp_fmt.read_dcp_companion(src, gen.files[dcp_fmt.COMPANION_NAME])
-        rest = dcp_fmt.decode_state(doc, src)
-        cfg = _model_config(rest.get("config"), config, src, model_factory)
-        model, opt = model_factory.build(cfg)
-        dcp_fmt.load_shards(model, opt, src, files=gen.files, sizes=doc["files"], no_dist=True)  # the bytes verified
-        return Loaded(kind, src, model, opt, rest, step, cfg)
-    if kind == "plain-bin":
-        # with a sidecar, the bytes loaded are the bytes hashed (one read), never a second open of the path
-        expected = read_sidecar(src) if os.path.lexists(src.parent / (src.name + ".sha256")) else None
-        cfg = _model_config(None, config, src, model_factory)
-        size = src.stat().st_size  # a size hint only: read_bin opens and checks the file itself
-        model, opt = _build_sized(model_factory, cfg, src, (size - 8) // 12 if size >= 8 and (size - 8) % 12 == 0 else None,
-                                  exact=True)
-        contents = read_bin(src, expected_n=sum(p.numel() for p in model.parameters()), expected_sha256=expected)
-        load_into_model_and_adamw(contents, model, opt)
-        return Loaded(kind, src, model, opt, None, contents.step, cfg)
-    # safetensors
+    doc = read_json_small(src.with_suffix(".json"), "companion", companion_fmt.MAX_COMPANION_BYTES, error=IntegrityError)
+    saved = doc.get("state") if isinstance(doc, dict) else None
+    cfg = _model_config(saved.get("config") if isinstance(saved, dict) else None, config, src, model_factory)
+    rec = doc.get("bin") if isinstance(doc, dict) else None
+    n_bin = rec.get("n_params") if isinstance(rec, dict) else None
+    model, opt = _build_sized(model_factory, cfg, src, n_bin if type(n_bin) is int else None, exact=True)
+    contents, comp = store.load(step, expected_n=sum(p.numel() for p in model.parameters()))
+    full = join_state(_Shim(model, opt), contents, comp)  # type: ignore[arg-type]
+    model.load_state_dict(full["model"], strict=True)
+    opt.load_state_dict(full["optimizer"])
+    return Loaded(kind, src, model, opt, _split(full), step, cfg)
+
+
+def _load_general(src: Path, kind: str, require: bool, config: str | dict[str, Any] | None, model_factory: ModelFactory) -> Loaded:
+    """A general generation: the format's full validation (every tensor hashed), loaded."""
+    from ..store.general import parse_general_name, validate_general
+
+    step = parse_general_name(src.name)
+    assert step is not None
+    key = auth.load_key() if require else None
+    if require and key is None:
+        raise auth.missing_key_error("require_signature (RIPRESA_REQUIRE_SIGNATURE)")
+    try:
+        v = validate_general(src.parent, step, load=True, key=key, raise_first=True)
+    except IntegrityError as exc:
+        raise CheckFailed(f"the source generation is not valid: {exc.message}", file=src, found=exc.found) from exc
+    saved = v.state
+    cfg = _model_config(saved.get("config"), config, src, model_factory)
+    model, opt = _build_sized(model_factory, cfg, src, _numel(saved.get("model")))
+    model.load_state_dict(saved["model"], strict=True)
+    if saved.get("optimizer") is None:
+        raise SchemaError("the generation has no optimizer state", file=src, hint="ripresa convert needs the optimizer")
+    opt.load_state_dict(saved["optimizer"])
+    return Loaded(kind, src, model, opt, _split(saved), step, cfg)
+
+
+def _load_pt(src: Path, kind: str, require: bool, config: str | dict[str, Any] | None, model_factory: ModelFactory) -> Loaded:
+    """A ``checkpoint.pt``: the restricted loader, verified against its sidecar."""
+    from ..formats.torch_pt import load_checkpoint
+
+    ck = load_checkpoint(src, require_signature=require)
+    cfg = _model_config(ck.state.get("config"), config, src, model_factory)
+    model, opt = _build_sized(model_factory, cfg, src, _numel(ck.state.get("model")))
+    model.load_state_dict(ck.state["model"], strict=True)
+    if ck.state.get("optimizer") is None:
+        raise SchemaError("the checkpoint.pt has no optimizer state", file=src, hint="ripresa convert needs AdamW's m and v")
+    opt.load_state_dict(ck.state["optimizer"])
+    return Loaded(kind, src, model, opt, _split(ck.state), ck.step, cfg)
+
+
+def _load_dcp(src: Path, kind: str, require: bool, config: str | dict[str, Any] | None, model_factory: ModelFactory) -> Loaded:
+    """A ``.dcp`` generation: deep-checked, its verified shards loaded in one process."""
+    step = dcp_fmt.parse_dcp_name(src.name)
+    if step is None:
+        raise BadInput("a .dcp source must be named step_NNNNNN.dcp", file=src, found=src.name)
+    gen = dcp_fmt.check_dcp(src.parent, step, deep=True, require_signature=require)
+    if not gen.valid:
+        raise CheckFailed(f"the source .dcp generation is not valid: {gen.reason}", file=src)
+    doc = dcp_fmt.read_dcp_companion(src, gen.files[dcp_fmt.COMPANION_NAME])
+    rest = dcp_fmt.decode_state(doc, src)
+    cfg = _model_config(rest.get("config"), config, src, model_factory)
+    model, opt = model_factory.build(cfg)
+    dcp_fmt.load_shards(model, opt, src, files=gen.files, sizes=doc["files"], no_dist=True)  # the bytes verified
+    return Loaded(kind, src, model, opt, rest, step, cfg)
+
+
+def _load_plain_bin(src: Path, kind: str, require: bool, config: str | dict[str, Any] | None, model_factory: ModelFactory) -> Loaded:
+    """A plain ``.bin`` (no companion): weights, m and v."""
+    # with a sidecar, the bytes loaded are the bytes hashed (one read), never a second open of the path
+    expected = read_sidecar(src) if os.path.lexists(src.parent / (src.name + ".sha256")) else None
+    cfg = _model_config(None, config, src, model_factory)
+    size = src.stat().st_size  # a size hint only: read_bin opens and checks the file itself
+    model, opt = _build_sized(model_factory, cfg, src, (size - 8) // 12 if size >= 8 and (size - 8) % 12 == 0 else None,
+                              exact=True)
+    contents = read_bin(src, expected_n=sum(p.numel() for p in model.parameters()), expected_sha256=expected)
+    load_into_model_and_adamw(contents, model, opt)
+    return Loaded(kind, src, model, opt, None, contents.step, cfg)
+
+
+def _load_safetensors(src: Path, kind: str, require: bool, config: str | dict[str, Any] | None, model_factory: ModelFactory) -> Loaded:
+    """A weights-only ``.safetensors``."""
     meta, tensors = _read_weights_safetensors(src)
     saved_cfg = parse_json_bytes(meta["config"].encode(), src, "safetensors config") if "config" in meta else None
     cfg = _model_config(saved_cfg, config, src, model_factory)
     model, _ = _build_sized(model_factory, cfg, src, _numel(tensors))
     model.load_state_dict(tensors, strict=True)
     return Loaded(kind, src, model, None, None, int(meta.get("step", 0)), cfg)
+
+
+#: The formats that carry no signature (refused as sources under require-signature), as messages name them.
+_UNSIGNED = {"plain-bin": "a plain .bin", "safetensors": "a .safetensors", "pt": "a checkpoint.pt"}
+#: How each kind is read (:func:`load`): (path, kind, whether a signature is required, --config, factory).
+_LOADERS: dict[str, Callable[[Path, str, bool, str | dict[str, Any] | None, ModelFactory], Loaded]] = {
+    "bin": _load_bin, "general": _load_general, "pt": _load_pt, "dcp": _load_dcp, "plain-bin": _load_plain_bin,
+    "safetensors": _load_safetensors,
+}
 
 
 def _read_weights_safetensors(src: Path) -> tuple[dict[str, str], dict[str, Any]]:
@@ -319,59 +346,85 @@ def write(lo: Loaded, dest: Path, kind: str) -> None:
                        expected=f"a source holding {HOLDS[kind]} state", found=f"{HOLDS[lo.kind]} only; it lacks: {'; '.join(lacks[:3])}",
                        hint="missing state is never invented; convert a complete generation instead")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "bin":
-        from ..store.store import CheckpointStore
+    _WRITERS[kind](lo, dest)
 
-        step = parse_bin_name(dest.name)
-        if step != lo.step:
-            raise BadInput("a .bin generation's name must carry its step", file=dest, expected=f"step_{lo.step:06d}.bin", found=dest.name)
-        assert lo.optimizer is not None
-        with CheckpointStore(dest.parent, retention=KeepLast(2**31 - 1)) as store:
-            store.save(lo.step, flatten_model_and_adamw(lo.model, lo.optimizer), _companion_state(lo))
-    elif kind == "general":
-        from ..formats import general as general_fmt
-        from ..store.general import parse_general_name, save_general
 
-        if parse_general_name(dest.name) != lo.step:
-            raise BadInput("a general generation's name must carry its step", file=dest,
-                           expected=f"step_{lo.step:06d}.safetensors", found=dest.name)
-        tensors, encoded, aliases = general_fmt.split_state(_snapshot(lo), general_fmt.model_aliases(lo.model))
-        save_general(dest.parent, lo.step, tensors, encoded, aliases, hmac_key=auth.load_key())
-    elif kind == "plain-bin":
-        assert lo.optimizer is not None
-        save_bin(dest, lo.step, *flatten_model_and_adamw(lo.model, lo.optimizer))
-    elif kind == "pt":
-        from ..formats.torch_pt import save_checkpoint
+def _write_bin(lo: Loaded, dest: Path) -> None:
+    """A ``.bin`` generation through its store (commit marker last)."""
+    from ..store.store import CheckpointStore
 
-        save_checkpoint(dest, _snapshot(lo))
-    elif kind == "dcp":
-        step = dcp_fmt.parse_dcp_name(dest.name)
-        if step != lo.step:
-            raise BadInput("a .dcp generation's name must carry its step", file=dest, expected=f"step_{lo.step:06d}.dcp", found=dest.name)
-        assert lo.rest is not None
-        part = dcp_fmt.partial_path(dest.parent, step)
-        if part.exists():
-            import shutil
+    step = parse_bin_name(dest.name)
+    if step != lo.step:
+        raise BadInput("a .bin generation's name must carry its step", file=dest, expected=f"step_{lo.step:06d}.bin", found=dest.name)
+    assert lo.optimizer is not None
+    with CheckpointStore(dest.parent, retention=KeepLast(2**31 - 1)) as store:
+        store.save(lo.step, flatten_model_and_adamw(lo.model, lo.optimizer), _companion_state(lo))
 
-            shutil.rmtree(part)
-        dcp_fmt.save_shards(lo.model, lo.optimizer, part, no_dist=True)
-        rest = dict(lo.rest)
-        rest["model"], rest["optimizer"] = {}, None
-        world = int(((rest.get("extra") or {}).get("distributed") or {}).get("world_size", 1))
-        from ..store.dcp import commit_dcp
 
-        commit_dcp(dest.parent, step, part, world_size=world,
-                   n_params=sum(p.numel() for p in lo.model.parameters()), state=rest, hmac_key=auth.load_key())
-    else:
-        st = _safetensors()
-        tensors = {k: v.detach().contiguous() for k, v in lo.model.state_dict().items()}
-        meta = {"format": "ripresa.weights", "step": str(lo.step), "config": json.dumps(lo.config or {}, sort_keys=True)}
-        with StagedFile(dest) as f:
-            f.write(st.torch.save(tensors, metadata=meta))
-            digest = f.finish()
-            f.publish()
-        fsync_dir(dest.parent)
-        write_sidecar(dest, digest)
+def _write_general(lo: Loaded, dest: Path) -> None:
+    """A general generation (its commit protocol, signed when a key is configured)."""
+    from ..formats import general as general_fmt
+    from ..store.general import parse_general_name, save_general
+
+    if parse_general_name(dest.name) != lo.step:
+        raise BadInput("a general generation's name must carry its step", file=dest,
+                       expected=f"step_{lo.step:06d}.safetensors", found=dest.name)
+    tensors, encoded, aliases = general_fmt.split_state(_snapshot(lo), general_fmt.model_aliases(lo.model))
+    save_general(dest.parent, lo.step, tensors, encoded, aliases, hmac_key=auth.load_key())
+
+
+def _write_plain_bin(lo: Loaded, dest: Path) -> None:
+    """A plain ``.bin``: weights, m, v and the step only."""
+    assert lo.optimizer is not None
+    save_bin(dest, lo.step, *flatten_model_and_adamw(lo.model, lo.optimizer))
+
+
+def _write_pt(lo: Loaded, dest: Path) -> None:
+    """A ``checkpoint.pt`` and its sidecar."""
+    from ..formats.torch_pt import save_checkpoint
+
+    save_checkpoint(dest, _snapshot(lo))
+
+
+def _write_dcp(lo: Loaded, dest: Path) -> None:
+    """A ``.dcp`` generation: its shards in one process, then the commit (signed when a key is configured)."""
+    step = dcp_fmt.parse_dcp_name(dest.name)
+    if step != lo.step:
+        raise BadInput("a .dcp generation's name must carry its step", file=dest, expected=f"step_{lo.step:06d}.dcp", found=dest.name)
+    assert lo.rest is not None
+    part = dcp_fmt.partial_path(dest.parent, step)
+    if part.exists():
+        import shutil
+
+        shutil.rmtree(part)
+    dcp_fmt.save_shards(lo.model, lo.optimizer, part, no_dist=True)
+    rest = dict(lo.rest)
+    rest["model"], rest["optimizer"] = {}, None
+    world = int(((rest.get("extra") or {}).get("distributed") or {}).get("world_size", 1))
+    from ..store.dcp import commit_dcp
+
+    commit_dcp(dest.parent, step, part, world_size=world,
+               n_params=sum(p.numel() for p in lo.model.parameters()), state=rest, hmac_key=auth.load_key())
+
+
+def _write_safetensors(lo: Loaded, dest: Path) -> None:
+    """A weights-only ``.safetensors`` and its sidecar."""
+    st = _safetensors()
+    tensors = {k: v.detach().contiguous() for k, v in lo.model.state_dict().items()}
+    meta = {"format": "ripresa.weights", "step": str(lo.step), "config": json.dumps(lo.config or {}, sort_keys=True)}
+    with StagedFile(dest) as f:
+        f.write(st.torch.save(tensors, metadata=meta))
+        digest = f.finish()
+        f.publish()
+    fsync_dir(dest.parent)
+    write_sidecar(dest, digest)
+
+
+#: How each kind is written (:func:`write`).
+_WRITERS: dict[str, Callable[[Loaded, Path], None]] = {
+    "bin": _write_bin, "general": _write_general, "plain-bin": _write_plain_bin, "pt": _write_pt, "dcp": _write_dcp,
+    "safetensors": _write_safetensors,
+}
 
 
 # ---- comparing ---------------------------------------------------------------------------------

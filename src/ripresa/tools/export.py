@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,18 +57,27 @@ def export_run(run: Path, dest: Path, *, model_factory: ModelFactory | None = No
     (docs/SHARDED.md).
     """
     run, dest = Path(run), Path(dest)
-    general = export_general.general_source(run, step)  # a Checkpointer's default format (docs/FORMAT.md, "Export bundles")
-    if general is not None:
-        return export_general.export_general(run, dest, general, model_factory=model_factory, inference=inference,
-                                              show_progress=show_progress, verify=verify_or_uncommit)
-    if model_factory is None and run.is_dir():
-        raise BadInput("exporting a .bin or .dcp generation needs the model factory", file=run,
-                       expected="export_run(..., model_factory=GPT_FACTORY)", found="model_factory=None",
-                       hint="only a general generation (a Checkpointer's default format) exports without one")
-    sharded = _sharded_source(run, step)
-    if sharded is None:
-        return export_bin.export_bin(run, dest, model_factory=model_factory, step=step, inference=inference,
-                                      show_progress=show_progress, verify=verify_or_uncommit)
+    for _kind, needs_factory, source, export in _SOURCES:
+        if needs_factory and model_factory is None and run.is_dir():
+            raise BadInput("exporting a .bin or .dcp generation needs the model factory", file=run,
+                           expected="export_run(..., model_factory=GPT_FACTORY)", found="model_factory=None",
+                           hint="only a general generation (a Checkpointer's default format) exports without one")
+        gen = source(run, step)
+        if gen is not None:
+            return export(run, dest, gen, model_factory=model_factory, inference=inference, show_progress=show_progress)
+    return export_bin.export_bin(run, dest, model_factory=model_factory, step=step, inference=inference,
+                                 show_progress=show_progress, verify=verify_or_uncommit)
+
+
+def _export_general(run: Path, dest: Path, gen: Generation, *, model_factory: ModelFactory | None, inference: bool,
+                    show_progress: bool) -> dict[str, Any]:
+    return export_general.export_general(run, dest, gen, model_factory=model_factory, inference=inference,
+                                         show_progress=show_progress, verify=verify_or_uncommit)
+
+
+def _export_sharded(run: Path, dest: Path, sharded: Generation, *, model_factory: ModelFactory | None, inference: bool,
+                    show_progress: bool) -> dict[str, Any]:
+    """A ``.dcp`` generation, converted to a ``.bin`` one in a staging folder beside ``dest``, exported, removed."""
     import shutil
     import tempfile
 
@@ -110,6 +120,26 @@ def _sharded_source(run: Path, step: int | None) -> Generation | None:
         return gen
     newest = latest_valid_of(run, ("bin", "dcp"), deep=True)
     return newest if newest is not None and newest.kind == "dcp" else None
+
+
+#: The kinds whose generation an export looks for first, in this order (docs/FORMAT.md, "Export bundles"):
+#: (kind, whether it needs the model factory, the deep-checked generation of that kind to export or None, its
+#: exporter). A general generation is a Checkpointer's default format; a ``.bin`` is what is left (export_bin).
+_SOURCES: tuple[tuple[str, bool, Callable[[Path, int | None], Generation | None], Callable[..., dict[str, Any]]], ...] = (
+    ("general", False, export_general.general_source, _export_general),
+    ("dcp", True, _sharded_source, _export_sharded),
+)
+
+
+#: Where a manifest of each bundle kind names the kind of generation it came from (absent: a ``.bin``).
+_SOURCE_OF = {RESUME: ("generation", "format"), INFERENCE: ("weights", "source")}
+#: How a bundle is reloaded, by (bundle kind, kind of generation): (dest, manifest, expected weights, factory).
+_RELOADS: dict[tuple[str, str], Callable[[Path, dict[str, Any], Any, Any], dict[str, Any]]] = {
+    (RESUME, "general"): lambda dest, manifest, weights, factory: export_general.reload_resume(dest, manifest),
+    (RESUME, "bin"): lambda dest, manifest, weights, factory: export_bin.reload_resume(dest, manifest, factory),
+    (INFERENCE, "general"): lambda dest, manifest, weights, factory: export_general.reload_inference(dest, manifest, weights),
+    (INFERENCE, "bin"): lambda dest, manifest, weights, factory: export_bin.reload_inference(dest, manifest, weights, factory),
+}
 
 
 def verify_export(dest: Path, *, model_factory: ModelFactory | None = None, show_progress: bool = False, _expected_weights: Any = None) -> dict[str, Any]:
@@ -158,14 +188,9 @@ def verify_export(dest: Path, *, model_factory: ModelFactory | None = None, show
     if model_factory is None and not general:
         raise BadInput("verifying the export of a .bin generation needs the model factory", file=dest,
                        expected="verify_export(..., model_factory=GPT_FACTORY)", found="model_factory=None")
-    if manifest["kind"] == RESUME and as_dict(manifest.get("generation")).get("format") == "general":
-        reload = export_general.reload_resume(dest, manifest)
-    elif manifest["kind"] == RESUME:
-        reload = export_bin.reload_resume(dest, manifest, model_factory)
-    elif as_dict(manifest.get("weights")).get("source") == "general":
-        reload = export_general.reload_inference(dest, manifest, _expected_weights)
-    else:
-        reload = export_bin.reload_inference(dest, manifest, _expected_weights, model_factory)
+    section, key = _SOURCE_OF[manifest["kind"]]
+    source = "general" if as_dict(manifest.get(section)).get(key) == "general" else "bin"
+    reload = _RELOADS[manifest["kind"], source](dest, manifest, _expected_weights, model_factory)
     return {
         "dest": str(dest), "kind": manifest["kind"], "step": manifest.get("step"),
         "files": len(manifest["files"]) + 2, "bytes": total, "hashes_checked": len(manifest["files"]) + 1,

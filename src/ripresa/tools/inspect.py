@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,16 @@ def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = T
         ) from exc
 
 
+#: The inspector of each generation kind (the registry's names, :mod:`ripresa.store.kinds`), chosen by the
+#: kind's file suffix: a ``.bin`` or ``.safetensors`` of any name (a foreign one too), a ``.dcp`` folder.
+_BY_KIND = {"bin": inspect_bin, "general": inspect_safetensors, "dcp": dcp_report}
+#: Files of no generation kind, by suffix (any other name: a zip archive is a ``checkpoint.pt``).
+_BY_SUFFIX = {".pt": inspect_pt, ".pth": inspect_pt}
+
+
 def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bool, deep: bool) -> dict[str, Any]:
-    if stat.S_ISDIR(st.st_mode) and p.name.endswith(".dcp"):  # one sharded generation (tools/inspect_dcp.py)
-        return dcp_report(p, path, check_finite=check_finite, deep=deep)
-    if stat.S_ISDIR(st.st_mode):
-        return inspect_run(p, path, check_finite=check_finite, deep=deep)
-    if not stat.S_ISREG(st.st_mode):
+    is_dir = stat.S_ISDIR(st.st_mode)
+    if not is_dir and not stat.S_ISREG(st.st_mode):
         raise BadInput(
             "cannot inspect a special file",
             file=p,
@@ -73,13 +78,9 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
             found="a FIFO, socket or device",
             hint="ripresa never reads from special files",
         )
-    kind = _file_kind(p)
-    if kind == "bin":
-        return inspect_bin(p, path, check_finite=check_finite, deep=deep)
-    if kind == "checkpoint.pt":
-        return inspect_pt(p, path, check_finite=check_finite, deep=deep)
-    if kind == "safetensors":
-        return inspect_safetensors(p, path, check_finite=check_finite, deep=deep)
+    inspector = _kind_inspector(p, is_dir) or (inspect_run if is_dir else _BY_SUFFIX.get(p.suffix) or _zip_inspector(p))
+    if inspector is not None:
+        return inspector(p, path, check_finite=check_finite, deep=deep)
     raise BadInput(
         "unknown kind of file",
         file=p,
@@ -89,25 +90,43 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
     )
 
 
-def _file_kind(p: Path) -> str | None:
-    if p.suffix == ".bin":
-        return "bin"
-    if p.suffix == ".safetensors":
-        return "safetensors"
-    if p.suffix in (".pt", ".pth"):
-        return "checkpoint.pt"
+def _kind_inspector(p: Path, is_dir: bool) -> Callable[..., dict[str, Any]] | None:
+    """The inspector of the registered kind whose main file (or folder) suffix ``p`` carries, if any."""
+    from ..store.kinds import kinds  # the registry imports torch: only once a path is inspected
+
+    for spec in kinds():
+        names = spec.naming
+        if names is None or names.folder != is_dir or spec.kind not in _BY_KIND:
+            continue
+        if (p.name.endswith(names.suffix) if is_dir else p.suffix == names.suffix):
+            return _BY_KIND[spec.kind]
+    return None
+
+
+def _zip_inspector(p: Path) -> Callable[..., dict[str, Any]] | None:
+    """:func:`inspect_pt` for a zip archive (what ``torch.save`` writes) of any name, else None."""
     try:
         fd = open_regular(p, "file")  # the descriptor is checked: a FIFO is refused, never waited on
     except RipresaError:
         return None
     try:
-        if os.pread(fd, 4, 0) == b"PK\x03\x04":  # a zip archive: what torch.save writes
-            return "checkpoint.pt"
+        if os.pread(fd, 4, 0) == b"PK\x03\x04":
+            return inspect_pt
     except OSError:
         return None
     finally:
         os.close(fd)
     return None
+
+
+#: The tables of each report kind: its section rendered.
+_RENDERERS: dict[str, Callable[[dict[str, Any], Any], None]] = {
+    "bin": lambda r, console: render_bin(r["bin"], console, deep=r["options"]["deep"]),
+    "checkpoint.pt": lambda r, console: render_pt(r["checkpoint"], console),
+    "run": lambda r, console: render_run(r["run"], console),
+    "dcp": lambda r, console: render_dcp(r["dcp"], console) if r.get("dcp") else None,
+    "safetensors": lambda r, console: render_safetensors(r["safetensors"], console),
+}
 
 
 def render_report(report: dict[str, Any], console: Any = None) -> None:
@@ -117,17 +136,9 @@ def render_report(report: dict[str, Any], console: Any = None) -> None:
     from ..text import safe_console
 
     console = console or safe_console()
-    kind = report["kind"]
-    if kind == "bin":
-        render_bin(report["bin"], console, deep=report["options"]["deep"])
-    elif kind == "checkpoint.pt":
-        render_pt(report["checkpoint"], console)
-    elif kind == "run":
-        render_run(report["run"], console)
-    elif kind == "dcp" and report.get("dcp"):
-        render_dcp(report["dcp"], console)
-    elif kind == "safetensors":
-        render_safetensors(report["safetensors"], console)
+    render = _RENDERERS.get(report["kind"])
+    if render is not None:
+        render(report, console)
     for text in report["problems"]:
         console.print(f"[red]problem:[/] {escape(text)}")
     for text in report["warnings"]:

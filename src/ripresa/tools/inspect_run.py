@@ -52,17 +52,19 @@ def inspect_run(p: Path, given: str | Path, *, check_finite: bool, deep: bool) -
     # reported as the former (a .dcp planted beside them is never what it resumes).
     # A single-process resume considers every kind registered for it (.bin, general .safetensors, ...).
     single = {k for k, spec in registered().items() if "single" in spec.modes}
+    sharded = {k for k, spec in registered().items() if spec.collective}  # .dcp: every rank writes part of it
+    folders = {k for k, spec in registered().items() if spec.naming is not None and spec.naming.folder}
     valid_bins = [g for g in valid if getattr(g, "kind", "bin") in single]
-    valid_dcps = [g for g in valid if getattr(g, "kind", "bin") == "dcp"]
+    valid_dcps = [g for g in valid if getattr(g, "kind", "bin") in sharded]
     has_single = any(getattr(g, "kind", "bin") in single for g in gens)
     resume = (valid_bins or valid_dcps or [None])[-1] if not has_single else (valid_bins or [None])[-1]
-    mixed = bool(steps) and any(getattr(g, "kind", "bin") == "dcp" for g in gens)
+    mixed = bool(steps) and any(getattr(g, "kind", "bin") in sharded for g in gens)
     rows = []
     for g in gens:
-        is_dcp = getattr(g, "kind", "bin") == "dcp"
-        main = g.path if is_dcp else g.bin
+        is_folder = getattr(g, "kind", "bin") in folders  # a folder kind: its size is the generation's
+        main = g.path if is_folder else g.bin
         try:
-            size = g.size if is_dcp else (os.lstat(main).st_size if os.path.lexists(main) else None)
+            size = g.size if is_folder else (os.lstat(main).st_size if os.path.lexists(main) else None)
         except OSError:
             size = None
         rows.append({

@@ -413,7 +413,7 @@ def _load_generation(run: Path, step: int | None, device: str) -> _Loaded:
     """Build the GPT from ``RUN/config.json`` and load generation ``step`` (or the latest valid) into it."""
     import torch
 
-    from ..store.store import CheckpointStore, CheckpointWarning
+    from ..store.store import CheckpointStore, CheckpointWarning, not_used
     from .gpt.model import GPT, from_config_dict
 
     if not run.is_dir():
@@ -446,7 +446,8 @@ def _load_generation(run: Path, step: int | None, device: str) -> _Loaded:
         except IntegrityError as exc:
             if step is not None:
                 raise
-            warnings.warn(f"skipping generation {s}: {exc.message}", CheckpointWarning, stacklevel=3)
+            warnings.warn(not_used("generation", s, exc.message, exc.file, then="an older one is tried"), CheckpointWarning,
+                          stacklevel=3)
             continue
         chosen = (g, contents, companion)
         break

@@ -75,7 +75,7 @@ from ..store.history import HISTORY_NAME, History
 from ..store.mirror import Mirror, has_local_generation, open_mirror, pull_run, record_url
 from ..store.restore import rank_view, saved_record
 from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
-from ..store.store import CheckpointStore, CheckpointWarning, Generation
+from ..store.store import CheckpointStore, CheckpointWarning, Generation, not_used
 from .cadence import (
     DEFAULT_MTBF_S,
     STEP_WINDOW,
@@ -445,7 +445,7 @@ class Checkpointer:
                     restored = self._restore(cand, restore_rng, wrap=True)
                 except IntegrityError as exc:  # damaged after its check (bit rot, a hostile state): the next older
                     last_error = exc
-                    msg = f"skipping {self._backend_of(cand).label} {cand.step}: {exc.message} ({exc.file})"
+                    msg = not_used(self._backend_of(cand).label, cand.step, exc.message, exc.file)
                     warnings.warn(msg, CheckpointWarning, stacklevel=2)
                     self.history.event("skipped_generation", reason=msg)
                     continue
@@ -533,7 +533,7 @@ class Checkpointer:
                     continue
                 g = b.check_to_resume(step)
                 if not g.valid:
-                    msg = f"skipping {b.label} {step}: {g.reason}"
+                    msg = not_used(b.label, step, g.reason, g.path)
                     warnings.warn(msg, CheckpointWarning, stacklevel=3)
                     self.history.event("skipped_generation", reason=msg)
                     if os.path.lexists(g.marker):

@@ -54,7 +54,7 @@ from ..io.fsio import (
     sha256_fd,
     sidecar_line,
 )
-from ..store.store import CheckpointStore, CheckpointWarning, Generation
+from ..store.store import CheckpointStore, CheckpointWarning, Generation, not_used
 from .models import ModelFactory
 
 #: ``format`` of MANIFEST.json and export.json.
@@ -337,7 +337,8 @@ def _select_generation(store: CheckpointStore, step: int | None) -> tuple[Genera
         if gen.valid:
             return gen, skipped
         skipped.append({"step": s, "reason": gen.reason})
-        warnings.warn(f"skipping generation {s}: {gen.reason}", CheckpointWarning, stacklevel=3)
+        warnings.warn(not_used("generation", s, gen.reason, gen.bin, then="an older one is exported"), CheckpointWarning,
+                      stacklevel=3)
     if not steps:
         raise BadInput("the run folder holds no generation", file=store.folder,
                        expected="step_NNNNNN.bin + .json + .bin.sha256", found="nothing",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ripresa_cli
 
-from ripresa.console import one_line, warning_line
+from ripresa.console import fit_table, one_line, warning_line
 from ripresa.store.store import CheckpointWarning
 
 #: Python's own warning format: ``path.py:123: SomeWarning: text`` (and the source line under it).
@@ -57,6 +57,7 @@ def test_flipped_bytes_print_one_clean_line_per_generation(tiny_run, tmp_path):
     assert "ripresa train: error: sha256 mismatch" in res.stderr
 
 
+@pytest.mark.slow  # two trainer starts; the refusal itself: test_consistency (slow tier too)
 def test_a_changed_config_on_resume_is_bad_input_naming_the_key(tiny_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
@@ -89,3 +90,144 @@ def test_the_library_keeps_python_warnings():
 
     shown = warnings.showwarning
     assert shown.__module__ == "warnings"
+
+
+# ---- 80 columns and wider -----------------------------------------------------------------------
+
+NUMBER = r"(?<![\w.+-]){}(?![\w.])"
+
+
+def _rendered(renderable, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), color_system=None, legacy_windows=False)
+    console.print(renderable)
+    return console.file.getvalue()
+
+
+def _fits(text: str, width: int) -> None:
+    too_long = [line for line in text.splitlines() if len(line) > width]
+    assert not too_long, "\n".join(too_long)
+    assert "…" not in text, text  # nothing cut with an ellipsis
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_inspect_statistics_keep_every_number_whole(tiny_run, width):
+    """`ripresa inspect` (COLUMNS=80 through the command; 200 in process): each statistic appears whole on one line,
+    no line wider than the terminal."""
+    import io
+
+    from ripresa.text import safe_console
+    from ripresa.tools.inspect import _fmt, inspect_path, render_report
+
+    report = inspect_path(tiny_run / "step_000002.bin")
+    if width == 80:
+        res = ripresa_cli("inspect", tiny_run / "step_000002.bin", env={"COLUMNS": str(width)})
+        assert res.returncode == 0, res.stderr
+        text = res.stdout
+    else:
+        console = safe_console(width=width, file=io.StringIO(), color_system=None)
+        render_report(report, console)
+        text = console.file.getvalue()
+    _fits(text, width)
+    regions = report["bin"]["regions"]
+    assert set(regions) == {"weights", "m", "v"}
+    for s in regions.values():
+        for key in ("count", "min", "max", "mean", "std"):
+            value = _fmt(s[key])
+            assert re.search(NUMBER.format(re.escape(value)), text), (key, value, text)
+    across = re.search(r"│ weights +│ +\d+ +│", text) is not None
+    assert across == (width == 200)  # across at 200 columns, down (one value a line) at 80
+
+
+def test_fit_table_goes_down_rather_than_cut():
+    rows = [["weights", "136960", "-0.114368", "1.04623", "0.00236321", "0.054407", "0"],
+            ["v", "136960", "0", "0.000627677", "1.44334e-07", "4.81157e-06", "0"]]
+    header = ("", "count", "min", "max", "mean", "std", "non-finite")
+    for width in (40, 80, 200):
+        text = _rendered(fit_table("stats", header, rows, width), width)
+        _fits(text, width)
+        for row in rows:
+            for cell in row:
+                assert re.search(NUMBER.format(re.escape(cell)), text), (width, cell, text)
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_the_training_progress_line_keeps_its_numbers(width):
+    """The `--deadline` progress line: six-digit steps, the stop and the rate whole on one line."""
+    from rich.progress import Progress
+
+    from ripresa.engine.gpt.train import progress_columns
+
+    bar = Progress(*progress_columns(width, deadline=True), auto_refresh=False)
+    bar.add_task("train", total=200000, completed=123456, loss="3.2145", rate="12.3", next="1234s", stop="259200s")
+    text = _rendered(bar.get_renderable(), width)
+    _fits(text, width)
+    assert len(text.strip().splitlines()) == 1, text
+    for number in ("123456/200000", "3.2145", "12.3", "1234s", "259200s"):
+        assert number in text, (number, text)
+    assert ("planned stop in 259200s" in text) == (width >= 120)
+
+
+def test_the_demo_event_detail_is_never_cut_mid_value():
+    from ripresa.engine.demo import _fields
+
+    reason = "generation 20 not used: " + "x" * 300
+    text = _fields({"reason": reason, "step": 20, "file": "step_000020.bin"})
+    assert text.startswith(f"reason={reason!r}".replace("'", '"')) and text.endswith("(+2 more)")
+    assert _fields({"a": [1, 2], "b": "c d"}) == 'a=[1, 2] b="c d"'
+
+
+def test_verify_counts_each_path_once():
+    from ripresa.verify.verify import PATHS, PathCount
+
+    count = PathCount()
+    seen = [count.done(name, 0) for name in ("continuous", "continuous", "interrupted", "resume", "resume",
+                                             "resume-without-rng", "resume-without-rng")]
+    assert [n for n, _ in seen] == [1, 1, 2, 3, 3, 4, 4] and seen[-1][0] == len(PATHS)
+    assert seen[0][1].endswith("the other reference path") and seen[2][1].endswith("resume ∥ resume-without-rng")
+    assert seen[-1][1].endswith("comparing")
+
+
+# ---- progress on a terminal only ------------------------------------------------------------------
+
+
+def _on_a_pty(argv: list[str], env: dict) -> tuple[int, str, str]:
+    """Run ``argv`` with stderr on a pseudo-terminal: (exit code, stdout, what the terminal received)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "ripresa", *argv], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=slave, env={**os.environ, **env})
+    os.close(slave)
+    chunks: list[bytes] = []
+    while True:
+        try:
+            piece = os.read(master, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not piece:
+            break
+        chunks.append(piece)
+    out = proc.communicate(timeout=120)[0]
+    os.close(master)
+    return proc.returncode, out.decode(), b"".join(chunks).decode(errors="replace")
+
+
+def test_mirror_push_and_pull_show_progress_on_a_terminal_only(tiny_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    code, out, tty = _on_a_pty(["mirror", "push", str(run), "--mirror", str(tmp_path / "m1")], {"COLUMNS": "80"})
+    assert code == 0 and out.startswith("pushed [1, 2]"), (out, tty)
+    plain = " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", " ", tty).split())
+    assert re.search(r"\d+(\.\d+)?/\? (MB|kB) \d+:\d\d:\d\d mirror push: step_00000[12]\.(bin|json)", plain), plain
+    assert "Warning" not in plain
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    res = ripresa_cli("mirror", "pull", fresh, "--mirror", tmp_path / "m1")  # stderr a pipe: no progress at all
+    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("pulled step_000002.bin"), res

@@ -198,6 +198,9 @@ class NoProgress:
     def __exit__(self, *exc: Any) -> None:
         return None
 
+    def start(self) -> None:
+        return None
+
     def add_task(self, *args: Any, **kwargs: Any) -> int:
         return 0
 
@@ -221,8 +224,9 @@ def stderr_console() -> Any:
 def progress(kind: str = "count", *, quiet: bool = False, transient: bool = True) -> Any:
     """A progress display on stderr for a wait: ``kind`` ``count`` (N/M and a unit, e.g. paths) or ``bytes``.
 
-    The description column carries what is being done; numbers are never cut:
-    under 100 columns the bar and the rate are left out. Nothing draws (a
+    The numbers come first, then the description of what is being done (last:
+    it wraps under them, never cut); under 100 columns the bar and the rate
+    are left out. Each task gives ``unit=`` (``paths``, ``bytes`` aside). Nothing draws (a
     :class:`NoProgress`) unless :func:`live`.
     """
     if not live(quiet):
@@ -242,8 +246,7 @@ def progress(kind: str = "count", *, quiet: bool = False, transient: bool = True
     console = stderr_console()
     wide = console.width >= 100
     number = Column(no_wrap=True)
-    columns: list[Any] = [SpinnerColumn(), TextColumn("{task.description}", table_column=Column(overflow="ellipsis",
-                                                                                               ratio=1))]
+    columns: list[Any] = [SpinnerColumn()]
     if wide:
         columns.append(BarColumn(bar_width=24))
     if kind == "bytes":
@@ -254,6 +257,7 @@ def progress(kind: str = "count", *, quiet: bool = False, transient: bool = True
         columns.append(MofNCompleteColumn(table_column=number))
         columns.append(TextColumn("{task.fields[unit]}", table_column=Column(no_wrap=True)))
     columns.append(TimeElapsedColumn(table_column=Column(no_wrap=True)))
+    columns.append(TextColumn("{task.description}", table_column=Column(overflow="fold")))  # last: it wraps, whole
     return Progress(*columns, console=console, transient=transient, expand=False)
 
 

@@ -967,18 +967,19 @@ def _status(ok: Any) -> str:
     return "[dim]not checked[/]"
 
 
-def _stats_table(title: str, stats: dict[str, Any]) -> Any:
-    """One row per region or group; where the first non-finite value is, the problems/warnings say."""
-    from rich.table import Table
+def _stats_table(title: str, stats: dict[str, Any], width: int) -> Any:
+    """One row per region or group, laid out across when it fits ``width`` and down otherwise (no number is
+    wrapped or cut: ripresa.console.fit_table); where the first non-finite value is, the problems/warnings say."""
+    from rich.markup import escape
 
-    t = Table(title=title)
-    for col in ("", "count", "min", "max", "mean", "std", "non-finite"):
-        t.add_column(col, justify="left" if not col else "right", overflow="fold")
+    from ..console import fit_table
+
+    rows = []
     for name, s in stats.items():
         bad = s["nan"] + s["posinf"] + s["neginf"]
         detail = f"[red]{bad}[/]" if bad else "0"
-        t.add_row(name, str(s["count"]), _fmt(s["min"]), _fmt(s["max"]), _fmt(s["mean"]), _fmt(s["std"]), detail)
-    return t
+        rows.append([escape(name), str(s["count"]), _fmt(s["min"]), _fmt(s["max"]), _fmt(s["mean"]), _fmt(s["std"]), detail])
+    return fit_table(title, ("", "count", "min", "max", "mean", "std", "non-finite"), rows, width)
 
 
 def render_report(report: dict[str, Any], console: Any = None) -> None:
@@ -1020,8 +1021,8 @@ def _render_bin(b: dict[str, Any], console: Any, *, deep: bool) -> None:
     from rich.table import Table
 
     t = Table(title=f"ANDREA .bin — {escape(b['file'])}", show_header=False)
-    t.add_column("field")
-    t.add_column("value")
+    t.add_column("field", no_wrap=True)
+    t.add_column("value", overflow="fold")
     h = b["header"] or {}
     t.add_row("step", _fmt(h.get("step")) + (f"  (name says {b['name_step']})" if b["name_step"] is not None else ""))
     t.add_row("n_params", _fmt(h.get("n_params")))
@@ -1061,7 +1062,7 @@ def _render_bin(b: dict[str, Any], console: Any, *, deep: bool) -> None:
         for line in b["lacks"]:
             console.print(f"  {escape(line)}")
     if b["regions"]:
-        console.print(_stats_table("weights, m, v (float64 statistics over finite values)", b["regions"]))
+        console.print(_stats_table("weights, m, v (float64 statistics over finite values)", b["regions"], console.width))
 
 
 def _render_pt(c: dict[str, Any], console: Any) -> None:
@@ -1069,8 +1070,8 @@ def _render_pt(c: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     t = Table(title=f"checkpoint.pt — {escape(c['file'])}", show_header=False)
-    t.add_column("field")
-    t.add_column("value")
+    t.add_column("field", no_wrap=True)
+    t.add_column("value", overflow="fold")
     t.add_row("size", _size(c["size"]))
     side = c["sidecar"] or {}
     if not side.get("present"):
@@ -1116,7 +1117,7 @@ def _render_pt(c: dict[str, Any], console: Any) -> None:
     if c["optimizer"] is not None:
         groups.update({f"optimizer {k}": s for k, s in c["optimizer"]["state"].items()})
     if groups:
-        console.print(_stats_table("tensor groups (float64 statistics over finite values)", groups))
+        console.print(_stats_table("tensor groups (float64 statistics over finite values)", groups, console.width))
 
 
 def _render_run(r: dict[str, Any], console: Any) -> None:
@@ -1126,8 +1127,9 @@ def _render_run(r: dict[str, Any], console: Any) -> None:
     if not r["generations"]:
         console.print(f"run folder {escape(r['folder'])}: [red]no generation[/] (no step_NNNNNN.bin, .json or .bin.sha256)")
     t = Table(title=f"run folder — {escape(r['folder'])}")
-    for col in ("step", "kind", "size", "status", "resume", "reason"):
-        t.add_column(col, justify="right" if col in ("step", "size") else "left")
+    for col in ("step", "kind", "size", "status", "resume", "reason"):  # numbers on one line, text folds
+        t.add_column(col, justify="right" if col in ("step", "size") else "left", no_wrap=col in ("step", "kind", "size"),
+                     overflow="fold")
     for g in r["generations"]:
         files = g["files"]
         status = "[green]valid[/]" if g["valid"] else "[red]INVALID[/]"
@@ -1165,7 +1167,7 @@ def _render_run(r: dict[str, Any], console: Any) -> None:
                        "alive (save in progress)" if tmp["writer_alive"] else "dead (leftover)")
         console.print(tt)
     if r["finite"]["regions"]:
-        console.print(_stats_table(f"generation {r['finite']['step']} (the one a resume uses)", r["finite"]["regions"]))
+        console.print(_stats_table(f"generation {r['finite']['step']} (the one a resume uses)", r["finite"]["regions"], console.width))
 
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "STAT_BLOCK", "Stats", "error_report", "inspect_path", "render_report", "scan_bin"]

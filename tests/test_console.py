@@ -231,3 +231,31 @@ def test_mirror_push_and_pull_show_progress_on_a_terminal_only(tiny_run, tmp_pat
     fresh.mkdir()
     res = ripresa_cli("mirror", "pull", fresh, "--mirror", tmp_path / "m1")  # stderr a pipe: no progress at all
     assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("pulled step_000002.bin"), res
+
+
+def test_install_routes_warnings_and_log_records_then_undoes():
+    """What the CLI's entry installs: a warning and a library's log record each print as one line; undone after."""
+    import contextlib
+    import io
+    import logging
+
+    from ripresa.console import install
+
+    err = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stderr(err):
+        warnings.simplefilter("always")
+        before = warnings.showwarning
+        had = list(logging.getLogger().handlers)
+        logging.getLogger().handlers.clear()  # as in a fresh `ripresa` process: nothing configured logging
+        try:
+            undo = install("export")
+            warnings.warn("generation 7 not used: damaged\n  file:     /r/step_000007.bin", CheckpointWarning,
+                          stacklevel=1)
+            logging.getLogger("urllib3.connectionpool").warning("Retrying (%d) after %s", 2, "a reset\nconnection")
+            undo()
+            assert warnings.showwarning is before and not logging.getLogger().handlers
+        finally:
+            logging.getLogger().handlers[:] = had
+    lines = err.getvalue().splitlines()
+    assert lines == ["ripresa export: warning: generation 7 not used: damaged; file: /r/step_000007.bin",
+                     "ripresa export: warning (urllib3.connectionpool): Retrying (2) after a reset; connection"], lines

@@ -166,7 +166,7 @@ def fit_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], 
             t.add_row(*row)
         return t
     t = Table(title=title)
-    t.add_column(header[0] or "name", no_wrap=True)
+    t.add_column(header[0] or "name", overflow="fold")  # a long name folds; the numbers keep their width
     t.add_column("field", no_wrap=True)
     t.add_column("value", justify="right", overflow="fold")
     for row in rows:

@@ -1602,7 +1602,8 @@ def prefetch(run_dir: Path, url: Any) -> Generation | None:
     if has_local_generation(Path(run_dir)):
         return None
     spec = url if isinstance(url, MirrorSpec) else MirrorSpec(os.fspath(url))
-    gen, _ = _pull_into(Path(run_dir), open_store(spec.url, timeout=spec.timeout), None)
+    with _Metered(open_store(spec.url, timeout=spec.timeout), "pull") as remote:  # progress on a terminal
+        gen, _ = _pull_into(Path(run_dir), remote, None)  # type: ignore[arg-type]
     return gen
 
 

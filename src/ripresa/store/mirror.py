@@ -605,7 +605,8 @@ class Mirror:
             cur = self._current if self._current is not None else (pending[0] if pending else None)
             what = f"uploading step {cur} ({len(pending)} pending)" if cur is not None else "uploading the run's files"
         text = escape_markup(f"ripresa: mirror: {what} — Ctrl-C to leave them pending and exit", newlines=False)
-        planned = max(planned, done + len(pending))
+        in_flight = self._current is not None and self._current not in pending  # being uploaded, no longer pending
+        planned = max(planned, done + len(pending) + in_flight)
         try:
             if meter is None:
                 meter = progress(transient=True)

@@ -235,7 +235,7 @@ def test_train_config_change_on_a_real_run_refused_then_allowed_and_recorded(tmp
     assert ripresa_cli("train", "--run", run, *FAST, "--steps", "6", "--every", "2").returncode == 0
     res = ripresa_cli("train", "--run", run, *FAST, "--steps", "8", "--every", "2", "--set", "train.batch_size=8")
     assert res.returncode == 2, res.stderr
-    assert "skipping" not in res.stderr and "CheckpointWarning" not in res.stderr
+    assert "not used" not in res.stderr and "CheckpointWarning" not in res.stderr
     assert "train.batch_size (4 -> 8)" in res.stderr.splitlines()[0]
     res = ripresa_cli("train", "--run", run, *FAST, "--steps", "8", "--every", "2", "--set", "train.batch_size=8",
                       "--allow-config-change")

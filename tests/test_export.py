@@ -226,7 +226,7 @@ def test_damaged_source_generation_is_refused_before_any_copy(run_dir, tmp_path)
     assert not dest.exists(), "nothing may be written before the source is verified"
 
     # without --step the damaged newest generation is skipped, loudly, for the previous valid one
-    with pytest.warns(CheckpointWarning, match="skipping generation 20"):
+    with pytest.warns(CheckpointWarning, match="generation 20 not used"):
         report = export_run(run, dest, model_factory=GPT_FACTORY, show_progress=False)
     assert report["step"] == 10 and report["source"]["skipped"][0]["step"] == 20
     assert not list(dest.rglob("step_000020*"))

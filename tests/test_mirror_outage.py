@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,6 +175,11 @@ def test_sigterm_with_the_store_down_exits_in_seconds_naming_the_pending_steps(t
     assert last in s3.committed()
 
 
+def _flat(chunks: list[bytes]) -> str:
+    """A terminal's bytes as plain text: escape sequences removed, runs of blanks and line breaks one space."""
+    return " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", " ", b"".join(chunks).decode(errors="replace")).split())
+
+
 @pytest.mark.slow
 def test_a_second_sigterm_during_a_slow_close_leaves_at_once(tmp_path, s3, proxy):
     """On a terminal the close shows its progress with the Ctrl-C hint; a second SIGTERM during it leaves at once."""
@@ -208,7 +214,7 @@ def test_a_second_sigterm_during_a_slow_close_leaves_at_once(tmp_path, s3, proxy
         proxy.slow_bps = 1000  # uploads crawl: the stop's generation takes many seconds
         proxy.drop_all()
         proc.send_signal(signal.SIGTERM)  # the first: stop, save, close (which waits for the upload)
-        while b"Ctrl-C to leave them pending" not in b"".join(chunks):
+        while "Ctrl-C to leave them pending" not in _flat(chunks):
             assert proc.poll() is None and time.time() - t0 < 240
             time.sleep(0.05)
         sent = time.monotonic()
@@ -222,10 +228,11 @@ def test_a_second_sigterm_during_a_slow_close_leaves_at_once(tmp_path, s3, proxy
             proc.wait()
         reader.join(timeout=5)
         os.close(master)
-    err = b"".join(chunks).decode(errors="replace")
+    err = _flat(chunks)  # the progress line wraps its text under the numbers at 80 columns
     print(f"second SIGTERM to exit: {took:.2f} s\n{err[-2000:]}")
     assert proc.returncode == 0, err[-3000:]
     assert took < 15
     assert "ripresa: mirror: uploading step" in err and "pending) — Ctrl-C to leave them pending and exit" in err
+    assert re.search(r"\d+/\d+ uploaded", err), err[-2000:]  # generations uploaded of those pending (ripresa.console)
     assert events(run, "mirror_pending")[-1]["reason"] == "interrupted"  # its steps, or the run's files still in flight
     assert "ripresa: mirror: left " in err and f"ripresa mirror push {run}" in err

@@ -151,7 +151,7 @@ def test_resume_skips_a_newest_generation_damaged_after_its_commit(tmp_path):
     res = subprocess.run([sys.executable, str(LOOP), "--run", str(run), "--steps", "210", "--every", "100"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert re.search(r"skipping (\.safetensors )?generation 200", res.stderr) and "sha256" in res.stderr
+    assert re.search(r"(\.safetensors )?generation 200 not used", res.stderr) and "sha256" in res.stderr
     events = read_history(run / ".loss.jsonl").events
     assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 100
     assert any(e["event"] == "skipped_generation" and "200" in e["reason"] for e in events)

@@ -89,7 +89,7 @@ def test_damaged_newest_generation_falls_back_with_a_warning(tmp_path, damage):
         gen = store.latest_valid()
     assert gen is not None and gen.step == 1
     msg = str(rec[0].message)
-    assert "skipping generation 2" in msg and "step_000002" in msg
+    assert "generation 2 not used" in msg and "step_000002" in msg
     contents, _ = store.load(1)
     assert_contents(contents, 1, 500)
 

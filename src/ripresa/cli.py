@@ -28,18 +28,6 @@ def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush
     builtins.print(*(escape_terminal(v) for v in values), sep=sep, end=end, file=file, flush=flush)
 
 
-def _showwarning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
-                 line: str | None = None) -> None:
-    """Python's warning display with the message made terminal-safe (a warning may quote a file's content)."""
-    import warnings
-
-    text = warnings.formatwarning(escape_terminal(message), category, filename, lineno, line)
-    try:
-        (file or sys.stderr).write(text)
-    except OSError:
-        pass
-
-
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, Handler] = {}
 
@@ -588,18 +576,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     through ``session.distributed.leave`` instead (docs/ARCHITECTURE.md,
     "Distributed runs": the gloo exit abort).
     """
-    import warnings
-
     from .session.signals import hold
 
     hold()  # first: a SIGUSR1 while ripresa starts (imports, resume) is deferred to the run's first step, never fatal
-    shown = warnings.showwarning
-    if argv is None:  # the program (not a caller's in-process call): its warnings reach a terminal
-        warnings.showwarning = _showwarning
+    undo = None
+    if argv is None:  # the program (not a caller's in-process call): its warnings reach a terminal as one line each
+        from .console import install
+
+        undo = install(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "ripresa")
     try:
         code = _main(argv)
     finally:
-        warnings.showwarning = shown
+        if undo is not None:
+            undo()
     if "torch.distributed" in sys.modules:  # only a command that used torch.distributed can have created a group
         from .session.distributed import leave
 

@@ -23,7 +23,7 @@ from ..io.child import child_env, ripresa_argv
 from ..io.fsio import open_run_file, read_json_small
 from ..store.history import read_history
 from ..store.store import CheckpointStore
-from ..text import safe_console
+from ..text import escape_markup, safe_console
 from ..verify.verify import reference_exercise_command, render_verdict, verify_resume
 
 
@@ -48,6 +48,21 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float 
 
 def _valid(run: Path) -> list[int]:
     return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]
+
+
+def _fields(detail: dict, most: int = 240) -> str:
+    """An event's fields as ``key=value`` (values as JSON), whole fields only: past ``most`` characters the rest
+    is counted (``+N more``), never cut mid-value."""
+    shown: list[str] = []
+    used = 0
+    for i, (k, v) in enumerate(detail.items()):
+        item = f"{k}={json.dumps(v, default=str)}"
+        if shown and used + len(item) > most:
+            shown.append(f"(+{len(detail) - i} more)")
+            break
+        shown.append(item)
+        used += len(item) + 1
+    return " ".join(shown)
 
 
 def run_demo(out: Path, console: Console | None = None) -> int:
@@ -103,12 +118,13 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
         return 2
     view = read_history(run / ".loss.jsonl")
     table = Table(title=f"history of {run} (.loss.jsonl: {len(view.steps)} steps, {len(view.events)} events)")
-    table.add_column("event")
-    table.add_column("step", justify="right")
-    table.add_column("detail")
+    table.add_column("event", no_wrap=True)
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("detail", overflow="fold")  # wraps between fields, never cuts a value
     for e in view.events:
         detail = {k: v for k, v in e.items() if k not in ("event", "time", "step", "from_step", "lineage")}
-        table.add_row(e["event"], str(e.get("step", e.get("from_step", ""))), json.dumps(detail)[:90])
+        table.add_row(escape_markup(e["event"]), escape_markup(str(e.get("step", e.get("from_step", "")))),
+                      escape_markup(_fields(detail)))
     console.print(table)
     samples = read_json_small(run / ".samples.json", "sample audits", 16 << 20)  # no link followed, no FIFO waited on
     last = samples["audits"][-1]

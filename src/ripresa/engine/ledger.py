@@ -413,7 +413,7 @@ def _load_generation(run: Path, step: int | None, device: str) -> _Loaded:
     """Build the GPT from ``RUN/config.json`` and load generation ``step`` (or the latest valid) into it."""
     import torch
 
-    from ..store.store import CheckpointStore, CheckpointWarning
+    from ..store.store import CheckpointStore, CheckpointWarning, not_used
     from .gpt.model import GPT, from_config_dict
 
     if not run.is_dir():
@@ -446,7 +446,8 @@ def _load_generation(run: Path, step: int | None, device: str) -> _Loaded:
         except IntegrityError as exc:
             if step is not None:
                 raise
-            warnings.warn(f"skipping generation {s}: {exc.message}", CheckpointWarning, stacklevel=3)
+            warnings.warn(not_used("generation", s, exc.message, exc.file, then="an older one is tried"), CheckpointWarning,
+                          stacklevel=3)
             continue
         chosen = (g, contents, companion)
         break
@@ -639,9 +640,10 @@ def generate_batch(
         if on_start is not None:
             on_start(start_info)
         generated = 0
-        progress = _progress(show_progress, len(items), len(done), loaded.step)
-        with progress as bar:
-            task = bar.add_task("generate", total=len(items), completed=len(done)) if bar else None
+        resumed = f" (resumed: {len(done)} already done)" if done else ""
+        with _progress(show_progress) as bar:
+            task = bar.add_task(f"generate step {loaded.step}{resumed}", total=len(items), completed=len(done),
+                                unit="prompts")
             for item in todo:
                 text = _complete(loaded.model, item, loaded.step, max_new_tokens, float(temperature), top_k, device)
                 if on_item is not None:
@@ -650,8 +652,7 @@ def generate_batch(
                 generated += 1
                 if on_item is not None:
                     on_item("recorded", item.id)
-                if bar is not None and task is not None:
-                    bar.advance(task)
+                bar.advance(task)
     finally:
         ledger.close()
     return {
@@ -675,36 +676,11 @@ def _produced_by(device: str) -> dict[str, Any]:
             "platform": platform.platform(), "device": device, "threads": torch.get_num_threads()}
 
 
-class _NoProgress:
-    def __enter__(self) -> None:
-        return None
+def _progress(show: bool) -> Any:
+    """The batch's progress line (ripresa.console.progress: on stderr, a TTY only, not under --quiet)."""
+    from ..console import progress
 
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _progress(show: bool, total: int, already: int, step: int) -> Any:
-    if not show:
-        return _NoProgress()
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    resumed = f" (resumed: {already} already done)" if already else ""
-    return Progress(
-        TextColumn(f"[bold]generate[/] step {step}{resumed}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-    )
+    return progress(quiet=not show, transient=False)
 
 
 # ---- `python -m ripresa.engine.ledger` (the CLI's `ripresa generate`, and the tests' child) -----

@@ -747,9 +747,8 @@ def _draw_comparison(result: dict[str, Any], curves: list[tuple[list[int], list[
 
 
 def render_comparison(result: dict[str, Any], console: Any) -> None:
-    """Print :func:`compare_runs`'s result as a rich table and a one-line verdict (how sure, before a winner)."""
-    from rich.table import Table
-
+    """Print :func:`compare_runs`'s result as a table and a one-line verdict (how sure, before a winner)."""
+    from ..console import fit_table
     from ..text import escape_markup
 
     def num(x: float | None) -> str:
@@ -758,18 +757,16 @@ def render_comparison(result: dict[str, Any], console: Any) -> None:
     forked = result.get("forked")
     title = (f"compare from {'fork at ' if forked else ''}step {result['from_step']} "
              f"to last common step {result['last_common_step']} (EMA α={result['ema_alpha']})")
-    table = Table(title=title, title_justify="left")
-    for col, just in (("run", "left"), ("steps", "right"), ("range", "right"), ("final loss", "right"),
-                      ("EMA loss", "right"), ("Δ EMA", "right"), ("best loss (step)", "right"),
-                      ("last loss", "right")):
-        table.add_column(col, justify=just)
+    rows = []
     for row in result["runs"]:
         gap = row.get("ema_gap")
         best = f"{num(row['best_loss'])} ({row['best_step']})" if row["best_step"] is not None else "—"
-        name = f"[bold green]{row['run']} ★[/]" if row.get("winner") and not result.get("within_noise") else row["run"]
-        table.add_row(name, str(row["steps"]), f"{row['first_step']}–{row['last_step']}", num(row["final_loss"]),
-                      num(row["ema_loss"]), "—" if gap is None else f"+{gap:.4f}", best, num(row["last_loss"]))
-    console.print(table)
+        winner = row.get("winner") and not result.get("within_noise")
+        name = f"[bold green]{escape_markup(row['run'])} ★[/]" if winner else escape_markup(row["run"])
+        rows.append([name, str(row["steps"]), f"{row['first_step']}–{row['last_step']}", num(row["final_loss"]),
+                     num(row["ema_loss"]), "—" if gap is None else f"+{gap:.4f}", best, num(row["last_loss"])])
+    header = ("run", "steps", "range", "final loss", "EMA loss", "Δ EMA", "best loss (step)", "last loss")
+    console.print(fit_table(title, header, rows, console.width))  # across when it fits, else down: numbers whole
     if result.get("tie"):
         console.print(f"[yellow]a tie: the runs have the same EMA loss at step {result['last_common_step']}[/]")
     elif result["winner"] is None:

@@ -17,7 +17,7 @@ from ..core.state import TrainingState
 from ..errors import BadInput, IntegrityError
 from ..store.backend import StorageBackend, backend_of, describe
 from ..store.history import History
-from ..store.store import CheckpointStore, CheckpointWarning, Generation
+from ..store.store import CheckpointStore, CheckpointWarning, Generation, not_used
 from .distributed import DistContext
 
 __all__ = ["OtherModeWarning", "Resumer"]
@@ -58,7 +58,7 @@ class Resumer:
                 restored = self._restore(cand, restore_rng, wrap=True)
             except IntegrityError as exc:  # damaged after its check (bit rot, a hostile state): the next older
                 last_error = exc
-                msg = f"skipping {self._backend_of(cand).label} {cand.step}: {exc.message} ({exc.file})"
+                msg = not_used(self._backend_of(cand).label, cand.step, exc.message, exc.file)
                 warnings.warn(msg, CheckpointWarning, stacklevel=3)
                 self.history.event("skipped_generation", reason=msg)
                 continue
@@ -140,7 +140,7 @@ class Resumer:
                     continue
                 g = b.check_to_resume(step)
                 if not g.valid:
-                    msg = f"skipping {b.label} {step}: {g.reason}"
+                    msg = not_used(b.label, step, g.reason, g.path)
                     warnings.warn(msg, CheckpointWarning, stacklevel=4)
                     self.history.event("skipped_generation", reason=msg)
                     if os.path.lexists(g.marker):

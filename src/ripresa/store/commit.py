@@ -176,15 +176,22 @@ def validate_state(state: Any, c: Path) -> None:
         validate_saved_state(state, where=c)
 
 
+def not_used(label: str, step: int, reason: Any, file: Any = None, then: str = "an older one is tried") -> str:
+    """The one-line text of a generation passed over: ``generation 20 not used: WHY (FILE); an older one is
+    tried`` — why it is not used, which file, what happens instead (docs/FAULTS.md, "Messages and exit codes")."""
+    where = f" ({file})" if file is not None and str(file) not in str(reason) else ""
+    return f"{label} {step} not used: {reason}{where}; {then}"
+
+
 def newest_valid(checked: Iterable[tuple[str, Generation]], *, warn: bool) -> Generation | None:
     """The first valid generation of ``checked`` ((label, generation), newest first, checked lazily).
 
-    Each invalid one before it is skipped with a :class:`CheckpointWarning`
-    naming it (``skipping <label> <step>: <reason>``).
+    Each invalid one before it is passed over with a :class:`CheckpointWarning`
+    naming it (``<label> <step> not used: <reason> (<file>); ...``, :func:`not_used`).
     """
     for label, g in checked:
         if g.valid:
             return g
         if warn:
-            warnings.warn(f"skipping {label} {g.step}: {g.reason}", CheckpointWarning, stacklevel=3)
+            warnings.warn(not_used(label, g.step, g.reason, g.path), CheckpointWarning, stacklevel=3)
     return None

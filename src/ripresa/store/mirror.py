@@ -384,14 +384,6 @@ def _isatty() -> bool:
         return False
 
 
-def _clear_line() -> None:
-    try:
-        sys.stderr.write("\r\x1b[K")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
-
-
 def _steps_text(steps: list[int], most: int = 8) -> str:
     shown = ", ".join(str(s) for s in steps[:most])
     return shown + (f" and {len(steps) - most} more" if len(steps) > most else "")
@@ -517,8 +509,11 @@ class Mirror:
         t0, uploaded0 = time.monotonic(), len(self.uploaded)
         tty = _isatty()
         why: str | None = None
-        waited = drawn = False
+        waited = False
         last_draw = 0.0
+        meter: Any = None  # the progress line (ripresa.console.progress), from the first draw
+        task = 0
+        planned = len(self._pending)
         ctrl_c: BaseException | None = None
         try:
             while True:
@@ -545,8 +540,8 @@ class Mirror:
                     waited = True
                 now = time.monotonic()
                 if tty and now - last_draw >= 0.25 and budget > 0:
-                    last_draw, drawn = now, True
-                    self._draw(pending)
+                    last_draw = now
+                    meter, task, planned = self._draw(pending, meter, task, planned, len(self.uploaded) - uploaded0)
                 with self._lock:
                     self._lock.wait(0.1)
         except KeyboardInterrupt as exc:  # no signal handler installed: Ctrl-C leaves the close at once
@@ -556,8 +551,11 @@ class Mirror:
         self._thread.join(timeout=0.5 if why is not None else self.spec.timeout + 5)
         _release(self.store)  # the mirror's writer lock
         left = self.pending
-        if drawn:
-            _clear_line()
+        if meter is not None:
+            try:
+                meter.stop()  # transient: the line is cleared
+            except (OSError, ValueError):
+                pass
         if why is not None:
             self._event("mirror_pending", steps=left, url=self.spec.url, reason=why,
                         note="not uploaded before the session ended; the next session (or `ripresa mirror push`) uploads them")
@@ -571,17 +569,29 @@ class Mirror:
             raise ctrl_c
         return why is None
 
-    def _draw(self, pending: list[int]) -> None:
+    def _draw(self, pending: list[int], meter: Any, task: int, planned: int, done: int) -> tuple[Any, int, int]:
+        """The close's progress line (ripresa.console.progress, the CLI's one style): generations uploaded of
+        those pending when the close began, what is being done, that Ctrl-C leaves the rest pending."""
+        from ..console import progress
+        from ..text import escape_markup
+
         if self._outage is not None:
             what = f"waiting for the store ({self._outage['error'][:60]}), step(s) {_steps_text(pending, 4)} pending"
         else:
             cur = self._current if self._current is not None else (pending[0] if pending else None)
             what = f"uploading step {cur} ({len(pending)} pending)" if cur is not None else "uploading the run's files"
+        text = escape_markup(f"ripresa: mirror: {what} — Ctrl-C to leave them pending and exit", newlines=False)
+        in_flight = self._current is not None and self._current not in pending  # being uploaded, no longer pending
+        planned = max(planned, done + len(pending) + in_flight)
         try:
-            sys.stderr.write(f"\r\x1b[Kripresa: mirror: {what} — Ctrl-C to leave them pending and exit")
-            sys.stderr.flush()
+            if meter is None:
+                meter = progress(transient=True)
+                meter.start()
+                task = meter.add_task(text, total=planned, unit="uploaded")
+            meter.update(task, description=text, total=planned, completed=done)
         except (OSError, ValueError):
             pass
+        return meter, task, planned
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -1496,6 +1506,54 @@ def _resolve_url(run_dir: Path, url: str | None, *, write: bool = False) -> tupl
     return rec, authentic
 
 
+class _Metered:
+    """An object store whose transfers move a progress line (``ripresa mirror push``/``pull`` on a terminal:
+    ripresa.console.progress): bytes moved so far, and the object being moved. Everything else passes through."""
+
+    def __init__(self, inner: Any, verb: str) -> None:
+        from ..console import progress
+
+        self._inner, self._verb = inner, verb
+        self._bar = progress("bytes", transient=True)
+        self._task = self._bar.add_task(f"mirror {verb}: listing {redact_url(inner.url)}", total=None)
+
+    def __enter__(self) -> _Metered:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._bar.__exit__(*exc)
+
+    def _show(self, key: str) -> None:
+        from ..text import escape_markup
+
+        self._bar.update(self._task, description=escape_markup(f"mirror {self._verb}: {key}", newlines=False))
+
+    def put_file(self, key: str, path: Path, *, sha256: str) -> int:
+        self._show(key)
+        n = self._inner.put_file(key, path, sha256=sha256)
+        self._bar.advance(self._task, os.stat(path, follow_symlinks=False).st_size)
+        return n
+
+    def get_into(self, key: str, out: Any, *, limit: int) -> int:
+        self._show(key)
+        bar, task = self._bar, self._task
+
+        class Counted:
+            def write(self, data: Any) -> Any:
+                n = out.write(data)
+                bar.advance(task, len(data))
+                return n
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(out, name)
+
+        return self._inner.get_into(key, Counted(), limit=limit)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Generation | None, bool]:
     """Land a remote generation (and config.json when missing) in ``run_dir`` under its writer lock."""
     from .history import HISTORY_NAME, History
@@ -1520,7 +1578,8 @@ def prefetch(run_dir: Path, url: Any) -> Generation | None:
     if has_local_generation(Path(run_dir)):
         return None
     spec = url if isinstance(url, MirrorSpec) else MirrorSpec(os.fspath(url))
-    gen, _ = _pull_into(Path(run_dir), open_store(spec.url, timeout=spec.timeout), None)
+    with _Metered(open_store(spec.url, timeout=spec.timeout), "pull") as remote:  # progress on a terminal
+        gen, _ = _pull_into(Path(run_dir), remote, None)  # type: ignore[arg-type]
     return gen
 
 
@@ -1542,17 +1601,19 @@ def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None
     spec = MirrorSpec(resolved, keep=keep)
     store = CheckpointStore(run_dir, writer=True)
     try:
-        target = MirrorTarget(open_store(spec.url, timeout=spec.timeout), explicit=explicit)
-        try:
-            _retrying(target.claim, what=MIRROR_MARKER)  # a mirror, locked, before anything is written
-            hist = History(run_dir / HISTORY_NAME)
+        with _Metered(open_store(spec.url, timeout=spec.timeout), "push") as metered:  # progress on a terminal
+            target = MirrorTarget(metered, explicit=explicit)  # type: ignore[arg-type]
             try:
-                m = Mirror(spec, run_dir, local_retention=DEFAULT_RETENTION, event=redacting(hist.event), store=target)
-                ok = m.round()
+                _retrying(target.claim, what=MIRROR_MARKER)  # a mirror, locked, before anything is written
+                hist = History(run_dir / HISTORY_NAME)
+                try:
+                    m = Mirror(spec, run_dir, local_retention=DEFAULT_RETENTION, event=redacting(hist.event),
+                               store=target)
+                    ok = m.round()
+                finally:
+                    hist.close()
             finally:
-                hist.close()
-        finally:
-            target.release()
+                target.release()
     finally:
         store.close()
     if not ok:
@@ -1565,7 +1626,8 @@ def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None
 def cli_pull(run_dir: Path, url: str | None, step: int | None = None) -> dict[str, Any]:
     """``ripresa mirror pull``: land a verified remote generation in RUN (for inspection or export)."""
     url = _resolve_url(run_dir, url)[0]
-    gen, config = _pull_into(Path(run_dir), open_store(url), step)
+    with _Metered(open_store(url), "pull") as remote:  # progress on a terminal
+        gen, config = _pull_into(Path(run_dir), remote, step)  # type: ignore[arg-type]
     if gen is None:
         raise CheckFailed("the mirror holds no committed generation", file=redact_url(url),
                           expected="at least one marker object", found="none")

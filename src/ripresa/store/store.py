@@ -28,13 +28,14 @@ from .commit import (
     malformed_companion,
     marker_checks,
     newest_valid,
+    not_used,
     read_marker,
     validate_state,
 )
 from .folder import RunFolder
 
 __all__ = ["BIN_NAMES", "CheckpointStore", "CheckpointWarning", "Generation", "Validation", "companion_checks",
-           "delete_bin", "generation_paths", "marker_checks", "newest_valid", "read_marker", "save_bin",
+           "delete_bin", "generation_paths", "marker_checks", "newest_valid", "not_used", "read_marker", "save_bin",
            "validate_generation"]
 
 

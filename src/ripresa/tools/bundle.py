@@ -63,22 +63,13 @@ def json_bytes(obj: Any) -> bytes:
 
 @contextmanager
 def meter(total: int, label: str, enabled: bool) -> Iterator[Any]:
-    """A rich progress bar in bytes (on stderr) for large jobs; a no-op otherwise."""
+    """A progress line in bytes for large jobs (ripresa.console.progress: on stderr, a TTY only); a no-op otherwise."""
     if not enabled or total < PROGRESS_MIN_BYTES:
         yield lambda n, desc=None: None
         return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from ..console import progress as console_progress
 
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                        TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    progress = console_progress("bytes")
     task = progress.add_task(label, total=total)
 
     def advance(n: int, desc: str | None = None) -> None:

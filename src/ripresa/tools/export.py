@@ -234,8 +234,8 @@ def render_export(report: dict[str, Any], console: Any = None) -> None:
     console = console or safe_console()
     ver = report.get("verification", report)
     table = Table(title=f"ripresa export — {report.get('kind', '?')}", show_header=False)
-    table.add_column("", style="bold")
-    table.add_column("")
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("", overflow="fold")  # a path or a hash folds onto the next line, whole
     if "run" in report:
         table.add_row("source run", escape(report["run"]))
         src = report.get("source", {})

@@ -22,7 +22,7 @@ from .._version import __version__
 from ..errors import BadInput, IntegrityError, MissingDependency, SchemaError
 from ..formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, bin_name, read_bin
 from ..io.fsio import Digest, open_run_file, parse_json_bytes, read_small
-from ..store.store import CheckpointStore, CheckpointWarning, Generation
+from ..store.store import CheckpointStore, CheckpointWarning, Generation, not_used
 from .bundle import (
     COMPANION_MAX,
     EXPORT_FORMAT,
@@ -133,7 +133,8 @@ def _select_generation(store: CheckpointStore, step: int | None) -> tuple[Genera
         if gen.valid:
             return gen, skipped
         skipped.append({"step": s, "reason": gen.reason})
-        warnings.warn(f"skipping generation {s}: {gen.reason}", CheckpointWarning, stacklevel=3)
+        warnings.warn(not_used("generation", s, gen.reason, gen.bin, then="an older one is exported"), CheckpointWarning,
+                      stacklevel=3)
     if not steps:
         raise BadInput("the run folder holds no generation", file=store.folder,
                        expected="step_NNNNNN.bin + .json + .bin.sha256", found="nothing",

@@ -310,8 +310,8 @@ def render_bin(b: dict[str, Any], console: Any, *, deep: bool) -> None:
     from rich.table import Table
 
     t = Table(title=f"ANDREA .bin — {escape(b['file'])}", show_header=False)
-    t.add_column("field")
-    t.add_column("value")
+    t.add_column("field", no_wrap=True)
+    t.add_column("value", overflow="fold")
     h = b["header"] or {}
     t.add_row("step", fmt(h.get("step")) + (f"  (name says {b['name_step']})" if b["name_step"] is not None else ""))
     t.add_row("n_params", fmt(h.get("n_params")))
@@ -351,4 +351,4 @@ def render_bin(b: dict[str, Any], console: Any, *, deep: bool) -> None:
         for line in b["lacks"]:
             console.print(f"  {escape(line)}")
     if b["regions"]:
-        console.print(stats_table("weights, m, v (float64 statistics over finite values)", b["regions"]))
+        console.print(stats_table("weights, m, v (float64 statistics over finite values)", b["regions"], console.width))

@@ -99,15 +99,16 @@ def render_dcp(d: dict[str, Any], console: Any) -> None:
     console.print(f"sharded generation step {d['step']} (.dcp), world size {d.get('world_size')}, "
                   f"{d.get('size') or 0:,} bytes")
     t = Table(title="checks")
-    for col in ("check", "ok", "found"):
-        t.add_column(col)
+    t.add_column("check", no_wrap=True)
+    t.add_column("ok", no_wrap=True)
+    t.add_column("found", overflow="fold")
     for c in d["checks"]:
         t.add_row(escape(c["name"]), "yes" if c["ok"] else "[red]no[/]", escape(str(c.get("found") or c.get("message") or ""))[:80])
     console.print(t)
     if d.get("files"):
         ft = Table(title="files")
-        ft.add_column("file")
-        ft.add_column("bytes", justify="right")
+        ft.add_column("file", overflow="fold")
+        ft.add_column("bytes", justify="right", no_wrap=True)
         for name, size in sorted(d["files"].items()):
             ft.add_row(escape(name), f"{size:,}")
         console.print(ft)

@@ -125,8 +125,8 @@ def render_safetensors(s: dict[str, Any], console: Any) -> None:
 
     title = "general generation" if s["generation"] else "safetensors file (foreign)"
     t = Table(title=f"{title} — {escape(s['file'])}", show_header=False)
-    t.add_column("field")
-    t.add_column("value")
+    t.add_column("field", no_wrap=True)
+    t.add_column("value", overflow="fold")  # a hash or a path folds, never cut
     t.add_row("size", escape(fmt_size(s["size"])))
     h = s["header"]
     if h is not None:
@@ -156,8 +156,9 @@ def render_safetensors(s: dict[str, Any], console: Any) -> None:
     console.print(t)
     if h is not None and h["entries"]:
         e = Table(title=f"tensors (first {len(h['entries'])} of {h['tensors']})")
-        for col in ("key", "dtype", "shape", "bytes"):
-            e.add_column(col)
+        e.add_column("key", overflow="fold")
+        for col in ("dtype", "shape", "bytes"):  # numbers whole on one line
+            e.add_column(col, no_wrap=True, justify="right" if col == "bytes" else "left")
         for row in h["entries"]:
             e.add_row(escape(row["key"]), row["dtype"], escape(str(row["shape"])), str(row["bytes"]))
         console.print(e)

@@ -174,8 +174,8 @@ def render_pt(c: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     t = Table(title=f"checkpoint.pt — {escape(c['file'])}", show_header=False)
-    t.add_column("field")
-    t.add_column("value")
+    t.add_column("field", no_wrap=True)
+    t.add_column("value", overflow="fold")
     t.add_row("size", fmt_size(c["size"]))
     side = c["sidecar"] or {}
     if not side.get("present"):
@@ -221,4 +221,4 @@ def render_pt(c: dict[str, Any], console: Any) -> None:
     if c["optimizer"] is not None:
         groups.update({f"optimizer {k}": s for k, s in c["optimizer"]["state"].items()})
     if groups:
-        console.print(stats_table("tensor groups (float64 statistics over finite values)", groups))
+        console.print(stats_table("tensor groups (float64 statistics over finite values)", groups, console.width))

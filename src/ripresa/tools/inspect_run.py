@@ -169,8 +169,9 @@ def render_run(r: dict[str, Any], console: Any) -> None:
     if not r["generations"]:
         console.print(f"run folder {escape(r['folder'])}: [red]no generation[/] (no step_NNNNNN.bin, .json or .bin.sha256)")
     t = Table(title=f"run folder — {escape(r['folder'])}")
-    for col in ("step", "kind", "size", "status", "resume", "reason"):
-        t.add_column(col, justify="right" if col in ("step", "size") else "left")
+    for col in ("step", "kind", "size", "status", "resume", "reason"):  # numbers on one line, text folds
+        t.add_column(col, justify="right" if col in ("step", "size") else "left", no_wrap=col in ("step", "kind", "size"),
+                     overflow="fold")
     for g in r["generations"]:
         files = g["files"]
         status = "[green]valid[/]" if g["valid"] else "[red]INVALID[/]"
@@ -208,4 +209,4 @@ def render_run(r: dict[str, Any], console: Any) -> None:
                        "alive (save in progress)" if tmp["writer_alive"] else "dead (leftover)")
         console.print(tt)
     if r["finite"]["regions"]:
-        console.print(stats_table(f"generation {r['finite']['step']} (the one a resume uses)", r["finite"]["regions"]))
+        console.print(stats_table(f"generation {r['finite']['step']} (the one a resume uses)", r["finite"]["regions"], console.width))

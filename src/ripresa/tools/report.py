@@ -291,15 +291,16 @@ def fmt_status(ok: Any) -> str:
     return "[dim]not checked[/]"
 
 
-def stats_table(title: str, stats: dict[str, Any]) -> Any:
-    """One row per region or group; where the first non-finite value is, the problems/warnings say."""
-    from rich.table import Table
+def stats_table(title: str, stats: dict[str, Any], width: int) -> Any:
+    """One row per region or group, laid out across when it fits ``width`` and down otherwise (no number is
+    wrapped or cut: ripresa.console.fit_table); where the first non-finite value is, the problems/warnings say."""
+    from rich.markup import escape
 
-    t = Table(title=title)
-    for col in ("", "count", "min", "max", "mean", "std", "non-finite"):
-        t.add_column(col, justify="left" if not col else "right", overflow="fold")
+    from ..console import fit_table
+
+    rows = []
     for name, s in stats.items():
         bad = s["nan"] + s["posinf"] + s["neginf"]
         detail = f"[red]{bad}[/]" if bad else "0"
-        t.add_row(name, str(s["count"]), fmt(s["min"]), fmt(s["max"]), fmt(s["mean"]), fmt(s["std"]), detail)
-    return t
+        rows.append([escape(name), str(s["count"]), fmt(s["min"]), fmt(s["max"]), fmt(s["mean"]), fmt(s["std"]), detail])
+    return fit_table(title, ("", "count", "min", "max", "mean", "std", "non-finite"), rows, width)

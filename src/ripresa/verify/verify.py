@@ -550,21 +550,36 @@ def verify_resume(
 
 
 def _run_with_progress(command, *, steps, cut, output, show, mode) -> PathRuns:
-    if not show:
-        return run_paths(command, steps=steps, cut=cut, output=output, mode=mode)
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    """:func:`run_paths` under a progress line on stderr (a TTY only, ripresa.console.progress): paths done of the
+    four planned (:class:`PathCount`)."""
+    from ..console import progress
 
-    console = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("[bold]verify[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} paths"),
-                  TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=False) as bar:
-        task = bar.add_task("continuous ∥ interrupted", total=len(PATHS))
+    count = PathCount()
+    with progress(quiet=not show, transient=False) as bar:
+        task = bar.add_task("verify: continuous ∥ interrupted", total=len(PATHS), unit="paths")
 
         def cb(name: str, rc: int) -> None:
-            nxt = "resume ∥ resume-without-rng" if name in ("continuous", "interrupted") else "comparing"
-            bar.update(task, advance=1, description=f"{name} done (exit {rc}) → {nxt}")
+            completed, description = count.done(name, rc)
+            bar.update(task, completed=completed, description=description)
 
         return run_paths(command, steps=steps, cut=cut, output=output, progress_cb=cb, mode=mode)
+
+
+class PathCount:
+    """Paths done of the four planned: each path counted once, whatever reports it (never ``6/4 paths``)."""
+
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+
+    def done(self, name: str, rc: int) -> tuple[int, str]:
+        """Record ``name`` finished with exit code ``rc``: (paths done, the progress line's text)."""
+        if name in PATHS and name not in self.finished:
+            self.finished.append(name)
+        if name in REFERENCE:
+            nxt = "resume ∥ resume-without-rng" if set(REFERENCE) <= set(self.finished) else "the other reference path"
+        else:
+            nxt = "comparing" if len(self.finished) == len(PATHS) else "the other resumed path"
+        return len(self.finished), f"verify: {name} done (exit {rc}) → {nxt}"
 
 
 def _fmt(v: Any) -> str:
@@ -587,9 +602,9 @@ def render_verdict(verdict: Verdict, console=None) -> None:
     metric = t["resume"]["eval_metric"] or "evaluation"
     tol = r["tolerance"]["absolute"]
     table = Table(title=f"resume verification — {r['steps']} steps, cut at {r['cut']}, tolerance abs {tol:g} rel {r['tolerance']['relative']:g}")
-    table.add_column("comparison")
-    table.add_column("full resume", justify="right")
-    table.add_column("resume without RNG", justify="right")
+    table.add_column("comparison", overflow="fold")  # numbers stay whole on one line; the labels wrap
+    table.add_column("full resume", justify="right", no_wrap=True)
+    table.add_column("resume without RNG", justify="right", no_wrap=True)
     table.add_row("max weight gap", _fmt(t["resume"]["max_weight_gap"]), _fmt(t["resume-without-rng"]["max_weight_gap"]))
     table.add_row(f"final {metric}", _fmt(t["resume"]["final_eval"]), _fmt(t["resume-without-rng"]["final_eval"]))
     table.add_row(f"{metric} gap vs continuous", _fmt(t["resume"]["eval_gap"]), _fmt(t["resume-without-rng"]["eval_gap"]))
@@ -600,9 +615,9 @@ def render_verdict(verdict: Verdict, console=None) -> None:
     )
     console.print(table)
     checks = Table(title="checks after the cut (max absolute gap)")
-    checks.add_column("check")
-    checks.add_column("full resume", justify="right")
-    checks.add_column("without RNG", justify="right")
+    checks.add_column("check", overflow="fold")
+    checks.add_column("full resume", justify="right", no_wrap=True)
+    checks.add_column("without RNG", justify="right", no_wrap=True)
     neg = {c["name"]: c for c in r["checks"]["resume-without-rng"]}
     for c in r["checks"]["resume"]:
         n = neg.get(c["name"], {})

@@ -1,0 +1,265 @@
+"""How the ``ripresa`` command speaks to a terminal (docs/FAULTS.md, "Messages and exit codes").
+
+* **One renderer for every warning.** :func:`install` (called by the CLI's entry
+  only) routes Python warnings and log records to :func:`warning_line`: one
+  terminal-safe line, ``ripresa COMMAND: warning: WHAT ...``, never Python's
+  ``file.py:307: CheckpointWarning:`` format with a source line. The library
+  itself keeps warning through :mod:`warnings`, so a program that imports
+  ripresa sees ordinary Python warnings (filterable, ``pytest.warns``).
+* **Tables that fit.** :func:`fit_table` lays a table of numbers out across
+  when it fits the console's width and otherwise down (one row per value), so
+  a number is never wrapped mid-digit nor cut with an ellipsis.
+* **Progress on stderr, on a terminal only.** :func:`progress` is a rich
+  progress display on stderr when stderr is a TTY and the command is not
+  ``--quiet`` (or ``RIPRESA_PROGRESS=0``); otherwise an object with the same
+  methods that draws nothing, so piped and logged output stays clean.
+
+Like :mod:`ripresa.text`, this module imports nothing of ripresa's layers and
+rich only when it draws.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .text import escape_terminal
+
+#: The command named in each line (set by :func:`install` and :func:`set_command`).
+_COMMAND = ["ripresa"]
+
+
+def one_line(text: Any) -> str:
+    """``text`` as one terminal-safe line: its lines joined with ``; `` (an error's
+    ``file:``/``expected:``/``found:``/``hint:`` lines stay readable), control characters escaped."""
+    out = ""
+    for part in (" ".join(p.split()) for p in escape_terminal(text).split("\n")):  # runs of blanks: one space
+        if part:
+            out += part if not out else (" " if out.endswith(":") else "; ") + part
+    return escape_terminal(out, newlines=False)
+
+
+def _origin(filename: str | None) -> str | None:
+    """The package a warning came from, by the file that raised it ("ripresa" for its own, None: unknown)."""
+    if not filename:
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.abspath(filename)
+    if path.startswith(here + os.sep):
+        return "ripresa"
+    parts = path.replace("\\", "/").split("/")
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            i = parts.index(marker)
+            if i + 1 < len(parts):
+                return parts[i + 1].removesuffix(".py")
+    return os.path.basename(path)
+
+
+def warning_line(message: Any, category: type[Warning] | None = None, filename: str | None = None,
+                 command: str | None = None) -> str:
+    """The one line a warning prints as: ``ripresa COMMAND: warning: TEXT``.
+
+    A warning of ripresa's own (its text says what, which file, why and what to
+    do) prints as is; one from another package names its category and origin,
+    ``warning (UserWarning, torch): ...``.
+    """
+    cmd = escape_terminal(command or _COMMAND[0], newlines=False)[:40]
+    prefix = cmd if cmd.startswith("ripresa") else f"ripresa {cmd}"
+    origin = _origin(filename)
+    own = origin == "ripresa" or (category is not None and category.__module__.startswith("ripresa"))
+    tag = "" if own or category is None else f" ({category.__name__}{', ' + origin if origin else ''})"
+    return f"{prefix}: warning{tag}: {one_line(message)}"
+
+
+def show_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                 line: str | None = None) -> None:
+    """A ``warnings.showwarning`` replacement: :func:`warning_line` on stderr (never raises)."""
+    try:
+        (file or sys.stderr).write(warning_line(message, category, filename) + "\n")
+        (file or sys.stderr).flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class _LogLine(logging.Handler):
+    """Log records of WARNING and above (a library's logger), one line each, like a warning."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record must not break the command
+            text = str(record.msg)
+        level = "error" if record.levelno >= logging.ERROR else "warning"
+        try:
+            sys.stderr.write(f"ripresa {_COMMAND[0]}: {level} ({record.name}): {one_line(text)}\n")
+        except (OSError, ValueError):
+            pass
+
+
+def set_command(command: str) -> None:
+    """Name the running subcommand in every later line."""
+    _COMMAND[0] = command
+
+
+def install(command: str = "ripresa") -> Callable[[], None]:
+    """Route warnings (and log records, where no logging is configured) to :func:`warning_line`.
+
+    For the CLI's entry point only; returns a function that undoes it.
+    """
+    set_command(command)
+    shown = warnings.showwarning
+    warnings.showwarning = show_warning
+    root = logging.getLogger()
+    handler: logging.Handler | None = None
+    if not root.handlers:
+        handler = _LogLine(logging.WARNING)
+        root.addHandler(handler)
+
+    def undo() -> None:
+        warnings.showwarning = shown
+        if handler is not None:
+            root.removeHandler(handler)
+
+    return undo
+
+
+# ---- tables that fit ----------------------------------------------------------------------------
+
+
+def _cell_width(cell: str) -> int:
+    from rich.text import Text
+
+    try:
+        return Text.from_markup(cell).cell_len
+    except Exception:  # noqa: BLE001 - not markup: its plain width
+        return Text(cell).cell_len
+
+
+def table_width(header: Sequence[str], rows: Iterable[Sequence[str]]) -> int:
+    """The width a rich table with a box, padding 1 and these cells needs (no cell wrapped)."""
+    widths = [_cell_width(h) for h in header]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], _cell_width(cell))
+    return sum(widths) + 3 * len(widths) + 1
+
+
+def fit_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> Any:
+    """A rich renderable of ``rows`` under ``header`` (the first column names the row) that fits ``width``.
+
+    Across (one row per name, one column per header) when that fits, no cell
+    wrapped or cut; otherwise down: one row per (name, field, value) — each
+    value whole on its line (a value longer than the width folds, never cut).
+    """
+    from rich.table import Table
+
+    if table_width(header, rows) <= width:
+        t = Table(title=title)
+        for i, h in enumerate(header):
+            t.add_column(h, justify="left" if i == 0 else "right", no_wrap=True)
+        for row in rows:
+            t.add_row(*row)
+        return t
+    t = Table(title=title)
+    t.add_column(header[0] or "name", overflow="fold")  # a long name folds; the numbers keep their width
+    t.add_column("field", no_wrap=True)
+    t.add_column("value", justify="right", overflow="fold")
+    for row in rows:
+        for i, (h, cell) in enumerate(zip(header[1:], row[1:], strict=True)):
+            t.add_row(row[0] if i == 0 else "", h, cell)
+        t.add_section()
+    return t
+
+
+# ---- progress on stderr -------------------------------------------------------------------------
+
+
+def live(quiet: bool = False) -> bool:
+    """Whether a progress display may draw: stderr is a terminal, not ``--quiet``, not ``RIPRESA_PROGRESS=0``."""
+    if quiet or os.environ.get("RIPRESA_PROGRESS") == "0":
+        return False
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+class NoProgress:
+    """What :func:`progress` returns when nothing may draw: rich ``Progress``'s methods, doing nothing."""
+
+    def __enter__(self) -> NoProgress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def start(self) -> None:
+        return None
+
+    def add_task(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def advance(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+
+def stderr_console() -> Any:
+    """The terminal-safe rich console of progress displays (stderr; width from the terminal or ``COLUMNS``)."""
+    from .text import safe_console
+
+    return safe_console(stderr=True)
+
+
+def progress(kind: str = "count", *, quiet: bool = False, transient: bool = True) -> Any:
+    """A progress display on stderr for a wait: ``kind`` ``count`` (N/M and a unit, e.g. paths) or ``bytes``.
+
+    The numbers come first, then the description of what is being done (last:
+    it wraps under them, never cut); under 100 columns the bar and the rate
+    are left out. Each task gives ``unit=`` (``paths``, ``bytes`` aside). Nothing draws (a
+    :class:`NoProgress`) unless :func:`live`.
+    """
+    if not live(quiet):
+        return NoProgress()
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+    from rich.table import Column
+
+    console = stderr_console()
+    wide = console.width >= 100
+    number = Column(no_wrap=True)
+    columns: list[Any] = [SpinnerColumn()]
+    if wide:
+        columns.append(BarColumn(bar_width=24))
+    if kind == "bytes":
+        columns.append(DownloadColumn(table_column=number))
+        if wide:
+            columns.append(TransferSpeedColumn(table_column=Column(no_wrap=True)))
+    else:
+        columns.append(MofNCompleteColumn(table_column=number))
+        columns.append(TextColumn("{task.fields[unit]}", table_column=Column(no_wrap=True)))
+    columns.append(TimeElapsedColumn(table_column=Column(no_wrap=True)))
+    columns.append(TextColumn("{task.description}", table_column=Column(overflow="fold")))  # last: it wraps, whole
+    return Progress(*columns, console=console, transient=transient, expand=False)
+
+
+__all__ = ["NoProgress", "fit_table", "install", "live", "one_line", "progress", "set_command", "show_warning",
+           "stderr_console", "table_width", "warning_line"]

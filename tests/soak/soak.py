@@ -332,7 +332,8 @@ class ForkServer:
         for line in self.proc.stdout:
             msg = json.loads(line)
             with self.cond:
-                if "pid" in msg:
+                if "pid" in msg:  # a pid seen before is reused (pid_max 32768): its old exit is not this one's
+                    self.exits.pop(msg["pid"], None)  # (seed 2128: stale exits -9 and 1 taken for new trainers')
                     self.pids.append(msg["pid"])
                 else:
                     self.exits[msg["exit"]] = msg["rc"]

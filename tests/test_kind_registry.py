@@ -204,3 +204,27 @@ def test_the_signature_check_and_the_names_go_through_the_kinds(npz_kind, tmp_pa
     assert spec_of("st") is spec_of("general") and spec_of("general").naming.files(3) == (
         "step_000003.safetensors", "step_000003.safetensors.json", "step_000003.safetensors.hmac",
         "step_000003.safetensors.sha256")
+
+
+@pytest.mark.parametrize("fmt", ["andrea", "general"])
+def test_each_commit_is_retained_once_by_the_registry(fmt, tmp_path, monkeypatch):
+    from ripresa.store.folder import RunFolder
+
+    calls: list[list[str]] = []
+    retain = RunFolder.retain
+
+    def counted(self, kinds, **kw):
+        kinds = list(kinds)
+        calls.append(sorted(k.kind for k in kinds))
+        return retain(self, kinds, **kw)
+
+    monkeypatch.setattr(RunFolder, "retain", counted)
+    state = _toy()
+    with ripresa.Checkpointer(tmp_path, state, every=1, asynchronous=False, handle_signals=False, format=fmt,
+                              retention=KeepLast(1), save_on_close=False) as ck:
+        for step in (1, 2, 3):
+            _train(state)
+            ck.step_done(step)
+    # one pass per commit (a .bin save used to retain twice), over the kinds of one sequence (bin + general)
+    assert calls == [["bin", "general"]] * 3
+    assert len(list(tmp_path.glob("step_*.sha256"))) == 1

@@ -183,6 +183,7 @@ def test_a_registered_npz_kind_is_saved_listed_retained_resumed_and_inspected(np
 
 def test_the_signature_check_and_the_names_go_through_the_kinds(npz_kind, tmp_path, monkeypatch):
     from ripresa.store.kinds import check_generation_file, spec_of
+    from ripresa.store.mirror import main_of
 
     monkeypatch.setenv("RIPRESA_HMAC_KEY", "k" * 32)
     with ripresa.CheckpointStore(tmp_path) as store:  # a writer with a key signs what its kinds commit
@@ -201,6 +202,8 @@ def test_the_signature_check_and_the_names_go_through_the_kinds(npz_kind, tmp_pa
         (7, "step_000007.bin"), (7, "step_000007.bin"), (7, "step_000007.safetensors"),
         (7, "step_000007.dcp"), (7, "step_000007.dcp")]
     assert owner_of("step_0000007.bin") is None and owner_of("step_000007.bin/x") is None
+    # a mirror's object keys: only main/<file> may hold a slash
+    assert main_of("step_000007.dcp/.metadata") == ("step_000007.dcp", 7) and main_of("x/step_000007.bin") is None
     assert spec_of("st") is spec_of("general") and spec_of("general").naming.files(3) == (
         "step_000003.safetensors", "step_000003.safetensors.json", "step_000003.safetensors.hmac",
         "step_000003.safetensors.sha256")

@@ -76,6 +76,7 @@ from ripresa.formats.andrea_bin import read_bin  # noqa: E402
 from ripresa.formats.bin_state import bin_arrays, companion_snapshot  # noqa: E402
 from ripresa.io.fsio import fsync_dir, read_exact_hashing  # noqa: E402
 from ripresa.store.async_save import AsyncCheckpointWriter  # noqa: E402
+from ripresa.store.backend import backend_of  # noqa: E402
 from ripresa.store.general import GeneralBackend, general_paths  # noqa: E402
 from ripresa.store.store import CheckpointStore, generation_paths  # noqa: E402
 
@@ -635,9 +636,10 @@ class Bench:
         self.async_store = CheckpointStore(scratch / "async")
         pin = None if device == "cuda" else False  # pinned staging for device tensors (the default on CUDA)
         self.writer = AsyncCheckpointWriter(self.async_store, pin_memory=pin) if self.with_bin else None
-        # the general format, through its backend (what Checkpointer(format="general") calls)
+        # the general format, through its backend as the registry opens it for Checkpointer(format="general")
+        # (its retention after each commit included)
         self.general_store = CheckpointStore(scratch / "general")
-        self.general = GeneralBackend(self.general_store)
+        self.general = backend_of("general", self.general_store)
         self.general_resume_store = CheckpointStore(scratch / "general_resume")
         self.general_resume = GeneralBackend(self.general_resume_store)
         self._stage_s = 0.0

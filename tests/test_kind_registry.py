@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ripresa
-from ripresa.core.state import TrainingState
+from ripresa.core.state import Progress, TrainingState
 from ripresa.errors import IntegrityError, RipresaError
 from ripresa.formats import companion as companion_fmt
 from ripresa.formats.generation import Checks, Generation, reason_of
@@ -179,3 +179,55 @@ def test_a_registered_npz_kind_is_saved_listed_retained_resumed_and_inspected(np
         with ripresa.Checkpointer(tmp_path, _toy(), every=1, asynchronous=False, handle_signals=False,
                                   save_on_close=False) as ck:
             assert ck.resume() == 3
+
+
+def test_the_signature_check_and_the_names_go_through_the_kinds(npz_kind, tmp_path, monkeypatch):
+    from ripresa.store.kinds import check_generation_file, spec_of
+    from ripresa.store.mirror import main_of
+
+    monkeypatch.setenv("RIPRESA_HMAC_KEY", "k" * 32)
+    with ripresa.CheckpointStore(tmp_path) as store:  # a writer with a key signs what its kinds commit
+        state = _toy()
+        _train(state)
+        assert backend_of("npz", store).save(1, state, Progress(step=1)).valid
+    assert (tmp_path / "step_000001.npz.hmac").is_file()
+    check_generation_file(tmp_path / "step_000001.npz")  # `ripresa inspect --require-signature FILE`
+    check_generation_file(tmp_path / "step_000001.npz.json")
+    (tmp_path / "step_000001.npz.hmac").unlink()
+    with pytest.raises(auth.SignatureError, match="not trusted under --require-signature"):
+        check_generation_file(tmp_path / "step_000001.npz")
+    # every kind names its own files; old names still read
+    assert [owner_of(n)[1:] for n in ("step_000007.bin", "step_000007.json", "step_000007.safetensors.json",
+                                      "step_000007.dcp/.metadata", "step_000007.dcp.sha256")] == [
+        (7, "step_000007.bin"), (7, "step_000007.bin"), (7, "step_000007.safetensors"),
+        (7, "step_000007.dcp"), (7, "step_000007.dcp")]
+    assert owner_of("step_0000007.bin") is None and owner_of("step_000007.bin/x") is None
+    # a mirror's object keys: only main/<file> may hold a slash
+    assert main_of("step_000007.dcp/.metadata") == ("step_000007.dcp", 7) and main_of("x/step_000007.bin") is None
+    assert spec_of("st") is spec_of("general") and spec_of("general").naming.files(3) == (
+        "step_000003.safetensors", "step_000003.safetensors.json", "step_000003.safetensors.hmac",
+        "step_000003.safetensors.sha256")
+
+
+@pytest.mark.parametrize("fmt", ["andrea", "general"])
+def test_each_commit_is_retained_once_by_the_registry(fmt, tmp_path, monkeypatch):
+    from ripresa.store.folder import RunFolder
+
+    calls: list[list[str]] = []
+    retain = RunFolder.retain
+
+    def counted(self, kinds, **kw):
+        kinds = list(kinds)
+        calls.append(sorted(k.kind for k in kinds))
+        return retain(self, kinds, **kw)
+
+    monkeypatch.setattr(RunFolder, "retain", counted)
+    state = _toy()
+    with ripresa.Checkpointer(tmp_path, state, every=1, asynchronous=False, handle_signals=False, format=fmt,
+                              retention=KeepLast(1), save_on_close=False) as ck:
+        for step in (1, 2, 3):
+            _train(state)
+            ck.step_done(step)
+    # one pass per commit (a .bin save used to retain twice), over the kinds of one sequence (bin + general)
+    assert calls == [["bin", "general"]] * 3
+    assert len(list(tmp_path.glob("step_*.sha256"))) == 1

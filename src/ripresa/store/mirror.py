@@ -97,7 +97,9 @@ class MirrorSpec:
 def main_of(key: str) -> tuple[str, int] | None:
     """(the generation's main name, its step) that object ``key`` belongs to, or None (the kinds' names)."""
     owner = owner_of(key)
-    return (owner.main, owner.step) if owner is not None else None
+    if owner is None or "/" in key and key.partition("/")[0] != owner.main:  # only main/<file> may hold a slash
+        return None
+    return owner.main, owner.step
 
 
 def kind_of(main: str) -> str:

@@ -145,7 +145,7 @@ def test_make_demo_runs_the_main_job(tmp_path):
     assert "1/2 · " in res.stdout and "2/2 · the ANDREA engine" in res.stdout
     assert "**1/2 · the proof.**" in README and "**2/2 · the ANDREA engine.**" in README
     # Its last line is a command that works in the shell that ran `make demo` (the ripresa on its PATH, if any).
-    tried = next(line.split("try:", 1)[1].strip() for line in res.stdout.splitlines() if "try:" in line)
+    tried = next(line.strip()[4:].strip() for line in res.stdout.splitlines() if line.strip().startswith("try:"))
     assert tried.endswith(f"inspect {out / 'gpt'}"), tried
     res = subprocess.run(tried, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, f"{tried}:\n{res.stdout}\n{res.stderr}"

@@ -772,7 +772,8 @@ def render_comparison(result: dict[str, Any], console: Any) -> None:
     elif result["winner"] is None:
         console.print("[yellow]no run has a finite EMA loss: nothing converges[/]")
     else:
-        margin, noise, window = result.get("margin"), result.get("noise"), result.get("noise_window")
+        margin, noise = result.get("margin"), result.get("noise")
+        window = min(result.get("noise_window") or 0, min(row["steps"] for row in result["runs"]))
         if margin is None:
             console.print(f"[bold]{result['winner']}[/] is the only run with a finite EMA loss")
         elif result.get("within_noise") is None:

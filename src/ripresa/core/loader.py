@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import SchemaError
-from .data import EpochSampler, _splitmix64
+from .data import EpochSampler, splitmix64
 
 #: ``StatefulLoader.state_dict()["format"]``.
 LOADER_FORMAT = "ripresa.loader/1"
@@ -30,9 +30,9 @@ _OWN = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "gener
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """The 64-bit seed of sample ``index``'s randomness in ``epoch`` (SplitMix64 of the three)."""
-    z = _splitmix64(int(seed) & _M64)
-    z = _splitmix64(z ^ (int(epoch) & _M64))
-    return _splitmix64(z ^ (int(index) & _M64))
+    z = splitmix64(int(seed) & _M64)
+    z = splitmix64(z ^ (int(epoch) & _M64))
+    return splitmix64(z ^ (int(index) & _M64))
 
 
 @contextlib.contextmanager
@@ -194,14 +194,14 @@ class StatefulLoader:
     # -- Stateful -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch delivered: the sampler's O(1) state, its generator's and its base seed."""
-        from .rng import _numpy_bitgen_state
+        from .rng import numpy_bitgen_state
 
         return {
             "format": LOADER_FORMAT,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "sampler": self._sampler.state_dict(),
-            "generator": _numpy_bitgen_state(self._sampler.generator.bit_generator.state),
+            "generator": numpy_bitgen_state(self._sampler.generator.bit_generator.state),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

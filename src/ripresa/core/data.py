@@ -42,7 +42,7 @@ FEISTEL_MAX_ROWS = 2**62
 _M64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     """One step of SplitMix64's output function on a Python int (mod 2**64)."""
     z = (x + 0x9E3779B97F4A7C15) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -79,7 +79,7 @@ class FeistelPermutation:
         self.mask = np.uint64((1 << self.half) - 1)
         k, keys = self.key, []
         for _ in range(FEISTEL_ROUNDS):
-            k = _splitmix64(k)
+            k = splitmix64(k)
             keys.append(np.uint64(k))
         self.round_keys = keys
 
@@ -187,10 +187,10 @@ class EpochSampler:
 
     def _begin_epoch(self) -> None:
         """Draw the next epoch's permutation (or key) from the generator; cursor to 0."""
-        from .rng import _numpy_bitgen_state
+        from .rng import numpy_bitgen_state
 
         if self.permutation_kind == "numpy":
-            start = _numpy_bitgen_state(self.generator.bit_generator.state)
+            start = numpy_bitgen_state(self.generator.bit_generator.state)
             self.permutation = self.generator.permutation(self.n_rows)
             self._recipe = {"kind": "numpy", "generator": start}
         else:
@@ -254,9 +254,9 @@ class EpochSampler:
             "permutation": perm,
         }
         if self.owns_generator:
-            from .rng import _numpy_bitgen_state
+            from .rng import numpy_bitgen_state
 
-            out["generator"] = _numpy_bitgen_state(self.generator.bit_generator.state)
+            out["generator"] = numpy_bitgen_state(self.generator.bit_generator.state)
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -294,9 +294,9 @@ class EpochSampler:
         if isinstance(perm, Mapping):
             recipe = copy.deepcopy(dict(perm))
             if kind == "numpy":
-                from .rng import _numpy_bitgen_state_back
+                from .rng import numpy_bitgen_state_back
 
-                start = _numpy_bitgen_state_back(perm["generator"], "data.permutation.generator")
+                start = numpy_bitgen_state_back(perm["generator"], "data.permutation.generator")
                 arr = _bitgen_from_state(start).permutation(self.n_rows)
             else:
                 feistel = FeistelPermutation(self.n_rows, int(perm["key"]))
@@ -315,9 +315,9 @@ class EpochSampler:
         self.epoch, self.cursor = epoch, cursor
         self.rows_consumed = int(state["rows_consumed"])
         if self.owns_generator and state.get("generator") is not None:
-            from .rng import _numpy_bitgen_state_back
+            from .rng import numpy_bitgen_state_back
 
-            self.generator.bit_generator.state = _numpy_bitgen_state_back(state["generator"], "data.generator")
+            self.generator.bit_generator.state = numpy_bitgen_state_back(state["generator"], "data.generator")
 
 
 _INT64 = 2**63 - 1
@@ -469,18 +469,18 @@ class DistributedEpochSampler(EpochSampler):
 
     def state_dict(self) -> dict[str, Any]:
         """The global position (as :class:`EpochSampler`), the permutation stream's state, and the world it was saved in."""
-        from .rng import _numpy_bitgen_state
+        from .rng import numpy_bitgen_state
 
         state = super().state_dict()
         state["batch_size"] = self.per_rank_batch_size
         state["world_size"] = self.world_size
-        state["generator"] = _numpy_bitgen_state(self.generator.bit_generator.state)
+        state["generator"] = numpy_bitgen_state(self.generator.bit_generator.state)
         state["distributed"] = True
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the global position; a state saved on another number of ranks is accepted (resharding)."""
-        from .rng import _numpy_bitgen_state_back
+        from .rng import numpy_bitgen_state_back
 
         if not state.get("distributed"):
             raise SchemaError("data position was not saved by a DistributedEpochSampler", found=sorted(state),
@@ -497,5 +497,5 @@ class DistributedEpochSampler(EpochSampler):
         base = dict(state)
         base["batch_size"] = self.batch_size  # the global batch of *this* world size
         super().load_state_dict(base)
-        self.generator.bit_generator.state = _numpy_bitgen_state_back(state["generator"], "data.generator")
+        self.generator.bit_generator.state = numpy_bitgen_state_back(state["generator"], "data.generator")
         self.resharded_from = saved_world if saved_world != self.world_size else None

@@ -1,224 +1,26 @@
-"""A ``torch.utils.data.DataLoader`` whose position resumes exactly, worker augmentation included.
+"""Data loaders whose position resumes exactly, worker augmentation included (README.md, "Data loaders").
 
-:class:`StatefulLoader` wraps a real ``DataLoader``: its order is an :class:`~ripresa.EpochSampler`
-whose cursor counts the batches *delivered*, and each sample's transform draws from generators
-seeded from ``(seed, epoch, i)`` (:func:`sample_seed`) in whichever worker. :func:`make_exact`
-makes a ``DataLoader`` the user already has exact, in place (:class:`ExactLoader` is its position).
-The saved layout: docs/FORMAT.md, "The data position"; use: README.md, "Data loaders".
+:func:`make_exact` makes a ``torch.utils.data.DataLoader`` the user already has exact, in place (its
+:class:`ExactLoader` is the position); ripresa's own loader, :class:`StatefulLoader`, lives in
+:mod:`ripresa.core.stateful_loader` and is importable from here. Both seed each sample's transform from
+``(seed, epoch, i)`` (:func:`sample_seed`). The saved layout: docs/FORMAT.md, "The data position".
 """
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import SchemaError
-from .data import EpochSampler, _splitmix64
+from .seeds import sample_seed
+from .seeds import seeded as _seeded
+from .stateful_loader import LOADER_FORMAT as LOADER_FORMAT  # re-exported
+from .stateful_loader import StatefulLoader as StatefulLoader  # re-exported
 
-#: ``StatefulLoader.state_dict()["format"]``.
-LOADER_FORMAT = "ripresa.loader/1"
 _M64 = (1 << 64) - 1
-#: DataLoader arguments the loader decides itself.
-_OWN = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The 64-bit seed of sample ``index``'s randomness in ``epoch`` (SplitMix64 of the three)."""
-    z = _splitmix64(int(seed) & _M64)
-    z = _splitmix64(z ^ (int(epoch) & _M64))
-    return _splitmix64(z ^ (int(index) & _M64))
-
-
-@contextlib.contextmanager
-def _seeded(s: int) -> Iterator[None]:
-    """Seed torch (CPU), ``random`` and NumPy's global generator with ``s``; put the three back after.
-
-    Only torch's CPU generator: ``torch.manual_seed`` would also reseed every
-    CUDA generator, which a loader without workers shares with the training
-    step (dropout on the GPU), and which is not put back.
-    """
-    torch_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    try:
-        torch.default_generator.manual_seed(s)
-        random.seed(s)
-        np.random.seed([s & 0xFFFFFFFF, s >> 32])
-        yield
-    finally:
-        torch.set_rng_state(torch_state)
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-
-
-class _SeededDataset(Dataset):
-    """``dataset[(epoch, i)]`` is ``dataset[i]`` under the randomness of :func:`sample_seed`."""
-
-    def __init__(self, dataset: Any, seed: int) -> None:
-        self.dataset, self.seed = dataset, seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
-        with _seeded(sample_seed(self.seed, epoch, index)):
-            return self.dataset[index]
-
-
-class _Batches:
-    """The DataLoader's batch sampler: the rest of the current epoch, from the loader's cursor at ``iter()``."""
-
-    def __init__(self, owner: StatefulLoader) -> None:
-        self.owner = owner
-
-    def _plan(self) -> tuple[int, int, Callable[[int, int], np.ndarray]]:
-        s = self.owner._sampler
-        if self.owner.shuffle:
-            perm, feistel = s.permutation, s._feistel
-            if perm is not None:
-                return s.epoch, s.cursor, lambda a, b: perm[a:b]
-            assert feistel is not None
-            return s.epoch, s.cursor, lambda a, b: feistel(np.arange(a, b, dtype=np.uint64))
-        return s.epoch, s.cursor, lambda a, b: np.arange(a, b, dtype=np.int64)
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        s = self.owner._sampler
-        epoch, pos, rows = self._plan()
-        n, bs = s.n_rows, s.batch_size
-        while pos < n and not (s.drop_last and n - pos < bs):
-            stop = min(pos + bs, n)
-            yield [(epoch, int(r)) for r in rows(pos, stop)]
-            pos = stop
-
-    def __len__(self) -> int:
-        s = self.owner._sampler
-        start = 0 if s._epoch_exhausted() else s.cursor
-        left = s.n_rows - start
-        full, rest = divmod(left, s.batch_size)
-        return full + (1 if rest and not s.drop_last else 0)
-
-
-class StatefulLoader:
-    """A multi-worker ``DataLoader`` with an exact, O(1) ``state_dict()`` — pass it as ``TrainingState(data=...)``.
-
-    Args:
-        dataset: a map-style dataset (``len`` and ``dataset[i]``); its
-            ``__getitem__`` may draw from torch, ``random`` or NumPy's global
-            generator: those draws are seeded per sample (module doc).
-        batch_size: samples per batch.
-        shuffle: a new permutation each epoch (else the rows in order).
-        num_workers: worker processes of the underlying ``DataLoader``.
-        seed: the base seed of the order and of every sample's randomness.
-        collate_fn, worker_init_fn: as for ``DataLoader``.
-        drop_last: drop an incomplete final batch of an epoch.
-        permutation: ``"auto"``, ``"numpy"`` or ``"feistel"``, as for :class:`~ripresa.EpochSampler`.
-        **loader_kwargs: other ``DataLoader`` arguments (``pin_memory``,
-            ``prefetch_factor``, ``persistent_workers``, ``multiprocessing_context``, ``timeout``...).
-
-    Each ``iter(loader)`` yields the rest of the current epoch (all of the next
-    epoch when the current one is done), as ``for epoch ...: for batch in
-    loader`` expects; after :meth:`load_state_dict` the first ``iter()`` goes
-    on from the saved batch. Randomness drawn by the sampler or the samples
-    never touches the caller's global generators.
-    """
-
-    def __init__(
-        self,
-        dataset: Any,
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        num_workers: int = 0,
-        seed: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        worker_init_fn: Callable[[int], None] | None = None,
-        drop_last: bool = False,
-        permutation: str = "auto",
-        **loader_kwargs: Any,
-    ) -> None:
-        clash = sorted(set(loader_kwargs) & set(_OWN))
-        if clash:
-            raise TypeError(f"StatefulLoader decides {clash} itself (the order must be resumable); remove them")
-        if type(seed) is not int or not 0 <= seed <= _M64:
-            raise ValueError(f"seed must be an int in 0..2**64-1, got {seed!r}")
-        self.dataset = dataset
-        self.seed = seed
-        self.shuffle = bool(shuffle)
-        # Without shuffling the order is the identity; a feistel sampler then costs no memory.
-        self._sampler = EpochSampler(len(dataset), batch_size, seed=seed, drop_last=drop_last,
-                                     permutation=permutation if shuffle else "feistel")
-        self._batches = _Batches(self)
-        # A private generator: the DataLoader draws its workers' base seed from it, never from torch's global one.
-        self._loader = DataLoader(
-            _SeededDataset(dataset, seed),
-            batch_sampler=self._batches,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            worker_init_fn=worker_init_fn,
-            generator=torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF),
-            **loader_kwargs,
-        )
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the last batch delivered (-1 before the first)."""
-        return self._sampler.epoch
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self._sampler.batches_per_epoch
-
-    @property
-    def rows_consumed(self) -> int:
-        return self._sampler.rows_consumed
-
-    def __len__(self) -> int:
-        """Batches the next ``iter()`` yields."""
-        return len(self._batches)
-
-    def __iter__(self) -> Iterator[Any]:
-        s = self._sampler
-        if s._epoch_exhausted():
-            s._begin_epoch()
-        for batch in self._loader:
-            take = min(s.batch_size, s.n_rows - s.cursor)
-            s.cursor += take
-            s.rows_consumed += take
-            yield batch
-
-    # -- Stateful -----------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch delivered: the sampler's O(1) state, its generator's and its base seed."""
-        from .rng import _numpy_bitgen_state
-
-        return {
-            "format": LOADER_FORMAT,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "sampler": self._sampler.state_dict(),
-            "generator": _numpy_bitgen_state(self._sampler.generator.bit_generator.state),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Go on from a saved position; refuses one of another seed, data set or batch size (nothing changed then)."""
-        from .rng import validate_numpy_state
-
-        if not isinstance(state, Mapping) or state.get("format") != LOADER_FORMAT:
-            raise SchemaError("data position was not saved by a ripresa StatefulLoader", expected=LOADER_FORMAT,
-                              found=state.get("format") if isinstance(state, Mapping) else type(state).__name__)
-        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle)):
-            if state.get(key) != mine:
-                raise SchemaError(f"data position was saved with {key}={state.get(key)!r}, this loader has {key}={mine!r}",
-                                  expected=mine, found=state.get(key),
-                                  hint="build the loader as the run that saved (same seed: the same order and augmentation)")
-        generator = validate_numpy_state(state.get("generator"), "data.generator")
-        self._sampler.load_state_dict(state.get("sampler"))  # validated before it changes anything
-        self._sampler.generator.bit_generator.state = generator
 
 
 # ============================================================================ make_exact

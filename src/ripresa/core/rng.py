@@ -37,7 +37,7 @@ def _set_python_state(state: Mapping[str, Any], r: random.Random | None = None) 
     (r.setstate if r is not None else random.setstate)(value)
 
 
-def _numpy_bitgen_state(state: Mapping[str, Any]) -> dict[str, Any]:
+def numpy_bitgen_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """numpy bit-generator state dict → primitives (arrays become lists of ints)."""
 
     def conv(v: Any) -> Any:
@@ -62,7 +62,7 @@ _NDARRAY_DTYPES = {"uint32": (0, 2**32 - 1), "uint64": (0, 2**64 - 1)}
 _PY_MT_WORDS = 625
 
 
-def _numpy_bitgen_state_back(state: Mapping[str, Any], where: str = "rng") -> dict[str, Any]:
+def numpy_bitgen_state_back(state: Mapping[str, Any], where: str = "rng") -> dict[str, Any]:
     """Primitives → numpy bit-generator state dict; every array checked before it is built."""
 
     def conv(v: Any, path: str, depth: int) -> Any:
@@ -94,7 +94,7 @@ def validate_numpy_state(state: Any, where: str = "rng", *, bit_generator: str |
     hold 624 words, PCG64 states two 128-bit ints, ...): numpy's own setter
     checks each field, on a throw-away instance. Raises :class:`SchemaError`.
     """
-    back = _numpy_bitgen_state_back(state, where)
+    back = numpy_bitgen_state_back(state, where)
     name = back.get("bit_generator")
     if name not in _BIT_GENERATORS or (bit_generator is not None and name != bit_generator):
         raise SchemaError(f"{where}: unknown numpy bit generator", expected=bit_generator or list(_BIT_GENERATORS),
@@ -188,7 +188,7 @@ def validate_rng_state(state: Any, where: str = "rng") -> None:
 
 
 def _numpy_legacy_state() -> dict[str, Any]:
-    return _numpy_bitgen_state(np.random.get_state(legacy=False))
+    return numpy_bitgen_state(np.random.get_state(legacy=False))
 
 
 def _set_numpy_legacy_state(state: Mapping[str, Any]) -> None:
@@ -231,7 +231,7 @@ class RandomStreams:
             NUMPY_LEGACY: _numpy_legacy_state(),
             TORCH_CPU: torch.get_rng_state().clone(),
             TORCH_CUDA: [s.clone() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None,
-            "numpy": {n: _numpy_bitgen_state(g.bit_generator.state) for n, g in self.numpy.items()},
+            "numpy": {n: numpy_bitgen_state(g.bit_generator.state) for n, g in self.numpy.items()},
             "torch": {n: g.get_state().clone() for n, g in self.torch_generators.items()},
             "python_random": {n: _python_state(r) for n, r in self.python.items()},
         }

@@ -23,7 +23,7 @@ from ..errors import BadInput, OutputExists
 from ..io.fsio import write_atomic
 from ..session.steer import ENV as STEER_ENV
 from .compare import Comparison, Tally, compare_trees
-from .paths import MODES, PathRuns, log_tail, run_paths
+from .paths import MODES, REFERENCE, PathRuns, log_tail, run_paths
 from .paths import (
     reference_exercise_command as reference_exercise_command,  # re-exported (cli, engine.demo)
 )

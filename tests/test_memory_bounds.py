@@ -88,6 +88,7 @@ def _cli(*args: str) -> str:
 
 # ------------------------------------------------------------------------------------ 1. references
 
+@pytest.mark.slow
 def test_a_tensor_referenced_many_times_is_refused_and_a_resume_falls_back(tmp_path):
     """A companion naming one stored list 2000 times (the reference bomb, ~3 GB at 10**5 times) reads invalid,
     with a typed reason, and a resume takes the previous generation."""
@@ -272,6 +273,7 @@ def test_plot_keeps_the_last_line_per_step_in_compact_arrays(tmp_path):
     assert list(c.steps) == [1, 2, 3] and list(c.losses) == [5.0, 4.0, 3.0]
 
 
+@pytest.mark.slow
 def test_a_long_run_is_drawn_downsampled_with_numbers_from_every_step(tmp_path):
     from ripresa.engine import plots
 

@@ -99,6 +99,7 @@ def test_s3_multipart_upload_is_completed_only_when_the_sha256_matches(tmp_path,
         store.get_bytes(src.name, limit=1 << 20)  # a bounded read refuses it before reading it
 
 
+@pytest.mark.slow
 def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tmp_path, s3):
     ref = train(tmp_path / "ref", 16, 4)
     a = train(tmp_path / "a", 8, 4, mirror=fast(s3.url))
@@ -119,6 +120,7 @@ def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tm
     assert s3.committed() == [4, 8, 12, 16]
 
 
+@pytest.mark.slow
 def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp_path, s3, proxy):
     ref = train(tmp_path / "ref", 24, 3)
     faults = ["500", "503", "stall", "reset", "500"]
@@ -158,6 +160,7 @@ def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp
     assert pulled["resumed"] == "step_000024.safetensors" and pulled["digest"] == ref["digest"]
 
 
+@pytest.mark.slow
 def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(tmp_path, s3, proxy, capsys):
     run = tmp_path / "run"
     train(run, 3, 3, mirror=fast(s3.url), keep=3)

@@ -180,6 +180,7 @@ def _dcp_of_toy(folder: Path, step: int) -> Path:
     return folder / dcp_fmt.dcp_name(step)
 
 
+@pytest.mark.slow
 def test_inspect_a_dcp_generation_deeply_and_a_flipped_shard_byte_fails(tmp_path):
     from ripresa.tools.inspect import inspect_path
 
@@ -304,6 +305,7 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
     assert valid_dcps(sfork) == [6]
 
 
+@pytest.mark.slow
 def test_fork_refuses_a_tampered_dcp_before_writing_anything(tmp_path):
     """A shard byte flipped after the commit: the deep check refuses it (exit 1 error), the fork folder is never made."""
     from ripresa.engine.fork import fork

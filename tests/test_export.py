@@ -416,13 +416,14 @@ def test_pivoted_and_forked_runs_export_archive_lineage_and_notes(run_dir, tmp_p
 
 def test_a_run_of_another_training_script_exports_without_a_forward_pass(tmp_path, monkeypatch, capsys):
     """A Checkpointer run of a plain torch model: the bundle verifies, the numpy reader still works."""
+    from support.tiny import tiny_state
+
     import ripresa
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = tiny_state((4, 2), lr=1e-2)
+    model, opt = state.model, state.optimizer
     run = tmp_path / "plain"
-    ckpt = ripresa.Checkpointer(run, ripresa.TrainingState(model=model, optimizer=opt), every=5,
+    ckpt = ripresa.Checkpointer(run, state, every=5,
                                 asynchronous=False, handle_signals=False, format="andrea")  # export reads a .bin
     for step in range(ckpt.resume() + 1, 11):
         loss = model(torch.randn(8, 4)).pow(2).mean()

@@ -102,8 +102,7 @@ def test_a_tensor_referenced_many_times_is_refused_and_a_resume_falls_back(tmp_p
     gen = validate_general(run, 2, deep=True).generation
     assert not gen.valid
     assert "referenced more often than the schema allows" in gen.reason
-    model = torch.nn.Linear(4, 4)
-    state = ripresa.TrainingState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    state = tiny_state((4, 4), seed=None, optimizer="sgd", lr=0.1)
     with pytest.warns(Warning), ripresa.Checkpointer(run, state, every=1, asynchronous=False,
                                                      handle_signals=False) as ck:
         assert ck.resume() == 1

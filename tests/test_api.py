@@ -37,6 +37,7 @@ def test_each_public_name_imports_without_a_warning(name):
         assert value.__name__ == name
 
 
+@pytest.mark.slow
 def test_star_import_gives_the_public_api_only():
     code = "from ripresa import *\nnames = sorted(k for k in dir() if not k.startswith('__'))\nprint(names)\n"
     res = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
@@ -112,6 +113,7 @@ def test_misuse_of_the_python_api_raises_type_or_value_error(tmp_path):
         ripresa.RandomStreams(numpy={"data": "not a generator"})
 
 
+@pytest.mark.slow
 def test_a_plot_without_matplotlib_is_a_missing_dependency_naming_the_engine_extra(tmp_path):
     """`sys.modules["matplotlib"] = None` makes every matplotlib import fail, as on a core-only install."""
     run = tmp_path / "run"

@@ -125,6 +125,7 @@ def test_pivot_restart_and_demo_from_a_hostile_folder(hostile, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plant_log", [
     pytest.param(lambda log, outside: os.symlink(outside, log), id="symlink"),
     pytest.param(lambda log, outside: os.mkfifo(log), id="fifo", marks=pytest.mark.slow),

@@ -48,6 +48,7 @@ def test_bin_to_dcp_to_bin_is_byte_identical(gen, tmp_path, capsys):
     assert back.with_suffix(".json").read_bytes() == gen.with_suffix(".json").read_bytes()  # and the companion
 
 
+@pytest.mark.slow
 def test_bin_to_pt_to_bin_and_plain_and_safetensors(gen, tmp_path, capsys):
     r = convert(gen, tmp_path / "c.pt", model_factory=GPT_FACTORY)
     assert r["verified"] and r["dest_kind"] == "pt" and r["compared"] == "full"
@@ -84,6 +85,7 @@ def test_refusals_and_integrity(gen, tmp_path, capsys):
     assert not (tmp_path / "f.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_difference_after_writing_fails_the_command(gen, tmp_path, monkeypatch, capsys):
     from ripresa.io.fsio import sha256_file, write_sidecar
 

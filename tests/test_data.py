@@ -340,6 +340,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_a_killed_process_resumes_a_billion_row_epoch_in_a_fresh_one(tmp_path):
     """A real process draws k batches, saves, goes on drawing and is SIGKILLed; this process resumes bitwise."""
     import signal

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import finish, ranks_of, valid_steps
+from support.helpers import valid_dcp_steps
 from support.ripresa_faults import fault_env
 
 from ripresa.core.data import DistributedEpochSampler
@@ -80,10 +81,6 @@ def wait_history(run: Path, proc: subprocess.Popen, cond, timeout: float = 120):
 
 def valid_bins(run: Path) -> list[int]:
     return [g.step for g in CheckpointStore(run, writer=False).generations() if g.valid]
-
-
-def valid_dcps(run: Path) -> list[int]:
-    return [g.step for g in dcp_fmt.dcp_generations(run) if g.valid]
 
 
 def same_moments(a: Path, b: Path) -> list[str]:
@@ -164,7 +161,7 @@ def test_fsdp_rank_killed_mid_save_keeps_previous_then_restart_resumes_and_resha
                     extra=("--max-restarts=1",), env=fault_env(dist_fault="shards_written:1:8"))
     out, err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
-    assert valid_dcps(run) == [4, 8, 12] and valid_bins(run) == []
+    assert valid_dcp_steps(run) == [4, 8, 12] and valid_bins(run) == []
     assert not [p for p in run.iterdir() if p.name.endswith(".partial")]
     assert (run / "step_000012.dcp.sha256").read_text().count("step_000012.dcp/") == 4  # .metadata, 2 shards, ripresa.json
     view = read_history(run / ".loss.jsonl")

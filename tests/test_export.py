@@ -144,6 +144,7 @@ def test_verify_export_and_render(bundle):
     assert "verified" in text and "step_000020.bin" in text and "OK" in text
 
 
+@pytest.mark.slow
 def test_numpy_snippet_in_readme_reads_the_same_weights(bundle, run_dir, monkeypatch, capsys):
     dest, _ = bundle
     code = _snippet((dest / "README.md").read_text(), "numpy-read")
@@ -165,6 +166,7 @@ def test_numpy_snippet_in_readme_reads_the_same_weights(bundle, run_dir, monkeyp
     assert last["offset"] + last["numel"] == ns["n"]
 
 
+@pytest.mark.slow
 def test_export_of_an_older_step_copies_that_generation(run_dir, tmp_path, monkeypatch):
     import ripresa.tools.bundle as bundle_mod
 
@@ -186,6 +188,7 @@ def test_export_of_an_older_step_copies_that_generation(run_dir, tmp_path, monke
 # ----------------------------------------------------------------------------- refusals
 
 
+@pytest.mark.slow
 def test_non_empty_destination_is_refused_and_untouched(run_dir, tmp_path):
     dest = tmp_path / "busy"
     dest.mkdir()
@@ -203,6 +206,7 @@ def test_non_empty_destination_is_refused_and_untouched(run_dir, tmp_path):
     assert a_file.read_text() == "x"
 
 
+@pytest.mark.slow
 def test_absent_step_is_refused_with_exit_2(run_dir, tmp_path):
     dest = tmp_path / "absent"
     with pytest.raises(BadInput) as info:
@@ -214,6 +218,7 @@ def test_absent_step_is_refused_with_exit_2(run_dir, tmp_path):
         export_run(tmp_path / "no-such-run", dest, model_factory=GPT_FACTORY, show_progress=False)
 
 
+@pytest.mark.slow
 def test_damaged_source_generation_is_refused_before_any_copy(run_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -283,6 +288,7 @@ def test_a_manifest_of_an_unknown_version_is_refused_even_with_its_hash_recomput
     assert info.value.exit_code == 1
 
 
+@pytest.mark.slow
 def test_a_failed_reload_leaves_no_complete_looking_bundle(run_dir, tmp_path, monkeypatch):
     import ripresa.tools.export_bin as export_mod
 
@@ -302,6 +308,7 @@ def test_a_failed_reload_leaves_no_complete_looking_bundle(run_dir, tmp_path, mo
 # ----------------------------------------------------------------------------- inference export
 
 
+@pytest.mark.slow
 def test_inference_export_loads_with_safetensors_and_generates(run_dir, tmp_path, monkeypatch, capsys):
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -381,6 +388,7 @@ def test_training_resumes_from_the_bundle_following_its_readme(bundle, run_dir, 
     assert tree_digest(dest) == before, "resuming from a copy leaves the bundle untouched"
 
 
+@pytest.mark.slow
 def test_pivoted_and_forked_runs_export_archive_lineage_and_notes(run_dir, tmp_path):
     from ripresa.engine.fork import fork
     from ripresa.engine.pivot import pivot
@@ -408,13 +416,14 @@ def test_pivoted_and_forked_runs_export_archive_lineage_and_notes(run_dir, tmp_p
 
 def test_a_run_of_another_training_script_exports_without_a_forward_pass(tmp_path, monkeypatch, capsys):
     """A Checkpointer run of a plain torch model: the bundle verifies, the numpy reader still works."""
+    from support.tiny import tiny_state
+
     import ripresa
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = tiny_state((4, 2), lr=1e-2)
+    model, opt = state.model, state.optimizer
     run = tmp_path / "plain"
-    ckpt = ripresa.Checkpointer(run, ripresa.TrainingState(model=model, optimizer=opt), every=5,
+    ckpt = ripresa.Checkpointer(run, state, every=5,
                                 asynchronous=False, handle_signals=False, format="andrea")  # export reads a .bin
     for step in range(ckpt.resume() + 1, 11):
         loss = model(torch.randn(8, 4)).pow(2).mean()

@@ -118,7 +118,7 @@ def _phase_of_failure(attempts: list[tuple[str, str]]) -> str:
     return f"{op} {name}"
 
 
-@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+@pytest.mark.parametrize("signed", [pytest.param(False, id="unsigned"), pytest.param(True, id="signed", marks=pytest.mark.slow)])
 def test_full_disk_sweep_fails_cleanly_in_every_part_of_the_save(tmpfs, signed):
     key = KEY if signed else None
     root = tmpfs(1024)
@@ -175,6 +175,7 @@ def test_full_disk_sweep_fails_cleanly_in_every_part_of_the_save(tmpfs, signed):
     assert want <= set(phases), phases
 
 
+@pytest.mark.slow
 def test_a_start_on_a_full_disk_is_refused_clearly(tmpfs):
     root = tmpfs(256)
     run = root / "run"
@@ -306,6 +307,7 @@ def _loop(run: Path, total: int, every: int, *, asynchronous: bool, on_step=None
     return ck
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_training_survives_a_full_disk_and_retries_at_the_next_cadence(tmpfs, tmp_path, asynchronous):
     total, every = 60, 10
@@ -341,6 +343,7 @@ def test_training_survives_a_full_disk_and_retries_at_the_next_cadence(tmpfs, tm
     tally.check()
 
 
+@pytest.mark.slow
 def test_training_stops_after_max_failed_saves_and_resumes_exactly(tmpfs, tmp_path):
     total, every = 50, 10
     ref = tmp_path / "ref"

@@ -318,7 +318,7 @@ def _flip(path: Path, bit: int) -> bytes:
     return data
 
 
-@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+@pytest.mark.parametrize("signed", [pytest.param(False, id="unsigned"), pytest.param(True, id="signed", marks=pytest.mark.slow)])
 def test_single_bit_flips_in_a_generation_are_all_detected(tmp_path, signed):
     key = KEY if signed else None
     run = tmp_path / "run"
@@ -490,6 +490,7 @@ def fuzz_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                        HealthCheck.too_slow])
 @given(where=st.sampled_from(["whole", "state", "bin-field", "tagged"]), tree=json_tree, node=tagged,
@@ -625,6 +626,7 @@ def test_errors_print_quoted_file_content_terminal_safe():
     assert exc.as_dict()["found"] == "\x1b[31mred\r  hint:     forged"  # JSON keeps the value (json.dumps escapes it)
 
 
+@pytest.mark.slow
 def test_no_escape_sequence_reaches_the_terminal_from_a_run_folder(tmp_path):
     """A generation whose companion (resealed, as an attacker would) and file names carry escape sequences and
     rich markup: `ripresa inspect` of the folder and of the .bin prints none of them raw (issue #19, class 6)."""

@@ -149,8 +149,9 @@ def _marker_rename_index(ops: list[fsio.RecordedOp]) -> int:
     return next(i for i, r in enumerate(ops) if r.op == "rename" and (r.dst or "").endswith("step_000003.bin.sha256"))
 
 
-@pytest.mark.parametrize(("signed", "n"), [(False, N), (True, N), (False, N_LARGE)],
-                         ids=["unsigned", "signed", "large-regions"])
+@pytest.mark.parametrize(("signed", "n"), [pytest.param(False, N, id="unsigned"),  # the default tier's sample
+                                           pytest.param(True, N, id="signed", marks=pytest.mark.slow),
+                                           pytest.param(False, N_LARGE, id="large-regions", marks=pytest.mark.slow)])
 def test_sigkill_at_every_boundary_and_byte_offset_of_a_generation_save(tmp_path, signed, n):
     ops = _record_save(tmp_path, signed, n)
     commit = _marker_rename_index(ops)
@@ -205,6 +206,7 @@ def _save_pt(folder: Path) -> None:
     save_checkpoint(folder / "checkpoint.pt", STATE)
 
 
+@pytest.mark.slow
 def test_sigkill_at_every_boundary_of_a_checkpoint_pt_save(tmp_path):
     """``checkpoint.pt`` is written into a new folder (the verification contract):
     after a kill it is either committed and bitwise equal, or refused with a
@@ -376,9 +378,9 @@ print("done")
 
 @pytest.mark.parametrize(("spec", "a", "b"), [
     ("after:rename:1", b"A" * 5000, None),
-    ("fsync:2", b"A" * 5000, None),
-    ("bytes:6500", b"A" * 5000, None),
-    ("after:fsync_dir:2", b"A" * 5000, b"B" * 3000 + b"b" * 3000),
+    pytest.param("fsync:2", b"A" * 5000, None, marks=pytest.mark.slow),
+    pytest.param("bytes:6500", b"A" * 5000, None, marks=pytest.mark.slow),
+    pytest.param("after:fsync_dir:2", b"A" * 5000, b"B" * 3000 + b"b" * 3000, marks=pytest.mark.slow),
 ])
 def test_ripresa_crash_at_kills_a_real_process(tmp_path, spec, a, b):
     """``RIPRESA_CRASH_AT`` in a fresh interpreter: exit by SIGKILL, exactly the files expected."""
@@ -412,6 +414,7 @@ print("done")
 """
 
 
+@pytest.mark.slow
 def test_inherited_fault_variables_without_the_support_path_do_nothing(tmp_path):
     """A process that inherits the fault variables but not ``tests/support`` on its path saves unharmed:
     ripresa itself never reads them (a real interpreter, a real ``write_atomic`` and ``CheckpointStore.save``)."""

@@ -111,6 +111,7 @@ def test_no_final_save_after_an_exception_with_abort_or_in_a_finally(tmp_path):
     assert valid_steps(tmp_path / "x") == []
 
 
+@pytest.mark.slow
 def test_train_twice_saves_the_end_and_does_no_work_twice(tmp_path):
     """The default tier's CLI sample: --every 0 --steps 3 leaves generation 3; the same command again trains 0 steps."""
     run = tmp_path / "run"

@@ -478,6 +478,7 @@ def _continue_and_die_at(folder: Path, k: int) -> None:
     os._exit(100 + seen["n"])  # no crash: report how many operations the save took
 
 
+@pytest.mark.slow
 def test_a_crash_at_every_file_operation_of_a_save_leaves_the_old_or_the_new_generation(tmp_path):
     import multiprocessing
     import shutil

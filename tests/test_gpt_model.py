@@ -160,6 +160,7 @@ def test_configure_optimizer_groups_decay_and_no_decay():
     assert not decay.get("fused") and decay["betas"] == (0.9, 0.999) and not decay["amsgrad"]
 
 
+@pytest.mark.slow
 def test_tiny_learns_stdlib_code_in_30_adamw_steps():
     model = _tiny()
     d = TRAIN_DEFAULTS["tiny"]

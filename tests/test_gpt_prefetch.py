@@ -137,6 +137,7 @@ def _interrupt_and_compare(tmp_path: Path, sig: int, seed: int, steps: int, ever
     assert _losses(ref_dir) == _losses(victim_dir)
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_step_then_restart_ends_bitwise_equal(tmp_path):
     _interrupt_and_compare(tmp_path, signal.SIGKILL, random.randrange(10**6), steps=16, every=4)
 

@@ -145,6 +145,7 @@ def test_foreign_bin_reports_what_it_lacks_exit_0_with_flags(tmp_path):
     assert_stats(report["bin"]["regions"]["m"], m)
 
 
+@pytest.mark.slow
 def test_truncated_bin_exit_1_names_expected_and_actual_size(tmp_path):
     g = np.random.default_rng(1)
     w, m, v = (g.standard_normal(1000).astype(np.float32) for _ in range(3))
@@ -193,6 +194,7 @@ def test_bin_with_changed_companion_fails_its_marker_line(tmp_path):
 # ---- checkpoint.pt ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_checkpoint_pt_valid_report(interrupted_run):
     ck = interrupted_run / "checkpoint.pt"
     res, doc = cli_json(ck)
@@ -249,6 +251,7 @@ def test_folder_with_only_a_checkpoint_pt_is_inspected_as_it(interrupted_run):
 # ---- run folders -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_run_folder_damaged_newest_generation(tmp_path):
     run = make_run(tmp_path / "run")
     flip_byte(run / "step_000003.bin", 5000)  # inside the data: only a re-hash sees it
@@ -279,6 +282,7 @@ def test_run_folder_truncated_newest_is_caught_even_without_deep(tmp_path):
     assert "truncated" in report["run"]["generations"][1]["reason"]
 
 
+@pytest.mark.slow
 def test_empty_folder_and_no_valid_generation_exit_1(tmp_path):
     (tmp_path / "empty").mkdir()
     res = ripresa_cli("inspect", tmp_path / "empty")
@@ -304,6 +308,7 @@ def test_run_folder_check_finite_checks_the_resume_generation(tmp_path):
     assert report["run"]["finite"]["regions"]["v"]["first_nonfinite"]["index"] == 17
 
 
+@pytest.mark.slow
 def test_lock_holder_and_leftover_temporaries_are_reported(tmp_path):
     run = make_run(tmp_path / "run", steps=(1,), n=100)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -323,6 +328,7 @@ def test_lock_holder_and_leftover_temporaries_are_reported(tmp_path):
 # ---- bad input ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_missing_path_exit_2(tmp_path):
     res, doc = cli_json(tmp_path / "nope")
     assert res.returncode == 2 and "does not exist" in res.stderr and "nope" in res.stderr
@@ -339,6 +345,7 @@ def test_unknown_kind_exit_2(tmp_path):
         insp.inspect_path(tmp_path / "nope")
 
 
+@pytest.mark.slow
 def test_run_folder_with_dcp_generations(tmp_path):
     """An FSDP2 run folder: `ripresa inspect` lists its .dcp generations and the one a resume uses."""
     from ripresa.formats import dcp as dcp_fmt

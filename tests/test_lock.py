@@ -155,7 +155,7 @@ def test_other_process_is_refused_then_a_killed_holder_does_not_block(
     assert read_lock_holder(tmp_path) is None
 
 
-@pytest.mark.parametrize("round_", range(2))
+@pytest.mark.parametrize("round_", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_four_processes_racing_exactly_one_wins(tmp_path: Path, spawn, round_: int) -> None:
     go = tmp_path / "go"
     racers = [spawn(RACER, tmp_path, go) for _ in range(4)]
@@ -195,6 +195,7 @@ def test_second_runlock_in_same_process_is_refused(tmp_path: Path) -> None:
     second.release()  # idempotent
 
 
+@pytest.mark.slow
 def test_reading_the_holder_in_its_own_process_keeps_the_lock(tmp_path: Path, spawn) -> None:
     # With lockf/fcntl record locks, closing the reader's descriptor would drop
     # the holder's lock; the child must still be refused afterwards.
@@ -209,6 +210,7 @@ def test_reading_the_holder_in_its_own_process_keeps_the_lock(tmp_path: Path, sp
     assert next_line(child) == "won"
 
 
+@pytest.mark.slow
 def test_forked_child_does_not_keep_a_killed_holder_locked(tmp_path: Path, spawn) -> None:
     holder = spawn(HOLDER_THAT_FORKS, tmp_path)
     word, pid, child = next_line(holder).split()
@@ -282,6 +284,7 @@ def test_missing_folder_and_missing_lock_file(tmp_path: Path) -> None:
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_held_lock_without_a_pid_is_reported(tmp_path: Path, spawn, monkeypatch) -> None:
     monkeypatch.setattr("ripresa.io.lock._HOLDER_WAIT_S", 0.05)
     holder = spawn(HOLDER, tmp_path)
@@ -320,6 +323,7 @@ def test_a_writer_rides_over_a_probe_in_progress(tmp_path: Path) -> None:
         timer.join()
 
 
+@pytest.mark.slow
 def test_a_reader_probing_never_makes_a_writer_fail(tmp_path: Path, spawn) -> None:
     # read_lock_holder probes with a shared lock held for microseconds; a
     # writer that starts at that instant must not be refused.
@@ -343,6 +347,7 @@ def test_pid_alive_never_addresses_a_group_and_never_raises() -> None:
     assert pid_alive(gone.pid) is False
 
 
+@pytest.mark.slow
 def test_lock_that_names_no_valid_pid_is_reported_not_raised(tmp_path: Path, spawn, monkeypatch) -> None:
     monkeypatch.setattr("ripresa.io.lock._HOLDER_WAIT_S", 0.05)
     holder = spawn(HOLDER, tmp_path)

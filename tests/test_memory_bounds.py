@@ -88,6 +88,7 @@ def _cli(*args: str) -> str:
 
 # ------------------------------------------------------------------------------------ 1. references
 
+@pytest.mark.slow
 def test_a_tensor_referenced_many_times_is_refused_and_a_resume_falls_back(tmp_path):
     """A companion naming one stored list 2000 times (the reference bomb, ~3 GB at 10**5 times) reads invalid,
     with a typed reason, and a resume takes the previous generation."""
@@ -101,8 +102,7 @@ def test_a_tensor_referenced_many_times_is_refused_and_a_resume_falls_back(tmp_p
     gen = validate_general(run, 2, deep=True).generation
     assert not gen.valid
     assert "referenced more often than the schema allows" in gen.reason
-    model = torch.nn.Linear(4, 4)
-    state = ripresa.TrainingState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    state = tiny_state((4, 4), seed=None, optimizer="sgd", lr=0.1)
     with pytest.warns(Warning), ripresa.Checkpointer(run, state, every=1, asynchronous=False,
                                                      handle_signals=False) as ck:
         assert ck.resume() == 1
@@ -272,6 +272,7 @@ def test_plot_keeps_the_last_line_per_step_in_compact_arrays(tmp_path):
     assert list(c.steps) == [1, 2, 3] and list(c.losses) == [5.0, 4.0, 3.0]
 
 
+@pytest.mark.slow
 def test_a_long_run_is_drawn_downsampled_with_numbers_from_every_step(tmp_path):
     from ripresa.engine import plots
 

@@ -20,21 +20,17 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, ripresa_cli
+from support.helpers import history_events
 from support.mirror_train import train
 
 from ripresa.cli import main as cli_main
 from ripresa.errors import CheckFailed
 from ripresa.io import auth
-from ripresa.store.history import read_history
 from ripresa.store.mirror import MirrorSpec, local_generations
 
 pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3, proxy
 
 MIRROR_TRAIN = Path(__file__).resolve().parent / "support" / "mirror_train.py"
-
-
-def events(run: Path, name: str) -> list[dict]:
-    return [e for e in read_history(run / ".loss.jsonl").events if e.get("event") == name]
 
 
 def fast(url: str, **kw) -> MirrorSpec:
@@ -56,7 +52,7 @@ def test_local_path_mirror_resumes_a_new_folder_bitwise(tmp_path):
     again = train(tmp_path / "b", 12, 3, mirror=remote.as_uri(), fmt="andrea")  # ... or a file:// URL
     assert (again["start"], again["resumed"]) == (6, "step_000006.bin")
     assert again["digest"] == ref["digest"]
-    assert [e["step"] for e in events(tmp_path / "b", "mirror_pulled")] == [6]
+    assert [e["step"] for e in history_events(tmp_path / "b", "mirror_pulled")] == [6]
     assert sorted(local_generations(remote).values()) == [3, 6, 9, 12]
 
 
@@ -75,7 +71,7 @@ def test_hostile_remote_markers_and_oversized_objects_are_refused(tmp_path):
         f.write(b"\0" * 1024)
     out = train(tmp_path / "new", 8, 4, mirror=str(remote))
     assert out["resumed"] == "step_000008.safetensors"
-    refused = {e["step"]: e["reason"] for e in events(tmp_path / "new", "mirror_refused")}
+    refused = {e["step"]: e["reason"] for e in history_events(tmp_path / "new", "mirror_refused")}
     assert set(refused) == {20, 16, 12} and "malformed commit marker" in refused[20] + refused[16]
     assert not (tmp_path / "escape").exists() and not list((tmp_path / "new").glob("step_0000[12]*"))
 
@@ -99,6 +95,7 @@ def test_s3_multipart_upload_is_completed_only_when_the_sha256_matches(tmp_path,
         store.get_bytes(src.name, limit=1 << 20)  # a bounded read refuses it before reading it
 
 
+@pytest.mark.slow
 def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tmp_path, s3):
     ref = train(tmp_path / "ref", 16, 4)
     a = train(tmp_path / "a", 8, 4, mirror=fast(s3.url))
@@ -106,7 +103,7 @@ def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tm
     keys = s3.keys()
     assert {"config.json", "step_000008.safetensors", "step_000008.safetensors.json",
             "step_000008.safetensors.sha256"} <= set(keys)
-    uploads = events(tmp_path / "a", "mirror_uploaded")
+    uploads = history_events(tmp_path / "a", "mirror_uploaded")
     assert [e["step"] for e in uploads] == [4, 8] and a["last_upload_seconds"] > 0
     shutil.rmtree(tmp_path / "a")
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
@@ -119,6 +116,7 @@ def test_s3_mirror_then_resume_on_a_new_machine_in_a_fresh_process_is_bitwise(tm
     assert s3.committed() == [4, 8, 12, 16]
 
 
+@pytest.mark.slow
 def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp_path, s3, proxy):
     ref = train(tmp_path / "ref", 24, 3)
     faults = ["500", "503", "stall", "reset", "500"]
@@ -127,7 +125,7 @@ def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp
     train(run, 3, 3, mirror=fast(s3.url))
 
     def feed() -> None:  # once this session uploads, one fault every 0.2 s (each drops the live connections)
-        while len(events(run, "mirror_uploaded")) < 2:
+        while len(history_events(run, "mirror_uploaded")) < 2:
             time.sleep(0.02)
         for f in faults:
             proxy.arm(f)
@@ -139,13 +137,13 @@ def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp
     feeder.join()
     assert out["step"] == 24 and out["digest"] == ref["digest"]  # training went on, untouched
     assert proxy.injected == faults
-    retries = events(tmp_path / "run", "mirror_retry")
+    retries = history_events(tmp_path / "run", "mirror_retry")
     text = " ".join(f"{e['error']} {e.get('found')}" for e in retries)
     assert len(retries) >= len(faults), retries
     assert "HTTP 500 InternalError" in text and "HTTP 503 SlowDown" in text and "Timeout" in text, text
     # some hit an upload (a generation's objects, or the run's own files: history segments, manifest), not only listings
     assert any(e["step"] is not None or e["object"].startswith(("history/", "run.json", "files/")) for e in retries)
-    assert not events(tmp_path / "run", "mirror_outage")  # every fault was retried within its round
+    assert not history_events(tmp_path / "run", "mirror_outage")  # every fault was retried within its round
     # nothing lost: every generation the policy keeps is in the store, byte for byte what the local markers vouch for
     assert s3.committed() == [9, 12, 15, 18, 21, 24]
     for name in local_generations(tmp_path / "run"):  # 18, 21, 24 (local keep_last=3)
@@ -158,6 +156,7 @@ def test_5xx_throttling_timeouts_and_resets_are_retried_training_never_stops(tmp
     assert pulled["resumed"] == "step_000024.safetensors" and pulled["digest"] == ref["digest"]
 
 
+@pytest.mark.slow
 def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(tmp_path, s3, proxy, capsys):
     run = tmp_path / "run"
     train(run, 3, 3, mirror=fast(s3.url), keep=3)
@@ -168,7 +167,7 @@ def test_store_unreachable_local_retention_keeps_pending_then_push_uploads_them(
     # five saves while the store was down: local keep_last=3, yet all are kept (this session could not even
     # list the store, so step 3 is kept too)
     assert sorted(local_generations(run).values()) == [3, 6, 9, 12, 15, 18]
-    assert events(run, "mirror_outage") and events(run, "mirror_pending")[-1]["steps"] == [3, 6, 9, 12, 15, 18]
+    assert history_events(run, "mirror_outage") and history_events(run, "mirror_pending")[-1]["steps"] == [3, 6, 9, 12, 15, 18]
     # said at once on stderr (the first listing is tried once), with the hint; training went on
     err = capsys.readouterr().err
     assert "cannot be reached" in err and "training goes on" in err and f"ripresa mirror push {run}" in err, err
@@ -192,7 +191,7 @@ def test_a_flipped_remote_byte_is_refused_and_the_previous_generation_used(tmp_p
     out = train(tmp_path / "new", 8, 4, mirror=fast(s3.url))
     assert (out["start"], out["resumed"]) == (4, "step_000004.safetensors")
     assert out["digest"] == ref["digest"]  # steps 5..8 retrained from 4: the same state
-    refused = events(tmp_path / "new", "mirror_refused")
+    refused = history_events(tmp_path / "new", "mirror_refused")
     assert [e["step"] for e in refused] == [8] and "differs from its marker" in refused[0]["reason"]
 
 
@@ -203,7 +202,7 @@ def test_objects_without_a_marker_are_never_used_then_cleaned_by_the_next_writer
     assert cli_main(["mirror", "status", str(tmp_path / "a"), "--json"]) == 0
     out = train(tmp_path / "new", 8, 4, mirror=fast(s3.url))
     assert out["resumed"] == "step_000008.safetensors"
-    cleaned = events(tmp_path / "new", "mirror_cleaned")
+    cleaned = history_events(tmp_path / "new", "mirror_cleaned")
     assert [e["step"] for e in cleaned] == [12]
     assert not [k for k in s3.keys() if k.startswith("step_000012")]
 
@@ -220,7 +219,7 @@ def test_signed_run_signature_travels_forged_or_unsigned_refused(tmp_path, s3, m
     s3.put("step_000008.safetensors.hmac", forged)
     out = train(tmp_path / "c", 8, 4, mirror=fast(s3.url))
     assert out["resumed"] == "step_000004.safetensors"
-    assert "signed with another key" in events(tmp_path / "c", "mirror_refused")[0]["reason"]
+    assert "signed with another key" in history_events(tmp_path / "c", "mirror_refused")[0]["reason"]
     # no signature at all under require-signature: nothing verifies, a typed refusal (exit 1), not a restart at 0
     for k in list(s3.keys()):
         if k.endswith(".hmac"):
@@ -294,7 +293,7 @@ def test_sigkill_in_the_middle_of_an_upload_leaves_objects_without_marker_ignore
     shutil.rmtree(run)
     out = train(tmp_path / "new", max(committed), 4, mirror=fast(s3.url))
     assert out["resumed"] == f"step_{max(committed):06d}.safetensors"
-    assert half in [e["step"] for e in events(tmp_path / "new", "mirror_cleaned")]
+    assert half in [e["step"] for e in history_events(tmp_path / "new", "mirror_cleaned")]
     assert not [k for k in s3.keys() if k.startswith(f"step_{half:06d}")]
 
 

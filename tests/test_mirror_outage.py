@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.helpers import history_events
 from support.mirror_train import train
 
 from ripresa.store.history import HISTORY_NAME, History, read_history
@@ -28,10 +29,6 @@ pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3, proxy
 MIRROR_TRAIN = Path(__file__).resolve().parent / "support" / "mirror_train.py"
 #: The mirror events an outage may write (the per-generation ones, uploaded/skipped/retention, are not outage noise).
 OUTAGE_EVENTS = ("mirror_retry", "mirror_outage", "mirror_recovered", "mirror_error", "mirror_pending")
-
-
-def events(run: Path, name: str) -> list[dict]:
-    return [e for e in read_history(run / HISTORY_NAME).events if e.get("event") == name]
 
 
 def outage_lines(run: Path) -> list[dict]:
@@ -66,7 +63,7 @@ def test_an_outage_is_recorded_once_everything_is_uploaded_when_the_store_is_bac
     print(lines)
     assert [e["event"] for e in lines if e["event"] != "mirror_retry"] == ["mirror_outage", "mirror_recovered"]
     assert len(lines) <= 2 + fast("").attempts  # the retries of the round that gave up, then one line each
-    rec = events(run, "mirror_recovered")[0]
+    rec = history_events(run, "mirror_recovered")[0]
     assert rec["failed_attempts"] >= 1 and rec["seconds"] > 0 and rec["uploaded"], rec
     # nothing lost: the remote policy (twice keep_last=3) holds the newest six, byte for byte the local markers
     assert s3.committed() == [9, 12, 15, 18, 21, 24]
@@ -112,7 +109,7 @@ def long_outage(tmp_path: Path, s3, proxy, capsys, seconds: float) -> dict:
     assert [e["event"] for e in outage_lines(run)] == ["mirror_outage", "mirror_pending"]  # O(1), whatever the rounds
     assert grown["lines"] <= 2 and grown["bytes"] < 2000
     assert grown["close_s"] < 20  # a hang guard; it leaves after one round
-    assert events(run, "mirror_pending")[0]["steps"] == [3, 6, 9]
+    assert history_events(run, "mirror_pending")[0]["steps"] == [3, 6, 9]
     err = capsys.readouterr().err
     assert f"ripresa mirror push {run}" in err and "left step(s) 3, 6, 9 pending" in err
     assert err.count("training goes on") == 1  # the outage said once on stderr
@@ -164,7 +161,7 @@ def test_sigterm_with_the_store_down_exits_in_seconds_naming_the_pending_steps(t
     print(f"SIGTERM to exit: {took:.2f} s\n{err[-2000:]}")
     assert proc.returncode == 0, err[-3000:]
     assert took < 30  # close_timeout is 600 s: the outage, not the budget, ends the close
-    pending = events(run, "mirror_pending")[-1]
+    pending = history_events(run, "mirror_pending")[-1]
     assert pending["steps"] and f"ripresa mirror push {run}" in err
     assert len(outage_lines(run)) <= 12
     proxy.mode = "pass"
@@ -234,5 +231,5 @@ def test_a_second_sigterm_during_a_slow_close_leaves_at_once(tmp_path, s3, proxy
     assert took < 15
     assert "ripresa: mirror: uploading step" in err and "pending) — Ctrl-C to leave them pending and exit" in err
     assert re.search(r"\d+/\d+ uploaded", err), err[-2000:]  # generations uploaded of those pending (ripresa.console)
-    assert events(run, "mirror_pending")[-1]["reason"] == "interrupted"  # its steps, or the run's files still in flight
+    assert history_events(run, "mirror_pending")[-1]["reason"] == "interrupted"  # its steps, or the run's files still in flight
     assert "ripresa: mirror: left " in err and f"ripresa mirror push {run}" in err

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import finish, ranks_of
+from support.helpers import valid_dcp_steps
 from support.ripresa_faults import fault_env
 
 from ripresa.formats import dcp as dcp_fmt
@@ -46,10 +47,6 @@ def ok(proc: subprocess.Popen) -> str:
     return out
 
 
-def valid_dcps(run: Path) -> list[int]:
-    return [g.step for g in dcp_fmt.dcp_generations(run, deep=True) if g.valid]
-
-
 def same_shards(a: Path, b: Path) -> None:
     """Two .dcp generations hold the same bytes in every shard file (``.metadata`` holds a random save id)."""
     names = sorted(p.name for p in a.iterdir() if p.suffix == ".distcp")
@@ -67,7 +64,7 @@ def test_async_sharded_saves_commit_every_ranks_shards(tmp_path):
     the marker), recorded once each in the history."""
     run = tmp_path / "run"
     out = ok(launch(run, "--steps", 8, "--every", 4))
-    assert valid_dcps(run) == [4, 8]
+    assert valid_dcp_steps(run, deep=True) == [4, 8]
     assert (run / "step_000008.dcp.sha256").read_text().count("step_000008.dcp/") == 4  # .metadata, 2 shards, companion
     view = read_history(run / ".loss.jsonl")
     assert [(e["step"], e["reason"]) for e in view.events if e["event"] == "checkpoint"] == [(4, "cadence"), (8, "cadence")]
@@ -89,7 +86,7 @@ def test_one_process_resumes_the_newest_dcp_2_to_1_then_back_to_2(tmp_path):
     assert resume[-1]["from_step"] == 8 and resume[-1]["file"].endswith("step_000008.dcp")
     change = [e for e in events if e["event"] == "world_size_change"]
     assert change[-1]["saved_world_size"] == 2 and change[-1]["world_size"] == 1
-    assert valid_dcps(run) == [4, 8]
+    assert valid_dcp_steps(run, deep=True) == [4, 8]
     assert (run / "step_000010.safetensors.sha256").exists()  # format="auto" in one process: the general format
     ok(launch(run, "--steps", 12, "--every", 4))
     events = read_history(run / ".loss.jsonl").events
@@ -97,7 +94,7 @@ def test_one_process_resumes_the_newest_dcp_2_to_1_then_back_to_2(tmp_path):
     assert resume["from_step"] == 10 and resume["file"].endswith("step_000010.safetensors")  # not ignored by FSDP2
     assert not [e for e in events if e["event"] == "ignored_generations"]
     assert [e for e in events if e["event"] == "world_size_change"][-1]["world_size"] == 2
-    assert valid_dcps(run) == [4, 8, 12] and sorted(read_history(run / ".loss.jsonl").steps) == list(range(1, 13))
+    assert valid_dcp_steps(run, deep=True) == [4, 8, 12] and sorted(read_history(run / ".loss.jsonl").steps) == list(range(1, 13))
 
 
 @pytest.mark.slow
@@ -110,13 +107,13 @@ def test_rank_killed_mid_async_save_leaves_the_previous_generation_then_resume_i
     killed = launch(run, "--steps", 12, "--every", 4, env=fault_env(dist_fault="shards_written:1:8"))
     out, err = finish(killed)
     assert killed.returncode != 0
-    assert valid_dcps(run) == [4]
+    assert valid_dcp_steps(run, deep=True) == [4]
     assert not (run / "step_000008.dcp.sha256").exists()
     ok(launch(run, "--steps", 12, "--every", 4))
     ok(ref)
     resumes = [e for e in read_history(run / ".loss.jsonl").events if e["event"] == "resume"]
     assert [r["from_step"] for r in resumes] == [4]
-    assert valid_dcps(run) == [4, 8, 12] and not [p for p in run.iterdir() if p.name.endswith(".partial")]
+    assert valid_dcp_steps(run, deep=True) == [4, 8, 12] and not [p for p in run.iterdir() if p.name.endswith(".partial")]
     same_shards(tmp_path / "ref" / "step_000012.dcp", run / "step_000012.dcp")
     assert losses(tmp_path / "ref") == losses(run)
 
@@ -144,7 +141,7 @@ def test_sigterm_to_one_rank_writes_a_final_sharded_generation_and_the_resume_is
             os.killpg(proc.pid, signal.SIGKILL)
     view = read_history(run / ".loss.jsonl")
     stop = max(view.steps)
-    assert stop < total and valid_dcps(run) == [stop]
+    assert stop < total and valid_dcp_steps(run, deep=True) == [stop]
     sig = [e for e in view.events if e["event"] == "signal"]
     assert sig[-1]["action"] == "stop" and sig[-1]["ranks_stop"] == [1] and sig[-1]["step"] == stop
     assert [e["reason"] for e in view.events if e["event"] == "checkpoint"] == ["stop"]
@@ -180,6 +177,7 @@ def _dcp_of_toy(folder: Path, step: int) -> Path:
     return folder / dcp_fmt.dcp_name(step)
 
 
+@pytest.mark.slow
 def test_inspect_a_dcp_generation_deeply_and_a_flipped_shard_byte_fails(tmp_path):
     from ripresa.tools.inspect import inspect_path
 
@@ -243,7 +241,7 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
                                     "--every", "4", *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env={**os.environ, **ENV})
     ok(_torchrun_train("--run", run, "--shard", "fsdp", "--every", "4", "--steps", "8", *common))
-    assert valid_dcps(run) == [4, 8]
+    assert valid_dcp_steps(run, deep=True) == [4, 8]
     ok(proc_single)
 
     res = _ripresa("inspect", "--json", run)
@@ -292,7 +290,7 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
     ok(_torchrun_train("--run", run, "--shard", "fsdp", "--every", "4", "--steps", "12", "--quiet", "--threads", "1",
                        "--no-audit"))  # the run's own config.json: the new policy
     events = read_history(run / ".loss.jsonl").events
-    assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 8 and valid_dcps(run) == [4, 8, 12]
+    assert [e for e in events if e["event"] == "resume"][-1]["from_step"] == 8 and valid_dcp_steps(run, deep=True) == [4, 8, 12]
     assert json.loads((run / "config.json").read_text())["mixture"]["caps"] == {"code": 0.7}
 
     # 1 -> 2: a single-process run's generation forked, then resumed on 2 ranks (FSDP2)
@@ -301,9 +299,10 @@ def test_fork_pivot_export_inspect_of_a_sharded_run_and_resumes_on_another_world
     ok(_torchrun_train("--run", sfork, "--shard", "fsdp", "--every", "2", "--steps", "6", *common))  # end step
     events = read_history(sfork / ".loss.jsonl").events
     assert [e for e in events if e["event"] == "world_size_change"][-1]["world_size"] == 2
-    assert valid_dcps(sfork) == [6]
+    assert valid_dcp_steps(sfork, deep=True) == [6]
 
 
+@pytest.mark.slow
 def test_fork_refuses_a_tampered_dcp_before_writing_anything(tmp_path):
     """A shard byte flipped after the commit: the deep check refuses it (exit 1 error), the fork folder is never made."""
     from ripresa.engine.fork import fork

@@ -193,7 +193,7 @@ def _fill(value, holder_pid: int, sleeper: subprocess.Popen):
     return value
 
 
-@pytest.mark.parametrize("case", list(FORGERIES))
+@pytest.mark.parametrize("case", [c if i == 0 else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(FORGERIES)])
 def test_forged_lock_is_refused_and_nobody_is_signalled(holder, procs, case: str) -> None:
     run, proc, log = holder
     sleeper = _sleeper(procs)
@@ -218,6 +218,7 @@ def test_forged_lock_is_refused_and_nobody_is_signalled(holder, procs, case: str
     assert is_locked(run)
 
 
+@pytest.mark.slow
 def test_a_process_with_lock_open_but_not_holding_it_is_refused(holder, procs) -> None:
     run, proc, log = holder
     reader = subprocess.Popen([sys.executable, "-c", READER, str(run)], stdout=subprocess.PIPE, text=True, env=ENV,
@@ -232,6 +233,7 @@ def test_a_process_with_lock_open_but_not_holding_it_is_refused(holder, procs) -
     assert reader.poll() is None and _received(log) == []
 
 
+@pytest.mark.slow
 def test_dead_pid_is_refused(holder, procs) -> None:
     run, proc, log = holder
     gone = subprocess.Popen(["true"])
@@ -244,6 +246,7 @@ def test_dead_pid_is_refused(holder, procs) -> None:
     assert _received(log) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "folder"])
 def test_lock_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path: Path, kind: str) -> None:
     run = tmp_path / "run"
@@ -312,6 +315,7 @@ def test_read_lock_holder_never_raises_anything_but_badinput(holder) -> None:
         info.describe()
 
 
+@pytest.mark.slow
 def test_pivot_stop_trainer_refuses_a_forged_lock(holder, procs) -> None:
     from ripresa.engine.pivot import stop_trainer
 
@@ -326,6 +330,7 @@ def test_pivot_stop_trainer_refuses_a_forged_lock(holder, procs) -> None:
     assert sleeper.poll() is None and proc.poll() is None and _received(log) == []
 
 
+@pytest.mark.slow
 def test_signal_never_imports_torch(tmp_path: Path) -> None:
     code = (
         "import sys, ripresa.cli as cli\n"
@@ -362,6 +367,7 @@ def test_lock_records_host_boot_and_namespace(tmp_path: Path) -> None:
     assert isinstance(extra["pidns"], int) and isinstance(extra["boot_id"], str)
 
 
+@pytest.mark.slow
 def test_fdinfo_and_proc_locks_name_the_real_holder(holder, procs) -> None:
     # The two kernel records signal_holder trusts, read for a real holder and a bystander.
     from ripresa.io.liveness import holds_lock as _holds_lock
@@ -416,6 +422,7 @@ def _nobody_can_run_python() -> bool:
     return res.returncode == 0 and res.stdout.strip() == str(NOBODY)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _nobody_can_run_python(), reason="needs root, setpriv, and an interpreter user 65534 can run")
 def test_unreadable_proc_fd_falls_back_to_the_kernel_lock_table(procs) -> None:
     import tempfile
@@ -459,6 +466,7 @@ def test_unreadable_proc_fd_falls_back_to_the_kernel_lock_table(procs) -> None:
         subprocess.run(["rm", "-rf", str(base)], check=False)
 
 
+@pytest.mark.slow
 def test_torchrun_forwards_only_to_its_own_children(procs) -> None:
     # The launcher's forwarding: a real child gets the signal; a live process that
     # is not our child (a pid a reaped child may have left for reuse) does not.

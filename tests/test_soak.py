@@ -41,6 +41,7 @@ def test_soak_sample_survives_twenty_interruptions_and_ends_bitwise_equal(tmp_pa
     assert rec["generations"] > 0 and "replay: python tests/soak/soak.py --seed 14" in " ".join(res.stdout.split())
 
 
+@pytest.mark.slow
 def test_soak_sample_of_store_outages_and_sigusr1_from_the_first_line(tmp_path):
     """The s3 lane: outages (proxy down/stall/reset, server restart) in training and in the close, SIGUSR1 at start."""
     res, rec = _soak(tmp_path, "--seed", "16", "--interruptions", "4", "--lanes", "s3",

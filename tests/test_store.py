@@ -225,6 +225,7 @@ def kill_random_moments(tmp_path, kills: int, seed: int = 0):
     return outcomes
 
 
+@pytest.mark.slow
 def test_sigkill_at_12_random_moments_of_the_save(tmp_path):
     outcomes = kill_random_moments(tmp_path, 12)
     # The child does nothing but save, so kills land inside saves (temporaries or an

@@ -119,6 +119,7 @@ def _torchrun(script: Path, run: Path, steps: int, linger: float) -> subprocess.
                             text=True, env=_env(), start_new_session=True)
 
 
+@pytest.mark.slow
 def test_a_sigusr1_storm_through_a_torchrun_runs_whole_life_ends_nothing(tmp_path):
     """Start, rank start (import, group, resume), training, saves, close, after close, exit: 0 deaths."""
     script = tmp_path / "trainer.py"

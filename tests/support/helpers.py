@@ -86,3 +86,17 @@ def rebless_dcp(folder: Path, step: int, *, companion: dict | None = None) -> No
         doc["files"] = {n: (d / n).stat().st_size for n in sorted(os.listdir(d)) if n != dcp_fmt.COMPANION_NAME}
     comp.write_bytes(json.dumps(doc).encode())
     mk.write_text("".join(f"{sha256_file(d / n)}  {d.name}/{n}\n" for n in sorted(os.listdir(d))))
+
+
+def history_events(run: Path, name: str) -> list[dict]:
+    """The events named ``name`` in a run folder's history (``.loss.jsonl``), in order."""
+    from ripresa.store.history import HISTORY_NAME, read_history
+
+    return [e for e in read_history(run / HISTORY_NAME).events if e.get("event") == name]
+
+
+def valid_dcp_steps(run: Path, *, deep: bool = False) -> list[int]:
+    """Steps of the valid ``.dcp`` generations of a run folder (``deep``: every shard re-hashed)."""
+    from ripresa.formats import dcp as dcp_fmt
+
+    return [g.step for g in dcp_fmt.dcp_generations(run, deep=deep) if g.valid]

@@ -302,3 +302,21 @@ def test_save_top_k_and_mode_are_checked_when_the_callback_is_built(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         ExactResume(tmp_path, monitor="val_loss", mode="lowest")
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # three Lightning processes: a hang guard on a shared machine
+def test_accumulate_grad_batches_2_killed_mid_epoch_resumes_bitwise(tmp_path):
+    """accumulate_grad_batches=2 (6 optimizer steps an epoch): the checkpoint at step 5 is 10 batches into epoch 0,
+    the SIGKILL after step 8 is mid-epoch 1; the same command again ends bitwise, with Lightning's logs equal."""
+    steps, kill = 16, 8
+    ref = _start(_cmd(tmp_path, "ref", "ripresa", steps, "--accumulate-grad-batches", "2"), tmp_path, "reference")
+    cmd = _cmd(tmp_path, "acc", "ripresa", steps, "--accumulate-grad-batches", "2")
+    _run(cmd, tmp_path, "acc-killed", expect=-9, RIPRESA_EXAMPLE_KILL_AFTER=str(kill))
+    assert _wait(ref, tmp_path, "reference") == 0, _tail(tmp_path, "reference")
+    _run(cmd, tmp_path, "acc-resumed")
+    differ, total, gap = _gaps(tmp_path / "ref.safetensors", tmp_path / "acc.safetensors")
+    assert differ == 0, f"{differ}/{total} tensors differ (max abs gap {gap})"
+    a, b = _logged(tmp_path / "ref.jsonl"), _logged(tmp_path / "acc.jsonl")
+    assert [r["step"] for r in a] == list(range(steps)) and a == b
+    run = tmp_path / "acc-run"
+    assert [e["from_step"] for e in _events(run, "resume")] == [5] and _steps(run)[-1] == steps

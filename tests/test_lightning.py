@@ -110,7 +110,9 @@ def test_sigkill_mid_epoch_then_same_command_is_bitwise_and_logs_equal(tmp_path)
     _killed_and_resumed(tmp_path, "exact", "ripresa", reference=_cmd(tmp_path, "ref", "ripresa"))
     _bitwise_and_logs_equal(tmp_path, "ref", "exact")
     run = tmp_path / "exact-run"
-    assert [e["from_step"] for e in _events(run, "resume")] == [15]  # the kill at 17 lost 16 and 17 only
+    # the kill at 17 lost 16 and 17 only — or, when the background writer had not committed step 15 yet
+    # (a loaded machine), 11 to 17
+    assert [e["from_step"] for e in _events(run, "resume")] in ([15], [10])
     assert _steps(run)[-1] == STEPS and [e["step"] for e in _events(run, "checkpoint")][-1] == STEPS
 
 

@@ -21,6 +21,7 @@ or ``# ripresa`` (imports apart; :func:`lines_added`).
     .venv/bin/python benchmarks/bench_frameworks.py                       # every example present
     .venv/bin/python benchmarks/bench_frameworks.py --only lightning --max-steps 40 --every 10 --kill-after 25
     .venv/bin/python benchmarks/bench_frameworks.py --script mine=path/to/train.py   # any script with the same CLI
+    .venv/bin/python benchmarks/bench_frameworks.py --only accelerate --keep-rows    # re-measure one, keep the others' rows
 
 Writes ``bench_frameworks.json`` and ``bench_frameworks.md`` under ``--out``
 (``benchmarks/results/``). Exit 0 when every run completed (whatever the
@@ -175,8 +176,12 @@ def _run(argv: list[str], *, env: dict[str, str], log: Path, timeout: float) -> 
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(argv)}  ({', '.join(f'{k}={v}' for k, v in env.items() if k == KILL_ENV)})\n".encode())
         f.flush()
-        proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              env={**os.environ, **env}, timeout=timeout, cwd=REPO)
+        try:
+            proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env={**os.environ, **env}, timeout=timeout, cwd=REPO)
+        except subprocess.TimeoutExpired:
+            raise RunFailed(f"{argv[1]} {' '.join(argv[2:])} ran past --timeout {timeout:g} s (the hang guard; "
+                            f"on a loaded machine raise it; see {log})") from None
     return proc.returncode
 
 
@@ -230,6 +235,7 @@ def bench_one(name: str, script: Path, work: Path, *, python: str, max_steps: in
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = dict(zip(plans, pool.map(go, plans), strict=True))
     row: dict[str, Any] = {"framework": name, "script": str(script), "lines_added": lines_added(script),
+                           "date": time.strftime("%Y-%m-%d"),
                            "seconds": {m: round(r["seconds"], 1) for m, r in results.items()}}
     for mode, ref in reference.items():
         row[mode] = {"reference": ref, **compare_tensors(results[ref]["final"], results[mode]["final"]).as_dict(),
@@ -268,13 +274,36 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(TABLE_HEAD) + " |", "|" + "---|" * len(TABLE_HEAD)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     s = report["settings"]
+    dates = {r.get("date", report["date"]) for r in report["rows"]}
+    when = (f"Measured {report['date']}" if dates <= {report["date"]} else "Measured " + ", ".join(
+        f"{LABELS.get(r['framework'], r['framework'])} {r.get('date', report['date'])}" for r in report["rows"]))
     lines += ["", f"Each example: `--max-steps {s['max_steps']} --every {s['every']} --seed {s['seed']}`; the native "
               f"and ripresa runs SIGKILLed right after step {s['kill_after']} and run again with the same command; "
               f"each compared with the same mode run uninterrupted (native: `--mode none`). {s['versions']}. "
-              f"Measured {report['date']} by `benchmarks/bench_frameworks.py`."]
+              f"{when} by `benchmarks/bench_frameworks.py`."]
     if report["not_measured"]:
         lines.append(f"Not measured (example missing): {', '.join(report['not_measured'])}.")
     return "\n".join(lines) + "\n"
+
+
+def _kept_rows(path: Path, rows: list[dict[str, Any]], not_measured: list[str],
+               settings: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """``--keep-rows``: the earlier report's rows for the frameworks not measured now, in EXAMPLES order."""
+    try:
+        old = json.loads(path.read_text())
+        same = {k: old["settings"][k] for k in ("max_steps", "every", "kill_after", "seed")}
+        kept = [r for r in old["rows"] if isinstance(r, dict) and isinstance(r.get("framework"), str)]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"bench_frameworks: --keep-rows: cannot read {path}: {exc}") from None
+    if same != {k: settings[k] for k in same}:
+        raise SystemExit(f"bench_frameworks: --keep-rows: {path} was measured with {same}, not these settings")
+    now = {r["framework"] for r in rows}
+    for r in kept:
+        r.setdefault("date", old.get("date"))
+    merged = [r for r in kept if r["framework"] not in now] + rows
+    order = list(EXAMPLES)
+    merged.sort(key=lambda r: order.index(r["framework"]) if r["framework"] in order else len(order))
+    return merged, [n for n in not_measured if n not in {r["framework"] for r in merged}]
 
 
 def _versions() -> str:
@@ -301,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (kept); default a temporary one, removed")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--keep-rows", action="store_true",
+                    help="keep the rows of the existing --out/bench_frameworks.json for frameworks not run now "
+                         "(each row keeps its date; the settings must be the same)")
     args = ap.parse_args(argv)
     if not 0 < args.every <= args.kill_after < args.max_steps:
         ap.error("need 0 < --every <= --kill-after < --max-steps (the kill comes after a checkpoint, before the end)")
@@ -344,10 +376,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
+    settings = {"max_steps": args.max_steps, "every": args.every, "kill_after": args.kill_after,
+                "seed": args.seed, "versions": _versions()}
+    if args.keep_rows:
+        rows, not_measured = _kept_rows(args.out / "bench_frameworks.json", rows, not_measured, settings)
     report = {"schema": "ripresa.bench_frameworks/1", "date": time.strftime("%Y-%m-%d"),
-              "settings": {"max_steps": args.max_steps, "every": args.every, "kill_after": args.kill_after,
-                           "seed": args.seed, "versions": _versions()},
-              "rows": rows, "not_measured": not_measured}
+              "settings": settings, "rows": rows, "not_measured": not_measured}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_frameworks.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (args.out / "bench_frameworks.md").write_text(markdown(report))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import EXAMPLES
 from test_make_exact import (
     PER_EPOCH,
     Augmented,
@@ -144,3 +145,27 @@ def _prepared_exact(seed=None):
     loader = _prepared(num_workers=0)
     ripresa.make_exact(loader, seed=seed)
     return loader
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # four paths of real Trainer/accelerate processes: a hang guard on a shared machine
+def test_steered_verify_of_the_unchanged_accelerate_example_passes_at_tolerance_zero(tmp_path):
+    from test_hf_trainer import verify_steered
+
+    res, report = verify_steered(EXAMPLES / "accelerate" / "train.py", tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert report["mode"] == "steered" and report["positive"] is True, report
+    assert report["negative_divergence_detected"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # four paths of real Trainer/accelerate processes: a hang guard on a shared machine
+def test_steered_verify_fails_when_the_loader_is_left_out(tmp_path):
+    """The negative variant: the prepared loader not made exact nor in the TrainingState (its draws not captured)."""
+    from test_hf_trainer import verify_steered
+
+    res, report = verify_steered(EXAMPLES / "accelerate" / "train.py", tmp_path, RIPRESA_EXAMPLE_LOADER_AS_IS="1")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert report["mode"] == "steered" and report["positive"] is False and report["all_checks_passed"] is False
+    assert report["determinism_before_cut"]["passed"], report
+    assert report["first_divergence"]["resume"] is not None

@@ -94,3 +94,31 @@ def test_a_script_that_does_not_die_at_the_kill_step_is_refused(tmp_path):
                "--max-steps", "4", "--every", "1", "--kill-after", "2", "--out", str(tmp_path / "r"), "--quiet"])
     assert res.returncode == 2 and "not by SIGKILL" in res.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_keep_rows_merges_an_earlier_report_for_the_frameworks_not_run_now(tmp_path):
+    bench = _bench()
+    settings = {"max_steps": 40, "every": 10, "kill_after": 25, "seed": 0, "versions": "torch x"}
+    earlier = tmp_path / "bench_frameworks.json"
+    earlier.write_text(json.dumps({"date": "2026-01-01", "settings": settings, "rows": [
+        {"framework": "hf_trainer", "v": "old"}, {"framework": "lightning", "v": "old"},
+        {"framework": "accelerate", "v": "old"}]}))
+    rows, missing = bench._kept_rows(earlier, [{"framework": "accelerate", "v": "new", "date": "2026-02-02"}],
+                                     [], settings)
+    assert [(r["framework"], r["v"], r["date"]) for r in rows] == [
+        ("lightning", "old", "2026-01-01"), ("hf_trainer", "old", "2026-01-01"), ("accelerate", "new", "2026-02-02")]
+    assert missing == []
+    with pytest.raises(SystemExit, match="measured with"):
+        bench._kept_rows(earlier, [], [], {**settings, "kill_after": 20})
+    with pytest.raises(SystemExit, match="cannot read"):
+        bench._kept_rows(tmp_path / "absent.json", [], [], settings)
+
+
+@pytest.mark.slow
+def test_a_run_past_the_timeout_is_reported_not_a_traceback(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    res = run([sys.executable, str(REPO / "benchmarks" / "bench_frameworks.py"), "--script", f"x={script}",
+               "--max-steps", "4", "--every", "1", "--kill-after", "2", "--timeout", "2", "--jobs", "1",
+               "--out", str(tmp_path / "r"), "--quiet"])
+    assert res.returncode == 2 and "ran past --timeout 2 s" in res.stderr and "Traceback" not in res.stderr

@@ -63,14 +63,25 @@ def uninterrupted(tmp_path_factory) -> Path:
     return d
 
 
-def test_killed_trainer_resumes_bitwise_with_the_same_log_history(uninterrupted, tmp_path):
-    final = tmp_path / "final.safetensors"
-    train(tmp_path / "run", "ripresa", final, kill=KILL)
+def test_killed_trainer_resumes_bitwise_with_the_same_log_history(tmp_path):
+    """The default tier's sample: the uninterrupted reference runs beside the run that is killed."""
+    ref = tmp_path / "ref.safetensors"
+    reference = subprocess.Popen(
+        [sys.executable, "-B", str(HF), "--run", str(tmp_path / "ref"), "--max-steps", str(STEPS), "--every",
+         str(EVERY), "--mode", "ripresa", "--final", str(ref), "--log", str(ref) + ".jsonl"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        final = tmp_path / "final.safetensors"
+        train(tmp_path / "run", "ripresa", final, kill=KILL)
+    finally:
+        out, _ = reference.communicate(timeout=900)
+    assert reference.returncode == 0, out[-3000:]
     assert not final.exists()
-    assert sorted(p.name for p in (tmp_path / "run").glob("step_*.safetensors")) == \
-        ["step_000005.safetensors", "step_000010.safetensors"]
+    # The Checkpointer writes in the background: on a loaded machine step 10's generation may not have
+    # committed yet when the SIGKILL after step 12 lands; then the resume is from step 5 (mid-epoch too).
+    saved = sorted(p.name for p in (tmp_path / "run").glob("step_*.safetensors"))
+    assert saved in (["step_000005.safetensors"], ["step_000005.safetensors", "step_000010.safetensors"]), saved
     train(tmp_path / "run", "ripresa", final)  # the same command again
-    ref = uninterrupted / "final.safetensors"
     assert differing(ref, final)[0] == 0
     want, got = logged(ref), logged(final)
     assert got == want  # loss, lr, grad_norm, epoch, step at every logged step, and the final train_loss
@@ -146,17 +157,35 @@ def test_export_inference_loads_with_from_pretrained_bitwise(uninterrupted, tmp_
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
 
 
-@pytest.mark.slow
-def test_steered_verify_of_the_unchanged_hf_example_passes_at_tolerance_zero(tmp_path):
+def verify_steered(script: Path, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """``ripresa verify --steer`` of an unchanged example script at tolerance 0 (its own run folder never touched)."""
     out = tmp_path / "v"
     res = ripresa_cli("verify", "--steer", "--steps", "8", "--cut", "4", "--tolerance", "0", "--output", out, "--",
-                      sys.executable, "-B", HF, "--run", tmp_path / "IGNORED", "--max-steps", "20", "--every", "50",
-                      "--mode", "ripresa", "--final", tmp_path / "IGNORED.safetensors", timeout=1800, env=_env())
+                      sys.executable, "-B", script, "--run", tmp_path / "IGNORED", "--max-steps", "20", "--every", "50",
+                      "--mode", "ripresa", "--final", tmp_path / "IGNORED.safetensors", timeout=1800, env=_env(**env))
+    assert not (tmp_path / "IGNORED").exists()
+    assert (out / "verification.json").is_file(), res.stdout[-3000:] + res.stderr[-3000:]
+    return res, json.loads((out / "verification.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # four paths of real Trainer/accelerate processes: a hang guard on a shared machine
+def test_steered_verify_of_the_unchanged_hf_example_passes_at_tolerance_zero(tmp_path):
+    res, report = verify_steered(HF, tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    report = json.loads((out / "verification.json").read_text())
     assert report["mode"] == "steered" and report["positive"] is True, report
     assert report["negative_divergence_detected"] is True
-    assert not (tmp_path / "IGNORED").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # four paths of real Trainer/accelerate processes: a hang guard on a shared machine
+def test_steered_verify_fails_when_the_loader_is_left_as_the_trainer_built_it(tmp_path):
+    """The negative variant: ExactResume(exact_loader=False): the loader's order and random draws left out."""
+    res, report = verify_steered(HF, tmp_path, RIPRESA_EXAMPLE_LOADER_AS_IS="1")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert report["mode"] == "steered" and report["positive"] is False and report["all_checks_passed"] is False
+    assert report["determinism_before_cut"]["passed"], report  # the same up to the cut: the resume is what differs
+    assert report["first_divergence"]["resume"] is not None
 
 
 ACC = EXAMPLES / "accelerate" / "train.py"
@@ -185,3 +214,87 @@ def test_accelerate_loop_killed_resumes_bitwise_and_its_native_resume_drifts(tmp
     accelerate_run(tmp_path / "nat", "native", tmp_path / "nat.safetensors")
     n, total, gap = differing(tmp_path / "none.safetensors", tmp_path / "nat.safetensors")
     assert n > total // 2 and gap > 0, (n, total, gap)
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __init__(self, n: int = 48) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x.sum(1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        out = self.lin(x).squeeze(-1)
+        return {"loss": ((out - labels) ** 2).mean(), "logits": out}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("greater", [True, False])
+def test_retention_follows_metric_for_best_model_and_save_total_limit(tmp_path, greater):
+    """A real Trainer evaluating every 3 steps, a generation every 2: the generations left are the one with the
+    best eval_loss it was saved with (greater_is_better decides which), the save_total_limit newest, and no other."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from ripresa.integrations.transformers import ExactResume
+
+    class Seen(TrainerCallback):
+        def __init__(self) -> None:
+            self.evals: dict[int, float] = {}
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.evals[state.global_step] = metrics["eval_loss"]
+
+    seen = Seen()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=14, per_device_train_batch_size=4,
+                             learning_rate=0.05, eval_strategy="steps", eval_steps=3, save_strategy="no",
+                             metric_for_best_model="loss", greater_is_better=greater, save_total_limit=1,
+                             use_cpu=True, report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+                             logging_steps=1)
+    torch.manual_seed(0)
+    trainer = Trainer(model=_Linear(), args=args, train_dataset=_Pairs(), eval_dataset=_Pairs(16),
+                      callbacks=[seen, ExactResume(tmp_path / "run", every=2)])
+    trainer.train()
+    # each generation's value: the latest evaluation at or before its step (none before step 3)
+    values = {s: seen.evals[max(e for e in seen.evals if e <= s)] for s in range(4, 15, 2)}
+    assert len(set(values.values())) >= 3, seen.evals
+    best = sorted(values, key=lambda s: (-values[s] if greater else values[s], s))[0]
+    steps = sorted(int(p.name[5:11]) for p in (tmp_path / "run").glob("step_*.safetensors"))
+    assert steps == sorted({best, 14}), (values, steps)
+    assert (best < 10) if greater else (best >= 12)  # the loss falls: the worst is old, the best is new
+
+
+def test_retention_arguments_map_onto_keep_best(tmp_path):
+    from transformers import TrainingArguments
+
+    from ripresa.integrations.transformers import ExactResume
+    from ripresa.store.retention import DEFAULT_RETENTION, KeepBest, KeepLast
+
+    def policy(cb, **kw):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+        return cb._retention(args, cb.kwargs.get("retention"))
+
+    assert policy(ExactResume(tmp_path)) is None
+    assert policy(ExactResume(tmp_path), save_total_limit=2) == KeepLast(2)
+    assert policy(ExactResume(tmp_path), metric_for_best_model="accuracy", save_total_limit=1) == \
+        KeepLast(1) | KeepBest("eval_accuracy", k=1, mode="max")
+    assert policy(ExactResume(tmp_path), metric_for_best_model="eval_loss") == \
+        DEFAULT_RETENTION | KeepBest("eval_loss", k=1, mode="min")
+    explicit = ExactResume(tmp_path, metric_for_best_model="bleu", greater_is_better=False, save_total_limit=3,
+                           retention=KeepLast(5))
+    assert policy(explicit, metric_for_best_model="loss", save_total_limit=1) == \
+        KeepLast(5) | (KeepLast(3) | KeepBest("eval_bleu", k=1, mode="min"))
+    from ripresa.errors import BadInput
+
+    with pytest.raises(BadInput, match="save_total_limit"):
+        policy(ExactResume(tmp_path, save_total_limit=0))

@@ -157,6 +157,8 @@ def kill_and_resume(tmp_path: Path, *, steps: int, every: int, kill_after: int, 
     return load(tmp_path / "ref.pt.0"), load(tmp_path / "res.pt.0")
 
 
+@pytest.mark.slow  # the default tier's kill-and-rerun sample of make_exact is tests/test_accelerate.py's (a plain
+# DataLoader inside accelerate's prepared shard, the same make_exact): the framework tests' time budget
 def test_a_plain_dataloader_made_exact_resumes_bitwise_after_sigkill(tmp_path):
     """Checkpoint at step 8 (epoch 1, batch 2), SIGKILL after step 10, resume across the epoch boundary at 12."""
     reference, resumed = kill_and_resume(tmp_path, steps=16, every=4, kill_after=10)

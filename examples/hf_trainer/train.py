@@ -11,7 +11,9 @@ augmentation in ``__getitem__`` (torch, ``random`` and NumPy), ``shuffle`` by
 the Trainer's own RandomSampler, 2 loader workers, dropout in the model.
 
 ``RIPRESA_EXAMPLE_KILL_AFTER=S`` (for tests and benchmarks) SIGKILLs the
-process right after optimizer step S completed (its log and checkpoint done).
+process right after optimizer step S completed (its log and checkpoint done);
+``RIPRESA_EXAMPLE_LOADER_AS_IS=1`` (with ``--mode ripresa``) leaves the train
+loader as the Trainer built it (a resume that is not exact: the negative case).
 No download: the model is built from a config (``HF_HUB_OFFLINE=1``).
 """
 
@@ -103,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode == "ripresa":
         from ripresa.integrations.transformers import ExactResume
 
-        callbacks.append(ExactResume(a.run, every=a.every))  # ripresa: the one line
+        if os.environ.get("RIPRESA_EXAMPLE_LOADER_AS_IS") == "1":  # the negative case: the loader not made exact
+            callbacks.append(ExactResume(a.run, every=a.every, exact_loader=False))
+        else:
+            callbacks.append(ExactResume(a.run, every=a.every))  # ripresa: the one line
     kill = os.environ.get("RIPRESA_EXAMPLE_KILL_AFTER")
     if kill:
         callbacks.append(KillAfter(int(kill)))

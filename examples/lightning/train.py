@@ -122,6 +122,7 @@ def main() -> int:
     ap.add_argument("--final", required=True, help="safetensors file for the final model state")
     ap.add_argument("--log", help="JSON lines of Lightning's logged metrics")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--accumulate-grad-batches", type=int, default=1, help="the Trainer's accumulate_grad_batches")
     args = ap.parse_args()
 
     pl.seed_everything(args.seed, workers=True)
@@ -142,6 +143,7 @@ def main() -> int:
 
     trainer = pl.Trainer(
         max_steps=args.max_steps, accelerator="cpu", devices=1, callbacks=callbacks,
+        accumulate_grad_batches=args.accumulate_grad_batches,
         logger=JsonlLogger(args.log) if args.log else False, log_every_n_steps=1,
         enable_checkpointing=args.mode == "native", enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=args.run,

@@ -148,6 +148,27 @@ def _scalar(value: Any) -> float | None:
         return None
 
 
+def _metric_retention(monitor: str, mode: str, save_top_k: int, other: Any) -> Any:
+    """``ModelCheckpoint``'s ``monitor``/``mode``/``save_top_k`` as a retention policy (``other`` kept as well)."""
+    from ..store.retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
+
+    if not isinstance(save_top_k, int) or isinstance(save_top_k, bool) or save_top_k < -1:
+        raise ValueError(f"save_top_k must be an int >= -1 (as ModelCheckpoint's), got {save_top_k!r}")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max' (as ModelCheckpoint's), got {mode!r}")
+    if save_top_k == -1:
+        policy: RetentionPolicy = KeepEvery(1)  # every generation
+    elif save_top_k == 0:
+        policy = KeepLast(1)  # none but the newest, which a resume needs
+    else:
+        policy = KeepBest(monitor, k=save_top_k, mode=mode)
+    if other is None:
+        return policy
+    if not isinstance(other, RetentionPolicy):
+        raise TypeError(f"retention must be a ripresa.store.retention policy, not {type(other).__name__}")
+    return other | policy
+
+
 class ExactResume(Callback):
     """Exact save and resume of a Lightning ``fit()`` through a ripresa :class:`~ripresa.Checkpointer`.
 
@@ -167,6 +188,16 @@ class ExactResume(Callback):
         seed: the base seed of the train loader's order and augmentation
             (``make_exact``'s ``seed``; default: the sampler's, else torch's
             initial seed, which ``seed_everything`` sets).
+        monitor, mode, save_top_k: retention by a metric, as ``ModelCheckpoint``'s
+            arguments of the same names: keep the ``save_top_k`` generations with
+            the best ``monitor`` value (``mode="min"``: lowest; ``"max"``:
+            highest), the value being ``trainer.callback_metrics[monitor]`` at the
+            generation's step boundary (the latest logged or validated value).
+            ``save_top_k=-1`` keeps every generation, ``0`` none but the newest.
+            The newest generation is always kept for resume. Mapped onto
+            ``KeepBest(monitor, k=save_top_k, mode=mode)``; a ``retention=`` given
+            as well is kept too (``retention | KeepBest(...)``). Without
+            ``monitor`` the ``Checkpointer``'s retention applies (docs/RETENTION.md).
         **checkpointer: other :class:`~ripresa.Checkpointer` options
             (``retention``, ``mirror``, ``deadline``, ``asynchronous``, ``mtbf``,
             ``max_redo``, ``allow_*_change``, ``save_on_close``, ``format``...).
@@ -176,9 +207,13 @@ class ExactResume(Callback):
     """
 
     def __init__(self, run_dir: str | Path, every: int | str = 100, *, handle_signals: bool = True,
-                 exact_loader: bool = True, seed: int | None = None, **checkpointer: Any) -> None:
+                 exact_loader: bool = True, seed: int | None = None, monitor: str | None = None,
+                 mode: str = "min", save_top_k: int = 1, **checkpointer: Any) -> None:
         if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise ValueError(f"every must be an int >= 0 or 'auto', got {every!r}")
+        self.monitor = monitor
+        if monitor is not None:
+            checkpointer["retention"] = _metric_retention(monitor, mode, save_top_k, checkpointer.get("retention"))
         clash = sorted(set(checkpointer) & {"state", "fresh", "distributed"})
         if clash:
             raise TypeError(f"ExactResume decides {clash} itself")
@@ -294,6 +329,10 @@ class ExactResume(Callback):
         loss = _scalar(outputs)
         if loss is not None:
             metrics["loss"] = loss
+        if self.monitor is not None:  # what ModelCheckpoint(monitor=...) reads: the latest logged/validated value
+            value = _scalar(trainer.callback_metrics.get(self.monitor))
+            if value is not None:
+                metrics[self.monitor] = value
         if ckpt.step_done(step, **metrics):
             trainer.should_stop = True  # SIGTERM/SIGINT (or verify's cut): saved, the fit ends cleanly
             self._close(trainer)

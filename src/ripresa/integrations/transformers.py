@@ -156,6 +156,23 @@ class ExactResume(TrainerCallback):
             0: only on signals and at the end).
         seed: the base of the data order and every sample's augmentation; default
             ``args.data_seed`` if set, else ``args.seed`` (what the Trainer itself uses).
+        exact_loader: make the Trainer's train loader exact (default). ``False``
+            leaves it as the Trainer built it and saves no data position: the
+            resume then is NOT exact (the epoch restarts, reshuffled, with new
+            augmentation draws) — only for measuring what the loader's order and
+            random draws contribute, e.g. as ``ripresa verify``'s negative case
+            (docs/INTEGRATIONS_transformers.md).
+        metric_for_best_model, greater_is_better, save_total_limit: retention as the
+            ``TrainingArguments`` fields of the same names mean it (default: the
+            ``TrainingArguments``' own values): keep the generation with the best
+            ``eval_<metric>`` (the latest evaluation at or before its step;
+            highest when ``greater_is_better``, whose default, as the Trainer's, is
+            ``not metric.endswith("loss")``) and the ``save_total_limit`` newest —
+            ``KeepLast(save_total_limit) | KeepBest("eval_<metric>", k=1, mode=...)``.
+            Without ``save_total_limit`` the newest are kept as the ``Checkpointer``'s
+            default retention keeps them (``KeepLast(3)``); the newest generation is
+            always kept for resume. A ``retention=`` given as well is kept too
+            (docs/INTEGRATIONS_transformers.md, docs/RETENTION.md).
         **checkpointer_kwargs: passed to :class:`~ripresa.Checkpointer` (``retention``,
             ``mirror``, ``deadline``, ``asynchronous``, ...).
 
@@ -167,8 +184,15 @@ class ExactResume(TrainerCallback):
     """
 
     def __init__(self, run_dir: str | Path, every: int | str = 100, *, seed: int | None = None,
+                 exact_loader: bool = True, metric_for_best_model: str | None = None,
+                 greater_is_better: bool | None = None, save_total_limit: int | None = None,
                  **checkpointer_kwargs: Any) -> None:
         self.run_dir, self.every, self.seed = run_dir, every, seed
+        self.metric_for_best_model, self.greater_is_better = metric_for_best_model, greater_is_better
+        self.save_total_limit = save_total_limit
+        self._metric: str | None = None  # eval_<metric_for_best_model> when retention follows it
+        self._metric_value: float | None = None  # its latest value (on_evaluate) in this train()
+        self.exact_loader = bool(exact_loader)
         self.kwargs = checkpointer_kwargs
         self.checkpointer: Checkpointer | None = None
         self.resumed_step = 0
@@ -177,6 +201,7 @@ class ExactResume(TrainerCallback):
         self._pending: int | None = None  # the step whose log/eval/save is under way
         self._done = 0  # the last step handed to the Checkpointer
         self._wait_epoch_end = False  # step S's last Trainer call is the one after on_epoch_end
+        self._per_epoch, self._ga = 1, 1  # batches an epoch, gradient accumulation (set by on_train_begin)
 
     # ------------------------------------------------------------------ start
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -196,16 +221,18 @@ class ExactResume(TrainerCallback):
             raise BadInput("the Trainer gave no train_dataloader to its callbacks", hint="pass train_dataset=")
         ga = int(args.gradient_accumulation_steps)
         seed = self.seed if self.seed is not None else (args.data_seed if args.data_seed is not None else args.seed)
-        handle = make_exact(loader, seed=int(seed))
-        if ga > 1 and handle.batches_per_epoch % ga:
+        handle = make_exact(loader, seed=int(seed)) if self.exact_loader else None
+        per_epoch = handle.batches_per_epoch if handle is not None else len(loader)
+        if ga > 1 and per_epoch % ga:
             raise BadInput("ExactResume needs gradient_accumulation_steps to divide the batches of an epoch",
-                           expected=f"a divisor of {handle.batches_per_epoch}", found=ga,
+                           expected=f"a divisor of {per_epoch}", found=ga,
                            hint="the Trainer's loop-local counters decide the last, shorter accumulation of an "
                                 "epoch; after a mid-epoch resume they would end it elsewhere")
         if self.checkpointer is not None:  # a train() that raised: its state may be mid-step, never saved
             self.checkpointer.abort()
             self.checkpointer = None
         self._trainer, self._handle, self._pending = trainer, handle, None
+        self._per_epoch, self._ga = per_epoch, ga
         model = trainer.model
         config: dict[str, Any] = {}
         if hasattr(model, "config") and hasattr(model.config, "to_json_string"):
@@ -221,7 +248,11 @@ class ExactResume(TrainerCallback):
             objects={"trainer": _TrainerBook(trainer, self)},
             config=config,
         )
-        ckpt = Checkpointer(self.run_dir, ts, every=self.every, **self.kwargs)
+        kwargs = dict(self.kwargs)
+        retention = self._retention(args, kwargs.get("retention"))
+        if retention is not None:
+            kwargs["retention"] = retention
+        ckpt = Checkpointer(self.run_dir, ts, every=self.every, **kwargs)
         try:
             start = ckpt.resume()
             if start and start >= state.max_steps:
@@ -246,10 +277,51 @@ class ExactResume(TrainerCallback):
         after_log_save_evaluate._ripresa_original = original  # type: ignore[attr-defined]
         trainer._maybe_log_save_evaluate = after_log_save_evaluate  # type: ignore[method-assign]
 
+    def _retention(self, args: Any, other: Any) -> Any:
+        """``metric_for_best_model`` / ``greater_is_better`` / ``save_total_limit`` as a retention policy, or None."""
+        from ..store.retention import DEFAULT_RETENTION, KeepBest, KeepLast, RetentionPolicy
+
+        metric = self.metric_for_best_model or getattr(args, "metric_for_best_model", None)
+        limit = self.save_total_limit if self.save_total_limit is not None else getattr(args, "save_total_limit", None)
+        self._metric, self._metric_value = None, None
+        if metric is None and limit is None:
+            return None
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise BadInput("save_total_limit must keep at least one generation", expected="an int >= 1",
+                           found=limit, hint="the newest generation is always kept for resume")
+        policy: RetentionPolicy = KeepLast(limit) if limit is not None else (other if other is not None else DEFAULT_RETENTION)
+        if metric is not None:
+            name = metric if metric.startswith("eval_") else f"eval_{metric}"  # as the Trainer looks it up
+            greater = self.greater_is_better
+            if greater is None and self.metric_for_best_model is None:
+                greater = getattr(args, "greater_is_better", None)
+            if greater is None:
+                greater = not metric.endswith("loss")  # the Trainer's default
+            policy = policy | KeepBest(name, k=1, mode="max" if greater else "min")
+            self._metric = name
+        if other is not None and limit is not None:
+            if not isinstance(other, RetentionPolicy):
+                raise TypeError(f"retention must be a ripresa.store.retention policy, not {type(other).__name__}")
+            policy = other | policy
+        return policy
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None,
+                    **kwargs: Any) -> None:
+        if self._metric is not None and metrics and self._metric in metrics:
+            try:
+                self._metric_value = float(metrics[self._metric])
+            except (TypeError, ValueError):
+                self._metric_value = None
+
     # ------------------------------------------------------------------ each step
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         h = self._handle
-        if h is None:
+        if self.checkpointer is None:
+            return
+        if h is None:  # exact_loader=False: the loader as the Trainer built it; the Trainer's own epoch
+            self._pending = state.global_step
+            self._wait_epoch_end = ((state.global_step * self._ga) % self._per_epoch == 0
+                                    or control.should_training_stop or control.should_epoch_stop)
             return
         # The Trainer's epoch, from the true epoch and position (its own counters restart at a resume); the
         # Trainer's formula, epoch + (step + 1) / steps_in_epoch, so bitwise its value in an uninterrupted run.
@@ -270,7 +342,11 @@ class ExactResume(TrainerCallback):
         if step <= self._done:
             return
         self._done = step
-        stop = ckpt.step_done(step, epoch=max(self._handle.epoch, 0))
+        epoch = self._handle.epoch if self._handle is not None else int(trainer.state.epoch or 0)
+        metrics: dict[str, Any] = {"epoch": max(epoch, 0)}
+        if self._metric is not None and self._metric_value is not None:  # the latest evaluation (retention)
+            metrics[self._metric] = self._metric_value
+        stop = ckpt.step_done(step, **metrics)
         if stop:  # SIGTERM/SIGINT (or ripresa verify's cut): step saved; the Trainer ends as at max_steps
             trainer.control.should_training_stop = True
 

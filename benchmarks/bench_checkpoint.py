@@ -1022,21 +1022,27 @@ class Bench:
     # ---- warm-up (outside every figure) --------------------------------------------------
     def warmup(self, keys: set[str] | None = None) -> None:
         """Load each library's code paths on a tiny state; allocate the async/memcpy buffers
-        (with ``keys``: only the buffers those methods use, as ``--isolate``'s children do)."""
-        import torch.distributed.checkpoint as dcp
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint import FileSystemWriter
-
+        (with ``keys``: only the libraries and buffers those methods use, as ``--isolate``'s children do)."""
         tiny = {"a": torch.ones(16), "b": torch.zeros(4, 4)}
         w = self.scratch / "warm"
         w.mkdir()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.save(tiny, w / "t.pt")
-            save_file(tiny, str(w / "t.safetensors"))
-            dcp.save(tiny, storage_writer=FileSystemWriter(str(w / "d"), sync_files=True), no_dist=True)
-            f = dcp.async_save(tiny, storage_writer=FileSystemWriter(str(w / "e"), sync_files=True), no_dist=True)
-            getattr(f, "upload_completion", f).result()
+            if keys is None or "save.torch_save" in keys:
+                torch.save(tiny, w / "t.pt")
+            if keys is None or "save.safetensors" in keys:
+                from safetensors.torch import save_file
+
+                save_file(tiny, str(w / "t.safetensors"))
+            if keys is None or keys & {"save.dcp", "stall.dcp_async"}:
+                import torch.distributed.checkpoint as dcp
+                from torch.distributed.checkpoint import FileSystemWriter
+            if keys is None or "save.dcp" in keys:
+                dcp.save(tiny, storage_writer=FileSystemWriter(str(w / "d"), sync_files=True), no_dist=True)
+            if keys is None or "stall.dcp_async" in keys:
+                f = dcp.async_save(tiny, storage_writer=FileSystemWriter(str(w / "e"), sync_files=True),
+                                   no_dist=True)
+                getattr(f, "upload_completion", f).result()
         shutil.rmtree(w)
         # The async writers allocate their staging buffers at their first save; a
         # training loop pays that once, so it is paid here, outside the figures.

@@ -176,6 +176,23 @@ BIN_METHODS = {"save.ripresa", "stall.ripresa_async", "stall.ripresa_async_calle
                "resume.ripresa_load", "resume.np_fromfile", "resume.read_bin_nohash"}
 
 
+#: the measured methods by group, in the order each pair runs them
+GROUPS: list[tuple[str, list[str]]] = [
+    ("save", ["save.raw", "hash.sha256", "save.general", "save.ripresa", "save.torch_save",
+              "save.safetensors", "save.dcp"]),
+    ("stall", ["stall.memcpy", "stall.general_async", "stall.ripresa_async", "stall.dcp_async"]),
+    ("resume", ["resume.general_fromfile", "resume.general_read_nohash", "resume.general_load",
+                "resume.np_fromfile", "resume.ripresa_load", "resume.read_bin_nohash"]),
+]
+
+
+def groups_for(dtype: str) -> list[tuple[str, list[str]]]:
+    """GROUPS without the .bin methods for a dtype the .bin cannot hold."""
+    if dtype == "fp32":
+        return [(g, list(keys)) for g, keys in GROUPS]
+    return [(g, [k for k in keys if k not in BIN_METHODS]) for g, keys in GROUPS]
+
+
 #: short x-axis labels of the chart
 PLOT_LABELS = {
     "save.raw": "raw write\n+ fsync", "save.ripresa": "ripresa\nsave", "save.torch_save": "torch.save\n+ fsync",
@@ -480,6 +497,28 @@ class Meter:
             return True
         # own journal/metadata is counted as others' I/O: allow 2% of the payload on top
         return io is not None and io >= self.quiet_io_bytes * 4 + 0.02 * logical
+
+
+def _status_bytes(field: str) -> int | None:
+    """``VmRSS`` / ``VmHWM`` of this process from /proc/self/status, in bytes (None off Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS (``5`` into
+    /proc/self/clear_refs, Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def drop_cache(path: Path) -> None:
@@ -948,31 +987,74 @@ class Bench:
             parts.append("DISTURBED (kept: retries exhausted)")
         self.log(f"{key:<28} {s['value']:9.4f} s  " + (f"({', '.join(parts)})" if parts else ""))
 
-    # ---- warm-up (outside every figure) --------------------------------------------------
-    def warmup(self) -> None:
-        """Load each library's code paths on a tiny state; allocate the async/memcpy buffers."""
-        import torch.distributed.checkpoint as dcp
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint import FileSystemWriter
+    def makers(self) -> dict[str, Callable[[], Callable[[], Any]]]:
+        """method key -> the maker of one sample's run."""
+        return {
+            "save.raw": self.save_raw, "save.ripresa": self.save_ripresa,
+            "save.torch_save": self.save_torch, "save.safetensors": self.save_safetensors,
+            "save.dcp": self.save_dcp, "stall.memcpy": self.stall_memcpy,
+            "stall.ripresa_async": self.stall_ripresa, "stall.dcp_async": self.stall_dcp,
+            "resume.np_fromfile": self.resume_fromfile, "resume.ripresa_load": self.resume_ripresa,
+            "resume.read_bin_nohash": self.resume_nohash,
+            "hash.sha256": self.hash_sha256, "save.general": self.save_general,
+            "stall.general_async": self.stall_general, "resume.general_load": self.resume_general,
+            "resume.general_fromfile": self.resume_general_fromfile,
+            "resume.general_read_nohash": self.resume_general_nohash,
+        }
 
+    def record_sample(self, key: str, sample: dict[str, Any]) -> None:
+        """Record one sample of ``key`` and the figures derived from it (the caller's stall,
+        the staging copy, the time until committed)."""
+        if key == "stall.ripresa_async":
+            self.record(key, sample, "stall_s")
+            self.samples["stall.ripresa_async_caller"].append(dict(sample, value=sample["caller_stall_s"]))
+            self.samples["complete.ripresa_async"].append(dict(sample, value=sample["complete_s"]))
+        elif key == "stall.general_async":
+            self.record(key, sample, "stall_s")
+            self.samples["stall.general_copy"].append(dict(sample, value=sample["copy_s"]))
+            self.samples["complete.general_async"].append(dict(sample, value=sample["complete_s"]))
+        elif key == "stall.dcp_async":
+            self.record(key, sample, "stall_s")
+            self.samples["complete.dcp_async"].append(dict(sample, value=sample["complete_s"]))
+        elif key == "stall.memcpy":
+            self.record(key, sample, "stall_s")
+        else:
+            self.record(key, sample)
+
+    # ---- warm-up (outside every figure) --------------------------------------------------
+    def warmup(self, keys: set[str] | None = None) -> None:
+        """Load each library's code paths on a tiny state; allocate the async/memcpy buffers
+        (with ``keys``: only the libraries and buffers those methods use, as ``--isolate``'s children do)."""
         tiny = {"a": torch.ones(16), "b": torch.zeros(4, 4)}
         w = self.scratch / "warm"
         w.mkdir()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.save(tiny, w / "t.pt")
-            save_file(tiny, str(w / "t.safetensors"))
-            dcp.save(tiny, storage_writer=FileSystemWriter(str(w / "d"), sync_files=True), no_dist=True)
-            f = dcp.async_save(tiny, storage_writer=FileSystemWriter(str(w / "e"), sync_files=True), no_dist=True)
-            getattr(f, "upload_completion", f).result()
+            if keys is None or "save.torch_save" in keys:
+                torch.save(tiny, w / "t.pt")
+            if keys is None or "save.safetensors" in keys:
+                from safetensors.torch import save_file
+
+                save_file(tiny, str(w / "t.safetensors"))
+            if keys is None or keys & {"save.dcp", "stall.dcp_async"}:
+                import torch.distributed.checkpoint as dcp
+                from torch.distributed.checkpoint import FileSystemWriter
+            if keys is None or "save.dcp" in keys:
+                dcp.save(tiny, storage_writer=FileSystemWriter(str(w / "d"), sync_files=True), no_dist=True)
+            if keys is None or "stall.dcp_async" in keys:
+                f = dcp.async_save(tiny, storage_writer=FileSystemWriter(str(w / "e"), sync_files=True),
+                                   no_dist=True)
+                getattr(f, "upload_completion", f).result()
         shutil.rmtree(w)
         # The async writers allocate their staging buffers at their first save; a
         # training loop pays that once, so it is paid here, outside the figures.
-        if self.writer is not None:
+        if self.writer is not None and (keys is None or "stall.ripresa_async" in keys):
             step = self.next_step()
             self.writer.save(step, bin_arrays(self.state), self.companion(step))
             self.writer.wait()
             self.async_store.delete(step)
+        if keys is not None and not keys & {"stall.general_async", "stall.memcpy"}:
+            return
         step = self.next_step()
         self.general.capture(step, self.state, self.set_step(step), None, stage=lambda x: x)()
         self.general.delete(step)
@@ -1104,25 +1186,40 @@ def render_table(result: dict[str, Any]):
             f"{r['ratio_of_minimums']:.3f}" if "ratio_of_minimums" in r else "",
             verdict(r.get("met_by_minimums")),
         )
-    t2 = Table(title="per method (seconds: median, min – max; CPU-s per GB; write amplification)",
+    isolated = bool(result.get("isolated"))
+    t2 = Table(title="per method (seconds: median, min – max; CPU-s per GB; write amplification"
+               + ("; peak RSS of the method's own process, MB" if isolated else "") + ")",
                title_justify="left")
-    for col, just in (("method", "left"), ("median s", "right"), ("min – max", "right"),
-                      ("GB/s", "right"), ("CPU-s/GB", "right"), ("write amp", "right"),
-                      ("device amp", "right"), ("others' CPU", "right")):
+    cols = [("method", "left"), ("median s", "right"), ("min – max", "right"),
+            ("GB/s", "right"), ("CPU-s/GB", "right"), ("write amp", "right"),
+            ("device amp", "right"), ("others' CPU", "right")]
+    if isolated:
+        cols += [("peak RSS", "right"), ("while measured", "right"), ("over state", "right")]
+    for col, just in cols:
         t2.add_column(col, justify=just)
+
+    def mb(x: float | None) -> str:
+        return "" if x is None else f"{x / 1e6:,.0f}"
     for key, m in methods.items():
-        t2.add_row(
+        row = [
             key, f"{m['median']:.4f}", f"{m['min']:.4f} – {m['max']:.4f}",
             f"{m['throughput_gbps']:.2f}" if "throughput_gbps" in m else "",
             f"{m['cpu_s_per_gb']:.2f}",
             f"{m['write_amplification']:.4f}" if "write_amplification" in m else "",
             f"{m['device_write_amplification']:.3f}" if "device_write_amplification" in m else "",
             f"{m['others_cpu_share_median']:.0%}" if "others_cpu_share_median" in m else "",
-        )
+        ]
+        if isolated:
+            r = m.get("rss", {})
+            row += [mb(r.get("child_maxrss_bytes")), mb(r.get("method_peak_rss_bytes")),
+                    mb(r.get("method_peak_over_state_bytes"))]
+        t2.add_row(*row)
     f = result["facts"]
-    facts = (f"sha256 in memory: {f['sha256_gbps']:.2f} GB/s · raw durable write: {f['raw_write_gbps']:.2f} GB/s · "
-             f"cold read ({f.get('cold_read_method', 'np.fromfile')}): {f['cold_read_gbps']:.2f} GB/s · warm read: {f['warm_read_gbps']:.2f} GB/s · "
-             f"memcpy: {f['memcpy_gbps']:.2f} GB/s\n"
+    warm = f" · warm read: {f['warm_read_gbps']:.2f} GB/s" if f.get("warm_read_gbps") else ""
+    cold_txt = (f" · cold read ({f.get('cold_read_method', 'np.fromfile')}): {f['cold_read_gbps']:.2f} GB/s"
+                if f.get("cold_read_gbps") else "")
+    facts = (f"sha256 in memory: {f['sha256_gbps']:.2f} GB/s · raw durable write: {f['raw_write_gbps']:.2f} GB/s"
+             f"{cold_txt}{warm} · memcpy: {f['memcpy_gbps']:.2f} GB/s\n"
              f"load average (1, 5, 15 min) at start {_fmt_load(result['machine']['loadavg_start'])}, "
              f"at end {_fmt_load(result['machine']['loadavg_end'])} on {result['machine']['cores']} cores; "
              f"CPU/IO pressure (PSI some avg60, %) at end: "
@@ -1198,6 +1295,191 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------- --isolate
+
+
+#: a derived figure -> the method whose samples it comes from (the same child under --isolate)
+DERIVED_FROM = {
+    "stall.ripresa_async_caller": "stall.ripresa_async", "complete.ripresa_async": "stall.ripresa_async",
+    "stall.general_copy": "stall.general_async", "complete.general_async": "stall.general_async",
+    "complete.dcp_async": "stall.dcp_async",
+}
+
+
+def run_child(args: argparse.Namespace) -> int:
+    """``--child KEY``: one method's ``--pairs`` samples in this (fresh) process, with its memory.
+
+    The state is built, the libraries warmed up and the buffers this method uses allocated
+    (a loop pays those once); then the peak RSS is reset (/proc/self/clear_refs) and the
+    samples run, so ``method_peak_rss_bytes`` is the most this process held while the method
+    ran: the state, what the method allocates, and nothing another method left behind.
+    """
+    key = args.child
+    group = METHODS[key][0]
+    base = args.dir if args.dir is not None else args.out
+    scratch = Path(tempfile.mkdtemp(prefix=".bench-child-", dir=base))
+    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    bench: Bench | None = None
+
+    def log(text: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
+    try:
+        meter = Meter(_block_stat_path(scratch), quiet_timeout=args.quiet_timeout, quiet_share=args.quiet_share)
+        bench = Bench(args.params, args.pairs, scratch, log, meter, retries=max(0, args.retries),
+                      dtype=args.dtype, device=args.device)
+        gc.collect()
+        build_peak, state_rss = _status_bytes("VmHWM"), _status_bytes("VmRSS")
+        bench.warmup({key})
+        if group == "resume":
+            bench.prepare_resume()
+        gc.collect()
+        reset = reset_peak_rss()
+        ready_rss = _status_bytes("VmRSS")
+        makers = bench.makers()
+        for _ in range(args.pairs):
+            bench.record_sample(key, bench.measure(key, makers[key]))
+        peak = _status_bytes("VmHWM") if reset else None
+        moments = bench.opt.state[next(iter(bench.model.parameters()))]["exp_avg"].dtype
+        out = {
+            "key": key,
+            "samples": {k: v for k, v in bench.samples.items() if v},
+            "logical": bench.logical,
+            "model": {"d_model": bench.model.d_model, "layers": bench.model.n_layers,
+                      "tensors_per_region": len(list(bench.model.parameters()))},
+            "moments_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(moments, str(moments)),
+            "rss": {
+                "build_peak_rss_bytes": build_peak,
+                "state_rss_bytes": state_rss,
+                "ready_rss_bytes": ready_rss,
+                "method_peak_rss_bytes": peak,
+                "method_peak_over_state_bytes": (peak - state_rss) if peak is not None and state_rss else None,
+                "peak_reset": reset,
+            },
+        }
+        args.child_out.write_text(json.dumps(out) + "\n")
+        return 0
+    finally:
+        if bench is not None:
+            bench.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+class _Collected:
+    """What :func:`compute` reads from a :class:`Bench`: the samples and the state's size."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[dict[str, Any]]] = {k: [] for k in METHODS}
+        self.logical = 0
+
+
+def run_isolated(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    """``--isolate``: every method in its own fresh subprocess (``--child``), one after the other,
+    in this one run; the ratios are computed over all children's samples as in one process, and
+    each method gets its child's peak RSS (``os.wait4``'s ``ru_maxrss``, and ``VmHWM`` over the
+    samples alone)."""
+    base = args.dir if args.dir is not None else args.out
+    scratch = Path(tempfile.mkdtemp(prefix=".bench-scratch-", dir=base))
+    started = time.time()
+    load_start, pressure_start = os.getloadavg(), pressure()
+    facts_at_start = machine_facts(scratch)
+    collected = _Collected()
+    rss: dict[str, dict[str, Any]] = {}
+    child_meta: dict[str, Any] = {}
+    proc: subprocess.Popen | None = None
+    try:
+        keys = [k for _, ks in groups_for(args.dtype) for k in ks]
+        for i, key in enumerate(keys, 1):
+            out = scratch / f"{key}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", key, "--child-out", str(out),
+                   "--params", str(args.params), "--dtype", args.dtype, "--pairs", str(args.pairs),
+                   "--device", args.device, "--dir", str(scratch), "--quiet-timeout", str(args.quiet_timeout),
+                   "--quiet-share", str(args.quiet_share), "--retries", str(args.retries)]
+            log(f"[{i}/{len(keys)}] {key}: a fresh process")
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(cmd)
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            if proc.returncode != 0:
+                raise SystemExit(f"{key}: the child process failed (exit {proc.returncode})")
+            proc = None
+            child = json.loads(out.read_text())
+            for k, runs in child["samples"].items():
+                collected.samples[k].extend(runs)
+            collected.logical = child["logical"]
+            child_meta = child
+            rss[key] = dict(child["rss"], child_maxrss_bytes=usage.ru_maxrss * 1024,
+                            child_wall_s=time.perf_counter() - t0)
+            r = rss[key]
+            log(f"{key:<28} peak RSS {r['child_maxrss_bytes'] / 1e6:8.0f} MB (process), "
+                f"{(r['method_peak_rss_bytes'] or 0) / 1e6:8.0f} MB while measured, state "
+                f"{(r['state_rss_bytes'] or 0) / 1e6:.0f} MB")
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            proc.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+    methods, ratios = compute(collected)  # type: ignore[arg-type]
+    for k, m in methods.items():
+        m["rss"] = rss[DERIVED_FROM.get(k, k)]
+    cold = resolve(methods, COLD_READ)
+    logical = collected.logical
+    facts: dict[str, Any] = {
+        "sha256_gbps": methods["hash.sha256"]["throughput_gbps"],
+        "sha256_same_bytes_gbps": methods["hash.sha256"]["throughput_gbps"],
+        "raw_write_gbps": methods["save.raw"]["throughput_gbps"],
+        "cold_read_gbps": logical / cold["median"] / GB if cold else None,
+        "cold_read_method": cold["key"] if cold else None,
+        "memcpy_gbps": logical / methods["stall.memcpy"]["median"] / GB,
+        "save_lower_bound_s": max(methods["hash.sha256"]["median"], methods["save.raw"]["median"]),
+    }
+    if cold:
+        facts["resume_lower_bound_s"] = max(methods["hash.sha256"]["median"], cold["median"])
+    all_runs = [r for key in METHODS if key not in DERIVED_FROM for r in collected.samples[key]]
+    shares = [r["others_cpu_share"] for r in all_runs if r.get("others_cpu_share") is not None]
+    if shares:
+        facts["others_cpu_share_median"] = statistics.median(shares)
+        facts["others_cpu_share_max"] = max(shares)
+        facts["samples_with_others_over_quiet_share"] = sum(x >= args.quiet_share for x in shares)
+        facts["samples"] = len(shares)
+    facts["quiet_wait_total_s"] = sum(r.get("quiet_wait_s", 0.0) for r in all_runs)
+    facts["quiet_timeout_s"], facts["quiet_share"] = args.quiet_timeout, args.quiet_share
+    facts["retries"] = args.retries
+    facts["discarded_samples"] = sum(len(r.get("discarded", [])) for r in all_runs)
+    facts["disturbed_samples_kept"] = sum(bool(r.get("disturbed")) for r in all_runs)
+    return {
+        "schema": SCHEMA,
+        "isolated": True,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(timespec="seconds"),
+        "duration_s": time.time() - started,
+        "params": args.params,
+        "dtype": args.dtype,
+        "device": args.device if args.device == "cpu" else f"cuda:{torch.cuda.get_device_name(0)}",
+        "moments_dtype": child_meta.get("moments_dtype"),
+        "bytes": logical,
+        "pairs": args.pairs,
+        "model": dict(child_meta.get("model", {}), optimizer="torch.optim.AdamW after one step"),
+        "machine": dict(facts_at_start, loadavg_start=load_start, loadavg_end=os.getloadavg(),
+                        pressure_start=pressure_start, pressure_end=pressure()),
+        "notes": [
+            "--isolate: every method ran in its own fresh process (state built, libraries and the "
+            "method's buffers warmed up, then its --pairs samples), the methods one after the other.",
+            "rss.child_maxrss_bytes: the child's ru_maxrss (os.wait4), building the state included "
+            "(AdamW's first step holds the gradients too); rss.method_peak_rss_bytes: VmHWM reset "
+            "(/proc/self/clear_refs) after the warm-up, read after the samples: the state, the "
+            "method's buffers and what it allocated while measured; method_peak_over_state_bytes: that "
+            "minus the RSS right after the state was built.",
+            "save.*: seconds from the call until the bytes are fsync'd; stall.*: seconds the caller "
+            "blocks; resume.*: page cache dropped before each read. See bench_checkpoint.py's docstring.",
+        ],
+        "facts": facts,
+        "methods": methods,
+        "ratios": ratios,
+        "targets_met": {k: v["met"] for k, v in ratios.items() if not v.get("info")},
+    }
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -1226,6 +1508,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=3,
                     help="redo a sample during which other processes used >= --quiet-share of the CPU "
                          "or real disk I/O, at most this many times (0: keep every sample); default 3")
+    ap.add_argument("--isolate", action="store_true",
+                    help="measure every method in its own fresh subprocess, one after the other, and "
+                         "report each one's peak RSS beside the usual ratios (outputs "
+                         "bench_checkpoint_<N>[_bf16]_isolated.json/.png)")
+    ap.add_argument("--child", choices=sorted(k for k in METHODS if k not in DERIVED_FROM), default=None,
+                    help=argparse.SUPPRESS)  # one method in this process (what --isolate runs)
+    ap.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--from-json", type=Path, default=None, metavar="JSON",
                     help="measure nothing: redraw the PNG and reprint the tables of an earlier run's JSON")
     args = ap.parse_args(argv)
@@ -1235,6 +1524,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: no CUDA device is available here")
     if args.device == "cuda":
         METHODS["stall.memcpy"] = ("stall", "device-to-host copy into pinned buffer", "seconds (synchronized)")
+
+    if args.child is not None:
+        if args.child_out is None:
+            ap.error("--child needs --child-out")
+        return run_child(args)
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -1252,6 +1546,21 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     base = args.dir if args.dir is not None else args.out
     base.mkdir(parents=True, exist_ok=True)
+    if args.isolate:
+        def on_term_isolated(signum, frame):  # noqa: ARG001 - stop the child and clean up on SIGTERM
+            raise SystemExit(128 + signum)
+        signal.signal(signal.SIGTERM, on_term_isolated)
+        result = run_isolated(args, lambda text: console.print(f"{time.strftime('%H:%M:%S')} {text}",
+                                                              markup=False, highlight=False))
+        stem = (f"bench_checkpoint_{args.params}" + ("" if args.dtype == "fp32" else f"_{args.dtype}")
+                + ("" if args.device == "cpu" else f"_{args.device}") + "_isolated")
+        json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, png_path)
+        for part in render_table(result):
+            console.print(part)
+        console.print(f"wrote {json_path} and {png_path}")
+        return 0
     scratch = Path(tempfile.mkdtemp(prefix=".bench-scratch-", dir=base))
 
     def on_term(signum, frame):  # noqa: ARG001 - run the finally blocks (cleanup) on SIGTERM
@@ -1267,15 +1576,7 @@ def main(argv: list[str] | None = None) -> int:
     facts_at_start = machine_facts(scratch)  # source hashes of the code as imported now
     try:
         n = args.params
-        groups = [
-            ("save", ["save.raw", "hash.sha256", "save.general", "save.ripresa", "save.torch_save",
-                      "save.safetensors", "save.dcp"]),
-            ("stall", ["stall.memcpy", "stall.general_async", "stall.ripresa_async", "stall.dcp_async"]),
-            ("resume", ["resume.general_fromfile", "resume.general_read_nohash", "resume.general_load",
-                        "resume.np_fromfile", "resume.ripresa_load", "resume.read_bin_nohash"]),
-        ]
-        if args.dtype != "fp32":
-            groups = [(g, [k for k in keys if k not in BIN_METHODS]) for g, keys in groups]
+        groups = groups_for(args.dtype)
         total = sum(len(keys) for _, keys in groups) * args.pairs + 5
         with Progress(TextColumn("[bold]{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=False) as prog:
@@ -1296,18 +1597,7 @@ def main(argv: list[str] | None = None) -> int:
             moments = bench.opt.state[next(iter(bench.model.parameters()))]["exp_avg"].dtype
             prog.advance(task)
 
-            makers: dict[str, Callable[[], Callable[[], Any]]] = {
-                "save.raw": bench.save_raw, "save.ripresa": bench.save_ripresa,
-                "save.torch_save": bench.save_torch, "save.safetensors": bench.save_safetensors,
-                "save.dcp": bench.save_dcp, "stall.memcpy": bench.stall_memcpy,
-                "stall.ripresa_async": bench.stall_ripresa, "stall.dcp_async": bench.stall_dcp,
-                "resume.np_fromfile": bench.resume_fromfile, "resume.ripresa_load": bench.resume_ripresa,
-                "resume.read_bin_nohash": bench.resume_nohash,
-                "hash.sha256": bench.hash_sha256, "save.general": bench.save_general,
-                "stall.general_async": bench.stall_general, "resume.general_load": bench.resume_general,
-                "resume.general_fromfile": bench.resume_general_fromfile,
-                "resume.general_read_nohash": bench.resume_general_nohash,
-            }
+            makers = bench.makers()
             for group, keys in groups:
                 if group == "resume":
                     prog.update(task, description="committing a generation to resume")
@@ -1322,25 +1612,7 @@ def main(argv: list[str] | None = None) -> int:
                     order = keys if pair % 2 == 0 else list(reversed(keys))
                     for key in order:
                         prog.update(task, description=f"pair {pair + 1}/{args.pairs} {key}")
-                        sample = bench.measure(key, makers[key])
-                        if key == "stall.ripresa_async":
-                            bench.record(key, sample, "stall_s")
-                            bench.samples["stall.ripresa_async_caller"].append(
-                                dict(sample, value=sample["caller_stall_s"]))
-                            bench.samples["complete.ripresa_async"].append(
-                                dict(sample, value=sample["complete_s"]))
-                        elif key == "stall.general_async":
-                            bench.record(key, sample, "stall_s")
-                            bench.samples["stall.general_copy"].append(dict(sample, value=sample["copy_s"]))
-                            bench.samples["complete.general_async"].append(
-                                dict(sample, value=sample["complete_s"]))
-                        elif key == "stall.dcp_async":
-                            bench.record(key, sample, "stall_s")
-                            bench.samples["complete.dcp_async"].append(dict(sample, value=sample["complete_s"]))
-                        elif key == "stall.memcpy":
-                            bench.record(key, sample, "stall_s")
-                        else:
-                            bench.record(key, sample)
+                        bench.record_sample(key, bench.measure(key, makers[key]))
                         prog.advance(task)
             prog.update(task, description="warm read (page cache)")
             resume_file = bench._general_files()[0]

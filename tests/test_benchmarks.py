@@ -288,3 +288,53 @@ def test_a_disturbed_sample_is_redone_and_the_discarded_attempt_kept(tmp_path):
         assert sample["disturbed"] is expect_disturbed
         assert [d["wall_s"] for d in sample["discarded"]] == [float(i) for i in range(1, expect_calls)]
     assert any("discarded" in line for line in logs)
+
+
+# ---- --isolate: each method in its own process, with its own peak RSS (issue 24) ----------------
+
+N_RSS = 1_000_000  # a 12 MB state: one staging copy shows plainly against a few MB of noise
+
+
+def _child(key: str, tmp_path) -> dict:
+    out = tmp_path / f"{key}.json"
+    proc = run([sys.executable, str(BENCH), "--child", key, "--child-out", str(out), "--params", str(N_RSS),
+                "--pairs", "1", "--dir", str(tmp_path), "--quiet-timeout", "0", "--retries", "0"], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bench-child-")]  # scratch removed
+    return json.loads(out.read_text())
+
+
+def test_child_reports_the_memory_of_its_own_method_only(tmp_path):
+    """A synchronous raw write streams from the live tensors (a few MB over the state); memcpy into the
+    staging buffer holds one more copy of the state — each measured in its own fresh process."""
+    state_bytes = 12 * N_RSS
+    raw = _child("save.raw", tmp_path)
+    memcpy = _child("stall.memcpy", tmp_path)
+    for doc, key in ((raw, "save.raw"), (memcpy, "stall.memcpy")):
+        assert doc["key"] == key and doc["logical"] == state_bytes
+        assert len(doc["samples"][key]) == 1 and doc["samples"][key][0]["value"] > 0
+        rss = doc["rss"]
+        assert rss["peak_reset"] is True
+        assert rss["state_rss_bytes"] > state_bytes
+        assert rss["method_peak_rss_bytes"] >= rss["ready_rss_bytes"] > 0
+    assert raw["rss"]["method_peak_over_state_bytes"] < state_bytes / 2
+    assert memcpy["rss"]["method_peak_over_state_bytes"] >= state_bytes
+    assert set(memcpy["samples"]) == {"stall.memcpy"}
+
+
+@pytest.mark.slow
+def test_isolate_runs_every_method_in_its_own_process_and_reports_its_peak_rss(tmp_path):
+    pytest.importorskip("safetensors")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    proc = run([sys.executable, str(BENCH), "--isolate", "--params", str(N), "--pairs", "1", "--out", str(out),
+                "--quiet-timeout", "0", "--retries", "0"], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / f"bench_checkpoint_{N}_isolated.json").read_text())
+    assert doc["isolated"] is True and set(doc["methods"]) == EXPECTED_METHODS
+    assert EXPECTED_RATIOS <= set(doc["ratios"])
+    for key, m in doc["methods"].items():
+        assert m["rss"]["child_maxrss_bytes"] >= m["rss"]["method_peak_rss_bytes"] > 0, key
+    assert (out / f"bench_checkpoint_{N}_isolated.png").stat().st_size > 10_000
+    assert "peak RSS" in proc.stdout and "over state" in proc.stdout
+    assert not [p for p in out.iterdir() if p.name.startswith(".bench-")]

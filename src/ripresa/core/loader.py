@@ -1,4 +1,4 @@
-"""Data loaders whose position resumes exactly, worker augmentation included (README.md, "Data loaders").
+"""Data loaders whose position resumes exactly, worker augmentation included (docs/API.md, "Data loaders").
 
 :func:`make_exact` makes a ``torch.utils.data.DataLoader`` the user already has exact, in place (its
 :class:`ExactLoader` is the position); ripresa's own loader, :class:`StatefulLoader`, lives in

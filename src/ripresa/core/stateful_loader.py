@@ -2,7 +2,7 @@
 
 Its order is an :class:`~ripresa.EpochSampler` whose cursor counts the batches *delivered*; each sample's transform
 draws from generators seeded from ``(seed, epoch, i)`` (:func:`~ripresa.core.seeds.sample_seed`) in whichever worker.
-The saved layout: docs/FORMAT.md, "The data position"; use: README.md, "Data loaders".
+The saved layout: docs/FORMAT.md, "The data position"; use: docs/API.md, "Data loaders".
 """
 
 from __future__ import annotations

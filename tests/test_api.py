@@ -74,6 +74,7 @@ def test_the_exception_tree_has_three_families():
     assert not hasattr(errors, "VerificationFailed")
 
 
+@pytest.mark.slow
 def test_the_core_never_imports_matplotlib():
     """`import ripresa; ripresa.Checkpointer` and the library layers work without the engine extra."""
     code = (

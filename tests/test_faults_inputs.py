@@ -561,6 +561,7 @@ state_tree = st.recursive(state_leaf, lambda kids: st.one_of(
 ), max_leaves=12)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(tree=state_tree)
 def test_fuzz_companion_state_round_trips_bit_exactly(tree):

@@ -187,14 +187,15 @@ def test_pivot_restart_refuses_a_planted_train_log_fifo(tmp_path):
 
 def planted_dcp(run: Path, world: int, key: bytes | None = None) -> None:
     """A real .dcp generation whose companion now says ``world`` ranks, marker recomputed (what anyone can do)."""
-    from test_dcp_hostile import _dcp_generation, _rebless
+    from support.helpers import rebless_dcp
+    from test_dcp_hostile import _dcp_generation
 
     from ripresa.formats import dcp as dcp_fmt
 
     gen = _dcp_generation(run, 5, key=key)
     doc = json.loads((gen.path / dcp_fmt.COMPANION_NAME).read_bytes())
     doc["world_size"] = world
-    _rebless(run, 5, companion=doc)
+    rebless_dcp(run, 5, companion=doc)
 
 
 def test_pivot_restart_bounds_the_world_size_of_a_planted_dcp(tmp_path):

@@ -46,6 +46,7 @@ def test_file_urls_and_look_alikes_are_local_folders(tmp_path, monkeypatch, tiny
     assert list((tmp_path / "run").glob("step_000001*")) and not os.path.lexists(tmp_path / "file:")
 
 
+@pytest.mark.slow
 def test_ripresa_train_refuses_a_url_run(tmp_path):
     res = ripresa_cli("train", "--run", "s3://bucket/run", "--steps", "1", cwd=tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr

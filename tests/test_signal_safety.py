@@ -348,6 +348,7 @@ def test_signal_never_imports_torch(tmp_path: Path) -> None:
     assert "ripresa.io.lock" in imported and not [m for m in imported if m.split(".")[0] == "torch"]
 
 
+@pytest.mark.slow
 def test_every_public_name_still_imports() -> None:
     code = "import sys\nfrom ripresa import *\nimport ripresa\n" + "".join(
         f"from ripresa import {name}\nassert {name} is ripresa.{name}\n" for name in ripresa.__all__

@@ -182,6 +182,7 @@ def test_resume_path_that_is_a_folder(tmp_path):
     assert res.returncode == 2 and "is a folder" in res.stderr
 
 
+@pytest.mark.slow
 def test_existing_output_folder(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -380,8 +380,8 @@ except BadInput as exc:
 
 @pytest.mark.parametrize("shape", [
     {"n_layer": 96, "n_head": 64, "n_embd": 16384, "block_size": 1024},  # ~310 G parameters (the count)
-    {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 10**12},  # one range
-    {"n_layer": 10**9, "n_head": 2, "n_embd": 64, "block_size": 64},
+    pytest.param({"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 10**12}, marks=pytest.mark.slow),  # one range
+    pytest.param({"n_layer": 10**9, "n_head": 2, "n_embd": 64, "block_size": 64}, marks=pytest.mark.slow),
 ])
 def test_a_config_describing_a_huge_model_is_refused_before_allocation(shape):
     res = subprocess.run([sys.executable, "-c", HUGE, json.dumps(shape)], capture_output=True, text=True, timeout=300)

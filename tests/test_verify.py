@@ -70,6 +70,7 @@ def test_broken_resumes_are_caught(tmp_path, fault, first_part):
     assert "first divergence of the full resume" in res.stdout
 
 
+@pytest.mark.slow
 def test_existing_output_folder_is_refused(tmp_path):
     out = tmp_path / "exists"
     out.mkdir()
@@ -80,6 +81,7 @@ def test_existing_output_folder_is_refused(tmp_path):
     assert (out / "keep.txt").read_text() == "precious" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_failing_trainer_makes_verification_incomplete(tmp_path):
     out = tmp_path / "v"
     res = ripresa_cli("verify", "--output", out, "--", sys.executable, "-c", "import sys; sys.exit(3)")

@@ -63,6 +63,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.slow  # the default tier keeps one framework kill sample: tests/test_accelerate.py (tests/README.md)
 def test_killed_trainer_resumes_bitwise_with_the_same_log_history(tmp_path):
     """The default tier's sample: the uninterrupted reference runs beside the run that is killed."""
     ref = tmp_path / "ref.safetensors"

@@ -106,6 +106,7 @@ def _bitwise_and_logs_equal(tmp: Path, ref: str, got: str) -> None:
     assert a == b, [(x, y) for x, y in zip(a, b, strict=False) if x != y][:3]
 
 
+@pytest.mark.slow  # the default tier keeps one framework kill sample: tests/test_accelerate.py (tests/README.md)
 def test_sigkill_mid_epoch_then_same_command_is_bitwise_and_logs_equal(tmp_path):
     _killed_and_resumed(tmp_path, "exact", "ripresa", reference=_cmd(tmp_path, "ref", "ripresa"))
     _bitwise_and_logs_equal(tmp_path, "ref", "exact")

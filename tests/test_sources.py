@@ -250,3 +250,26 @@ def test_non_strict_load_drops_zombie_arms_and_starts_new_ones_at_zero():
     assert new.dropped_arms["letters"]["batches"] == 2
     with pytest.raises(BadInput):
         new.batch("letters")
+
+
+def test_a_saved_sampler_state_is_checked_once_for_sizes_and_counts(tmp_path):
+    """One check (check_sampler_state) for a resume and for ``export --verify`` through the GPT factory: a
+    hostile size or count is a SchemaError naming the field, never accepted (the fuzzer's bundle cases)."""
+    import pytest
+
+    from ripresa.engine.gpt.factory import GPT_FACTORY
+    from ripresa.engine.gpt.sources import check_sampler_state
+    from ripresa.errors import SchemaError
+
+    good = {"block_size": 8, "batch_size": 4, "arms": {"code": {"sha256": "0" * 64, "length": 100, "batches": 3,
+                                                              "tokens": 96}}}
+    check_sampler_state(good, block_size=8, batch_size=4)
+    cfg = {"model": {"block_size": 8}, "train": {"batch_size": 4}}
+    GPT_FACTORY.check_resume_state(cfg, {"data": good}, tmp_path / "step_000004.json")
+    for key, value in (("batch_size", 10**19), ("block_size", -1), ("batch_size", 4.0)):
+        with pytest.raises(SchemaError, match=key):
+            GPT_FACTORY.check_resume_state(cfg, {"data": {**good, key: value}}, tmp_path / "step_000004.json")
+    with pytest.raises(SchemaError, match="saved with batch_size=5"):
+        GPT_FACTORY.check_resume_state(cfg, {"data": {**good, "batch_size": 5}}, tmp_path / "c.json")
+    with pytest.raises(SchemaError, match="tokens"):
+        check_sampler_state({**good, "arms": {"code": {**good["arms"]["code"], "tokens": -1}}})

@@ -393,7 +393,11 @@ def reload_resume(dest: Path, manifest: dict[str, Any], model_factory: ModelFact
     out: dict[str, Any] = {"loaded": bin_path.name, "step": contents.step, "n_params": contents.n_params,
                            "companion_keys": sorted(state)}
     cfg_path = dest / "config.json"
-    model_cfg = _model_section(load_json(cfg_path, "config.json", IntegrityError)) if os.path.lexists(cfg_path) else None
+    cfg = load_json(cfg_path, "config.json", IntegrityError) if os.path.lexists(cfg_path) else None
+    model_cfg = _model_section(cfg)
+    check = getattr(model_factory, "check_resume_state", None)
+    if check is not None and isinstance(cfg, dict):
+        check(cfg, state, store.folder / f"{bin_path.stem}.json")  # what a resume of it would refuse, refused here
     if model_cfg is None:
         out["forward"] = "skipped: no config.json with a 'model' section (not a ripresa GPT run)"
         return out

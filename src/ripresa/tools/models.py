@@ -29,3 +29,8 @@ class ModelFactory(Protocol):
     def build_model(self, model_cfg: dict[str, Any], n_params: int, where: Path) -> torch.nn.Module:
         """The model of a ``model`` section, refused (naming ``where``) unless it has ``n_params`` parameters."""
         ...
+
+    def check_resume_state(self, cfg: dict[str, Any], state: dict[str, Any], where: Path) -> None:
+        """Optional: refuse (:class:`~ripresa.errors.SchemaError`) a saved state a resume of ``cfg`` would refuse
+        beyond the model (e.g. the data position); ``export --verify`` calls it when the factory has it."""
+        ...

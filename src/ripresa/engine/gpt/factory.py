@@ -9,6 +9,7 @@ import torch
 
 from .config import model_for_generation, resolve_config
 from .model import GPT, from_config_dict
+from .sources import check_sampler_state
 
 
 class GPTFactory:
@@ -27,6 +28,17 @@ class GPTFactory:
 
     def build_model(self, model_cfg: dict[str, Any], n_params: int, where: Path) -> torch.nn.Module:
         return GPT(model_for_generation(model_cfg, n_params, file=where))
+
+    def check_resume_state(self, cfg: dict[str, Any], state: dict[str, Any], where: Path) -> None:
+        """What a resume of ``cfg`` checks of the saved state beyond the model: the data sampler's sizes and counts."""
+        data = state.get("data")
+        if data is None:
+            return
+        model, train = cfg.get("model"), cfg.get("train")
+        block = model.get("block_size") if isinstance(model, dict) else None
+        batch = train.get("batch_size") if isinstance(train, dict) else None
+        check_sampler_state(data, block_size=block if type(block) is int else None,
+                            batch_size=batch if type(batch) is int else None, where=where)
 
 
 GPT_FACTORY = GPTFactory()

@@ -457,17 +457,8 @@ class CropSampler:
         drawn again — the "zombie arm" lesson), new arms start at zero, and a
         changed arm keeps its counters.
         """
-        for key in ("block_size", "batch_size", "arms"):
-            if key not in state_dict:
-                raise SchemaError(f"data sampler state lacks '{key}'", expected=key, found=sorted(state_dict))
-        for key, mine in (("block_size", self.block_size), ("batch_size", self.batch_size)):
-            if strict and int(state_dict[key]) != mine:
-                raise SchemaError(
-                    f"data sampler was saved with {key}={state_dict[key]}, this run has {key}={mine}",
-                    expected=mine,
-                    found=state_dict[key],
-                    hint="resume with the same block and batch size",
-                )
+        check_sampler_state(state_dict, block_size=self.block_size if strict else None,
+                            batch_size=self.batch_size if strict else None)
         saved: Mapping[str, Any] = state_dict["arms"]
         if strict:
             if set(saved) != set(self.sources):
@@ -490,3 +481,42 @@ class CropSampler:
             entry = saved.get(arm)
             self.batches[arm] = int(entry["batches"]) if entry else 0
             self.tokens[arm] = int(entry["tokens"]) if entry else 0
+
+
+#: The largest block or batch size a saved sampler state may name (far above any real run).
+_MAX_SHAPE = 1 << 40
+
+
+def check_sampler_state(state: Any, *, block_size: int | None = None, batch_size: int | None = None,
+                        where: Any = None) -> None:
+    """The one check of a saved mixture sampler state (types, ranges; with the sizes given, equal to them).
+
+    Used by :meth:`MixtureSampler.load_state_dict` and, where no sampler is built
+    (``ripresa export --verify`` of a bundle), through the GPT model factory:
+    a :class:`SchemaError` naming the field, never a crash on a hostile value.
+    """
+    if not isinstance(state, Mapping):
+        raise SchemaError("data sampler state is not a dict", file=where, found=type(state).__name__)
+    for key in ("block_size", "batch_size", "arms"):
+        if key not in state:
+            raise SchemaError(f"data sampler state lacks '{key}'", file=where, expected=key, found=sorted(map(str, state)))
+    for key, mine in (("block_size", block_size), ("batch_size", batch_size)):
+        v = state[key]
+        if type(v) is not int or not 1 <= v <= _MAX_SHAPE:
+            raise SchemaError(f"data sampler state: {key} is not a size", file=where, expected=f"1..{_MAX_SHAPE}",
+                              found=repr(v)[:80])
+        if mine is not None and v != mine:
+            raise SchemaError(f"data sampler was saved with {key}={v}, this run has {key}={mine}", file=where,
+                              expected=mine, found=v, hint="resume with the same block and batch size")
+    arms = state["arms"]
+    if not isinstance(arms, Mapping):
+        raise SchemaError("data sampler state: arms is not a dict", file=where, found=type(arms).__name__)
+    for arm, entry in arms.items():
+        if not isinstance(arm, str) or not isinstance(entry, Mapping) or not isinstance(entry.get("sha256"), str):
+            raise SchemaError("data sampler state: an arm is not {sha256, length, batches, tokens}", file=where,
+                              found=repr(arm)[:80])
+        for key in ("length", "batches", "tokens"):
+            v = entry.get(key)
+            if type(v) is not int or not 0 <= v <= 1 << 62:
+                raise SchemaError(f"data sampler state: arm {arm[:40]!r} {key} is not a count", file=where,
+                                  expected=f"0..{1 << 62}", found=repr(v)[:80])

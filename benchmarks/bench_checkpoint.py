@@ -1258,7 +1258,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ]
     floors = ("save.raw", "stall.memcpy", "resume.np_fromfile", "hash.sha256", "resume.general_fromfile",
               "resume.general_read_nohash")
-    fig, axes = plt.subplots(1, 3, figsize=(20, 5.6))
+    isolated = bool(result.get("isolated"))
+    fig, axes = plt.subplots(1, 4 if isolated else 3, figsize=(26 if isolated else 20, 5.6))
+    if isolated:  # --isolate: each method's memory beyond the state, in its own process
+        ax = axes[3]
+        keys = [k for _, ks in GROUPS for k in ks if k in methods]
+        over = [(methods[k]["rss"].get("method_peak_over_state_bytes") or 0) / 1e6 for k in keys]
+        bars = ax.bar(range(len(keys)), over, color=["#7f7f7f" if k in floors else "#9467bd" if "general" in k else "#d62728" if "ripresa" in k
+                                                     else "#1f77b4" for k in keys])
+        for b, v in zip(bars, over, strict=True):
+            ax.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(range(len(keys)), [PLOT_LABELS.get(k, k) for k in keys], fontsize=6, rotation=90)
+        ax.set_title("peak RSS over the state (MB), each method in its own process")
+        ax.axhline(result["bytes"] / 1e6, color="#7f7f7f", linestyle="--", linewidth=1)
+        ax.annotate("one copy of the state", (0, result["bytes"] / 1e6), fontsize=7, xytext=(2, 3),
+                    textcoords="offset points")
+        ax.grid(axis="y", alpha=0.3)
+        axes = axes[:3]
     for ax, (title, keys) in zip(axes, panels, strict=True):
         keys = [k for k in keys if k in methods]
         med = [methods[k]["median"] for k in keys]

@@ -1,21 +1,12 @@
-"""How the ``ripresa`` command speaks to a terminal (docs/FAULTS.md, "Messages and exit codes").
+"""How the ``ripresa`` command speaks to a terminal (docs/FAULTS.md, "Messages: one line each, the same shape everywhere" and "Progress and width").
 
-* **One renderer for every warning.** :func:`install` (called by the CLI's entry
-  only) routes Python warnings and log records to :func:`warning_line`: one
-  terminal-safe line, ``ripresa COMMAND: warning: WHAT ...``, never Python's
-  ``file.py:307: CheckpointWarning:`` format with a source line. The library
-  itself keeps warning through :mod:`warnings`, so a program that imports
-  ripresa sees ordinary Python warnings (filterable, ``pytest.warns``).
-* **Tables that fit.** :func:`fit_table` lays a table of numbers out across
-  when it fits the console's width and otherwise down (one row per value), so
-  a number is never wrapped mid-digit nor cut with an ellipsis.
-* **Progress on stderr, on a terminal only.** :func:`progress` is a rich
-  progress display on stderr when stderr is a TTY and the command is not
-  ``--quiet`` (or ``RIPRESA_PROGRESS=0``); otherwise an object with the same
-  methods that draws nothing, so piped and logged output stays clean.
+:func:`install` (called by the CLI's entry only) routes Python warnings and log records to
+:func:`warning_line`, one terminal-safe line each; the library itself keeps warning through
+:mod:`warnings`. :func:`fit_table` lays a table of numbers out across or down, so a number is never
+wrapped or cut; :func:`progress` draws on stderr only on a terminal and not under ``--quiet`` or
+``RIPRESA_PROGRESS=0`` (otherwise an object with the same methods that draws nothing).
 
-Like :mod:`ripresa.text`, this module imports nothing of ripresa's layers and
-rich only when it draws.
+Like :mod:`ripresa.text`, this module imports nothing of ripresa's layers, and rich only when it draws.
 """
 
 from __future__ import annotations

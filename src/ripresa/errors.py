@@ -1,20 +1,11 @@
-"""Typed errors of ripresa.
+"""Typed errors of ripresa (docs/FAULTS.md, "Exit codes and the exception tree").
 
-Every error carries four facts a user needs to act on it: the *file* involved,
-what was *expected*, what was *found*, and a *hint*. Three families, siblings
-under :class:`RipresaError`, each with its ``exit_code`` (only the CLI turns
-these into exit codes; the tree is in docs/FAULTS.md, "Exit codes"):
-
-* :class:`IntegrityError` (``1``): a check failed — hash, size, marker, schema,
-  unsafe content, a read-back that differs; and :class:`IdentityMismatch`
-  (``1``): other versions, code or data than the checkpoint's;
-* :class:`BadInput` (``2``): missing or unreadable file, wrong arguments,
-  existing output, missing dependency, a run folder locked by another writer;
-* :class:`SaveFailed` (``2``): a save could not be completed (full disk, I/O
-  error); the previous generation is untouched.
-
-Misuse of the Python API (a wrong type, a negative count) raises ``TypeError``
-or ``ValueError``, not a ripresa error.
+Every error carries the four facts a user needs to act on it: the *file* involved, what was
+*expected*, what was *found*, and a *hint*. Three families, siblings under :class:`RipresaError`:
+:class:`IntegrityError` (exit 1: a check failed), :class:`BadInput` (exit 2: bad input; its
+:class:`IdentityMismatch` keeps exit 1) and :class:`SaveFailed` (exit 2: a save could not be
+completed; the previous generation is untouched). Only the CLI turns ``exit_code`` into an exit
+code. Misuse of the Python API raises ``TypeError`` or ``ValueError``, not a ripresa error.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""Terminal-safe rendering of untrusted text (docs/FAULTS.md, "Trust model").
+"""Terminal-safe rendering of untrusted text (docs/FAULTS.md, "Trust model", "What it cannot achieve").
 
-Every string ripresa prints that it did not write itself in this process — a
-companion field, a file name, a line of history, a ledger record, a mirror URL,
-an exception message quoting any of those — goes through :func:`escape_terminal`
-(plain ``print`` and error text) or :func:`escape_markup` (text handed to rich,
-which interprets ``[...]`` as markup). Neither lets a control character through:
-ESC (``\\x1b[2J``, ``\\x1b]0;title\\x07``), the other C0 and C1 controls, DEL,
-bidirectional overrides and lone surrogates come out as visible ``\\xNN`` /
-``\\uNNNN`` escapes, so a planted string can neither drive the terminal nor hide
-or reorder what is printed. Newlines and tabs are kept unless ``newlines=False``
-(a value that must stay on one line: a file name, a field of an error).
+Every string ripresa prints that it did not write itself in this process goes through
+:func:`escape_terminal` (plain ``print`` and error text) or :func:`escape_markup` (text handed to
+rich): control characters, bidirectional overrides and lone surrogates come out as visible escapes,
+so a planted string can neither drive the terminal nor hide or reorder what is printed.
 
-This module sits beside :mod:`ripresa.errors` at the bottom of the layers: it
-imports nothing of ripresa, and rich only when markup is escaped.
+This module sits beside :mod:`ripresa.errors` at the bottom of the layers: it imports nothing of
+ripresa, and rich only when markup is escaped.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""Batch inference that survives a kill: the ledger of completed items.
+"""Batch inference that survives a kill: the ledger of completed items (``ripresa generate``).
 
-``ripresa generate RUN --inputs FILE --out OUT.jsonl [--step N]`` completes
-every prompt of ``FILE`` (one per line) with the GPT of one generation of a
-run folder. It is the third kind of save (docs/ENGINE.md: "Pictures, comparisons,
-bundles, batch inference") — neither a resume checkpoint nor an inference
-export: what must survive a crash is *which items are already done*, so that
-a restarted job neither skips nor repeats one. The output file is the ledger
-(one fsync'd JSON line per completed item, one locked writer, a torn tail
-truncated at start); ``OUT.meta.json`` binds it to the step, weights, inputs
-and settings, and a restart that differs is refused. Each item samples from
-its own generator seeded from ``(step, id)`` (:func:`item_seed`), so a resumed
-job writes what an uninterrupted one would. :func:`generate_batch` is the
-implementation; the CLI calls it. Format and guarantees: docs/FORMAT.md
-("Batch-inference ledger").
+What must survive a crash is *which items are already done*. The output file is the ledger (one
+fsync'd JSON line per completed item, one locked writer, a torn tail truncated at start);
+``OUT.meta.json`` binds it to the step, weights, inputs and settings, and a restart that differs is
+refused. Each item samples from its own generator seeded from ``(step, id)`` (:func:`item_seed`), so a
+resumed job writes what an uninterrupted one would. :func:`generate_batch` is the implementation; the
+CLI calls it. Why a third kind of save: docs/ENGINE.md, "Pictures, comparisons, bundles, batch
+inference"; format and guarantees: docs/FORMAT.md, "Batch-inference ledger".
 """
 
 from __future__ import annotations

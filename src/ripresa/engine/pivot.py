@@ -1,35 +1,12 @@
 """``ripresa pivot``: a policy change of a run's data mixture without retraining.
 
-1. The new policy (floors and caps of the data mixture) is validated against
-   the run's arms **before** anything is stopped.
-2. If a trainer holds the run: SIGUSR1 (a checkpoint, the audit point right
-   before the change) and wait until it is committed; then SIGTERM (it saves
-   the step it reached and exits 0) and wait until the run folder's lock is free.
-   Both signals go through :func:`ripresa.io.lock.signal_holder`, which checks
-   LOCK's pid against the kernel first (docs/FAULTS.md, "Signalling the
-   trainer"): a forged LOCK stops the pivot before anything is signalled.
-3. With the lock held by this command: ``.samples.json`` and ``.state.json``
-   are moved into ``archive/pivot_NNNNNN/`` (NNNNNN = the newest valid
-   generation, the pivot step); ``.loss.jsonl`` stays where it is and gets a
-   ``pivot`` event; ``config.json`` gets the new policy and the next phase.
-4. When the run mirrors (its ``launch`` record names ``--mirror``), one push
-   round uploads the pivot generation and the new ``config.json`` before
-   anything trains again, so a resume from the mirror keeps the pivot.
-5. ``--restart`` starts the trainer again, detached (output appended to
-   ``RUN/train.log``, opened without following a link); otherwise the exact
-   command is printed. The command is rebuilt from the run's own record (the
-   last ``launch`` event of ``.loss.jsonl``, written by ``ripresa train``) and
-   replays the original process flags (``--mirror``, ``--threads``,
-   ``--steps``, ``--every``, ``--deadline``, ...), never the config-shaping
-   ones (``--config``/``--set``/``--source``: resolved into ``config.json``,
-   which the pivot has just changed). The child runs ripresa's own code
-   (:mod:`ripresa.io.child`); a sharded run's world size comes from a fully
-   verified generation and is bounded by :data:`MAX_NPROC` and the machine
-   (docs/ENGINE.md, "Restart after a pivot").
-
-The resumed run has full weights, m and v (the generation), a fresh bandit
-(the saved bandit belongs to the previous phase and is not loaded), a fresh
-sample log, and a continuous history.
+Validate the new policy first; stop the trainer (SIGUSR1 and wait for the commit, SIGTERM and wait
+for the lock), signalling only through :func:`ripresa.io.lock.signal_holder`; with the lock held,
+move ``.samples.json`` and ``.state.json`` to ``archive/pivot_NNNNNN/`` and write the new policy into
+``config.json``; push one mirror round when the run mirrors; ``--restart`` the trainer (a child that
+runs ripresa's own code, :mod:`ripresa.io.child`) with the flags of its last ``launch`` record, or
+print that command. The steps and guarantees: docs/ENGINE.md, "Pivot and fork" and "Restart after a
+pivot"; the signals: docs/FAULTS.md, "Signalling the trainer".
 """
 
 from __future__ import annotations

@@ -6,38 +6,8 @@
     trainer = Trainer(max_steps=1000, callbacks=[ExactResume("runs/x", every=20)])
     trainer.fit(model, datamodule)      # run the same command again after a kill: it goes on, bitwise
 
-:class:`ExactResume` owns save and resume through a :class:`~ripresa.Checkpointer`
-over the run folder. What it saves at a step boundary (``on_train_batch_end``,
-after the optimizer step): the LightningModule's state, the optimizers, the LR
-schedulers of ``trainer.lr_scheduler_configs``, the precision plugin's
-``GradScaler``, the position of the train loader Lightning built (made exact in
-place with :func:`ripresa.core.loader.make_exact`: per-sample seeded
-augmentation, an O(1) position), every random stream, and Lightning's loop
-state (``trainer.fit_loop.state_dict()``: the epoch and batch progress, the
-optimizer-step count behind ``global_step``, the logging step).
-
-When it acts (the Lightning hooks, in the order ``Trainer.fit`` calls them):
-
-* ``on_fit_start`` — builds the ``Checkpointer`` and calls ``resume()``. The
-  loop state is loaded here, before ``fit_loop.run()``, where Lightning loads
-  its own (``Loop.load_state_dict``), so Lightning's restart logic puts its
-  loops where the uninterrupted run is. The train loader does not exist yet:
-  its saved position waits.
-* ``on_train_start`` — the train loader now exists: it is made exact, its
-  saved position applied, and the fit loop's data fetcher re-created over it
-  (Lightning called ``iter()`` on the loader before this hook, before it was
-  exact); the random streams are put back as ``resume()`` restored them (that
-  first ``iter()`` drew from them); ripresa's SIGTERM/SIGINT/SIGUSR1 handlers
-  replace the one Lightning installed after ``on_fit_start``.
-* ``on_train_batch_end`` — ``step_done(trainer.global_step)`` when the
-  optimizer stepped: the cadence save, signals (SIGTERM/SIGINT: save and
-  ``trainer.should_stop``; SIGUSR1: save and go on), ``ripresa verify``'s
-  steering. At the last step of the fit (``max_steps`` or the last batch of
-  ``max_epochs``) the session closes there, so the final save holds the state
-  at that step boundary.
-* ``on_train_end`` / ``teardown`` — ``close()``: the final save when a step
-  is not saved yet; ``on_exception`` — ``abort()``: no save of a step that
-  may be half done.
+:class:`ExactResume` owns save and resume through a :class:`~ripresa.Checkpointer`. What it saves and
+when each hook acts: docs/INTEGRATIONS_lightning.md, "What ExactResume restores" and "Signals under the Trainer".
 """
 
 from __future__ import annotations

@@ -7,43 +7,7 @@
                       callbacks=[ExactResume("runs/x", every=20)])   # the one line
     trainer.train()          # a new run, or — the same command after a kill — its exact continuation
 
-The callback owns save and resume through a :class:`~ripresa.Checkpointer`:
-the model, the optimizer, the LR scheduler, accelerate's ``GradScaler`` if any,
-the position of the ``DataLoader`` the ``Trainer`` built (made exact in place
-by :func:`ripresa.core.loader.make_exact`: order and per-sample augmentation
-regenerated from ``(seed, epoch)``), every random stream, and the ``Trainer``'s
-own bookkeeping, so that after a resume ``global_step``, ``epoch``, the logged
-``loss``, ``learning_rate``, ``grad_norm``, ``log_history`` and the final
-``train_loss`` equal the uninterrupted run's.
-
-What the ``TrainerCallback`` API does not reach, and what this module touches
-anyway (each use is marked ``# not public API:`` below; docs/INTEGRATIONS_transformers.md):
-
-* the ``Trainer`` object itself: callbacks receive the model, optimizer,
-  scheduler and train loader but not the trainer; it is found once, at
-  ``on_train_begin``, as the ``self`` of the calling ``Trainer`` frame;
-* the loss accounting ``Trainer._tr_loss``, ``_total_loss_scalar``,
-  ``_globalstep_last_logged``, ``_initial_global_step`` and ``current_flos``
-  (attributes of the running loop, without public accessors): saved and put
-  back, else the first logged loss after a resume is divided by every step
-  since step 0 and ``train_loss`` by the steps of this process only;
-* the save point: the state of step ``S`` is captured after the Trainer has
-  logged, evaluated and (natively) saved step ``S`` — a wrapper around the
-  instance's ``_maybe_log_save_evaluate``. ``on_step_end`` comes *before*
-  step ``S``'s log, so a checkpoint taken there would resume without it.
-* ``TrainerState.epoch``: the ``Trainer`` computes it from its loop-local epoch
-  and batch counters, which restart at 0 after a resume; ``on_step_end``
-  writes it from the exact loader's true epoch and position, with the same
-  formula (so bitwise the uninterrupted run's value).
-
-The ``Trainer``'s own resume is not used: ``trainer.train(resume_from_checkpoint=...)``
-together with this callback is refused (:class:`~ripresa.errors.BadInput`)
-— the ``Trainer`` would skip batches and reload its own files on top of
-ripresa's exact state. Limits (refused when ``train()`` starts, with the
-reason): more than one process (DDP/FSDP/DeepSpeed under the ``Trainer``),
-gradient accumulation whose step count does not divide the epoch, an
-iterable-style train dataset without ``state_dict``, and running again a run
-that already reached ``max_steps``.
+What it saves, its non-public API (marked ``# not public API:`` below) and what it refuses: docs/INTEGRATIONS_transformers.md.
 """
 
 from __future__ import annotations

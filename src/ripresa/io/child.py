@@ -1,26 +1,12 @@
 """How ripresa starts its own child processes: always ripresa's own code (docs/FAULTS.md, "Child processes").
 
-``python -m ripresa`` puts the working folder first on ``sys.path``, and so does
-every empty or relative entry of ``PYTHONPATH`` (Python makes them absolute
-against the working folder). A ``ripresa/`` package planted in the folder a
-user runs a command from (say, a hostile run folder they ``cd`` into) would
-then run instead of ripresa. Every child that runs ripresa's code — ``pivot
---restart``, ``demo``, the ranks of ``python -m ripresa.torchrun ... -m
-ripresa`` — is started through :func:`ripresa_argv` and :func:`child_env`:
-
-* ``-P`` (Python 3.11+): nothing unsafe is prepended to ``sys.path``;
-* ``PYTHONSAFEPATH=1`` in the child's environment, so that the same holds for
-  the processes *it* starts with ``python -m`` (torchrun starts each rank as
-  ``python -u -m ripresa``);
-* ``PYTHONPATH`` without its empty and relative entries (each would be the
-  working folder, or a folder inside it); absolute entries are kept, so test
-  fault injection through ``PYTHONPATH`` (tests/support) still works;
-* the folder this very ``ripresa`` package was imported from in front of
-  ``PYTHONPATH`` when it is not an installation folder (``site-packages``), so
-  the child runs the same ripresa as the parent (a source checkout included).
-
-A user's own program (``ripresa verify -- python train.py``) is not such a
-child: it is started as the user wrote it.
+``python -m ripresa`` and every empty or relative ``PYTHONPATH`` entry put the working folder first on
+``sys.path``, where a planted ``ripresa/`` package would run instead of ripresa. Every child that runs
+ripresa's code (``pivot --restart``, ``demo``, the ranks of ``python -m ripresa.torchrun ... -m
+ripresa``) is started through :func:`ripresa_argv` (``-P``) and :func:`child_env`
+(``PYTHONSAFEPATH=1``, a ``PYTHONPATH`` without empty or relative entries, this package's folder in
+front when it is not an installation folder). A user's own program (``ripresa verify -- python
+train.py``) is not such a child: it is started as the user wrote it.
 """
 
 from __future__ import annotations

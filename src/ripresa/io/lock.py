@@ -1,14 +1,12 @@
 """One writer per run folder: an ``flock`` on ``RUN/LOCK``, held for the process's lifetime.
 
-:class:`RunLock` refuses a second writer (another process, or another
-``RunLock`` in this process) with :class:`~ripresa.errors.LockHeld` naming the
-holder; the kernel drops the lock when the holder dies, even by ``SIGKILL``, so
-liveness is tested with the lock itself, never by trusting the file.
-:func:`signal_holder` is the only way ripresa signals a trainer: ``LOCK``'s pid
-is a claim, checked against the kernel's lock table before any signal.
-The file's content, why ``flock`` and not record locks, and the fork rule:
-docs/FORMAT.md, "Writer lock"; the refusals of ``ripresa signal``:
-docs/FAULTS.md, "Signalling the trainer".
+:class:`RunLock` refuses a second writer (another process, or another ``RunLock`` in this process)
+with :class:`~ripresa.errors.LockHeld` naming the holder; the kernel drops the lock when the holder
+dies, even by ``SIGKILL``, so liveness is tested with the lock itself, never by trusting the file.
+:func:`signal_holder` is the only way ripresa signals a trainer: ``LOCK``'s pid is a claim, checked
+against the kernel's lock table before any signal. The file's content, why ``flock`` and not record
+locks, and the fork rule: docs/FORMAT.md, "Writer lock ``LOCK``"; the refusals of ``ripresa
+signal``: docs/FAULTS.md, "Signalling the trainer".
 """
 
 from __future__ import annotations

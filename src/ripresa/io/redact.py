@@ -1,14 +1,11 @@
 """Secrets out of every file and message: one redaction for URLs and error text (docs/MIRROR.md, "Trust").
 
-A store's endpoint may carry credentials in its userinfo
-(``http://user:secret@host:9000``), a presigned URL carries them in its query
-(``X-Amz-Signature=...``), and the client libraries quote such URLs verbatim in
-their error messages. Whatever of that reaches the run's history, ``mirror.json``,
-an export, an exception's text or the terminal goes through :func:`redact`
-first: the userinfo of every URL in the text becomes ``***``, the value of every
-credential-like query parameter becomes ``***``, and the values of the
-credential environment variables (``AWS_SECRET_ACCESS_KEY``,
-``AWS_SESSION_TOKEN``, the HMAC key) are replaced wherever they appear.
+An endpoint's userinfo (``http://user:secret@host:9000``) and a presigned URL's query
+(``X-Amz-Signature=...``) carry credentials, and client libraries quote such URLs in their errors.
+Whatever reaches the run's history, ``mirror.json``, an export, an exception's text or the terminal
+goes through :func:`redact` first: userinfo and credential-like query values become ``***``, and the
+values of the credential environment variables (``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+the HMAC key) are replaced wherever they appear.
 """
 
 from __future__ import annotations

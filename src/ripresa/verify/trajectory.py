@@ -1,22 +1,10 @@
 """The ``summary.json`` trajectory a trainer writes for the resume verifier.
 
-A trainer that follows the verification contract (``--steps``, ``--output``,
-``--resume``, ``--omit-rng-restore``) records, in ``OUTPUT/summary.json``:
-
-* ``start`` — the state right after building (or restoring) and just before
-  the first step of this process;
-* ``steps`` — for each optimizer step it ran: the global step number, the ids
-  of the rows consumed, the learning rate(s) used, the loss;
-* ``final`` — the state after its last step.
-
-A state block holds progress, data position, every model tensor, the
-optimizer state, the scheduler state, the LR the *next* step would use, the
-next draw of every random stream (observed, then undone) and the trainer's
-evaluation output. :class:`Trajectory` builds all of it from a
-:class:`~ripresa.TrainingState`; see docs/VERIFY.md for the schema. The
-recorder lives in :mod:`ripresa.session.trajectory` (a ``Checkpointer``
-steered by ``ripresa verify`` writes the same file); this module re-exports
-it and reads ``summary.json`` back.
+A trainer that follows the verification contract records ``start``, ``steps`` and ``final`` in
+``OUTPUT/summary.json``; :class:`Trajectory` builds every state block from a
+:class:`~ripresa.TrainingState`. The schema: docs/VERIFY.md, "The trainer's contract". The recorder
+lives in :mod:`ripresa.session.trajectory` (a ``Checkpointer`` steered by ``ripresa verify`` writes
+the same file); this module re-exports it and reads ``summary.json`` back.
 """
 
 from __future__ import annotations

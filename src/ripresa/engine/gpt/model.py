@@ -1,29 +1,10 @@
 """A byte-level GPT: the ANDREA model, nanoGPT style, in one readable file.
 
-The vocabulary is the 256 byte values (no tokenizer): a text is its UTF-8
-bytes, token ``i`` is byte ``i``. The network is GPT-2's: token and position
-embeddings, ``n_layer`` pre-LayerNorm blocks of causal self-attention and a
-GELU MLP, a final LayerNorm and a linear head to 256 logits.
-
-Parameter order is part of the on-disk format. The ANDREA ``.bin`` stores the
-weights flattened in ``model.parameters()`` order (see
-:mod:`ripresa.formats.andrea_bin`), and the ANDREA format fixes that order: token and
-position embeddings, then per layer attention and MLP, then the output head.
-Modules are registered in exactly that order below, and the head is **not
-tied** to the token embedding: with a 256-byte vocabulary tying would save
-only ``256 * n_embd`` parameters (0.8 % of ANDREA-12M), while an untied head is
-a parameter of its own that ends the list, as the ANDREA format describes, and no
-parameter is shared (``state_dict()`` and ``parameters()`` list the same
-tensors, once each).
-
-All parameters are float32 (the ``.bin`` holds float32); mixed precision, if
-any, is the trainer's autocast, never the stored weights.
-
-Randomness: ``__init__`` draws the initial weights from the global torch
-generator (seed it first); training draws dropout masks from it (CPU) or from
-the CUDA generator; :meth:`GPT.generate` draws only from the explicit
-``torch.Generator`` it is given, so sampling an audit text in the middle of a
-run never moves the training RNG.
+The vocabulary is the 256 byte values, the network GPT-2's (pre-LayerNorm blocks, GELU MLP), the
+head untied, every parameter float32. Modules are registered in the ``model.parameters()`` order the
+ANDREA ``.bin`` stores (:mod:`ripresa.formats.andrea_bin`): that order is part of the on-disk format.
+:meth:`GPT.generate` draws only from the ``torch.Generator`` it is given, never the training RNG.
+The contract, with the reasons: docs/ENGINE.md, "The model and its text".
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Text the byte-level GPT trains on (the bandit's *arms*), and random crops of it.
 
-Built-in sources come from text every Python installation carries, so a run
-needs no download and no data folder:
-
-* ``stdlib-code`` — the standard library's ``.py`` files;
-* ``stdlib-docstrings`` — the module, class and function docstrings of those
-  same files, extracted with :mod:`ast` (English prose about code);
-* ``pydoc-topics`` — the English help pages of ``help("topics")``
-  (``pydoc_data.topics.topics``).
-
-Each is deterministic for a given Python installation: files are visited in
-sorted order of their relative POSIX paths, every file is preceded by a
-``==> relative/path <==`` line (as ``head`` prints several files), and the
-result is cut at ``max_bytes``. Different Python versions ship different
-standard libraries, hence different bytes: that is what :attr:`TextSource.sha256`
-is for, recorded in each checkpoint as the data identity.
-
-Your own text comes through :func:`load_text_source` (a file, or a folder of
-files in sorted order; binary files are skipped).
-
-:class:`CropSampler` draws training batches: ``B`` random windows of
-``block_size + 1`` bytes of one arm, the first ``T`` as input and the last
-``T`` as targets. Its generator is the caller's (register it in
-:class:`~ripresa.RandomStreams`, which saves its state); the sampler itself
-saves only counters.
+The built-in sources (``stdlib-code``, ``stdlib-docstrings``, ``pydoc-topics``) come from the Python
+installation itself, deterministic for it and identified by :attr:`TextSource.sha256`; your own text
+comes through :func:`load_text_source`. :class:`CropSampler` draws training batches from the
+caller's generator and saves only counters. How the bytes are laid out and cut: docs/ENGINE.md,
+"The model and its text".
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """``ripresa train``: the ANDREA byte-level GPT, trained through the public Checkpointer.
 
-Reads top to bottom: resolve the config → build data sources, bandit mixture,
-model, AdamW, schedule → describe the state → open the run folder (resume) →
-train, with a checkpoint every ``--every`` steps (asynchronous), a sample
-audit at the same cadence, SIGTERM/SIGUSR1 handled at step boundaries, and one
-history line per step.
+Reads top to bottom: resolve the config → build data sources, bandit mixture, model, AdamW,
+schedule → describe the state → open the run folder (resume) → train, with a checkpoint every
+``--every`` steps (asynchronous), a sample audit at the same cadence, SIGTERM/SIGUSR1 handled at
+step boundaries, and one history line per step.
 
-Two ways to name the run folder:
-
-* ``--run runs/NAME`` — a long run: resumes from the newest valid generation
-  if there is one (and says so); ``--fresh`` refuses a non-empty folder.
-  ``--steps N`` is the run's end step (default ``train.max_steps``), not a
-  count of this process's steps: a killed run started again with the same
-  command ends at the same step as one never interrupted, and a finished run
-  started again trains nothing ("already at step N"). A normal end saves the
-  final step. The experiment config (``config.json``, less ``train.every``)
-  may not change on a resume without ``--allow-config-change``.
-* ``--output DIR`` — the ``ripresa verify`` contract: ``DIR`` must not exist,
-  ``--steps N`` counts the steps of this process, ``--resume step_NNNNNN.bin``
-  starts from another folder's generation, ``--omit-rng-restore`` is the
-  negative case; a generation is saved at the end and ``summary.json`` is
-  written.
-
-Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) the same command trains on
-every rank: DDP by default (gloo on CPU, nccl on CUDA), FSDP2
-(``fully_shard`` of each block and of the model) with ``--shard fsdp``.
-``train.batch_size`` is per rank (the global batch is ``batch_size x world
-size``); every rank draws its crops from its own stream, ``PCG64(seed)``
-jumped ``rank`` times, saved per rank; all ranks pick the same arm (one shared
-bandit, updated with the mean loss over the ranks); the history logs that mean
-loss. Rank 0 holds the lock and writes the history, ``config.json``,
-``.samples.json`` and ``.state.json``; DDP generations are ``.bin`` files
-written by rank 0, FSDP2 generations ``step_NNNNNN.dcp`` folders written by
-all ranks (see :mod:`ripresa.session.distributed`).
+``--run`` (a long run) and ``--output`` (the ``ripresa verify`` contract), and ``torchrun`` (DDP, or
+FSDP2 with ``--shard fsdp``): docs/ENGINE.md, "``ripresa train``"; docs/OPERATIONS.md, "More than
+one GPU"; the sharded generations: :mod:`ripresa.session.distributed`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CLI's one renderer (docs/FAULTS.md, "Messages and exit codes"): warnings as one clean line each, exit
+"""The CLI's one renderer (docs/FAULTS.md, "Messages: one line each, the same shape everywhere"): warnings as one clean line each, exit
 codes true to their meaning, tables that fit 80 and 200 columns without cutting a number, progress only on a TTY."""
 
 from __future__ import annotations

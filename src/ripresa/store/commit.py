@@ -178,7 +178,7 @@ def validate_state(state: Any, c: Path) -> None:
 
 def not_used(label: str, step: int, reason: Any, file: Any = None, then: str = "an older one is tried") -> str:
     """The one-line text of a generation passed over: ``generation 20 not used: WHY (FILE); an older one is
-    tried`` — why it is not used, which file, what happens instead (docs/FAULTS.md, "Messages and exit codes")."""
+    tried`` — why it is not used, which file, what happens instead (docs/FAULTS.md, "Messages: one line each, the same shape everywhere")."""
     where = f" ({file})" if file is not None and str(file) not in str(reason) else ""
     return f"{label} {step} not used: {reason}{where}; {then}"
 

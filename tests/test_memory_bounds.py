@@ -251,7 +251,7 @@ def test_history_records_and_skipped_lines_are_bounded(tmp_path):
 
 
 def test_plot_keeps_the_last_line_per_step_in_compact_arrays(tmp_path):
-    from ripresa.engine import plots
+    from ripresa.engine import run_history
 
     run = tmp_path / "run"
     run.mkdir()
@@ -261,11 +261,11 @@ def test_plot_keeps_the_last_line_per_step_in_compact_arrays(tmp_path):
         for s, loss in rows:
             f.write(json.dumps({"step": s, "loss": loss, "arm": "x" if s % 2 else "y"}) + "\n")
         f.write('{"event":"checkpoint","step":5}\n')
-    r = plots.load_run(run)
+    r = run_history.load_run(run)
     assert list(r.steps) == list(range(1, 3101))
     assert r.losses[150 - 1] == 0.5 and r.losses[99 - 1] == 10.0 - 99 * 0.001 and r.losses[-1] == 1.0
     assert r.arms[0] == "x" and r.arms[1] == "y" and list(r.checkpoint_steps) == [5]
-    c = plots._Canonical()  # compaction keeps the last row of each step, sorted
+    c = run_history._Canonical()  # compaction keeps the last row of each step, sorted
     for s, loss in [(3, 1.0), (1, 2.0), (3, 3.0), (2, 4.0), (1, 5.0)]:
         c.add(s, loss, -1)
     c.compact()

@@ -104,7 +104,7 @@ def test_every_session_mode_resumes_every_kind():
     from ripresa.store.backend import MODES, registered
 
     kinds = registered()
-    assert {"bin", "st", "dcp"} <= set(kinds)
+    assert {"bin", "general", "dcp"} <= set(kinds)
     for spec in kinds.values():
         assert set(spec.modes) == set(MODES), spec.kind
     doc = (REPO / "docs" / "FORMAT.md").read_text()

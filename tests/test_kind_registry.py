@@ -175,7 +175,7 @@ def test_a_registered_npz_kind_is_saved_listed_retained_resumed_and_inspected(np
     raw = bytearray(p.read_bytes())
     raw[len(raw) // 2] ^= 1
     p.write_bytes(bytes(raw))
-    with pytest.warns(CheckpointWarning, match=r"skipping \.npz generation 4: sha256 mismatch"):
+    with pytest.warns(CheckpointWarning, match=r"\.npz generation 4 not used: sha256 mismatch"):
         with ripresa.Checkpointer(tmp_path, _toy(), every=1, asynchronous=False, handle_signals=False,
                                   save_on_close=False) as ck:
             assert ck.resume() == 3

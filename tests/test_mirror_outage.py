@@ -43,18 +43,25 @@ def fast(url: str, **kw) -> MirrorSpec:
 def test_an_outage_is_recorded_once_everything_is_uploaded_when_the_store_is_back(tmp_path, s3, proxy, capsys):
     run = tmp_path / "run"
 
-    def outage() -> None:  # the store goes away once step 6 is in it, and comes back once step 15 is saved locally
+    def outage() -> None:  # the store goes away once step 6 is in it
         while 6 not in s3.committed():
             time.sleep(0.01)
         proxy.mode = "down"
         proxy.drop_all()
-        while not (run / "step_000015.safetensors.sha256").exists():
-            time.sleep(0.01)
+
+    def back_after_15(step: int) -> None:
+        """At step 15 the loop waits until the mirror has recorded the outage, then the store comes back: the
+        outage is long enough to be one whatever the load (a blip the retries absorb is, rightly, no outage)."""
+        if step != 15:
+            return
+        deadline = time.monotonic() + 120
+        while not history_events(run, "mirror_outage") and time.monotonic() < deadline:
+            time.sleep(0.02)
         proxy.mode = "pass"
 
     t = threading.Thread(target=outage, daemon=True)
     t.start()
-    out = train(run, 24, 3, mirror=fast(s3.url), sleep=0.01)
+    out = train(run, 24, 3, mirror=fast(s3.url), sleep=0.01, after_step=back_after_15)
     t.join(timeout=60)
     assert out["step"] == 24
     # recorded once: one outage, one recovery with the count; no per-round failure lines (the old wedge wrote

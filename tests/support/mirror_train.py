@@ -40,7 +40,7 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gen: np.ran
 
 
 def train(run: str | Path, steps: int, every: int, *, mirror: Any = None, fmt: str = "general", keep: int = 3,
-          sleep: float = 0.0, handle_signals: bool = False) -> dict[str, Any]:
+          sleep: float = 0.0, handle_signals: bool = False, after_step: Any = None) -> dict[str, Any]:
     torch.manual_seed(0)
     gen = np.random.default_rng(0)
     X = torch.randn(256, 8, generator=torch.Generator().manual_seed(1))
@@ -68,6 +68,8 @@ def train(run: str | Path, steps: int, every: int, *, mirror: Any = None, fmt: s
                 time.sleep(sleep)
             if ckpt.step_done(step, loss=loss.item()):
                 break
+            if after_step is not None:
+                after_step(step)  # a test's hook: e.g. hold the loop until the mirror has seen an outage
     except BaseException:
         ckpt.abort()
         raise

@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m ripresa demo $(if $(DEMO_OUT),--output $(DEMO_OUT))
 
+# The default tier on two workers (a 2-core CI machine: under 5 minutes); one worker: make test XDIST=0.
+XDIST ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=20
+	$(PY) -m pytest -q -m "not slow" --durations=20 $(if $(filter-out 0,$(XDIST)),-n $(XDIST))
 
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -22,7 +22,16 @@ from ..errors import IntegrityError, RipresaError
 from ..formats import companion as companion_fmt
 from ..formats.generation import Checks, Generation
 from ..io import auth
-from ..io.fsio import fsync_dir, ops, parse_sha256sum, read_small, write_atomic
+from ..io.fsio import (
+    Digest,
+    StagedFile,
+    fsync_dir,
+    ops,
+    parse_sha256sum,
+    read_small,
+    sidecar_line,
+    write_atomic,
+)
 
 __all__ = ["CheckpointWarning", "Written", "commit_generation", "companion_checks", "delete_files",
            "malformed_companion", "marker_checks", "newest_valid", "read_marker", "uncommit", "validate_state"]
@@ -39,6 +48,19 @@ class Written:
 
     marker_lines: list[bytes]
     signature_line: Callable[[bytes], bytes]
+
+
+def with_companion(step: int, main: StagedFile, main_digest: Digest, companion: Path, doc: Any) -> Written:
+    """The tail of a kind whose generation is a main file plus a JSON companion: stage the companion, publish
+    both, and hand :func:`commit_generation` their marker lines and signature line (``.bin`` and general)."""
+    with StagedFile(companion) as fc:
+        fc.write(companion_fmt.dumps(doc))
+        comp_digest = fc.finish()
+        main.publish()
+        fc.publish()
+    m, c = main.final.name, companion.name
+    return Written([sidecar_line(main_digest, m), sidecar_line(comp_digest, c)],
+                   lambda k: auth.signature_line(k, step, m, main_digest.sha256, c, comp_digest.sha256))
 
 
 def uncommit(folder: Path, *paths: Path) -> None:

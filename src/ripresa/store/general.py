@@ -18,13 +18,12 @@ import torch
 
 from ..core.state import Progress, TrainingState, optimizer_record
 from ..errors import BadInput, IntegrityError, RipresaError
-from ..formats import companion as companion_fmt
 from ..formats import general as general_fmt
 from ..formats import safetensors_file as st
 from ..formats.generation import Check, Checks, Generation, reason_of
 from ..formats.naming import NameFormat
 from ..io import auth
-from ..io.fsio import StagedFile, open_run_file, read_small, sidecar_line
+from ..io.fsio import StagedFile, open_run_file, read_small
 from .base import BackendBase, load_full_into
 from .commit import (
     Written,
@@ -34,6 +33,7 @@ from .commit import (
     malformed_companion,
     marker_checks,
     validate_state,
+    with_companion,
 )
 from .folder import RunFolder
 from .restore import Loaded, rest_proxy
@@ -147,13 +147,7 @@ def save_general(folder: Path, step: int, tensors: dict[str, Any], encoded_state
             f_digest = ff.finish()
             doc = general_fmt.companion_doc(f.name, f_digest.sha256, f_digest.size, step, len(tensors), aliases,
                                             encoded_state)
-            with StagedFile(c) as fc:
-                fc.write(companion_fmt.dumps(doc))
-                c_digest = fc.finish()
-                ff.publish()
-                fc.publish()
-        return Written([sidecar_line(f_digest, f.name), sidecar_line(c_digest, c.name)],
-                       lambda k: auth.signature_line(k, step, f.name, f_digest.sha256, c.name, c_digest.sha256))
+            return with_companion(step, ff, f_digest, c, doc)
 
     return commit_generation(folder, step, marker=mk, signature=auth.signature_path(f), key=hmac_key, write=write,
                              check=lambda: validate_general(folder, step).generation, what="general generation", file=f)

@@ -18,7 +18,7 @@ from ..formats import companion as companion_fmt
 from ..formats.andrea_bin import BIN_NAMES, BinArrays, BinContents, read_bin, read_header, write_bin
 from ..formats.generation import Check, Checks, Generation, reason_of
 from ..io import auth
-from ..io.fsio import StagedFile, read_small, sha256_file, sidecar_line
+from ..io.fsio import StagedFile, read_small, sha256_file
 from .commit import (
     CheckpointWarning,
     Written,
@@ -31,6 +31,7 @@ from .commit import (
     not_used,
     read_marker,
     validate_state,
+    with_companion,
 )
 from .folder import RunFolder
 
@@ -66,13 +67,7 @@ def save_bin(folder: Path, step: int, arrays: BinArrays, companion_state: dict[s
                         "step": header.step, "n_params": header.n_params},
                 "state": encoded_state,
             }
-            with StagedFile(c) as fc:
-                fc.write(companion_fmt.dumps(doc))
-                comp_digest = fc.finish()
-                fb.publish()
-                fc.publish()
-        return Written([sidecar_line(bin_digest, b.name), sidecar_line(comp_digest, c.name)],
-                       lambda k: auth.signature_line(k, step, b.name, bin_digest.sha256, c.name, comp_digest.sha256))
+            return with_companion(step, fb, bin_digest, c, doc)
 
     return commit_generation(folder, step, marker=mk, signature=auth.signature_path(b), key=hmac_key, write=write,
                              check=lambda: validate_generation(folder, step, key=key).generation,
@@ -88,18 +83,8 @@ def delete_bin(folder: Path, step: int) -> None:
 class CheckpointStore(RunFolder):
     """Generations of a run folder: save (commit protocol + retention), list, verify, load.
 
-    The run folder (:class:`~ripresa.store.folder.RunFolder`) and its ``.bin`` generations.
-
-    Args:
-        folder: the run folder (created for a writer).
-        retention: which generations to keep (applied after each durable save).
-        writer: take the folder's writer lock and clean leftover temporaries.
-            Readers (``ripresa inspect``) pass ``writer=False``.
-        require_signature: treat unsigned or mis-signed generations as invalid
-            (``None``: from ``RIPRESA_REQUIRE_SIGNATURE``). Needs a key.
-        hmac_key: the key that signs saves and verifies signatures (``None``:
-            from ``RIPRESA_HMAC_KEY`` / ``RIPRESA_HMAC_KEY_FILE``; a writer
-            with a key signs every generation it saves).
+    The run folder (:class:`~ripresa.store.folder.RunFolder`: its arguments, the same here) and its ``.bin``
+    generations.
     """
 
     def __enter__(self) -> CheckpointStore:

@@ -40,6 +40,13 @@ def shard_name(k: int, count: int) -> str:
     return f"model-{k:05d}-of-{count:05d}.safetensors"
 
 
+def shard_metadata(step: int) -> dict[str, str]:
+    """A shard's ``__metadata__``: ``format`` is ``pt``, which Hugging Face loaders require of every shard they
+    read; ripresa's own format and the step are ``ripresa`` and ``step``."""
+    return {"format": "pt", "ripresa": general_fmt.FORMAT, "format_version": str(general_fmt.FORMAT_VERSION),
+            "step": str(step)}
+
+
 def plan(tensors: Mapping[str, torch.Tensor], count: int) -> list[list[tuple[str, torch.Tensor]]]:
     """The tensors in file order (:func:`~ripresa.formats.safetensors_file.layout`), cut into at most ``count``
     contiguous shards of about equal bytes; whole tensors only, no empty shard (so maybe fewer than ``count``)."""

@@ -161,8 +161,8 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
                 fd = open_run_file(p, "safetensors shard", error=IntegrityError)
                 fds.append(fd)
                 h = st.header_fd(fd, p)
-                want = {"format": general_fmt.FORMAT, "step": str(step)}
-                got = {"format": h.metadata.get("format"), "step": h.metadata.get("step")}
+                want = {k: v for k, v in shards_fmt.shard_metadata(step).items() if k != "format_version"}
+                got = {k: h.metadata.get(k) for k in want}
                 if got != want:
                     raise IntegrityError("the shard names another format or step", file=p, expected=want, found=got)
                 rec = {"sha256": hashes[r["name"]], "size": h.file_size, "count": len(h.entries)}
@@ -294,7 +294,7 @@ class ShardsBackend(BackendBase):
         live = [0] * len(files)
         if background:
             files, live = self.staging.stage(files, self.store.save_options.staging_budget)
-        meta = {"format": general_fmt.FORMAT, "format_version": str(general_fmt.FORMAT_VERSION), "step": str(step)}
+        meta = shards_fmt.shard_metadata(step)
         writers = [TensorFileWriter(partial / shards_fmt.shard_name(k, len(files)), f, {**meta, "shard": f"{k}/{len(files)}"},
                                     live=lv, overlap=len(files) == 1)
                    for k, (f, lv) in enumerate(zip(files, live, strict=True), 1)]

@@ -115,8 +115,6 @@ def clean_temporaries(folder: Path, *, only_dead: bool = True) -> list[Path]:
 
 #: Pieces at least this large are hashed in the helper thread while written (bytes).
 _OVERLAP_MIN = 1 << 20
-#: Hash updates a ``stable`` writer may leave queued (bounds the lag, in pieces).
-_MAX_PENDING = 4
 _HASHER: ThreadPoolExecutor | None = None
 _HASHER_LOCK = threading.Lock()
 
@@ -177,7 +175,9 @@ class StagedFile:
         (sha256 and ``write`` both release the GIL), so a save costs about
         max(hash, write) instead of their sum. ``stable=True`` promises that
         ``data`` stays unchanged until :meth:`finish`, which lets the hashing
-        lag behind across calls; otherwise this call waits for its own hash.
+        lag behind across calls, as far as it must (the writer runs at the
+        disk's pace, the hash catches up by :meth:`finish`); otherwise this
+        call waits for its own hash.
         The digest is the same either way: updates run in order.
         """
         if self._fd is None:
@@ -204,7 +204,7 @@ class StagedFile:
         finally:
             if not stable:
                 self._drain_hashes(ignore_errors=True)
-        while len(self._pending) > _MAX_PENDING:
+        while self._pending and self._pending[0].done():  # finished updates: forget them (a failure is raised)
             self._pending.pop(0).result()
         self.size += total
         return total

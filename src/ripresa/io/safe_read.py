@@ -358,8 +358,9 @@ def read_exact_hashing(
     (anything with ``update``, e.g. ``hashlib.sha256()``; ``None`` to only
     read). A reader can so read a 1.4 GB file into preallocated arrays *and*
     verify its sha256 with one read of the disk. With ``overlap`` (and more
-    than two pieces) the hashing of a piece runs in one helper thread while
-    the next piece is read (``hashlib`` releases the GIL), in file order.
+    than two pieces) the hashing runs in one helper thread behind the reads,
+    in file order (``hashlib`` releases the GIL), never holding them back:
+    the buffers are the caller's and never reused within a call.
 
     Returns the number of bytes read (the total length of ``views``). A file
     that ends early raises :class:`~ripresa.errors.IntegrityError` (it shrank
@@ -432,17 +433,23 @@ def read_exact_hashing(
                 digest(group)
         return done
 
+    # Every piece is its own slice of the caller's buffers (never reused within a call), so the reader never
+    # waits for the hasher: it reads on at the disk's pace while the one helper thread hashes behind it, in file
+    # order (a FIFO of one worker). Everything queued is hashed (or abandoned on an error) before this returns.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ripresa-hash") as pool:
-        pending: Future[None] | None = None
+        pending: list[Future[None]] = []
         try:
             for group in groups():
                 fill(group)
-                if pending is not None:
-                    pending.result()  # keep the hash in file order
-                pending = pool.submit(digest, group)
+                pending.append(pool.submit(digest, group))
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
         finally:
-            if pending is not None:
-                pending.result()
+            for f in pending:
+                if not f.cancelled():
+                    f.result()
     return done
 
 

@@ -68,8 +68,10 @@ def _steps(run: Path) -> dict[int, dict]:
 
 
 # ---------------------------------------------------------------------- pinned staging
-@pytest.mark.parametrize("fmt", ["general", "andrea"])
+@pytest.mark.parametrize("fmt", ["general", "andrea", "shards-budget"])
 def test_a_background_save_stages_device_tensors_in_pinned_memory(tmp_path, fmt):
+    """``shards-budget``: a sharded general generation whose staging budget is half the state: the staged
+    tail is in pinned memory, the live head is written from the device tensors while the loop waits."""
     import ripresa
 
     dev = torch.device(DEVICE)
@@ -87,7 +89,11 @@ def test_a_background_save_stages_device_tensors_in_pinned_memory(tmp_path, fmt)
         opt.step()
 
     model, opt, state = build()
-    ck = ripresa.Checkpointer(tmp_path / "run", state, every=2, format=fmt, handle_signals=False)
+    opts = {}
+    if fmt == "shards-budget":
+        half = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3 // 2
+        fmt, opts = "general", {"shard_threshold": 0, "shards": 2, "staging_budget": half}
+    ck = ripresa.Checkpointer(tmp_path / "run", state, every=2, format=fmt, handle_signals=False, **opts)
     assert ck.writer is not None  # a background writer
     ck.resume()
     for step in (1, 2):
@@ -98,12 +104,12 @@ def test_a_background_save_stages_device_tensors_in_pinned_memory(tmp_path, fmt)
         ck.step_done(step)
     for _ in range(3):  # the live tensors change while the write may still be in flight
         train_step(model, opt)
-    staging = ck.backend._staging if fmt == "general" else ck.writer.buffers.flat
+    staging = ck.backend.staging.buffer if fmt == "general" else ck.writer.buffers.flat
     assert staging is not None and staging.device.type == "cpu"
     assert staging.is_pinned() == (dev.type == "cuda")
     ck.close()
-    kind = "safetensors" if fmt == "general" else "bin"
-    assert (tmp_path / "run" / f"step_000002.{kind}").is_file()
+    kind = ("shards" if opts else "safetensors") if fmt == "general" else "bin"
+    assert (tmp_path / "run" / f"step_000002.{kind}").exists()
 
     model2, opt2, state2 = build()
     ck2 = ripresa.Checkpointer(tmp_path / "run", state2, every=0, format=fmt, handle_signals=False)

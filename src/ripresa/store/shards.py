@@ -45,7 +45,7 @@ from .commit import (
     malformed_companion,
     validate_state,
 )
-from .folder import RunFolder
+from .folder import RunFolder, default_shards
 from .restore import Loaded, rest_proxy
 from .tensor_writer import StagingArea, TensorFileWriter, run_writers
 
@@ -122,7 +122,6 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
     c = d / COMPANION_NAME
     checks = Checks()
     out = ShardsValidation(Generation(step, KIND, d, c, mk, valid=False))
-    fds: list[int] = []
     try:
         with checks.run("marker present", expected=mk.name) as f:
             if not os.path.lexists(mk):
@@ -158,9 +157,7 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
                 raise IntegrityError("the companion records other shards than the marker", file=c,
                                      expected=sorted(set(hashes) - {COMPANION_NAME, INDEX_NAME})[:8], found=names[:8])
             for r, p in zip(records, paths, strict=True):
-                fd = open_run_file(p, "safetensors shard", error=IntegrityError)
-                fds.append(fd)
-                h = st.header_fd(fd, p)
+                h = st.read_header(p)  # one shard open at a time (a hostile companion may list thousands)
                 want = {k: v for k, v in shards_fmt.shard_metadata(step).items() if k != "format_version"}
                 got = {k: h.metadata.get(k) for k in want}
                 if got != want:
@@ -191,9 +188,14 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
         if deep or load:
             with checks.run("shard sha256", expected=f"{len(paths)} shards as the marker says"):
                 def read(i: int) -> dict[str, torch.Tensor]:
-                    return st.read_fd(fds[i], paths[i], headers[i], expected_sha256=hashes[names[i]])[0]
+                    fd = open_run_file(paths[i], "safetensors shard", error=IntegrityError)
+                    try:  # the header checked above, still exactly those bytes, then the shard hashed as read
+                        return st.read_fd(fd, paths[i], st.header_fd(fd, paths[i], headers[i]),
+                                          expected_sha256=hashes[names[i]])[0]
+                    finally:
+                        os.close(fd)
 
-                n = max(1, min(len(paths), workers or len(paths)))
+                n = max(1, min(len(paths), workers or default_shards()))  # one per CPU at most
                 with ThreadPoolExecutor(max_workers=n, thread_name_prefix="ripresa-shard") as pool:
                     parts = list(pool.map(read, range(len(paths))))
                 tensors: dict[str, torch.Tensor] = {}
@@ -210,9 +212,6 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
             raise
         out.generation = Generation(step, KIND, d, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
         return out
-    finally:
-        for fd in fds:
-            os.close(fd)
     out.generation = Generation(step, KIND, d, c, mk, valid=True, size=sum(h.file_size for h in headers), files=hashes,
                                 deep_checked=deep or load, signature_verified=key is not None, checks=tuple(checks))
     return out

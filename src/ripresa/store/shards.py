@@ -116,7 +116,7 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
     ``companion schema``, ``shard headers`` (each header's hostile-safe checks, its format and
     step, the companion's record of it), ``index`` (the Hugging Face index says exactly what the
     shards say); with ``deep`` or ``load``: ``shard sha256`` (every shard read and hashed, each by
-    its own worker, at most ``workers``) and ``companion state``.
+    its own worker, at most ``workers``, default one per CPU) and ``companion state``.
     """
     d, mk = shards_paths(Path(folder), step)
     c = d / COMPANION_NAME

@@ -6,7 +6,8 @@
 Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md, "The soak"):
 
 * ``general``: one process, Adafactor, dropout, a cosine schedule, ``format="general"``
-  (``step_NNNNNN.safetensors`` generations);
+  (``step_NNNNNN.safetensors`` generations; on odd laps ``step_NNNNNN.shards`` folders of two shards
+  with a staging budget smaller than the state);
 * ``andrea``: one process, fp32 AdamW, an ``EpochSampler`` over 10^9 rows (Feistel, O(1)),
   ``format="andrea"`` (``step_NNNNNN.bin`` generations);
 * ``ddp``: two ranks under ``python -m ripresa.torchrun`` (gloo, DDP, ``DistributedEpochSampler``);
@@ -88,6 +89,10 @@ HANG_S = 90.0
 OUTAGES = ("down", "stall", "reset", "restart")
 #: Mirror events may take a few history lines per outage (failed, pending, recovered), never one per wake-up.
 MIRROR_LINES_BASE, MIRROR_LINES_PER_OUTAGE = 20, 10
+#: The general lane's odd laps write sharded generations (docs/FORMAT.md, "Sharded general generations") with
+#: this staging budget (bytes: part of the state is written live while the loop waits); the even laps and the
+#: reference one file, so a lap's final state is compared across the two layouts.
+SHARDED_STAGING_BUDGET = 16 * 1024
 #: Lap length and cadence (steps) of each lane.
 TOTAL = {"general": 1000, "andrea": 400, "ddp": 60, "s3": 300}
 EVERY = {"general": 10, "andrea": 10, "ddp": 5, "s3": 10}
@@ -129,6 +134,8 @@ def _checkpointer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = {"every": cfg["every"]}
     if cfg.get("format"):
         kw["format"] = cfg["format"]
+    if cfg.get("sharded"):  # the general lane's odd laps: .shards generations, half the state staged
+        kw.update(shard_threshold=0, shards=2, staging_budget=cfg["sharded"])
     if isinstance(cfg.get("mirror"), dict):  # the s3 lane: short requests, the default close wait
         from ripresa.store.mirror import MirrorSpec
 
@@ -697,6 +704,8 @@ class Lane:
         cfg: dict[str, Any] = {"lane": self.name, "run": str(run), "total": TOTAL[self.name], "every": EVERY[self.name]}
         if self.name == "general":
             cfg["format"] = "general"
+            if run.name.startswith("lap") and int(run.name[3:] or 0) % 2:  # odd laps (not the reference, lap 0)
+                cfg["sharded"] = SHARDED_STAGING_BUDGET
         elif self.name in ("andrea", "s3"):
             cfg["format"] = "andrea"
         if self.name == "s3" and self.store is not None:

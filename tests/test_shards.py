@@ -385,3 +385,63 @@ def test_sigkill_at_every_boundary_of_a_sharded_save(tmp_path):
         got, ck = _resumed(folder)
         assert ck.resumed_from.step == 4 and same_tree(_whole(got), _whole(states[4]))
         shutil.rmtree(folder)
+
+
+# ---------------------------------------------------------------- memory: one staging copy, or the budget
+
+_MEMORY_CHILD = r"""
+import json, os, sys, torch, ripresa
+torch.set_num_threads(1)
+budget = None if sys.argv[2] == "none" else int(sys.argv[2])
+shards = int(sys.argv[3])
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(8)])  # 8.4M params
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for p in model.parameters():
+    p.grad = torch.randn_like(p) * 1e-3
+opt.step()
+for p in model.parameters():
+    p.grad = None
+state = ripresa.TrainingState(model=model, optimizer=opt)
+opts = {"shard_threshold": 0, "shards": shards} if shards else {"shard_threshold": None}
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+with ripresa.Checkpointer(sys.argv[1], state, every=1, handle_signals=False, staging_budget=budget, **opts) as ck:
+    ck.resume()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here on
+    base = status("VmRSS")
+    for step in (1, 2, 3):
+        ck.step_done(step)  # a background save each step; the next one waits for it and reuses the staging
+    ck.pipeline.finish()
+    peak = status("VmHWM")
+print(json.dumps({"base": base, "peak": peak, "state": sum(t.numel() * t.element_size() for t in
+      list(model.state_dict().values()) + [s for st in opt.state.values() for s in st.values()])}))
+"""
+
+
+@pytest.mark.parametrize("shards", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["file", "shards"])
+def test_a_background_save_holds_one_staging_copy_or_the_budget(tmp_path, shards):
+    import sys
+
+    def run(budget: int | None) -> dict:
+        out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(tmp_path / f"run-{budget}"),
+                              "none" if budget is None else str(budget), str(shards)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    full = run(None)
+    state = full["state"]  # ~100 MB
+    grew = full["peak"] - full["base"]
+    # one staging copy of the state, never two (the staging buffer is reused from save to save)
+    assert 0.9 * state <= grew <= 1.25 * state, (grew, state)
+    budget = state // 4
+    cut = run(budget)
+    grew = cut["peak"] - cut["base"]
+    assert grew <= budget + 0.25 * state, (grew, budget, state)  # the budget, not a full copy
+    print(f"peak RSS over the state: {full['peak'] - full['base']} B without a budget, {grew} B with {budget} B")

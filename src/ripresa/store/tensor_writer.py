@@ -51,6 +51,11 @@ class TensorFileWriter:
         self._thread.start()
         return self
 
+    def run_here(self) -> None:
+        """Write the whole file in the calling thread (as :meth:`start` then :meth:`join` would, without a thread)."""
+        self._thread = threading.current_thread()
+        self._run()
+
     def _run(self) -> None:
         try:
             self.file = StagedFile(self.final, overlap=self.overlap)
@@ -73,10 +78,13 @@ class TensorFileWriter:
         """Block until every live tensor is written (the staged ones may still be in flight)."""
         self._live_done.wait()
 
+    def _join_thread(self) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
     def join(self) -> Digest:
         """Wait for the whole file (written and ``fsync``'d, not yet published); raise its failure."""
-        if self._thread is not None:
-            self._thread.join()
+        self._join_thread()
         if self.error is not None:
             exc = self.error
             if isinstance(exc, SaveFailed):
@@ -88,14 +96,16 @@ class TensorFileWriter:
 
     def discard(self) -> None:
         """After a failure elsewhere: wait for the thread, remove the temporary."""
-        if self._thread is not None:
-            self._thread.join()
+        self._join_thread()
         if self.file is not None:
             self.file.discard()
 
 
 def run_writers(writers: Sequence[TensorFileWriter]) -> list[Digest]:
-    """Start (when not started) and join every writer; on any failure remove every temporary and raise it."""
+    """Start (when not started) and join every writer; on any failure remove every temporary and raise it.
+    One writer not yet started runs in the calling thread (no thread for one file)."""
+    if len(writers) == 1 and not writers[0].started:
+        writers[0].run_here()
     for w in writers:
         if not w.started:
             w.start()

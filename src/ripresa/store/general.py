@@ -235,7 +235,7 @@ class GeneralBackend(BackendBase):
         if count:  # a sharded generation keys model tensors by their own names (Hugging Face loaders)
             tensors, encoded, aliases = capture_tensors(state, progress, extra, to_cpu=stage is None, plain_model_keys=True)
             commit = self.shards.commit_tensors(step, tensors, encoded, aliases, count, background=stage is not None)
-            self._last_model = self.staging.take(names) if stage is not None else None
+            self._last_model = self._staged_model(state, names) if stage is not None else None
             return commit
         folder, key = self.folder, self.store.hmac_key
         ordered = st.layout(tensors)
@@ -246,7 +246,7 @@ class GeneralBackend(BackendBase):
                 meta = {"format": general_fmt.FORMAT, "format_version": str(general_fmt.FORMAT_VERSION), "step": str(step)}
                 writer = TensorFileWriter(general_paths(folder, step)[0], ordered, meta, live=live).start()
                 writer.wait_live()
-        self._last_model = self.staging.take(names) if stage is not None else None
+        self._last_model = self._staged_model(state, names) if stage is not None else None
 
         def commit() -> Generation:
             return save_general(folder, step, ordered, encoded, aliases, hmac_key=key, writer=writer)
@@ -257,6 +257,15 @@ class GeneralBackend(BackendBase):
         """The model's tensors of the last background capture, as views of the staged copy (valid until the next
         save stages), by ``state_dict`` name; None when the last capture staged none, or not all of them."""
         return self._last_model
+
+    def _staged_model(self, state: TrainingState, names: dict[str, str]) -> dict[str, torch.Tensor] | None:
+        staged = self.staging.take(names)
+        if staged is None:
+            return None
+        live = state.model.state_dict()
+        if any(staged[n].dtype != t.dtype or staged[n].shape != t.shape for n, t in live.items()):
+            return None  # a dtype stored as its raw bytes: not the model's tensor as such
+        return staged
 
     def clean(self) -> list[Path]:
         return self.shards.clean()  # a sharded save's partial folder (its files' temporaries go with it)

@@ -263,7 +263,7 @@ PLOT_LABELS = {
     "stall.general_async": "general\ncapture stall", "stall.general_copy": "general\nstaging copy",
     "resume.general_load": "general load\n(+ sha256)", "resume.general_fromfile": "np.fromfile\n(general)",
     "resume.general_read_nohash": "general read\n(no hash)",
-    "stall.general_budget": "general capture\n(staging budget)",
+    "stall.general_budget": "general\nbudget stall",
 }
 register_shards(DEFAULT_SHARDS)
 
@@ -1715,7 +1715,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for b, v in zip(bars, med, strict=True):
             ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
-        ax.set_xticks(range(len(keys)), labels, fontsize=7)
+        ax.set_xticks(range(len(keys)), labels, fontsize=7 if len(keys) <= 8 else 6)
         ax.set_title(title)
         ax.set_ylabel("seconds (median, bars: min–max)")
         if title.startswith("blocking"):

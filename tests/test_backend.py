@@ -246,16 +246,16 @@ def pt_backend():
 def test_the_builtin_backends_satisfy_the_protocol_and_are_ordered_by_mode(tmp_path):
     with CheckpointStore(tmp_path) as store:
         single, ignored = backends_for("single", store)
-        assert [b.kind for b in single] == ["general", "bin", "dcp"] and [b.kind for b in ignored] == []  # a .dcp newest resumes too
-        assert [b.kind for b in backends_for("ddp", store)[0]] == ["general", "bin", "dcp"]
-        assert [b.kind for b in backends_for("fsdp2", store)[0]] == ["dcp", "general", "bin"]  # 1 -> 2 resumes st too
+        assert [b.kind for b in single] == ["general", "bin", "dcp", "shards"] and [b.kind for b in ignored] == []  # a .dcp newest resumes too
+        assert [b.kind for b in backends_for("ddp", store)[0]] == ["general", "bin", "dcp", "shards"]
+        assert [b.kind for b in backends_for("fsdp2", store)[0]] == ["dcp", "general", "bin", "shards"]  # 1 -> 2 resumes st too
         assert [b.kind for b in backends_for("fsdp2", store)[1]] == []
         # auto is the general format for any state; the .bin when asked for ("andrea") and the state fits it
-        assert [b.kind for b in backends_for("single", store, state=_toy())[0]] == ["general", "bin", "dcp"]
-        assert [b.kind for b in backends_for("single", store, state=_toy(), format="andrea")[0]] == ["bin", "general", "dcp"]
-        assert [b.kind for b in backends_for("ddp", store, state=_toy(), format="andrea")[0]] == ["bin", "general", "dcp"]
+        assert [b.kind for b in backends_for("single", store, state=_toy())[0]] == ["general", "bin", "dcp", "shards"]
+        assert [b.kind for b in backends_for("single", store, state=_toy(), format="andrea")[0]] == ["bin", "general", "dcp", "shards"]
+        assert [b.kind for b in backends_for("ddp", store, state=_toy(), format="andrea")[0]] == ["bin", "general", "dcp", "shards"]
         sgd = TrainingState(model=torch.nn.Linear(2, 2), optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
-        assert [b.kind for b in backends_for("single", store, state=sgd)[0]] == ["general", "bin", "dcp"]
+        assert [b.kind for b in backends_for("single", store, state=sgd)[0]] == ["general", "bin", "dcp", "shards"]
         from ripresa.store.general import GeneralBackend
 
         for b in (BinBackend(store), DcpBackend(store), PtBackend(store), GeneralBackend(store)):
@@ -265,7 +265,7 @@ def test_the_builtin_backends_satisfy_the_protocol_and_are_ordered_by_mode(tmp_p
 def test_a_third_registered_backend_is_used_by_the_checkpointer(tmp_path, pt_backend):
     state = _toy()
     ck = ripresa.Checkpointer(tmp_path, state, every=2, asynchronous=True, handle_signals=False)
-    assert [b.kind for b in ck.backends] == ["pt", "general", "bin", "dcp"] and ck.backend.kind == "pt"
+    assert [b.kind for b in ck.backends] == ["pt", "general", "bin", "dcp", "shards"] and ck.backend.kind == "pt"
     assert ck.resume() == 0
     for step in (1, 2):
         _train(state)

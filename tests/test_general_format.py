@@ -170,7 +170,7 @@ def test_auto_is_the_general_format_and_a_bin_folder_goes_on_in_it_recording_the
         state.optimizer.step()
         ck.step_done(1)
     with ripresa.Checkpointer(tmp_path, state, every=1, handle_signals=False) as ck:
-        assert ck.backend.kind == "general" and [b.kind for b in ck.backends] == ["general", "bin", "dcp"]
+        assert ck.backend.kind == "general" and [b.kind for b in ck.backends] == ["general", "bin", "dcp", "shards"]
         assert ck.resume() == 1 and ck.resumed_from.kind == "bin"  # the .bin generation resumes
         state.optimizer.zero_grad()
         model(torch.randn(2, 4)).sum().backward()

@@ -228,6 +228,6 @@ def test_each_commit_is_retained_once_by_the_registry(fmt, tmp_path, monkeypatch
         for step in (1, 2, 3):
             _train(state)
             ck.step_done(step)
-    # one pass per commit (a .bin save used to retain twice), over the kinds of one sequence (bin + general)
-    assert calls == [["bin", "general"]] * 3
+    # one pass per commit (a .bin save used to retain twice), over the kinds of one sequence (bin + general + shards)
+    assert calls == [["bin", "general", "shards"]] * 3
     assert len(list(tmp_path.glob("step_*.sha256"))) == 1

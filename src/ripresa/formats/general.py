@@ -75,27 +75,40 @@ def model_aliases(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def split_state(snapshot: Mapping[str, Any], aliases: Mapping[str, str] | None = None, *, to_cpu: bool = True
-                ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, str]]:
+def plain_key_of(path: tuple[Any, ...]) -> str:
+    """The key of a sharded generation (docs/FORMAT.md, "Sharded general generations"): a model tensor under its
+    own ``state_dict`` name, as Hugging Face loaders look it up (``transformer.h.0.attn.weight``); any other, and a
+    model name holding ``/``, as :func:`key_of` (always with a ``/``, so the two never meet)."""
+    if len(path) == 2 and path[0] == "model" and isinstance(path[1], str) and path[1] and "/" not in path[1]:
+        return path[1]
+    return key_of(path)
+
+
+def split_state(snapshot: Mapping[str, Any], aliases: Mapping[str, str] | None = None, *, to_cpu: bool = True,
+                plain_model_keys: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, str]]:
     """(key -> tensor for the file, the companion's encoded state, alias key -> stored key).
 
     ``aliases``: :func:`model_aliases` of the live model (a snapshot's
     copies no longer share storage). Tensors come out contiguous (on the CPU
     unless ``to_cpu=False``: a caller copying them into staging itself), not
     copied when they already are; one of a dtype without a safetensors name as
-    its uint8 bytes.
+    its uint8 bytes. ``plain_model_keys``: keys by :func:`plain_key_of` (a
+    sharded generation), else :func:`key_of`.
     """
     aliases = dict(aliases or {})
     tensors: dict[str, torch.Tensor] = {}
     alias_keys: dict[str, str] = {}
+    name_of = plain_key_of if plain_model_keys else key_of
 
     def encode(path: tuple[Any, ...], t: torch.Tensor) -> dict[str, Any]:
         if len(path) == 2 and path[0] == "model" and path[1] in aliases:
-            target = key_of(("model", aliases[path[1]]))
+            target = name_of(("model", aliases[path[1]]))
             if target in tensors:
-                alias_keys[key_of(path)] = target
+                alias_keys[name_of(path)] = target
                 return {"__ref__": target}
-        key = key_of(path)
+        key = name_of(path)
+        if key in tensors:  # only a plain model name can meet a top-level key of a low-level state
+            raise SchemaError(f"two tensors of the state would be stored as {key!r}", found=key_of(path)[:120])
         t = (t.detach().to("cpu") if to_cpu else t.detach()).contiguous()
         if t.dtype in NAMES:
             tensors[key] = t
@@ -110,7 +123,7 @@ def split_state(snapshot: Mapping[str, Any], aliases: Mapping[str, str] | None =
     def int_list(path: tuple[Any, ...], items: list[Any]) -> dict[str, Any] | None:
         if not MIN_LIST_REF <= len(items) <= MAX_LIST_REF or not all(type(x) is int and _I64_MIN <= x <= _I64_MAX for x in items):
             return None
-        key = key_of(path)
+        key = name_of(path)
         tensors[key] = torch.tensor(items, dtype=torch.int64)
         return {"__ref__": key, "list": "int64"}
 

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,29 +163,35 @@ class _WriteBack:
             self.fd = None
 
 
-def write(out: StagedFile, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[tuple[str, torch.Tensor]]:
+def write(out: StagedFile, tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+          metadata: Mapping[str, str], *, after: Callable[[int], None] | None = None) -> list[tuple[str, torch.Tensor]]:
     """Stream the file into ``out`` (hashed as written); return the tensors in file order.
 
-    Every tensor must be a contiguous CPU tensor of a dtype in :data:`NAMES`
-    that stays unchanged until ``out.finish()`` (a snapshot's copy). Large
-    tensors go in :data:`PIECE`-byte writes, and the write-back to the disk is
-    started as the file grows (:class:`_WriteBack`), so that writing to the
-    disk overlaps the hashing instead of following it in the final ``fsync``.
+    ``tensors``: a mapping (written in :func:`layout` order) or (key, tensor)
+    pairs already in file order. Every tensor must be contiguous, of a dtype in
+    :data:`NAMES`, and unchanged until ``out.finish()`` (a snapshot's copy, or
+    live tensors while the loop waits); one not on the CPU is copied to it one
+    at a time. Large tensors go in :data:`PIECE`-byte writes, and the write-back
+    to the disk is started as the file grows (:class:`_WriteBack`), so that
+    writing to the disk overlaps the hashing instead of following it in the
+    final ``fsync``. ``after(i)`` is called once tensor ``i`` is written.
     """
-    ordered = layout(tensors)
+    ordered = layout(tensors) if isinstance(tensors, Mapping) else list(tensors)
     head = header_bytes(ordered, metadata)
     out.write(head)
     wb = _WriteBack(out.temp)
     try:
         wb.advance(len(head))
-        for _key, t in ordered:
-            if not t.numel():
-                continue
-            view = memoryview(as_bytes(t).numpy())
-            for start in range(0, len(view), PIECE):
-                piece = view[start : start + PIECE]
-                out.write(piece, stable=True)
-                wb.advance(len(piece))
+        for i, (_key, t) in enumerate(ordered):
+            if t.numel():
+                src = t if t.device.type == "cpu" else t.detach().to("cpu")
+                view = memoryview(as_bytes(src).numpy())
+                for start in range(0, len(view), PIECE):
+                    piece = view[start : start + PIECE]
+                    out.write(piece, stable=src is t)
+                    wb.advance(len(piece))
+            if after is not None:
+                after(i)
     finally:
         wb.close()
     return ordered

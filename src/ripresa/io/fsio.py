@@ -151,10 +151,13 @@ class StagedFile:
         fsync_dir(path.parent)
 
     Leaving the ``with`` block by an exception removes the temporary file.
+    ``overlap=False`` hashes each piece in the writing thread (files written
+    side by side by their own workers, one hash stream each).
     """
 
-    def __init__(self, final: str | Path) -> None:
+    def __init__(self, final: str | Path, *, overlap: bool = True) -> None:
         self.final = Path(final)
+        self._overlap = overlap
         self.temp = temp_name_for(self.final)
         self._sha = hashlib.sha256()
         self._pending: list[Future] = []
@@ -181,7 +184,9 @@ class StagedFile:
             raise SaveFailed("write after finish()", file=self.final)
         view = memoryview(data).cast("B")
         total = len(view)
-        if total >= _OVERLAP_MIN or (stable and self._pending):
+        if not self._overlap:
+            self._sha.update(view)
+        elif total >= _OVERLAP_MIN or (stable and self._pending):
             self._pending.append(_hasher().submit(self._sha.update, view))
         elif self._pending:
             # Queue behind the pending updates (order matters) without waiting for them;

@@ -30,6 +30,7 @@ from ..store.backend import (
     choose_writer,
     newest_kind,
 )
+from ..store.folder import DEFAULT_SHARD_THRESHOLD, SaveOptions
 from ..store.history import HISTORY_NAME, History
 from ..store.mirror import Mirror, has_local_generation, open_mirror, pull_run, record_url
 from ..store.restore import rank_view, saved_record
@@ -109,6 +110,16 @@ class Checkpointer:
             :class:`~ripresa.store.mirror.Mirror` (``drain(timeout)``,
             ``last_upload_seconds``).
 
+        shard_threshold, shards, staging_budget: how a general generation is
+            laid out and staged (:class:`~ripresa.store.folder.SaveOptions`):
+            tensors of ``shard_threshold`` bytes or more (default 2 GiB; None:
+            never) are written as ``shards`` files (default one per CPU, 2 to
+            8) of a ``step_NNNNNN.shards/`` folder in Hugging Face's sharded
+            layout, each written and hashed by its own worker (docs/FORMAT.md,
+            "Sharded general generations"); a background save copies at most
+            ``staging_budget`` bytes into staging and writes the rest before
+            the loop goes on (docs/API.md, "Memory: staging_budget").
+
     Distributed attributes: :attr:`dist` (None in a single process),
     :attr:`world_change` (after :meth:`resume`: None, or the saved and current
     world sizes) and :attr:`fresh_streams` (this rank had no saved entry: its
@@ -140,10 +151,14 @@ class Checkpointer:
         max_redo: int | float | str | None = None,
         deadline: Any = None,
         on_deadline: Callable[[int], Any] | None = None,
+        shard_threshold: int | None = DEFAULT_SHARD_THRESHOLD,
+        shards: int | None = None,
+        staging_budget: int | None = None,
     ) -> None:
         if handle_signals:
             hold()  # a SIGUSR1 before the handlers below (lock, resume of the mirror) is deferred, never fatal
         bind_to_launcher()  # a rank of python -m ripresa.torchrun dies with its launcher, never trains on orphaned
+        save_options = SaveOptions(shard_threshold, shards, staging_budget)  # a bad value fails before any lock
         auto = every == "auto"
         if auto:
             every = 0
@@ -191,13 +206,16 @@ class Checkpointer:
         choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
+            self.store.save_options = save_options
             self._open_backends()
+            self.backend.clean()  # what interrupted saves of the kind it writes left (a sharded save's partial folder)
             self.history = History(self.run_dir / HISTORY_NAME)
         else:
             # Rank 0 creates the folder and takes the lock; the others wait, then read only.
             self.dist.barrier()
             if self.dist.is_main:
                 self.store = CheckpointStore(self.run_dir, retention=retention)
+                self.store.save_options = save_options
                 self._open_backends()
                 self.backend.clean()  # what interrupted saves of the kind it writes left
                 self.history = History(self.run_dir / HISTORY_NAME)

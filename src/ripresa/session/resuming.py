@@ -146,7 +146,7 @@ class Resumer:
                     if os.path.lexists(g.marker):
                         self._skipped_committed.append(msg)
                     continue
-                if b is not writer:
+                if b.kind not in getattr(writer, "writes", (writer.kind,)):  # the general kind writes .shards too
                     msg = self._other_kind_message(g, b, writer)
                     warnings.warn(msg, OtherModeWarning, stacklevel=4)
                     self.history.event("other_mode_generation", step=step, kind=b.kind, reason=msg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,7 +19,52 @@ from ..io.fsio import clean_temporaries, fsync_dir
 from ..io.lock import RunLock
 from .retention import DEFAULT_RETENTION, RetentionPolicy, plan_deletions
 
-__all__ = ["Retained", "RunFolder"]
+__all__ = ["DEFAULT_SHARD_THRESHOLD", "Retained", "RunFolder", "SaveOptions", "default_shards"]
+
+#: Tensor bytes at or above which a general generation is written as shards (docs/FORMAT.md, "Sharded general
+#: generations"): 2 GiB, about a 170M-parameter fp32 model with AdamW; below it one file hashes in about a second.
+DEFAULT_SHARD_THRESHOLD = 2 << 30
+#: Most shard files (and workers) chosen by default: more buys nothing once the disk is the floor.
+MAX_DEFAULT_SHARDS = 8
+
+
+def default_shards() -> int:
+    """One shard (and one worker) per CPU this process may run on, 2 to :data:`MAX_DEFAULT_SHARDS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(2, min(cpus, MAX_DEFAULT_SHARDS))
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How the general kind lays a generation out and stages it (docs/FORMAT.md, "Sharded general generations";
+    docs/API.md, "Memory").
+
+    ``shard_threshold``: tensor bytes at or above which a general generation is
+    written as ``shards`` files of a ``step_NNNNNN.shards/`` folder, each written
+    and hashed by its own worker (None: never sharded). ``shards``: how many
+    (None: :func:`default_shards`). ``staging_budget``: bytes a background save
+    may copy into staging (None: the whole state); the part beyond it is written
+    by the training thread before it goes on.
+    """
+
+    shard_threshold: int | None = DEFAULT_SHARD_THRESHOLD
+    shards: int | None = None
+    staging_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in (("shard_threshold", 0), ("shards", 1), ("staging_budget", 0)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"{name} must be None or an int >= {low}, got {v!r}")
+
+    def shard_count(self, total_bytes: int) -> int:
+        """0 for one ``.safetensors`` file, else the number of shard files for ``total_bytes`` of tensors."""
+        if self.shard_threshold is None or total_bytes < self.shard_threshold:
+            return 0
+        return self.shards if self.shards is not None else default_shards()
 
 
 class Retained(Protocol):
@@ -67,6 +113,8 @@ class RunFolder:
         #: ``Checkpointer``; None: none known.
         self.metrics: Callable[[], Mapping[int, Mapping[str, float]]] | None = None
         self.removed_temporaries: list[Path] = []
+        #: how the general kind lays out and stages what it saves (sharding, staging budget)
+        self.save_options = SaveOptions()
         self.require_signature = auth.require_signature_from_env() if require_signature is None else bool(require_signature)
         # A writer loads the key now (a misconfigured key fails at start, not at the
         # first save); a reader only when it must verify.

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ..core.state import Progress, TrainingState, optimizer_record
+from ..core.state import Progress, TrainingState
 from ..errors import BadInput, IntegrityError, RipresaError
 from ..formats import general as general_fmt
 from ..formats import safetensors_file as st
 from ..formats.generation import Check, Checks, Generation, reason_of
 from ..formats.naming import NameFormat
 from ..io import auth
-from ..io.fsio import StagedFile, open_run_file, read_small
+from ..io.fsio import open_run_file, read_small
 from .base import BackendBase, load_full_into
 from .commit import (
     Written,
@@ -36,7 +36,9 @@ from .commit import (
     with_companion,
 )
 from .folder import RunFolder
-from .restore import Loaded, rest_proxy
+from .restore import Loaded
+from .shards import ShardsBackend, capture_tensors
+from .tensor_writer import StagingArea, TensorFileWriter, run_writers
 
 #: The kind's one name (``Generation.kind``, the registry, ``format=``); ``st`` is its old name, still read.
 KIND = "general"
@@ -135,22 +137,33 @@ def validate_general(folder: Path, step: int, *, deep: bool = False, load: bool 
     return out
 
 
-def save_general(folder: Path, step: int, tensors: dict[str, Any], encoded_state: Any, aliases: dict[str, str], *,
-                 hmac_key: bytes | None) -> Generation:
-    """Write general generation ``step`` durably (files, folder fsync, signature, marker last); return its check."""
+def save_general(folder: Path, step: int, tensors: dict[str, Any] | list[tuple[str, Any]], encoded_state: Any,
+                 aliases: dict[str, str], *, hmac_key: bytes | None, writer: TensorFileWriter | None = None) -> Generation:
+    """Write general generation ``step`` durably (files, folder fsync, signature, marker last); return its check.
+
+    ``writer``: the tensor file's writer when a save with a staging budget started it already (its live
+    head written while the loop waited); else one is run here on ``tensors``.
+    """
     f, c, mk = general_paths(folder, step)
     meta = {"format": general_fmt.FORMAT, "format_version": str(general_fmt.FORMAT_VERSION), "step": str(step)}
+    if writer is None:
+        ordered = st.layout(tensors) if isinstance(tensors, dict) else list(tensors)
+        writer = TensorFileWriter(f, ordered, meta)
 
     def write() -> Written:
-        with StagedFile(f) as ff:
-            st.write(ff, tensors, meta)
-            f_digest = ff.finish()
-            doc = general_fmt.companion_doc(f.name, f_digest.sha256, f_digest.size, step, len(tensors), aliases,
+        (f_digest,) = run_writers([writer])
+        assert writer.file is not None
+        with writer.file as ff:
+            doc = general_fmt.companion_doc(f.name, f_digest.sha256, f_digest.size, step, len(writer.tensors), aliases,
                                             encoded_state)
             return with_companion(step, ff, f_digest, c, doc)
 
-    return commit_generation(folder, step, marker=mk, signature=auth.signature_path(f), key=hmac_key, write=write,
-                             check=lambda: validate_general(folder, step).generation, what="general generation", file=f)
+    try:
+        return commit_generation(folder, step, marker=mk, signature=auth.signature_path(f), key=hmac_key, write=write,
+                                 check=lambda: validate_general(folder, step).generation, what="general generation", file=f)
+    except BaseException:
+        writer.discard()
+        raise
 
 
 class GeneralBackend(BackendBase):
@@ -162,6 +175,8 @@ class GeneralBackend(BackendBase):
     written_by = ".safetensors ones are written for states a .bin cannot hold (format='general' or 'auto')"
     background = True
     names = GENERAL_NAMES
+    #: the kinds its saves write: a state of ``SaveOptions.shard_threshold`` bytes or more goes to ``.shards``
+    writes = (KIND, "shards")
 
     def _key(self) -> bytes | None:
         return self.store.signature_key()
@@ -194,53 +209,57 @@ class GeneralBackend(BackendBase):
 
     def __init__(self, store: RunFolder) -> None:
         super().__init__(store)
-        self._staging: torch.Tensor | None = None  # reused by background saves (one in flight at most)
+        self.staging = StagingArea()  # reused by background saves (one in flight at most), shared with the shards
+        self.shards = ShardsBackend(store, self.staging)
         self._checked: dict[int, st.Header | None] = {}  # step -> header parsed by check_to_resume
+        self._last_model: dict[str, torch.Tensor] | None = None
 
     def commit_for(self, step: int, state: TrainingState, progress: Progress, extra: dict[str, Any] | None, *,
                    stage: Callable[[Any], Any] | None = None, world_size: int = 1) -> Callable[[], Generation]:
         """Capture ``state`` now: everything but model and optimizer as a snapshot, their tensors by reference.
 
-        For a background save (``stage`` given: the session's writer, which has
-        finished the previous save) every tensor is copied now into one reused
-        staging buffer sized from the state (pinned with CUDA) and the commit
-        streams the copies; a synchronous save writes the live CPU tensors at
-        once, before training goes on (as a ``.bin`` save writes its views).
+        Tensors of ``SaveOptions.shard_threshold`` bytes or more go to a
+        sharded generation (:mod:`ripresa.store.shards`). For a background
+        save (``stage`` given: the session's writer, which has finished the
+        previous save) the tensors are copied now into one reused staging
+        buffer, at most ``SaveOptions.staging_budget`` bytes of them (the rest
+        is written before this returns) and the commit streams the copies; a
+        synchronous save writes the live CPU tensors at once, before training
+        goes on (as a ``.bin`` save writes its views).
         """
-        snap = rest_proxy(state).snapshot(progress, extra)  # small: copies of scheduler, data, streams, objects
-        snap["model"] = dict(state.model.state_dict(keep_vars=True))
-        snap["optimizer"] = state.optimizer.state_dict() if state.optimizer is not None else None
-        snap["optimizer_params"] = optimizer_record(state.model, state.optimizer)  # what the resume checks it against
-        tensors, encoded, aliases = general_fmt.split_state(snap, general_fmt.model_aliases(state.model),
-                                                            to_cpu=stage is None)
-        if stage is not None:
-            tensors = self._stage(tensors)
+        opts = self.store.save_options
+        tensors, encoded, aliases = capture_tensors(state, progress, extra, to_cpu=stage is None, plain_model_keys=False)
+        count = opts.shard_count(sum(t.numel() * t.element_size() for t in tensors.values()))
+        key_of = general_fmt.plain_key_of if count else general_fmt.key_of
+        names = {n: key_of(("model", general_fmt.model_aliases(state.model).get(n, n))) for n in state.model.state_dict()}
+        if count:  # a sharded generation keys model tensors by their own names (Hugging Face loaders)
+            tensors, encoded, aliases = capture_tensors(state, progress, extra, to_cpu=stage is None, plain_model_keys=True)
+            commit = self.shards.commit_tensors(step, tensors, encoded, aliases, count, background=stage is not None)
+            self._last_model = self.staging.take(names) if stage is not None else None
+            return commit
         folder, key = self.folder, self.store.hmac_key
+        ordered = st.layout(tensors)
+        writer = None
+        if stage is not None:
+            (ordered,), (live,) = self.staging.stage([ordered], opts.staging_budget)
+            if live:  # the part beyond the staging budget is written now, while the loop waits
+                meta = {"format": general_fmt.FORMAT, "format_version": str(general_fmt.FORMAT_VERSION), "step": str(step)}
+                writer = TensorFileWriter(general_paths(folder, step)[0], ordered, meta, live=live).start()
+                writer.wait_live()
+        self._last_model = self.staging.take(names) if stage is not None else None
 
         def commit() -> Generation:
-            return save_general(folder, step, tensors, encoded, aliases, hmac_key=key)
+            return save_general(folder, step, ordered, encoded, aliases, hmac_key=key, writer=writer)
 
         return commit
 
-    def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy ``tensors`` into the staging buffer (in file order, each at a multiple of its item size)."""
-        ordered = st.layout(tensors)
-        total = sum(t.numel() * t.element_size() for _, t in ordered)
-        if self._staging is None or self._staging.numel() < total:
-            self._staging = None
-            self._staging = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        out: dict[str, torch.Tensor] = {}
-        off, on_cuda = 0, False
-        for k, t in ordered:
-            n = t.numel() * t.element_size()
-            dst = self._staging[off : off + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
-            on_cuda |= t.device.type == "cuda"
-            dst.copy_(t, non_blocking=t.device.type == "cuda")
-            out[k] = dst
-            off += n
-        if on_cuda:
-            torch.cuda.synchronize()
-        return out
+    def staged_model(self) -> dict[str, torch.Tensor] | None:
+        """The model's tensors of the last background capture, as views of the staged copy (valid until the next
+        save stages), by ``state_dict`` name; None when the last capture staged none, or not all of them."""
+        return self._last_model
+
+    def clean(self) -> list[Path]:
+        return self.shards.clean()  # a sharded save's partial folder (its files' temporaries go with it)
 
     def delete(self, step: int) -> None:
         """Remove a generation, marker first (it reads as uncommitted if interrupted)."""

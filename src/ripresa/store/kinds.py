@@ -27,6 +27,7 @@ from .commit import newest_valid
 from .dcp import DcpBackend
 from .folder import RunFolder
 from .general import GeneralBackend
+from .shards import ShardsBackend
 
 __all__ = ["AUTO", "MODES", "BackendSpec", "Owner", "backend_of", "backends_for", "check_generation_file", "choose_writer",
            "describe", "formats", "kinds", "latest_valid_any", "latest_valid_of", "newest_kind", "owner_of", "register_backend",
@@ -296,3 +297,6 @@ register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2
 register_backend(BackendSpec("dcp", DcpBackend, {"single": 30, "ddp": 20, "fsdp2": 10}, describes="sharded .dcp"))
 register_backend(BackendSpec("general", GeneralBackend, {"single": 5, "ddp": 5, "fsdp2": 15}, "general", aliases=("st",),
                              pool="run", describes="general .safetensors"))
+# Written by the general kind for a state of SaveOptions.shard_threshold bytes or more (never chosen by `format=`).
+register_backend(BackendSpec("shards", ShardsBackend, {"single": 40, "ddp": 40, "fsdp2": 40}, pool="run",
+                             describes="sharded general .shards"))

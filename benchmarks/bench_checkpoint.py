@@ -25,6 +25,14 @@ max(cold read, sha256) — the targets of issue 12, item 8. ``--dtype bf16``
 measures bfloat16 parameters and moments (the .bin rows need float32 and are
 left out).
 
+Sharded general generations (issue 24): ``save.shards_K`` (``GeneralBackend.save`` with
+``SaveOptions(shard_threshold=0, shards=K)``, K = ``--shards``, default 1,2,4) against
+max(raw write, sha256 / K), and ``resume.shards_K`` (``ShardsBackend`` check_to_resume + load,
+cold) against max(cold read, sha256 / K), in a "shard scaling" table with, under it, a model
+(not a measurement) of an 84 GB state on a 64-core host. ``stall.general_budget``: a background
+save's capture with ``staging_budget`` = ``--budget-fraction`` of the state (default 0.25): the
+loop's wait, beside ``stall.general_async`` and ``stall.memcpy``.
+
 Methods of a group run alternately forward and backward within each pair;
 figures are the median of ``--pairs`` pairs (min and max kept too). Every
 output is deleted right after its measurement; the scratch folder is removed

@@ -1691,8 +1691,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         keys = [k for _, ks in groups_for(result.get("dtype", "fp32"), (sc or {}).get("shards", DEFAULT_SHARDS))
                 for k in ks if k in methods]
         over = [(methods[k]["rss"].get("method_peak_over_state_bytes") or 0) / 1e6 for k in keys]
-        bars = ax.bar(range(len(keys)), over, color=["#7f7f7f" if k in floors else "#9467bd" if "general" in k else "#d62728" if "ripresa" in k
-                                                     else "#1f77b4" for k in keys])
+        bars = ax.bar(range(len(keys)), over, color=["#7f7f7f" if k in floors else "#9467bd" if "general" in k or "shards" in k
+                                                     else "#d62728" if "ripresa" in k else "#1f77b4" for k in keys])
         for b, v in zip(bars, over, strict=True):
             ax.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
@@ -1701,6 +1701,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.axhline(result["bytes"] / 1e6, color="#7f7f7f", linestyle="--", linewidth=1)
         ax.annotate("one copy of the state", (0, result["bytes"] / 1e6), fontsize=7, xytext=(2, 3),
                     textcoords="offset points")
+        if result.get("budget"):  # the staging budget of stall.general_budget
+            ax.axhline(result["budget"]["budget_bytes"] / 1e6, color="#9467bd", linestyle=":", linewidth=1)
+            ax.annotate("staging budget", (0, result["budget"]["budget_bytes"] / 1e6), fontsize=7, xytext=(2, 3),
+                        textcoords="offset points", color="#9467bd")
         ax.grid(axis="y", alpha=0.3)
     for ax, (title, keys) in zip(axes, panels, strict=True):
         keys = [k for k in keys if k in methods]
@@ -1708,7 +1712,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         lo = [methods[k]["median"] - methods[k]["min"] for k in keys]
         hi = [methods[k]["max"] - methods[k]["median"] for k in keys]
         # the general format in purple, the .bin path in red, the floors in grey, the libraries in blue
-        colors = ["#9467bd" if "general" in k and k not in floors else "#d62728" if "ripresa" in k
+        colors = ["#9467bd" if ("general" in k or "shards" in k) and k not in floors else "#d62728" if "ripresa" in k
                   else "#7f7f7f" if k in floors else "#1f77b4" for k in keys]
         for light in ("save.ripresa", "resume.read_bin_nohash", "stall.ripresa_async_caller"):
             if light in keys and (light != "save.ripresa" or title.startswith("blocking")):

@@ -25,6 +25,14 @@ max(cold read, sha256) — the targets of issue 12, item 8. ``--dtype bf16``
 measures bfloat16 parameters and moments (the .bin rows need float32 and are
 left out).
 
+Sharded general generations (issue 24): ``save.shards_K`` (``GeneralBackend.save`` with
+``SaveOptions(shard_threshold=0, shards=K)``, K = ``--shards``, default 1,2,4) against
+max(raw write, sha256 / K), and ``resume.shards_K`` (``ShardsBackend`` check_to_resume + load,
+cold) against max(cold read, sha256 / K), in a "shard scaling" table with, under it, a model
+(not a measurement) of an 84 GB state on a 64-core host. ``stall.general_budget``: a background
+save's capture with ``staging_budget`` = ``--budget-fraction`` of the state (default 0.25): the
+loop's wait, beside ``stall.general_async`` and ``stall.memcpy``.
+
 Methods of a group run alternately forward and backward within each pair;
 figures are the median of ``--pairs`` pairs (min and max kept too). Every
 output is deleted right after its measurement; the scratch folder is removed
@@ -77,20 +85,50 @@ from ripresa.formats.bin_state import bin_arrays, companion_snapshot  # noqa: E4
 from ripresa.io.fsio import fsync_dir, read_exact_hashing  # noqa: E402
 from ripresa.store.async_save import AsyncCheckpointWriter  # noqa: E402
 from ripresa.store.backend import backend_of  # noqa: E402
+from ripresa.store.folder import SaveOptions  # noqa: E402
 from ripresa.store.general import GeneralBackend, general_paths  # noqa: E402
+from ripresa.store.shards import ShardsBackend  # noqa: E402
 from ripresa.store.store import CheckpointStore, generation_paths  # noqa: E402
 
 SCHEMA = "ripresa-bench-checkpoint/1"
 DEFAULT_PARAMS = 120_000_000  # ANDREA-120M
 GB = 1e9
 
-#: A comparator: a method key, or ("max" | "min", (comparator, ...)) of the medians (and, for the
-#: "ratio of mins", of the minimums) of several methods, e.g. max(raw write, sha256) — the floor
-#: of a save that writes and hashes the same bytes.
+#: A comparator: a method key, or ("max" | "min" | "sum", (comparator, ...)) of the medians (and,
+#: for the "ratio of mins", of the minimums) of several methods, e.g. max(raw write, sha256) — the
+#: floor of a save that writes and hashes the same bytes — or ("div", (comparator, K)) /
+#: ("mul", (comparator, F)): a comparator divided by K (sha256 spread over K workers) or times F.
 Comparator = str | tuple[str, tuple[Any, ...]]
 SAVE_FLOOR: Comparator = ("max", ("save.raw", "hash.sha256"))
 COLD_READ: Comparator = ("min", ("resume.general_fromfile", "resume.general_read_nohash"))
 LOAD_FLOOR: Comparator = ("max", (COLD_READ, "hash.sha256"))
+
+#: --shards: the shard counts K measured by default (save.shards_K, resume.shards_K)
+DEFAULT_SHARDS = (1, 2, 4)
+#: --budget-fraction: the staging budget of stall.general_budget, as a share of the state
+DEFAULT_BUDGET_FRACTION = 0.25
+#: the "on paper" model: a 7B-parameter fp32 + AdamW state (12 bytes a parameter), on a 64-core host
+MODEL_STATE_BYTES = 84 * GB
+MODEL_CORES = 64
+MODEL_SHARDS = (8, 16, 32, 64)
+#: a staging budget's layout is one file (never sharded), as stall.general_async's: the two stalls compare
+ONE_FILE = 1 << 62
+
+
+def save_floor_k(k: int) -> Comparator:
+    """max(raw write, sha256 / K): the floor of a save whose hashing is spread over K workers."""
+    return ("max", ("save.raw", ("div", ("hash.sha256", k))))
+
+
+def load_floor_k(k: int) -> Comparator:
+    """max(cold read, sha256 / K): the floor of a load whose hashing is spread over K workers."""
+    return ("max", (COLD_READ, ("div", ("hash.sha256", k))))
+
+
+def budget_floor(fraction: float) -> Comparator:
+    """What a budgeted capture must at least do in the loop's thread: write and hash the part beyond
+    the budget, (1 - f) · max(raw write, sha256), and copy the rest, f · memcpy."""
+    return ("sum", (("mul", (SAVE_FLOOR, round(1.0 - fraction, 6))), ("mul", ("stall.memcpy", round(fraction, 6)))))
 
 #: (key, figure, comparator or None, target operator, target value, explanation).
 #: The general format's targets come from issue 12 (item 8); the .bin ones are fp32 only.
@@ -164,6 +202,9 @@ METHODS: dict[str, tuple[str, str, str]] = {
     "complete.ripresa_async": ("complete", "ripresa async, until committed", "seconds until wait() returns"),
     "complete.dcp_async": ("complete", "DCP async_save, until done", "seconds until the future resolves"),
     "complete.general_async": ("complete", "general background save, until committed", "capture + commit seconds"),
+    "stall.general_budget": ("stall", "general capture, staging budget",
+                             "seconds capture() blocks: the part beyond the budget written by the loop, the rest copied"),
+    "complete.general_budget": ("complete", "general budget save, until committed", "capture + commit seconds"),
     "resume.ripresa_load": ("resume", "ripresa CheckpointStore.load (sha256)", "seconds, cold cache"),
     "resume.np_fromfile": ("resume", "np.fromfile", "seconds, cold cache"),
     "resume.read_bin_nohash": ("resume", "ripresa read_bin, no hash", "seconds, cold cache (diagnostic)"),
@@ -176,21 +217,46 @@ BIN_METHODS = {"save.ripresa", "stall.ripresa_async", "stall.ripresa_async_calle
                "resume.ripresa_load", "resume.np_fromfile", "resume.read_bin_nohash"}
 
 
-#: the measured methods by group, in the order each pair runs them
+def shard_keys(k: int) -> tuple[str, str]:
+    """The save and the load method of K shards."""
+    return f"save.shards_{k}", f"resume.shards_{k}"
+
+
+def register_shards(shards: tuple[int, ...] | list[int]) -> None:
+    """Add save.shards_K and resume.shards_K to METHODS (and their chart labels) for every K."""
+    for k in shards:
+        save, load = shard_keys(k)
+        METHODS[save] = ("save", f"sharded save, K={k} (GeneralBackend.save)",
+                         "seconds to durable (K shard files, index, companion, one marker)")
+        METHODS[load] = ("resume", f"sharded load + sha256, K={k}",
+                         "seconds, cold cache (ShardsBackend check_to_resume + load)")
+        PLOT_LABELS[save] = f"sharded\nsave K={k}"
+        PLOT_LABELS[load] = f"sharded load\nK={k}"
+
+
+#: the measured methods by group, in the order each pair runs them (the shard methods: groups_for)
 GROUPS: list[tuple[str, list[str]]] = [
     ("save", ["save.raw", "hash.sha256", "save.general", "save.ripresa", "save.torch_save",
               "save.safetensors", "save.dcp"]),
-    ("stall", ["stall.memcpy", "stall.general_async", "stall.ripresa_async", "stall.dcp_async"]),
+    ("stall", ["stall.memcpy", "stall.general_async", "stall.general_budget", "stall.ripresa_async",
+               "stall.dcp_async"]),
     ("resume", ["resume.general_fromfile", "resume.general_read_nohash", "resume.general_load",
                 "resume.np_fromfile", "resume.ripresa_load", "resume.read_bin_nohash"]),
 ]
 
 
-def groups_for(dtype: str) -> list[tuple[str, list[str]]]:
-    """GROUPS without the .bin methods for a dtype the .bin cannot hold."""
-    if dtype == "fp32":
-        return [(g, list(keys)) for g, keys in GROUPS]
-    return [(g, [k for k in keys if k not in BIN_METHODS]) for g, keys in GROUPS]
+def groups_for(dtype: str, shards: tuple[int, ...] | list[int] = DEFAULT_SHARDS) -> list[tuple[str, list[str]]]:
+    """GROUPS with save.shards_K after save.general and resume.shards_K after resume.general_load for
+    each K of ``shards``; without the .bin methods for a dtype the .bin cannot hold."""
+    out: list[tuple[str, list[str]]] = []
+    for g, keys in GROUPS:
+        keys = [k for k in keys if dtype == "fp32" or k not in BIN_METHODS]
+        after, pick = {"save": ("save.general", 0), "resume": ("resume.general_load", 1)}.get(g, (None, 0))
+        if after is not None:
+            i = keys.index(after) + 1
+            keys[i:i] = [shard_keys(k)[pick] for k in shards]
+        out.append((g, keys))
+    return out
 
 
 #: short x-axis labels of the chart
@@ -205,7 +271,9 @@ PLOT_LABELS = {
     "stall.general_async": "general\ncapture stall", "stall.general_copy": "general\nstaging copy",
     "resume.general_load": "general load\n(+ sha256)", "resume.general_fromfile": "np.fromfile\n(general)",
     "resume.general_read_nohash": "general read\n(no hash)",
+    "stall.general_budget": "general\nbudget stall",
 }
+register_shards(DEFAULT_SHARDS)
 
 
 # ---------------------------------------------------------------------------- machine facts
@@ -308,7 +376,7 @@ def machine_facts(scratch: Path) -> dict[str, Any]:
     # the code measured, file by file: src/ may differ from git_commit while others edit it
     sources = {}
     for mod in ("io.fsio", "store.store", "store.async_save", "formats.bin_state", "formats.andrea_bin",
-                "store.general", "formats.general", "formats.safetensors_file"):
+                "store.general", "formats.general", "formats.safetensors_file", "store.folder", "store.shards"):
         path = Path(sys.modules[f"ripresa.{mod}"].__file__)
         sources[str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)] = (
             hashlib.sha256(path.read_bytes()).hexdigest())
@@ -541,6 +609,53 @@ def remove(path: Path) -> None:
             pass
 
 
+def _staging_owner(backend: Any) -> tuple[Any, str, str]:
+    """(object, stage method, buffer attribute) of a general backend's staging: its StagingArea
+    (``staging.stage`` / ``staging.buffer``) or, in older code, the backend's ``_stage`` / ``_staging``."""
+    area = getattr(backend, "staging", None)
+    if area is not None and hasattr(area, "stage") and hasattr(area, "buffer"):
+        return area, "stage", "buffer"
+    return backend, "_stage", "_staging"
+
+
+def staging_buffer(backend: Any) -> torch.Tensor | None:
+    """The reused staging buffer of a general backend (None before its first background save)."""
+    owner, _, attr = _staging_owner(backend)
+    return getattr(owner, attr, None)
+
+
+def free_staging(backend: Any) -> None:
+    owner, _, attr = _staging_owner(backend)
+    setattr(owner, attr, None)
+
+
+def time_staging(backend: Any, report: Callable[[float], None]) -> None:
+    """Wrap a general backend's staging copy so that each call reports its seconds (the copy inside
+    capture(), the stall.general_copy figure)."""
+    owner, name, _ = _staging_owner(backend)
+    stage = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = stage(*args, **kwargs)
+        report(time.perf_counter() - t0)
+        return out
+    setattr(owner, name, timed)
+
+
+def _step_prefix(step: int) -> str:
+    return f"step_{step:06d}."
+
+
+def remove_shards(store: CheckpointStore, step: int) -> None:
+    """Remove sharded generation ``step`` (ShardsBackend.delete: marker first), then anything of it
+    that is left (``step_NNNNNN.shards*``), and fsync the folder."""
+    ShardsBackend(store).delete(step)
+    for p in store.folder.glob(f"{_step_prefix(step)}shards*"):
+        remove(p)
+    fsync_dir(store.folder)
+
+
 # ---------------------------------------------------------------------------- the state
 
 
@@ -655,9 +770,14 @@ def sha256_throughput(nbytes: int) -> float:
 
 class Bench:
     def __init__(self, n: int, pairs: int, scratch: Path, log: Callable[[str], None], meter: Meter,
-                 retries: int = 0, dtype: str = "fp32", device: str = "cpu") -> None:
+                 retries: int = 0, dtype: str = "fp32", device: str = "cpu",
+                 shards: tuple[int, ...] | list[int] = DEFAULT_SHARDS,
+                 budget_fraction: float = DEFAULT_BUDGET_FRACTION) -> None:
         self.n, self.pairs, self.scratch, self.log, self.retries = n, pairs, scratch, log, retries
         self.dtype = dtype
+        self.shards = tuple(shards)
+        self.budget_fraction = budget_fraction
+        register_shards(self.shards)
         self.meter = meter
         self.samples: dict[str, list[dict[str, float]]] = {k: [] for k in METHODS}
         self.step = 0
@@ -681,15 +801,24 @@ class Bench:
         self.general = backend_of("general", self.general_store)
         self.general_resume_store = CheckpointStore(scratch / "general_resume")
         self.general_resume = GeneralBackend(self.general_resume_store)
+        # sharded generations (issue 24): saved through GeneralBackend, the layout from store.save_options
+        self.shards_store = CheckpointStore(scratch / "shards")
+        self.shards_writer = GeneralBackend(self.shards_store)
+        self.shards_resume_store = CheckpointStore(scratch / "shards_resume")
+        self.shards_resume_writer = GeneralBackend(self.shards_resume_store)
+        self.shards_resume = ShardsBackend(self.shards_resume_store)
+        self.shards_resume_steps: dict[int, int] = {}
+        # a background save with a staging budget: the loop writes the part beyond it before capture returns
+        self.budget_bytes = int(budget_fraction * self.logical)
+        self.budget_store = CheckpointStore(scratch / "budget")
+        self.budget_store.save_options = SaveOptions(shard_threshold=ONE_FILE, staging_budget=self.budget_bytes)
+        self.budget = backend_of("general", self.budget_store)
         self._stage_s = 0.0
-        stage = self.general._stage
 
-        def timed_stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            t0 = time.perf_counter()
-            out = stage(tensors)
-            self._stage_s = time.perf_counter() - t0
-            return out
-        self.general._stage = timed_stage  # type: ignore[method-assign] - times the copy inside capture()
+        def on_stage(seconds: float) -> None:
+            self._stage_s = seconds
+        time_staging(self.general, on_stage)  # times the copy inside capture()
+        time_staging(self.budget, on_stage)
         self.copy_buffer: torch.Tensor | None = None
         self.resume_step: int | None = None
         self.general_resume_step: int | None = None
@@ -700,7 +829,8 @@ class Bench:
                 self.writer.wait()
         except Exception:  # noqa: BLE001 - cleanup path; the error was already raised
             pass
-        for store in (self.store, self.async_store, self.general_store, self.general_resume_store):
+        for store in (self.store, self.async_store, self.general_store, self.general_resume_store,
+                      self.shards_store, self.shards_resume_store, self.budget_store):
             store.close()
 
     def next_step(self) -> int:
@@ -754,6 +884,23 @@ class Bench:
             self.general.delete(step)
             fsync_dir(self.general.folder)
         return self._then(run, cleanup)
+
+    def save_shards(self, k: int) -> Callable[[], Callable[[], dict[str, float]]]:
+        """The maker of save.shards_K: GeneralBackend.save with SaveOptions(shard_threshold=0, shards=K):
+        K shard files, each written and hashed by its own worker, index, companion, one marker last."""
+        def make() -> Callable[[], dict[str, float]]:
+            step = self.next_step()
+
+            def run() -> dict[str, float]:
+                self.shards_store.save_options = SaveOptions(shard_threshold=0, shards=k)
+                gen = self.shards_writer.save(step, self.state, self.set_step(step))
+                assert gen.kind == "shards", f"save.shards_{k}: a {gen.kind!r} generation, not a sharded one"
+                return {"shard_files": float(len(list(gen.path.glob("*.safetensors"))))}
+
+            def cleanup() -> None:
+                remove_shards(self.shards_store, step)
+            return self._then(run, cleanup)
+        return make
 
     def save_ripresa(self) -> Callable[[], None]:
         step = self.next_step()
@@ -855,6 +1002,36 @@ class Bench:
             fsync_dir(self.general.folder)
         return self._then(run, cleanup)
 
+    def stall_budget(self) -> Callable[[], dict[str, float]]:
+        """A background save with ``staging_budget`` = --budget-fraction of the state: capture() copies
+        the last ≤ budget bytes into staging and writes the part beyond it itself before it returns
+        (the loop's wait); then the commit writes the staged part (here in this thread, after the stall)."""
+        step = self.next_step()
+
+        def run() -> dict[str, float]:
+            progress = self.set_step(step)
+            io0 = _proc_io()
+            self._stage_s = 0.0
+            t0 = time.perf_counter()
+            commit = self.budget.capture(step, self.state, progress, None, stage=lambda x: x)
+            t1 = time.perf_counter()
+            io1 = _proc_io()
+            copy_s = self._stage_s
+            commit()
+            t2 = time.perf_counter()
+            staging = staging_buffer(self.budget)
+            return {"stall_s": t1 - t0, "complete_s": t2 - t0, "copy_s": copy_s,
+                    # what the loop's thread wrote during capture (the part beyond the budget)
+                    "stall_write_bytes": float(io1.get("write_bytes", 0) - io0.get("write_bytes", 0)),
+                    "budget_bytes": float(self.budget_bytes),
+                    "staging_bytes": float(staging.numel() * staging.element_size()) if torch.is_tensor(staging)
+                    else -1.0}
+
+        def cleanup() -> None:
+            self.budget.delete(step)
+            fsync_dir(self.budget.folder)
+        return self._then(run, cleanup)
+
     def stall_memcpy(self) -> Callable[[], dict[str, float]]:
         def run() -> dict[str, float]:
             assert self.copy_buffer is not None
@@ -937,6 +1114,27 @@ class Bench:
             del tensors
         return self._cold(run, self._general_files())
 
+    def _shards_files(self, k: int) -> list[Path]:
+        """Every file of sharded generation K of the resume store (the shard files, index, companion,
+        marker)."""
+        step = self.shards_resume_steps[k]
+        return sorted(p for p in self.shards_resume.folder.rglob(f"{_step_prefix(step)}*") if p.is_file())
+
+    def resume_shards(self, k: int) -> Callable[[], Callable[[], None]]:
+        """The maker of resume.shards_K: ShardsBackend check_to_resume + load of a committed K-shard
+        generation, the page cache of all its files dropped first (each shard read and verified by
+        its own worker)."""
+        def make() -> Callable[[], None]:
+            step = self.shards_resume_steps[k]
+
+            def run() -> None:
+                gen = self.shards_resume.check_to_resume(step)
+                loaded = self.shards_resume.load(gen, self.state)
+                assert loaded.saved["model"]
+                del loaded
+            return self._cold(run, self._shards_files(k))
+        return make
+
     def _cold(self, run: Callable[[], None], files: list[Path] | None = None) -> Callable[[], None]:
         for p in files if files is not None else self._resume_files():
             drop_cache(p)
@@ -1000,6 +1198,9 @@ class Bench:
             "stall.general_async": self.stall_general, "resume.general_load": self.resume_general,
             "resume.general_fromfile": self.resume_general_fromfile,
             "resume.general_read_nohash": self.resume_general_nohash,
+            "stall.general_budget": self.stall_budget,
+            **{shard_keys(k)[0]: self.save_shards(k) for k in self.shards},
+            **{shard_keys(k)[1]: self.resume_shards(k) for k in self.shards},
         }
 
     def record_sample(self, key: str, sample: dict[str, Any]) -> None:
@@ -1013,6 +1214,9 @@ class Bench:
             self.record(key, sample, "stall_s")
             self.samples["stall.general_copy"].append(dict(sample, value=sample["copy_s"]))
             self.samples["complete.general_async"].append(dict(sample, value=sample["complete_s"]))
+        elif key == "stall.general_budget":
+            self.record(key, sample, "stall_s")
+            self.samples["complete.general_budget"].append(dict(sample, value=sample["complete_s"]))
         elif key == "stall.dcp_async":
             self.record(key, sample, "stall_s")
             self.samples["complete.dcp_async"].append(dict(sample, value=sample["complete_s"]))
@@ -1053,6 +1257,19 @@ class Bench:
             self.writer.save(step, bin_arrays(self.state), self.companion(step))
             self.writer.wait()
             self.async_store.delete(step)
+        if keys is None or "stall.general_budget" in keys:
+            # the budgeted backend's staging buffer (at most the budget) is allocated once, as in a loop
+            step = self.next_step()
+            self.budget.capture(step, self.state, self.set_step(step), None, stage=lambda x: x)()
+            self.budget.delete(step)
+        if keys is None or keys & {shard_keys(k)[0] for k in self.shards}:
+            # the shard workers' code paths, on the real state (a K-shard save per K, outside the figures)
+            for k in self.shards:
+                if keys is None or shard_keys(k)[0] in keys:
+                    step = self.next_step()
+                    self.shards_store.save_options = SaveOptions(shard_threshold=0, shards=k)
+                    self.shards_writer.save(step, self.state, self.set_step(step))
+                    remove_shards(self.shards_store, step)
         if keys is not None and not keys & {"stall.general_async", "stall.memcpy"}:
             return
         step = self.next_step()
@@ -1060,17 +1277,26 @@ class Bench:
         self.general.delete(step)
         # memcpy's preallocated, touched destination: the general backend's staging buffer
         # itself (the same pages its capture copies into; one copy of the state less in RAM)
-        self.copy_buffer = self.general._staging
+        self.copy_buffer = staging_buffer(self.general)
         assert self.copy_buffer is not None and self.copy_buffer.numel() >= self.logical
 
-    def prepare_resume(self) -> None:
-        if self.with_bin:
+    def prepare_resume(self, keys: set[str] | None = None) -> None:
+        """Commit the generations the loads read (with ``keys``: those these methods read; the one-file
+        general generation always: the cold-read floors read it)."""
+        if self.with_bin and (keys is None or keys & BIN_METHODS):
             step = self.next_step()
             self.store.save(step, bin_arrays(self.state), self.companion(step))
             self.resume_step = step
         step = self.next_step()
         self.general_resume.save(step, self.state, self.set_step(step))
         self.general_resume_step = step
+        for k in self.shards:
+            if keys is None or shard_keys(k)[1] in keys:
+                step = self.next_step()
+                self.shards_resume_store.save_options = SaveOptions(shard_threshold=0, shards=k)
+                gen = self.shards_resume_writer.save(step, self.state, self.set_step(step))
+                assert gen.kind == "shards", gen.kind
+                self.shards_resume_steps[k] = step
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -1079,6 +1305,38 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def _ok(value: float, op: str, target: float) -> bool:
     return value <= target if op == "<=" else value < target
+
+
+def extra_info_ratios(shards: tuple[int, ...] | list[int],
+                      budget_fraction: float) -> list[tuple[str, str, Comparator, float, str, str]]:
+    """The info rows of the shard methods (each against its floor) and of the staging budget."""
+    rows: list[tuple[str, str, Comparator, float, str, str]] = []
+    for k in shards:
+        save, load = shard_keys(k)
+        rows += [
+            (f"shards_{k}_save_over_floor", save, save_floor_k(k), 1.2, f"sharded save K={k} vs its floor (info)",
+             f"info: sharded durable save, K={k} shard files, vs max(raw write+fsync, sha256 / {k})"),
+            (f"shards_{k}_save_over_one_file_floor", save, SAVE_FLOOR, 1.0,
+             f"sharded save K={k} vs the one-file floor (info)",
+             f"info: sharded durable save, K={k}, vs max(raw write+fsync, sha256): below 1 is past the "
+             "floor of any one-file checksummed save"),
+            (f"shards_{k}_load_over_floor", load, load_floor_k(k), 1.2, f"sharded load K={k} vs its floor (info)",
+             f"info: sharded cold load + verify, K={k}, vs max(cold read, sha256 / {k})"),
+        ]
+    rows += [
+        ("general_budget_stall_over_memcpy", "stall.general_budget", "stall.memcpy", 1.3,
+         "general budget stall vs memcpy (info)",
+         f"info: background save with staging_budget = {budget_fraction:g} of the state: the loop's wait "
+         "(capture) vs memcpy of the whole state"),
+        ("general_budget_stall_over_async", "stall.general_budget", "stall.general_async", 1.0,
+         "general budget stall vs unbudgeted stall (info)",
+         "info: the loop's wait with the staging budget vs the unbudgeted background save's stall"),
+        ("general_budget_stall_over_floor", "stall.general_budget", budget_floor(budget_fraction), 1.2,
+         "general budget stall vs its floor (info)",
+         f"info: the loop's wait vs {1 - budget_fraction:g} × max(raw write+fsync, sha256) + "
+         f"{budget_fraction:g} × memcpy (write and hash the part beyond the budget, copy the rest)"),
+    ]
+    return rows
 
 
 def compute(bench: Bench) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -1119,7 +1377,9 @@ def compute(bench: Bench) -> tuple[dict[str, Any], dict[str, Any]]:
             continue
         ratios[name] = _ratio(methods[fig], fig, c, op, target, text)
     # info rows: the same targets against a stricter reading (not counted in targets_met)
-    for name, fig, comp, target, label, text in INFO_RATIOS:
+    extra = extra_info_ratios(getattr(bench, "shards", DEFAULT_SHARDS),
+                              getattr(bench, "budget_fraction", DEFAULT_BUDGET_FRACTION))
+    for name, fig, comp, target, label, text in INFO_RATIOS + extra:
         c = resolve(methods, comp)
         if fig in methods and c is not None:
             ratios[name] = dict(_ratio(methods[fig], fig, c, "<=", target, text), info=True, label=label)
@@ -1135,13 +1395,101 @@ def resolve(methods: dict[str, Any], comp: Comparator) -> dict[str, Any] | None:
         return {"key": comp, "median": methods[comp]["median"], "min": methods[comp]["min"],
                 "label": methods[comp]["label"]}
     op, parts = comp
+    if op in ("div", "mul"):  # (comparator, number)
+        inner, x = parts
+        g = resolve(methods, inner)
+        if g is None:
+            return None
+        f = 1.0 / x if op == "div" else float(x)
+        sign = "/" if op == "div" else "*"
+        return {"key": f"{g['key']}{sign}{x:g}" if op == "div" else f"{x:g}*{g['key']}",
+                "median": g["median"] * f, "min": g["min"] * f,
+                "label": f"{g['label']} {sign} {x:g}" if op == "div" else f"{x:g} × {g['label']}"}
     got = [resolve(methods, p) for p in parts]
     if any(g is None for g in got):
         return None
-    pick = max if op == "max" else min
+    pick = {"max": max, "min": min, "sum": sum}[op]
     return {"key": f"{op}({', '.join(g['key'] for g in got)})",
             "median": pick(g["median"] for g in got), "min": pick(g["min"] for g in got),
             "label": f"{op}({', '.join(g['label'] for g in got)})"}
+
+
+def shard_scaling(methods: dict[str, Any], facts: dict[str, Any], shards: tuple[int, ...] | list[int],
+                  cores: int, nbytes: int) -> dict[str, Any] | None:
+    """The shard scaling table (a row per K: save and load seconds, their floors and ratios) and the
+    "on paper" model of a 64-core host, from the measured per-core sha256 and raw-write throughputs."""
+    rows = []
+    for k in shards:
+        save, load = shard_keys(k)
+        row: dict[str, Any] = {"shards": k}
+        for what, key, comp in (("save", save, save_floor_k(k)), ("load", load, load_floor_k(k))):
+            floor = resolve(methods, comp)
+            if key not in methods or floor is None:
+                continue
+            row[f"{what}_s"] = methods[key]["median"]
+            row[f"{what}_floor_s"] = floor["median"]
+            row[f"{what}_floor"] = floor["key"]
+            row[f"{what}_ratio"] = methods[key]["median"] / floor["median"]
+        if len(row) > 1:
+            rows.append(row)
+    if not rows:
+        return None
+    sha, write = facts.get("sha256_gbps"), facts.get("raw_write_gbps")
+    model = None
+    if sha and write:
+        model_rows = []
+        for k in (1, *MODEL_SHARDS):
+            hash_s = MODEL_STATE_BYTES / (min(k, MODEL_CORES) * sha * GB)
+            write_s = MODEL_STATE_BYTES / (write * GB)
+            model_rows.append({"shards": k, "hash_s": hash_s, "write_s": write_s, "save_s": max(hash_s, write_s),
+                               "bound_by": "disk" if write_s >= hash_s else "sha256"})
+        model = {
+            "what": "a model, not a measurement",
+            "state_bytes": MODEL_STATE_BYTES,
+            "state": "7B parameters, fp32 weights + AdamW exp_avg + exp_avg_sq (12 bytes a parameter)",
+            "cores": MODEL_CORES,
+            "sha256_gbps_per_core": sha,
+            "write_gbps": write,
+            "formula": "save_s = max(state_bytes / (min(K, cores) * sha256_gbps_per_core), "
+                       "state_bytes / write_gbps)",
+            "assumes": "sha256 scales linearly with the workers up to the cores, each core hashes at the "
+                       "rate measured here on one, and the disk writes at this host's measured raw "
+                       "write+fsync rate whatever the number of files",
+            "rows": model_rows,
+        }
+    return {"shards": list(shards), "cores": cores, "bytes": nbytes, "rows": rows, "model": model,
+            "note": "floors: save max(save.raw, hash.sha256 / K); load max(cold read, hash.sha256 / K). "
+                    f"With K above this host's {cores} cores the hash part of the floor is not reachable here."}
+
+
+def budget_summary(methods: dict[str, Any], bench_bytes: int, fraction: float) -> dict[str, Any] | None:
+    """The staging budget's figures: the loop's wait beside the unbudgeted stall and memcpy, what the
+    loop wrote during it, and (with --isolate) the peak RSS over the state against the budget."""
+    m = methods.get("stall.general_budget")
+    if m is None:
+        return None
+    runs = m["runs"]
+    out: dict[str, Any] = {
+        "fraction": fraction,
+        "budget_bytes": int(runs[0].get("budget_bytes", fraction * bench_bytes)),
+        "stall_s": m["median"],
+        "stall_general_async_s": methods.get("stall.general_async", {}).get("median"),
+        "stall_memcpy_s": methods.get("stall.memcpy", {}).get("median"),
+        "complete_s": methods.get("complete.general_budget", {}).get("median"),
+        "stall_write_bytes": statistics.median(r.get("stall_write_bytes", 0.0) for r in runs),
+        "staging_bytes": max(r.get("staging_bytes", -1.0) for r in runs),
+    }
+    floor = resolve(methods, budget_floor(fraction))
+    if floor is not None:
+        out["stall_floor_s"] = floor["median"]
+    rss = m.get("rss")
+    if rss and rss.get("method_peak_over_state_bytes") is not None:
+        out["peak_over_state_bytes"] = rss["method_peak_over_state_bytes"]
+        out["peak_over_state_over_budget"] = rss["method_peak_over_state_bytes"] / max(out["budget_bytes"], 1)
+        full = methods.get("stall.general_async", {}).get("rss", {}).get("method_peak_over_state_bytes")
+        if full is not None:
+            out["general_async_peak_over_state_bytes"] = full
+    return out
 
 
 def _ratio(fig_m: dict[str, Any], fig: str, c: dict[str, Any], op: str, target: float, text: str) -> dict[str, Any]:
@@ -1232,7 +1580,64 @@ def render_table(result: dict[str, Any]):
                   f"{f['quiet_share']:.0%}; waited {f['quiet_wait_total_s']:.0f} s in all for quiet; "
                   f"{f['discarded_samples']} disturbed samples discarded and redone, "
                   f"{f['disturbed_samples_kept']} kept after {f['retries']} retries")
-    return t1, t2, facts
+    return (t1, t2, facts, *render_shards(result), *render_budget(result))
+
+
+def render_shards(result: dict[str, Any]) -> list[Any]:
+    """The shard scaling table and the "on paper" lines of a 64-core host (nothing without shards)."""
+    from rich.table import Table
+
+    sc = result.get("shard_scaling")
+    if not sc:
+        return []
+    t = Table(title="shard scaling: sharded general save and cold load + verify, each against its floor "
+              "(save: max(raw write+fsync, sha256 / K); load: max(cold read, sha256 / K))", title_justify="left")
+    for col in ("K", "save s", "floor s", "ratio", "load s", "floor s", "ratio"):
+        t.add_column(col, justify="right")
+
+    def cell(row: dict[str, Any], key: str, fmt: str) -> str:
+        return format(row[key], fmt) if key in row else ""
+    for row in sc["rows"]:
+        t.add_row(str(row["shards"]), cell(row, "save_s", ".3f"), cell(row, "save_floor_s", ".3f"),
+                  cell(row, "save_ratio", ".2f"), cell(row, "load_s", ".3f"), cell(row, "load_floor_s", ".3f"),
+                  cell(row, "load_ratio", ".2f"))
+    out: list[Any] = [t]
+    if any(row["shards"] > sc["cores"] for row in sc["rows"]):
+        out.append(f"(this host has {sc['cores']} cores: for K above that the sha256 / K part of the floor "
+                   "is out of reach here)")
+    m = sc.get("model")
+    if m:
+        lines = [f"on paper for a {m['cores']}-core host — a model, not a measurement: "
+                 f"{m['state_bytes'] / GB:.0f} GB state ({m['state']}), sha256 at the "
+                 f"{m['sha256_gbps_per_core']:.2f} GB/s per core measured here, the disk at the "
+                 f"{m['write_gbps']:.2f} GB/s raw write+fsync measured here; save = max(state / "
+                 f"(min(K, {m['cores']}) × sha256 per core), state / write)"]
+        for r in m["rows"]:
+            lines.append(f"  K={r['shards']:>2}: hash {r['hash_s']:7.1f} s, write {r['write_s']:7.1f} s "
+                         f"-> save {r['save_s']:7.1f} s ({r['bound_by']}-bound)")
+        out.append("\n".join(lines))
+    return out
+
+
+def render_budget(result: dict[str, Any]) -> list[str]:
+    """One paragraph on the staging budget: the loop's wait beside the stalls, and its memory."""
+    b = result.get("budget")
+    if not b:
+        return []
+
+    def s_(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f} s"
+    text = (f"staging budget {b['fraction']:g} of the state ({b['budget_bytes'] / 1e6:,.1f} MB): the loop "
+            f"waits {s_(b['stall_s'])} (unbudgeted background stall {s_(b.get('stall_general_async_s'))}, "
+            f"memcpy {s_(b.get('stall_memcpy_s'))}, floor {s_(b.get('stall_floor_s'))}); it wrote "
+            f"{b['stall_write_bytes'] / 1e6:,.1f} MB itself during the wait; committed after "
+            f"{s_(b.get('complete_s'))}; staging buffer {b['staging_bytes'] / 1e6:,.1f} MB")
+    if "peak_over_state_bytes" in b:
+        text += (f"\npeak RSS over the state while measured: {b['peak_over_state_bytes'] / 1e6:,.1f} MB = "
+                 f"{b['peak_over_state_over_budget']:.2f} × the budget")
+        if b.get("general_async_peak_over_state_bytes") is not None:
+            text += f" (unbudgeted background save: {b['general_async_peak_over_state_bytes'] / 1e6:,.1f} MB)"
+    return [text]
 
 
 def _fmt_load(load: list[float] | tuple[float, ...]) -> str:
@@ -1250,7 +1655,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ("durable save (s)", ["save.raw", "hash.sha256", "save.general", "save.ripresa", "save.torch_save",
                               "save.safetensors", "save.dcp"]),
         ("blocking stall (s, log scale)", ["stall.memcpy", "stall.general_copy", "stall.general_async",
-                                           "stall.ripresa_async", "stall.ripresa_async_caller",
+                                           "stall.general_budget", "stall.ripresa_async", "stall.ripresa_async_caller",
                                            "stall.dcp_async", "save.general", "save.ripresa"]),
         ("cold resume (s)", ["resume.general_fromfile", "resume.general_read_nohash", "hash.sha256",
                              "resume.general_load", "resume.np_fromfile", "resume.read_bin_nohash",
@@ -1259,13 +1664,35 @@ def plot(result: dict[str, Any], path: Path) -> None:
     floors = ("save.raw", "stall.memcpy", "resume.np_fromfile", "hash.sha256", "resume.general_fromfile",
               "resume.general_read_nohash")
     isolated = bool(result.get("isolated"))
-    fig, axes = plt.subplots(1, 4 if isolated else 3, figsize=(26 if isolated else 20, 5.6))
+    sc = result.get("shard_scaling")
+    ncols = 3 + bool(sc) + isolated
+    fig, axes = plt.subplots(1, ncols, figsize=(6.7 * ncols, 5.6))
+    axes = list(axes)
+    if sc:  # the shard scaling table: each K's save and load beside its floor
+        ax = axes.pop(3)
+        ks = [r["shards"] for r in sc["rows"]]
+        x = np.arange(len(ks))
+        width = 0.2
+        for j, (field, label, color) in enumerate((
+                ("save_s", "sharded save", "#9467bd"), ("save_floor_s", "save floor", "#7f7f7f"),
+                ("load_s", "sharded load", "#c5b0d5"), ("load_floor_s", "load floor", "#c7c7c7"))):
+            vals = [r.get(field, 0.0) for r in sc["rows"]]
+            bars = ax.bar(x + (j - 1.5) * width, vals, width, label=label, color=color)
+            for b, v in zip(bars, vals, strict=True):
+                ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                            va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(x, [f"K = {k}" for k in ks])
+        ax.set_title(f"shard scaling (s); floors max(write | cold read, sha256 / K); {sc['cores']} cores")
+        ax.set_ylabel("seconds (median)")
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
     if isolated:  # --isolate: each method's memory beyond the state, in its own process
-        ax = axes[3]
-        keys = [k for _, ks in GROUPS for k in ks if k in methods]
+        ax = axes.pop(3)
+        keys = [k for _, ks in groups_for(result.get("dtype", "fp32"), (sc or {}).get("shards", DEFAULT_SHARDS))
+                for k in ks if k in methods]
         over = [(methods[k]["rss"].get("method_peak_over_state_bytes") or 0) / 1e6 for k in keys]
-        bars = ax.bar(range(len(keys)), over, color=["#7f7f7f" if k in floors else "#9467bd" if "general" in k else "#d62728" if "ripresa" in k
-                                                     else "#1f77b4" for k in keys])
+        bars = ax.bar(range(len(keys)), over, color=["#7f7f7f" if k in floors else "#9467bd" if "general" in k or "shards" in k
+                                                     else "#d62728" if "ripresa" in k else "#1f77b4" for k in keys])
         for b, v in zip(bars, over, strict=True):
             ax.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
@@ -1274,15 +1701,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.axhline(result["bytes"] / 1e6, color="#7f7f7f", linestyle="--", linewidth=1)
         ax.annotate("one copy of the state", (0, result["bytes"] / 1e6), fontsize=7, xytext=(2, 3),
                     textcoords="offset points")
+        if result.get("budget"):  # the staging budget of stall.general_budget
+            ax.axhline(result["budget"]["budget_bytes"] / 1e6, color="#9467bd", linestyle=":", linewidth=1)
+            ax.annotate("staging budget", (0, result["budget"]["budget_bytes"] / 1e6), fontsize=7, xytext=(2, 3),
+                        textcoords="offset points", color="#9467bd")
         ax.grid(axis="y", alpha=0.3)
-        axes = axes[:3]
     for ax, (title, keys) in zip(axes, panels, strict=True):
         keys = [k for k in keys if k in methods]
         med = [methods[k]["median"] for k in keys]
         lo = [methods[k]["median"] - methods[k]["min"] for k in keys]
         hi = [methods[k]["max"] - methods[k]["median"] for k in keys]
         # the general format in purple, the .bin path in red, the floors in grey, the libraries in blue
-        colors = ["#9467bd" if "general" in k and k not in floors else "#d62728" if "ripresa" in k
+        colors = ["#9467bd" if ("general" in k or "shards" in k) and k not in floors else "#d62728" if "ripresa" in k
                   else "#7f7f7f" if k in floors else "#1f77b4" for k in keys]
         for light in ("save.ripresa", "resume.read_bin_nohash", "stall.ripresa_async_caller"):
             if light in keys and (light != "save.ripresa" or title.startswith("blocking")):
@@ -1297,7 +1727,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for b, v in zip(bars, med, strict=True):
             ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
-        ax.set_xticks(range(len(keys)), labels, fontsize=7)
+        ax.set_xticks(range(len(keys)), labels, fontsize=7 if len(keys) <= 8 else 6)
         ax.set_title(title)
         ax.set_ylabel("seconds (median, bars: min–max)")
         if title.startswith("blocking"):
@@ -1319,7 +1749,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 DERIVED_FROM = {
     "stall.ripresa_async_caller": "stall.ripresa_async", "complete.ripresa_async": "stall.ripresa_async",
     "stall.general_copy": "stall.general_async", "complete.general_async": "stall.general_async",
-    "complete.dcp_async": "stall.dcp_async",
+    "complete.dcp_async": "stall.dcp_async", "complete.general_budget": "stall.general_budget",
 }
 
 
@@ -1344,12 +1774,13 @@ def run_child(args: argparse.Namespace) -> int:
     try:
         meter = Meter(_block_stat_path(scratch), quiet_timeout=args.quiet_timeout, quiet_share=args.quiet_share)
         bench = Bench(args.params, args.pairs, scratch, log, meter, retries=max(0, args.retries),
-                      dtype=args.dtype, device=args.device)
+                      dtype=args.dtype, device=args.device, shards=args.shards,
+                      budget_fraction=args.budget_fraction)
         gc.collect()
         build_peak, state_rss = _status_bytes("VmHWM"), _status_bytes("VmRSS")
         bench.warmup({key})
         if group == "resume":
-            bench.prepare_resume()
+            bench.prepare_resume({key})
         gc.collect()
         reset = reset_peak_rss()
         ready_rss = _status_bytes("VmRSS")
@@ -1385,9 +1816,10 @@ def run_child(args: argparse.Namespace) -> int:
 class _Collected:
     """What :func:`compute` reads from a :class:`Bench`: the samples and the state's size."""
 
-    def __init__(self) -> None:
+    def __init__(self, shards: tuple[int, ...], budget_fraction: float) -> None:
         self.samples: dict[str, list[dict[str, Any]]] = {k: [] for k in METHODS}
         self.logical = 0
+        self.shards, self.budget_fraction = shards, budget_fraction
 
 
 def run_isolated(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
@@ -1400,18 +1832,19 @@ def run_isolated(args: argparse.Namespace, log: Callable[[str], None]) -> dict[s
     started = time.time()
     load_start, pressure_start = os.getloadavg(), pressure()
     facts_at_start = machine_facts(scratch)
-    collected = _Collected()
+    collected = _Collected(args.shards, args.budget_fraction)
     rss: dict[str, dict[str, Any]] = {}
     child_meta: dict[str, Any] = {}
     proc: subprocess.Popen | None = None
     try:
-        keys = [k for _, ks in groups_for(args.dtype) for k in ks]
+        keys = [k for _, ks in groups_for(args.dtype, args.shards) for k in ks]
         for i, key in enumerate(keys, 1):
             out = scratch / f"{key}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", key, "--child-out", str(out),
                    "--params", str(args.params), "--dtype", args.dtype, "--pairs", str(args.pairs),
                    "--device", args.device, "--dir", str(scratch), "--quiet-timeout", str(args.quiet_timeout),
-                   "--quiet-share", str(args.quiet_share), "--retries", str(args.retries)]
+                   "--quiet-share", str(args.quiet_share), "--retries", str(args.retries),
+                   "--shards", ",".join(map(str, args.shards)), "--budget-fraction", str(args.budget_fraction)]
             log(f"[{i}/{len(keys)}] {key}: a fresh process")
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd)
@@ -1467,6 +1900,8 @@ def run_isolated(args: argparse.Namespace, log: Callable[[str], None]) -> dict[s
     return {
         "schema": SCHEMA,
         "isolated": True,
+        "shard_scaling": shard_scaling(methods, facts, args.shards, os.cpu_count() or 1, logical),
+        "budget": budget_summary(methods, logical, args.budget_fraction),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "started": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(timespec="seconds"),
         "duration_s": time.time() - started,
@@ -1500,6 +1935,17 @@ def run_isolated(args: argparse.Namespace, log: Callable[[str], None]) -> dict[s
 # ---------------------------------------------------------------------------- main
 
 
+def _shard_list(text: str) -> tuple[int, ...]:
+    """--shards 1,2,4 -> (1, 2, 4): distinct counts >= 1, in the order given."""
+    try:
+        ks = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of shard counts: {text!r}") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"shard counts must be >= 1: {text!r}")
+    return ks
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1525,18 +1971,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=3,
                     help="redo a sample during which other processes used >= --quiet-share of the CPU "
                          "or real disk I/O, at most this many times (0: keep every sample); default 3")
+    ap.add_argument("--shards", type=_shard_list, default=DEFAULT_SHARDS, metavar="K,K,...",
+                    help="shard counts K of the sharded general save and load (save.shards_K, "
+                         "resume.shards_K); default 1,2,4")
+    ap.add_argument("--budget-fraction", type=float, default=DEFAULT_BUDGET_FRACTION, metavar="F",
+                    help="staging budget of stall.general_budget as a share of the state (0 < F < 1); "
+                         "default 0.25")
     ap.add_argument("--isolate", action="store_true",
                     help="measure every method in its own fresh subprocess, one after the other, and "
                          "report each one's peak RSS beside the usual ratios (outputs "
                          "bench_checkpoint_<N>[_bf16]_isolated.json/.png)")
-    ap.add_argument("--child", choices=sorted(k for k in METHODS if k not in DERIVED_FROM), default=None,
-                    help=argparse.SUPPRESS)  # one method in this process (what --isolate runs)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one method in this process (what --isolate runs)
     ap.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--from-json", type=Path, default=None, metavar="JSON",
                     help="measure nothing: redraw the PNG and reprint the tables of an earlier run's JSON")
     args = ap.parse_args(argv)
     if args.pairs < 1:
         ap.error("--pairs must be >= 1")
+    if not 0.0 < args.budget_fraction < 1.0:
+        ap.error("--budget-fraction must be between 0 and 1")
+    register_shards(args.shards)
+    if args.child is not None and (args.child not in METHODS or args.child in DERIVED_FROM):
+        ap.error(f"--child: no method {args.child!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available here")
     if args.device == "cuda":
@@ -1593,7 +2049,7 @@ def main(argv: list[str] | None = None) -> int:
     facts_at_start = machine_facts(scratch)  # source hashes of the code as imported now
     try:
         n = args.params
-        groups = groups_for(args.dtype)
+        groups = groups_for(args.dtype, args.shards)
         total = sum(len(keys) for _, keys in groups) * args.pairs + 5
         with Progress(TextColumn("[bold]{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=console, transient=False) as prog:
@@ -1603,7 +2059,7 @@ def main(argv: list[str] | None = None) -> int:
                           quiet_share=args.quiet_share,
                           on_wait=lambda text: prog.update(task, description=text))
             bench = Bench(n, args.pairs, scratch, log, meter, retries=max(0, args.retries), dtype=args.dtype,
-                          device=args.device)
+                          device=args.device, shards=args.shards, budget_fraction=args.budget_fraction)
             prog.advance(task)
             prog.update(task, description="warm-up")
             bench.warmup()
@@ -1623,7 +2079,8 @@ def main(argv: list[str] | None = None) -> int:
                     if bench.writer is not None:
                         bench.writer.buffers = None
                     bench.copy_buffer = None
-                    bench.general._staging = None
+                    free_staging(bench.general)
+                    free_staging(bench.budget)
                     gc.collect()
                 for pair in range(args.pairs):
                     order = keys if pair % 2 == 0 else list(reversed(keys))
@@ -1656,8 +2113,7 @@ def main(argv: list[str] | None = None) -> int:
             "resume_lower_bound_s": max(methods["hash.sha256"]["median"], cold["median"]),
             "save_lower_bound_s": max(methods["hash.sha256"]["median"], methods["save.raw"]["median"]),
         }
-        derived = ("complete.", "stall.ripresa_async_caller", "stall.general_copy")
-        all_runs = [r for key in METHODS if not key.startswith(derived) for r in bench.samples[key]]
+        all_runs = [r for key in METHODS if key not in DERIVED_FROM for r in bench.samples[key]]
         shares = [r["others_cpu_share"] for r in all_runs if r.get("others_cpu_share") is not None]
         if shares:
             facts["others_cpu_share_median"] = statistics.median(shares)
@@ -1700,6 +2156,8 @@ def main(argv: list[str] | None = None) -> int:
                 "sectors written by the whole block device in the same window (includes journal and other processes).",
             ],
             "facts": facts,
+            "shard_scaling": shard_scaling(methods, facts, args.shards, os.cpu_count() or 1, bench.logical),
+            "budget": budget_summary(methods, bench.logical, args.budget_fraction),
             "methods": methods,
             "ratios": ratios,
             "targets_met": {k: v["met"] for k, v in ratios.items() if not v.get("info")},
@@ -1714,10 +2172,8 @@ def main(argv: list[str] | None = None) -> int:
         png_path = args.out / f"{stem}.png"
         json_path.write_text(json.dumps(result, indent=2) + "\n")
         plot(result, png_path)
-        t1, t2, fact_line = render_table(result)
-        console.print(t1)
-        console.print(t2)
-        console.print(fact_line)
+        for part in render_table(result):
+            console.print(part)
         console.print(f"wrote {json_path} and {png_path}")
         return 0
     finally:

@@ -23,10 +23,26 @@ GENERAL_METHODS = {
     "hash.sha256", "save.general", "stall.general_async", "stall.general_copy", "complete.general_async",
     "resume.general_load", "resume.general_fromfile", "resume.general_read_nohash",
 }
+#: issue 24: sharded saves and loads for K = 1, 2, 4 (the default --shards), and the staging budget
+SHARDS = (1, 2, 4)
+SHARD_METHODS = {f"save.shards_{k}" for k in SHARDS} | {f"resume.shards_{k}" for k in SHARDS}
+BUDGET_METHODS = {"stall.general_budget", "complete.general_budget"}
 EXPECTED_METHODS = {
     "save.raw", "save.torch_save", "save.safetensors", "save.dcp", "stall.dcp_async", "stall.memcpy",
     "complete.dcp_async",
-} | BIN_METHODS | GENERAL_METHODS
+} | BIN_METHODS | GENERAL_METHODS | SHARD_METHODS | BUDGET_METHODS
+#: info rows of issue 24 (in ratios, not in targets_met), with their comparators
+SHARD_RATIOS = {
+    **{f"shards_{k}_save_over_floor": f"max(save.raw, hash.sha256/{k})" for k in SHARDS},
+    **{f"shards_{k}_save_over_one_file_floor": "max(save.raw, hash.sha256)" for k in SHARDS},
+    **{f"shards_{k}_load_over_floor":
+       f"max(min(resume.general_fromfile, resume.general_read_nohash), hash.sha256/{k})" for k in SHARDS},
+}
+BUDGET_RATIOS = {
+    "general_budget_stall_over_memcpy": "stall.memcpy",
+    "general_budget_stall_over_async": "stall.general_async",
+    "general_budget_stall_over_floor": "sum(0.75*max(save.raw, hash.sha256), 0.25*stall.memcpy)",
+}
 BIN_RATIOS = {
     "save_ripresa_over_raw", "save_ripresa_over_torch_save", "save_ripresa_over_safetensors",
     "save_ripresa_over_dcp", "stall_ripresa_over_memcpy", "stall_ripresa_over_sync_save",
@@ -81,10 +97,20 @@ def bf16_run(tmp_path_factory):
 
 
 def _medians(doc, comparator):
-    """A ratio's comparator (a method key, or max(...)/min(...) of them) as (median, min), recomputed."""
+    """A ratio's comparator (a method key; max(...)/min(...)/sum(...) of them; ``X/K``; ``F*X``) as
+    (median, min), recomputed."""
     m = doc["methods"]
     if comparator in m:
         return m[comparator]["median"], m[comparator]["min"]
+    if not comparator.endswith(")") and "/" in comparator:  # sha256 over K workers
+        inner, k = comparator.rsplit("/", 1)
+        med, low = _medians(doc, inner)
+        return med / float(k), low / float(k)
+    head = comparator.split("(", 1)[0]
+    if "*" in head:  # a share of a comparator
+        f, inner = comparator.split("*", 1)
+        med, low = _medians(doc, inner)
+        return med * float(f), low * float(f)
     op, inner = comparator.split("(", 1)
     inner = inner[:-1]
     parts, depth, cur = [], 0, ""
@@ -97,7 +123,7 @@ def _medians(doc, comparator):
         cur += ch
     parts.append(cur.strip())
     got = [_medians(doc, p) for p in parts]
-    pick = max if op == "max" else min
+    pick = {"max": max, "min": min, "sum": sum}[op]
     return pick(g[0] for g in got), pick(g[1] for g in got)
 
 
@@ -170,8 +196,82 @@ def test_bf16_run_measures_the_general_format_without_the_bin_path(bf16_run):
     for key, m in doc["methods"].items():
         assert len(m["samples"]) == 1 and m["median"] > 0, key
     assert set(doc["targets_met"]) == set(GENERAL_RATIOS)
+    assert set(SHARD_RATIOS) | set(BUDGET_RATIOS) <= set(doc["ratios"])
+    assert [r["shards"] for r in doc["shard_scaling"]["rows"]] == list(SHARDS)
+    assert doc["budget"]["budget_bytes"] == int(0.25 * 6 * N_BF16)
     assert (out / f"bench_checkpoint_{N_BF16}_bf16.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "bf16 (moments bf16)" in proc.stdout
+
+
+def test_shard_and_budget_info_ratios_against_their_floors(small_run):
+    out, _, proc, _ = small_run
+    doc = json.loads((out / f"bench_checkpoint_{N}.json").read_text())
+    for name, comparator in {**SHARD_RATIOS, **BUDGET_RATIOS}.items():
+        r = doc["ratios"][name]
+        assert r["comparator"] == comparator, name
+        assert r.get("info") is True and name not in doc["targets_met"], name
+    m = doc["methods"]
+    for s, t in zip(m["stall.general_budget"]["samples"], m["complete.general_budget"]["samples"], strict=True):
+        assert 0 < s <= t
+
+
+def test_shard_scaling_table_and_the_model_on_paper(small_run):
+    out, _, proc, _ = small_run
+    doc = json.loads((out / f"bench_checkpoint_{N}.json").read_text())
+    m, sc = doc["methods"], doc["shard_scaling"]
+    assert sc["shards"] == list(SHARDS) and [r["shards"] for r in sc["rows"]] == list(SHARDS)
+    sha, raw = m["hash.sha256"]["median"], m["save.raw"]["median"]
+    cold = min(m["resume.general_fromfile"]["median"], m["resume.general_read_nohash"]["median"])
+    for row in sc["rows"]:
+        k = row["shards"]
+        assert row["save_s"] == m[f"save.shards_{k}"]["median"]
+        assert row["save_floor_s"] == pytest.approx(max(raw, sha / k))
+        assert row["save_ratio"] == pytest.approx(row["save_s"] / row["save_floor_s"])
+        assert row["load_s"] == m[f"resume.shards_{k}"]["median"]
+        assert row["load_floor_s"] == pytest.approx(max(cold, sha / k))
+        assert row["load_ratio"] == pytest.approx(row["load_s"] / row["load_floor_s"])
+        # every shard save wrote its K files and at least the logical bytes
+        assert [r["shard_files"] for r in m[f"save.shards_{k}"]["runs"]] == [k, k]
+        assert m[f"save.shards_{k}"]["write_amplification"] >= 0.99
+    model, facts = sc["model"], doc["facts"]
+    assert model["what"] == "a model, not a measurement" and model["cores"] == 64
+    assert model["state_bytes"] == 84e9
+    assert [r["shards"] for r in model["rows"]] == [1, 8, 16, 32, 64]
+    for r in model["rows"]:
+        hash_s = 84e9 / (min(r["shards"], 64) * facts["sha256_gbps"] * 1e9)
+        write_s = 84e9 / (facts["raw_write_gbps"] * 1e9)
+        assert r["hash_s"] == pytest.approx(hash_s) and r["write_s"] == pytest.approx(write_s)
+        assert r["save_s"] == pytest.approx(max(hash_s, write_s))
+    assert "shard scaling" in proc.stdout and "a model, not a measurement" in proc.stdout
+    for k in (8, 16, 32, 64):
+        assert f"K={k:>2}:" in proc.stdout
+
+
+def test_staging_budget_figures(small_run):
+    out, _, proc, _ = small_run
+    doc = json.loads((out / f"bench_checkpoint_{N}.json").read_text())
+    b, m = doc["budget"], doc["methods"]
+    assert b["fraction"] == 0.25 and b["budget_bytes"] == int(0.25 * doc["bytes"])
+    assert b["stall_s"] == m["stall.general_budget"]["median"]
+    assert b["stall_general_async_s"] == m["stall.general_async"]["median"]
+    assert b["stall_memcpy_s"] == m["stall.memcpy"]["median"]
+    # the loop's thread wrote the part beyond the budget before capture returned; staging holds the rest
+    assert b["stall_write_bytes"] >= 0.99 * (doc["bytes"] - b["budget_bytes"])
+    assert 0 < b["staging_bytes"] <= b["budget_bytes"]
+    assert "staging budget 0.25 of the state" in proc.stdout
+
+
+def test_shards_option_places_the_methods_in_their_groups():
+    mod = _bench_module()
+    assert mod._shard_list("1,2,4") == (1, 2, 4) and mod._shard_list("8, 3,8") == (8, 3)
+    groups = dict(mod.groups_for("fp32", (1, 3)))
+    save = groups["save"]
+    assert save[save.index("save.general") + 1:][:2] == ["save.shards_1", "save.shards_3"]
+    resume = groups["resume"]
+    assert resume[resume.index("resume.general_load") + 1:][:2] == ["resume.shards_1", "resume.shards_3"]
+    assert "stall.general_budget" in groups["stall"]
+    bf16 = dict(mod.groups_for("bf16", (2,)))
+    assert "save.shards_2" in bf16["save"] and "save.ripresa" not in bf16["save"]
 
 
 def test_png_is_a_real_chart(small_run):
@@ -323,6 +423,19 @@ def test_child_reports_the_memory_of_its_own_method_only(tmp_path):
 
 
 @pytest.mark.slow
+def test_child_with_a_staging_budget_holds_about_the_budget(tmp_path):
+    """A background save with staging_budget = a quarter of the state stages at most the budget: its
+    peak over the state is about the budget, not the full staging copy memcpy's child shows."""
+    state_bytes = 12 * N_RSS
+    budget = _child("stall.general_budget", tmp_path)
+    assert set(budget["samples"]) == {"stall.general_budget", "complete.general_budget"}
+    run = budget["samples"]["stall.general_budget"][0]
+    assert run["budget_bytes"] == int(0.25 * state_bytes) and 0 < run["staging_bytes"] <= run["budget_bytes"]
+    assert budget["rss"]["peak_reset"] is True
+    assert budget["rss"]["method_peak_over_state_bytes"] < state_bytes / 2
+
+
+@pytest.mark.slow
 def test_isolate_runs_every_method_in_its_own_process_and_reports_its_peak_rss(tmp_path):
     pytest.importorskip("safetensors")
     pytest.importorskip("matplotlib")
@@ -341,6 +454,10 @@ def test_isolate_runs_every_method_in_its_own_process_and_reports_its_peak_rss(t
     state = 12 * N
     assert doc["methods"]["stall.memcpy"]["rss"]["method_peak_over_state_bytes"] >= state  # one staging copy
     assert doc["methods"]["save.raw"]["rss"]["method_peak_over_state_bytes"] < state / 2 + (4 << 20)
+    b = doc["budget"]
+    assert b["peak_over_state_bytes"] == doc["methods"]["stall.general_budget"]["rss"]["method_peak_over_state_bytes"]
+    assert b["peak_over_state_over_budget"] == pytest.approx(b["peak_over_state_bytes"] / b["budget_bytes"])
+    assert [r["shards"] for r in doc["shard_scaling"]["rows"]] == list(SHARDS)
     assert (out / f"bench_checkpoint_{N}_isolated.png").stat().st_size > 10_000
     assert "peak RSS" in proc.stdout and "over state" in proc.stdout
     assert not [p for p in out.iterdir() if p.name.startswith(".bench-")]

@@ -13,6 +13,13 @@
 3. Steps/s of each config on this machine.
 
 Writes ``benchmarks/results/bench_engine.json`` and prints a table.
+
+``--stall`` measures instead the loop's stall at checkpoints with the sample audit
+(docs/ENGINE.md, "The sample audit"): andrea-12m, a checkpoint + audit every 25 steps,
+alternated with the same run without audit; reports the stall share (the ``stall`` of the
+``checkpoint`` events over the steps' wall time), the step-interval excess at checkpoint
+steps (which also sees an audit run on the loop) and the wall-time cost of the audit.
+``--src DIR`` runs another checkout's ``src`` (the "before"). Writes ``results/bench_engine_stall.json``.
 """
 
 from __future__ import annotations
@@ -43,14 +50,26 @@ SETTINGS = {
 }
 
 
-def run_once(config: str, steps: int, extra: list[str], every: int, audit: bool, workdir: Path) -> float:
+#: The ``src`` folder whose ripresa the trained processes run (``--src``; default: this checkout's).
+SRC = [HERE.parent / "src"]
+
+
+def train_run(config: str, steps: int, extra: list[str], every: int, audit: bool, workdir: Path,
+              threads: int = 1) -> Path:
+    """One ``ripresa train`` process; its run folder."""
     run = Path(tempfile.mkdtemp(dir=workdir)) / "run"
-    cmd = [sys.executable, "-m", "ripresa", "train", "--run", str(run), "--config", config, "--quiet", "--threads", "1",
-           "--steps", str(steps), "--every", str(every), *extra] + ([] if audit else ["--no-audit"])
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "ripresa", "train", "--run", str(run), "--config", config, "--quiet", "--threads",
+           str(threads), "--steps", str(steps), "--every", str(every), *extra] + ([] if audit else ["--no-audit"])
+    path = os.pathsep.join([str(SRC[0]), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS=str(threads), PYTHONPATH=path)
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise SystemExit(f"train failed: {res.stderr[-2000:]}")
+    return run
+
+
+def run_once(config: str, steps: int, extra: list[str], every: int, audit: bool, workdir: Path) -> float:
+    run = train_run(config, steps, extra, every, audit, workdir)
     view = read_history(run / ".loss.jsonl")
     times = [view.steps[s]["time"] for s in sorted(view.steps)]
     # the last step's line is written before its (possible) final checkpoint: add the tail
@@ -75,6 +94,51 @@ def overhead(config: str, pairs: int, workdir: Path, console: Console) -> dict:
         "overhead_ckpt_pct": 100 * (med["ckpt"] / med["none"] - 1),
         "overhead_ckpt_audit_pct": 100 * (med["ckpt+audit"] / med["none"] - 1),
     }
+
+
+def stall_figures(run: Path) -> dict:
+    """The loop's stall at checkpoints, from a run's ``.loss.jsonl``.
+
+    ``stall_share``: the sum of the ``stall`` of the ``checkpoint`` events (what the session
+    records: the staging copy, or a synchronous save) over the wall time from the first to
+    the last step line. ``excess_share``: the sum, over the checkpoint steps but the last, of
+    the interval from that step's line to the next one beyond the median interval of the
+    other steps (the loop's whole wait there, an audit run on the loop included), over the
+    same wall time.
+    """
+    view = read_history(run / ".loss.jsonl")
+    steps = sorted(view.steps)
+    times = {s: view.steps[s]["time"] for s in steps}
+    wall = times[steps[-1]] - times[steps[0]]
+    ckpts = [e for e in view.events if e["event"] == "checkpoint"]
+    at = {e["step"] for e in ckpts}
+    gaps = {s: times[s + 1] - times[s] for s in steps[:-1] if s + 1 in times}
+    base = statistics.median(g for s, g in gaps.items() if s not in at)
+    excess = sum(max(0.0, gaps[s] - base) for s in at if s in gaps)
+    stall = sum(e["stall"] for e in ckpts if e["step"] in gaps)  # the end's final save is after the last step line
+    return {"wall_s": wall, "checkpoints": len([s for s in at if s in gaps]), "median_step_s": base,
+            "stall_s": stall, "stall_share_pct": 100 * stall / wall, "excess_s": excess,
+            "excess_share_pct": 100 * excess / wall}
+
+
+def stall_bench(steps: int, every: int, pairs: int, threads: int, workdir: Path, console: Console,
+                audit_only: bool = False) -> dict:
+    """andrea-12m, checkpoints every ``every`` steps, with and without the audit, alternated."""
+    _, extra = SETTINGS["andrea-12m"]
+    rows: dict[str, list[dict]] = {"ckpt": [], "ckpt+audit": []}
+    if audit_only:
+        del rows["ckpt"]
+    for i in range(pairs):
+        for kind in [k for k in (("ckpt+audit", "ckpt") if i % 2 == 0 else ("ckpt", "ckpt+audit")) if k in rows]:
+            run = train_run("andrea-12m", steps, extra, every, kind == "ckpt+audit", workdir, threads)
+            rows[kind].append(stall_figures(run))
+            r = rows[kind][-1]
+            console.print(f"  pair {i + 1}/{pairs} {kind}: wall {r['wall_s']:.2f} s, stall {r['stall_share_pct']:.3f} %,"
+                          f" step-interval excess {r['excess_share_pct']:.3f} %")
+    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in rows.items()}
+    return {"config": "andrea-12m", "steps": steps, "every": every, "threads": threads, "src": str(SRC[0]),
+            "samples": rows, "median": med,
+            "audit_wall_cost_pct": None if audit_only else 100 * (med["ckpt+audit"]["wall_s"] / med["ckpt"]["wall_s"] - 1)}
 
 
 def history_append(n_lines: int, appends: int, workdir: Path) -> dict:
@@ -107,9 +171,18 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_engine.json")
     ap.add_argument("--history-lines", type=int, default=200_000)
+    ap.add_argument("--stall", action="store_true", help="the loop's stall with the sample audit (andrea-12m)")
+    ap.add_argument("--steps", type=int, default=150, help="--stall: steps of each run")
+    ap.add_argument("--every", type=int, default=25, help="--stall: checkpoint (and audit) cadence")
+    ap.add_argument("--threads", type=int, default=2, help="--stall: torch threads of each run")
+    ap.add_argument("--audit-only", action="store_true", help="--stall: only the runs with the audit (no baseline)")
+    ap.add_argument("--src", type=Path, default=SRC[0], help="the ripresa src folder the runs use (another checkout: before)")
     args = ap.parse_args()
+    SRC[0] = args.src.resolve()
     console = Console()
     workdir = Path(tempfile.mkdtemp(prefix="ripresa-bench-engine-", dir=HERE.parent))
+    if args.stall:
+        return stall_main(args, workdir, console)
     try:
         result = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
                   "overhead": {}, "history": None}
@@ -135,6 +208,31 @@ def main() -> int:
               "<= 1.2x", "yes" if h["ratio"] <= 1.2 else "NO")
     console.print(t)
     console.print(f"wrote {args.out}")
+    return 0
+
+
+def stall_main(args: argparse.Namespace, workdir: Path, console: Console) -> int:
+    console.print(f"[bold]andrea-12m[/]: loop stall, checkpoint every {args.every}, {args.steps} steps, {args.pairs} pairs,"
+                  f" ripresa from {SRC[0]}")
+    try:
+        result = stall_bench(args.steps, args.every, args.pairs, args.threads, workdir, console, args.audit_only)
+    finally:
+        subprocess.run(["rm", "-rf", str(workdir)])
+    result["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    out = args.out if args.out != HERE / "results" / "bench_engine.json" else HERE / "results" / "bench_engine_stall.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    t = Table(title=f"loop stall, andrea-12m, checkpoint every {args.every} (median of {args.pairs})")
+    for c in ("run", "wall s", "stall share", "step-interval excess", "target", "met"):
+        t.add_column(c)
+    for kind, m in result["median"].items():
+        share = max(m["stall_share_pct"], m["excess_share_pct"])
+        t.add_row(kind, f"{m['wall_s']:.2f}", f"{m['stall_share_pct']:.3f} %", f"{m['excess_share_pct']:.3f} %",
+                  "<= 0.5 %" if kind == "ckpt+audit" else "", ("yes" if share <= 0.5 else "NO") if kind == "ckpt+audit" else "")
+    if result["audit_wall_cost_pct"] is not None:
+        t.add_row("audit's cost to the wall time", f"{result['audit_wall_cost_pct']:+.2f} %", "", "", "", "")
+    console.print(t)
+    console.print(f"wrote {out}")
     return 0
 
 

@@ -72,8 +72,17 @@ class Checkpointer:
             (docs/CADENCE.md, "Deadline").
         asynchronous: stage at the step boundary, write in the background.
         retention: which generations to keep.
-        on_checkpoint: called as ``on_checkpoint(step)`` at every checkpoint
-            (the sample-audit hook; it must not perturb the training streams).
+        on_checkpoint: called as ``on_checkpoint(step)`` at every checkpoint, on the
+            loop, on every rank (it must not perturb the training streams).
+        on_staged: called as ``on_staged(step, weights)`` once generation ``step`` is
+            committed, ``weights`` mapping each parameter name to its saved value
+            (the sample-audit hook, off the loop; docs/API.md, "on_staged"). With a
+            background writer it runs on the writer's thread, ``weights`` being views
+            of the staged copy (valid during the call only; the next save waits for
+            it); a synchronous session, and every rank of a sharded FSDP2 one, call it
+            on the loop with the live parameters; a DDP run on rank 0 only. What it
+            raises is a warning and an ``on_staged_failed`` history event, never a
+            failed save.
         sidecars: ``{file name: callable returning a JSON-able dict}`` written
             atomically beside each checkpoint (e.g. ``.state.json``).
         handle_signals: install the SIGTERM/SIGINT/SIGUSR1 handlers.
@@ -135,6 +144,7 @@ class Checkpointer:
         asynchronous: bool = True,
         retention: RetentionPolicy = DEFAULT_RETENTION,
         on_checkpoint: Callable[[int], None] | None = None,
+        on_staged: Callable[[int, Mapping[str, Any]], Any] | None = None,
         sidecars: Mapping[str, Callable[[], dict[str, Any]]] | None = None,
         handle_signals: bool = True,
         fresh: bool = False,
@@ -184,6 +194,7 @@ class Checkpointer:
         self._fresh = fresh
         self.every = int(every)
         self.on_checkpoint = on_checkpoint
+        self.on_staged = on_staged
         self.sidecars = dict(sidecars or {})
         self.allow = {"allow_version_change": allow_version_change, "allow_code_change": allow_code_change,
                       "allow_data_change": allow_data_change, "allow_config_change": allow_config_change}
@@ -282,7 +293,8 @@ class Checkpointer:
 
     def _pipeline(self, shards: ShardedWriter | None) -> LocalPipeline:
         """The save pipeline of this run mode and backend (session/saving.py), picked once, as the backend is."""
-        hooks = SaveHooks(committed=self._committed, failed=self._failed, failed_quietly=self._failed_quietly)
+        hooks = SaveHooks(committed=self._committed, failed=self._failed, failed_quietly=self._failed_quietly,
+                          staged=self.on_staged, staged_failed=self._staged_failed)
         args = (self.backend, self.state, lambda: self.progress, self.writer, hooks, self.save_stalls, self.run_dir)
         if self.dist is None:
             return LocalPipeline(*args)
@@ -492,13 +504,15 @@ class Checkpointer:
         return self.pipeline.finish()
 
     def _save(self, step: int, reason: str, must_succeed: bool) -> None:
-        """Save ``step`` through the pipeline; then the sidecars (once) and the ``on_checkpoint`` hook."""
+        """Save ``step`` through the pipeline; then the sidecars (once), ``on_staged`` when it runs on the loop,
+        and the ``on_checkpoint`` hook."""
         if self._metrics.names and self.pipeline.main:
             self._metrics.record(step)  # before the generation is committed: retention reads it
         if not self.pipeline.save(step, reason, must_succeed):
             return  # already saved, or failed (reported)
         if self.pipeline.main:
             self._write_sidecars()
+        self.pipeline.staged_on_loop(step)  # a synchronous or sharded session; a background writer runs it itself
         if self.on_checkpoint is not None:
             self.on_checkpoint(step)  # on every rank (a sharded model's forward is collective); runs while the writer writes
 
@@ -521,6 +535,13 @@ class Checkpointer:
         self.history.sync()
         if self.mirror is not None:
             self.mirror.notify(gen.step)
+
+    def _staged_failed(self, step: int, exc: BaseException) -> None:
+        """``on_staged`` raised: a warning and a history event; the generation stands and training goes on."""
+        error = f"{type(exc).__name__}: {exc}"[:300]
+        self.history.event("on_staged_failed", step=step, error=error)
+        warnings.warn(f"the on_staged hook failed at step {step} (the checkpoint is committed; training goes on): "
+                      f"{error}", CheckpointWarning, stacklevel=2)
 
     def _failed(self, step: int, exc: SaveFailed, must_succeed: bool) -> None:
         self._failed_quietly(step, exc)

@@ -6,16 +6,19 @@ rank's part), :class:`CollectivePipeline` (FSDP2: every rank writes its shards, 
 commits); the asynchronous collective one is ``session/sharded_async.py``. A pipeline reports
 to its session through :class:`SaveHooks` only. Call order, on every rank: :meth:`save` at a
 save point, :meth:`collect` at each step boundary, :meth:`finish` to wait for the commit (a
-stop, ``save_now``, the close), :meth:`drain` on an error path, :meth:`close` at the end.
+stop, ``save_now``, the close), :meth:`drain` on an error path, :meth:`close` at the end. Where
+the ``on_staged`` hook runs (the writer's thread, or the loop): docs/API.md.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..core.state import Progress, TrainingState, tensor_tree_clone
 from ..errors import RipresaError, SaveFailed
@@ -34,11 +37,34 @@ class SaveHooks:
     ``committed(generation, reason, seconds)``; ``failed(step, error, must_succeed)``
     counts and records a failure, then raises it or warns; ``failed_quietly(step,
     error)`` counts and records one that the pipeline raises later, on every rank.
+    ``staged(step, weights)`` is the user's ``on_staged`` hook (None: none), and
+    ``staged_failed(step, error)`` reports what it raised, on the loop's thread.
     """
 
     committed: Callable[[Generation, str, float], None]
     failed: Callable[[int, SaveFailed, bool], None]
     failed_quietly: Callable[[int, SaveFailed], None]
+    staged: Callable[[int, Mapping[str, torch.Tensor]], Any] | None = None
+    staged_failed: Callable[[int, BaseException], None] | None = None
+
+
+def live_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{parameter name: detached live parameter}``: what ``on_staged`` gets when it runs on the loop."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def staged_weights(backend: StorageBackend, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights a background capture staged, by parameter name; else a copy of the live ones, taken now.
+
+    The backend's ``staged_model()`` (views of its staged copy), when it has one and it
+    returns a mapping; otherwise a clone of every parameter on the loop's thread (a
+    longer stall, never a wrong sample).
+    """
+    get = getattr(backend, "staged_model", None)
+    weights = get() if callable(get) else None
+    if weights is None:
+        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return weights
 
 
 class LocalPipeline:
@@ -80,7 +106,7 @@ class LocalPipeline:
         if self.writer is not None:
             self.collect(block=True, must_succeed=must_succeed)
             write = self.backend.capture(step, self.state, self.progress(), extra, stage=self.writer.stage)
-            self.writer.submit(step, write)
+            self.writer.submit(step, write, after=self.staged_call(step))
             self.pending = (step, reason, t0)
             self.stalls.append(time.perf_counter() - t0)
         else:
@@ -103,14 +129,52 @@ class LocalPipeline:
             return None
         if gen is not None:
             self.commit(gen, reason, self.writer.last_write_s)
+        self.report_staged_errors()
         return gen
+
+    def staged_call(self, step: int) -> Callable[[], Any] | None:
+        """The writer's ``after``: the ``on_staged`` hook with the weights just staged (None without a hook)."""
+        hook = self.hooks.staged
+        if hook is None:
+            return None
+        weights = staged_weights(self.backend, self.state.model)
+        return lambda: hook(step, weights)
+
+    def staged_on_loop(self, step: int) -> None:
+        """After a save was handed over: the ``on_staged`` hook here, with the live weights, when no writer runs it.
+
+        A synchronous session (the generation is committed: the live weights are its weights).
+        """
+        if self.hooks.staged is not None and self.writer is None:
+            self.run_staged(step, live_weights(self.state.model))
+
+    def run_staged(self, step: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """The hook on this thread; what it raises is reported, never raised (training and the save go on)."""
+        assert self.hooks.staged is not None
+        try:
+            self.hooks.staged(step, weights)
+        except Exception as exc:
+            self.report_staged(step, exc)
+
+    def report_staged_errors(self) -> None:
+        """Report what the hook raised on the writer's thread (after a wait: it has finished)."""
+        if self.writer is None:
+            return
+        errors, self.writer.after_errors = self.writer.after_errors, []
+        for step, exc in errors:
+            self.report_staged(step, exc)
+
+    def report_staged(self, step: int, exc: BaseException) -> None:
+        if self.hooks.staged_failed is not None:
+            self.hooks.staged_failed(step, exc)
 
     def finish(self) -> Generation | None:
         """Wait for the in-flight save; a failure raises. The generation it committed, if any."""
         return self.collect(block=True, must_succeed=True)
 
     def drain(self) -> None:
-        """An error path: let the in-flight background write finish (its failure is the caller's to ignore)."""
+        """An error path: let the in-flight background write (and its ``on_staged`` call) finish; its failure is
+        the caller's to ignore."""
         if self.writer is not None and self.pending is not None:
             self.writer.wait()
 
@@ -160,6 +224,11 @@ class RankZeroPipeline(LocalPipeline):
         self.captured = step
         extra = {"distributed": {**d.describe(), "ranks": entries}} if d.is_main else None
         return self.write(step, reason, must_succeed, extra, t0)
+
+    def staged_on_loop(self, step: int) -> None:
+        """DDP: rank 0 alone (it holds the whole, replicated model; the other ranks stage nothing)."""
+        if self.main:
+            super().staged_on_loop(step)
 
     def rank_entry(self) -> dict[str, Any]:
         """This rank's own state, captured now: random streams, data position, user objects."""
@@ -218,6 +287,11 @@ class RankZeroPipeline(LocalPipeline):
 
 class CollectivePipeline(RankZeroPipeline):
     """FSDP2: rank 0 prepares, every rank writes its part (its shards), a barrier, then rank 0 commits."""
+
+    def staged_on_loop(self, step: int) -> None:
+        """FSDP2: on every rank, on the loop, with the live (sharded) parameters: a sharded forward is collective."""
+        if self.hooks.staged is not None:
+            self.run_staged(step, live_weights(self.state.model))
 
     def write(self, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None, t0: float) -> bool:
         d = self.dist

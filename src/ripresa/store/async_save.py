@@ -6,6 +6,8 @@ background"). At most one save is in flight; a background failure is raised at t
 :meth:`AsyncCheckpointWriter.poll`, :meth:`~AsyncCheckpointWriter.save` or
 :meth:`~AsyncCheckpointWriter.wait` as :class:`~ripresa.errors.SaveFailed`, the previous generation
 untouched; the thread is not a daemon, so an exiting process lets the in-flight save complete.
+A call given to :meth:`~AsyncCheckpointWriter.submit` as ``after`` runs on that thread once the
+commit succeeded, while the staged copy is still intact (docs/API.md, ``on_staged``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ class AsyncCheckpointWriter:
         self._error_step: int | None = None
         self._result: Generation | None = None
         self.last_stall_s = 0.0  # seconds the caller was blocked by the last save() (wait + copy)
-        self.last_write_s = 0.0  # seconds the last background write took
+        self.last_write_s = 0.0  # seconds the last background write took (capture to commit, ``after`` excluded)
+        #: ``(step, exception)`` of each ``after`` call that raised: never a save failure; the caller reports them
+        self.after_errors: list[tuple[int, BaseException]] = []
 
     @property
     def in_flight(self) -> bool:
@@ -85,20 +89,33 @@ class AsyncCheckpointWriter:
             self.buffers = StagingBuffers(arrays.n_params, pin_memory=self.pin_memory)
         return self.buffers.capture(arrays)
 
-    def submit(self, step: int, write: Callable[[], Generation]) -> None:
-        """Run ``write`` (a backend's captured save of ``step``) in the background; one in flight at most."""
+    def submit(self, step: int, write: Callable[[], Generation], *, after: Callable[[], Any] | None = None) -> None:
+        """Run ``write`` (a backend's captured save of ``step``) in the background; one in flight at most.
+
+        ``after``, if given, runs on the same thread once ``write`` committed (not after a failed
+        write), before the save counts as finished: :meth:`wait`, :meth:`stage` and the next
+        :meth:`submit` wait for it too, so the staging buffers it may read are not overwritten
+        meanwhile. What it raises goes to :attr:`after_errors`, never to the save.
+        """
         self.wait()
-        self._thread = threading.Thread(target=self._run, args=(step, write), name=f"ripresa-save-{step}", daemon=False)
+        self._thread = threading.Thread(target=self._run, args=(step, write, after), name=f"ripresa-save-{step}",
+                                        daemon=False)
         self._thread.start()
 
-    def _run(self, step: int, write: Callable[[], Generation]) -> None:
+    def _run(self, step: int, write: Callable[[], Generation], after: Callable[[], Any] | None = None) -> None:
         t0 = time.perf_counter()
         try:
             self._result = write()
         except BaseException as exc:  # kept and raised in the training thread
             self._error, self._error_step = exc, step
+            return
         finally:
             self.last_write_s = time.perf_counter() - t0
+        if after is not None:
+            try:
+                after()
+            except BaseException as exc:  # the generation is committed: reported by the caller, not a failed save
+                self.after_errors.append((step, exc))
 
     def poll(self) -> None:
         """Raise the failure of a finished background save, if any (cheap; call each step)."""

@@ -6,11 +6,14 @@ Files and checks: :mod:`ripresa.store.store` and docs/FORMAT.md; the backend pro
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..core.state import Progress, TrainingState
 from ..errors import BadInput, IntegrityError
@@ -36,6 +39,10 @@ class BinBackend(BackendBase):
     written_by = ".bin ones are written by single-process and DDP runs"
     background = True
     names = BIN_NAMES
+
+    def __init__(self, store: RunFolder) -> None:
+        super().__init__(store)
+        self._staged: tuple[tuple[Any, ...], list[tuple[str, torch.Size]]] | None = None  # see staged_model
 
     def check(self, step: int, *, deep: bool = False) -> Generation:
         return validate_generation(self.folder, step, deep=deep, key=self.store.signature_key()).generation
@@ -101,8 +108,11 @@ class BinBackend(BackendBase):
 
         arrays = bin_arrays(state)
         companion = companion_snapshot(state, progress, extra)
+        self._staged = None
         if stage is not None:  # the background writer copies weights, m, v now; the write comes later
             arrays = stage(arrays)
+            shapes = [(name, p.shape) for name, p in state.model.named_parameters()]  # model.parameters() order
+            self._staged = (arrays.weights, shapes)
         store = self.store
 
         def commit() -> Generation:
@@ -110,6 +120,24 @@ class BinBackend(BackendBase):
             return save_bin(self.folder, step, arrays, companion, hmac_key=store.hmac_key, key=store.signature_key())
 
         return commit
+
+    def staged_model(self) -> dict[str, torch.Tensor] | None:
+        """``{parameter name: view}`` of the weights the last background capture staged; None without one.
+
+        Views of the writer's staging buffers (docs/API.md, ``on_staged``): valid until the next
+        capture stages again, which first waits for the in-flight write.
+        """
+        if self._staged is None:
+            return None
+        region, shapes = self._staged
+        flat = region[0] if len(region) == 1 else torch.cat([torch.as_tensor(c).reshape(-1) for c in region])
+        out: dict[str, torch.Tensor] = {}
+        off = 0
+        for name, shape in shapes:
+            k = math.prod(shape)
+            out[name] = flat[off : off + k].view(shape)
+            off += k
+        return out
 
     def delete(self, step: int) -> None:
         self.store.require_writer()

@@ -12,6 +12,7 @@ one GPU"; the sharded generations: :mod:`ripresa.session.distributed`.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -360,6 +361,14 @@ def _run(args: TrainArgs, device: torch.device) -> int:
 
     # ---- model, optimizer, schedule, mixed precision ----------------------------
     model = GPT(mconf).to(device)
+    audit_on = args.audit and bool(cfg["audit"].get("enabled", True))
+    # The sample audit's own instance (rank 0 of a replicated model without buffers): it samples each
+    # generation from the staged copy of its weights, on the writer's thread, off the loop. A deep copy
+    # draws from no random stream. A sharded run (a collective forward) samples the live model on the
+    # loop, on every rank (docs/ENGINE.md, "The sample audit").
+    audit_model = None
+    if audit_on and rank == 0 and args.shard != "fsdp" and next(model.buffers(), None) is None:
+        audit_model = copy.deepcopy(model).requires_grad_(False)
     forward = model  # what the training step calls: the model, or its DDP wrapper
     if group:
         if rank > 0:
@@ -407,23 +416,26 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     if args.run is not None:
         samples_doc = read_samples(run_dir, mixture.phase)
 
-    def audit(step: int) -> None:
-        if not (args.audit and audit_cfg.get("enabled", True)):
-            return
-        if rank != 0 and args.shard != "fsdp":
-            return  # a replicated model: rank 0 samples alone (a sharded forward needs every rank)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # its own stream, never the training one
-        prompts = list(audit_cfg["prompts"])
-        out = []
-        for prompt in prompts:
-            idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                y = model.generate(idx, audit_cfg["max_new_tokens"], generator=gen,
-                                   temperature=audit_cfg["temperature"], top_k=audit_cfg["top_k"])
-            out.append({"prompt": prompt, "completion": bytes(y[0, idx.size(1):].tolist()).decode("utf-8", "replace")})
+    def sample(step: int, net: GPT) -> None:
+        """The audit of generation ``step``: fixed prompts, a generator of its own, into ``.samples.json``."""
+        out = audit_samples(net, audit_cfg, seed, step, device, amp_dtype)
         samples_doc["audits"] = [a for a in samples_doc["audits"] if a["step"] < step] + [{"step": step, "samples": out}]
         if rank == 0:
             write_samples(run_dir, samples_doc)
+
+    def audit(step: int) -> None:  # on_checkpoint: on the loop, the live model (a sharded one: every rank)
+        if not audit_on:
+            return
+        if rank != 0 and args.shard != "fsdp":
+            return  # a replicated model: rank 0 samples alone (a sharded forward needs every rank)
+        sample(step, model)
+
+    def audit_staged(step: int, weights: Any) -> None:  # on_staged: the committed weights into the audit's model
+        assert audit_model is not None
+        with torch.no_grad():
+            for name, p in audit_model.named_parameters():
+                p.copy_(weights[name])
+        sample(step, audit_model)
 
     def export_at_deadline(step: int) -> dict[str, Any]:  # the deadline's export bundle (docs/CADENCE.md)
         from ...tools.export import export_run
@@ -436,7 +448,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         run_dir, state, every="auto" if args.every == "auto" else t["every"], asynchronous=args.asynchronous,
         mtbf=args.mtbf, max_redo=args.max_redo, on_deadline=export_at_deadline,
         deadline=None if args.deadline is None else datetime.fromtimestamp(args.deadline, UTC),
-        on_checkpoint=audit, sidecars={STATE_NAME: mixture.state_dict},
+        on_checkpoint=audit if audit_model is None else None,
+        on_staged=audit_staged if audit_model is not None else None, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
         allow_data_change=args.allow_data_change or bool(dropped), mirror=args.mirror,
         # config.json, checked above, is the run's experiment config: a generation saved under another one (before
@@ -551,6 +564,20 @@ def _gen_name(gen: Any) -> str:
     """``step_NNNNNN.bin`` or ``step_NNNNNN.dcp`` of a generation."""
     path = getattr(gen, "bin", None) if not hasattr(gen, "kind") else gen.path
     return path.name if path is not None else str(gen)
+
+
+def audit_samples(net: GPT, audit_cfg: dict[str, Any], seed: int, step: int, device: torch.device,
+                  amp_dtype: torch.dtype | None) -> list[dict[str, str]]:
+    """The completions of the audit's prompts by ``net`` at ``step`` (its own generator, never a training stream)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    out = []
+    for prompt in list(audit_cfg["prompts"]):
+        idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            y = net.generate(idx, audit_cfg["max_new_tokens"], generator=gen,
+                             temperature=audit_cfg["temperature"], top_k=audit_cfg["top_k"])
+        out.append({"prompt": prompt, "completion": bytes(y[0, idx.size(1):].tolist()).decode("utf-8", "replace")})
+    return out
 
 
 @torch.no_grad()

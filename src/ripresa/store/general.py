@@ -231,7 +231,8 @@ class GeneralBackend(BackendBase):
         tensors, encoded, aliases = capture_tensors(state, progress, extra, to_cpu=stage is None, plain_model_keys=False)
         count = opts.shard_count(sum(t.numel() * t.element_size() for t in tensors.values()))
         key_of = general_fmt.plain_key_of if count else general_fmt.key_of
-        names = {n: key_of(("model", general_fmt.model_aliases(state.model).get(n, n))) for n in state.model.state_dict()}
+        model_aliases = general_fmt.model_aliases(state.model)
+        names = {n: key_of(("model", model_aliases.get(n, n))) for n, _ in state.model.named_parameters()}
         if count:  # a sharded generation keys model tensors by their own names (Hugging Face loaders)
             tensors, encoded, aliases = capture_tensors(state, progress, extra, to_cpu=stage is None, plain_model_keys=True)
             commit = self.shards.commit_tensors(step, tensors, encoded, aliases, count, background=stage is not None)
@@ -254,16 +255,16 @@ class GeneralBackend(BackendBase):
         return commit
 
     def staged_model(self) -> dict[str, torch.Tensor] | None:
-        """The model's tensors of the last background capture, as views of the staged copy (valid until the next
-        save stages), by ``state_dict`` name; None when the last capture staged none, or not all of them."""
+        """The model's parameters of the last background capture, as views of the staged copy (valid until the
+        next save stages), by parameter name (``on_staged``'s weights, docs/API.md); None when the last capture
+        staged none, or not all of them."""
         return self._last_model
 
     def _staged_model(self, state: TrainingState, names: dict[str, str]) -> dict[str, torch.Tensor] | None:
         staged = self.staging.take(names)
         if staged is None:
             return None
-        live = state.model.state_dict()
-        if any(staged[n].dtype != t.dtype or staged[n].shape != t.shape for n, t in live.items()):
+        if any(staged[n].dtype != p.dtype or staged[n].shape != p.shape for n, p in state.model.named_parameters()):
             return None  # a dtype stored as its raw bytes: not the model's tensor as such
         return staged
 

@@ -1337,7 +1337,9 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
         for c in picked:
             cases.append(Case(family, kind, mutation, target, c, rng.randrange(1 << 30)))
 
-    for kind in ("run", "bundle", "ledger", "dcp", "pt") + (("shards",) if fx.shards is not None else ()):
+    kinds = ("run", "bundle", "ledger", "dcp", "pt", "shards")
+
+    def per_file(kind: str) -> None:
         for t in _targets(fx, kind):
             # every file: a bit flip, a FIFO, a symlink to the private file; plus one rotating other damage
             # and one rotating other special file (each run by one reader, rotating over the readers)
@@ -1357,6 +1359,9 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
                 add(F_HUGE, kind, "sparse_line", t, 2)
             if t.endswith(".bin"):
                 add(F_HUGE, kind, "huge", t, 2)
+
+    for kind in kinds[:-1]:
+        per_file(kind)
     add(F_HUGE, "run", "temp_names", "LOCK", 3)
     for t in ("step_000004.json", "step_000004.bin.hmac", "step_000004.bin.sha256"):  # signatures mean signatures
         cases.append(Case(F_SPECIAL, "run", "delete", t, "train --resume --require-signature", rng.randrange(1 << 30)))
@@ -1379,6 +1384,16 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
     cases.append(Case(F_LOCK, "run", "lock_victim_local", "LOCK", "inspect --no-deep --json", rng.randrange(1 << 30)))
     cases.append(Case(F_LOCK, "run", "lock_pid2^40", "LOCK", "inspect", rng.randrange(1 << 30)))
     cases += round_two_cases(rng)
+    if fx.shards is not None:  # the .shards fixture (its own draws: the other fixtures' seeds stay as they were)
+        rng = random.Random(seed * 1000 + 22)
+        per_file("shards")
+        for t in _targets(fx, "shards"):  # every file of step 4 x every special file and damage, by its inspector
+            if t.startswith("step_000004.shards"):
+                for m in SPECIAL + DAMAGE:
+                    if not any(c.fixture == "shards" and (c.target, c.mutation, c.command) ==
+                               (t, m, "inspect shards --deep --json") for c in cases):
+                        cases.append(Case(F_SPECIAL if m in SPECIAL else F_DAMAGE, "shards", m, t,
+                                          "inspect shards --deep --json", rng.randrange(1 << 30)))
     return cases
 
 

@@ -9,12 +9,13 @@ a model. Layout: docs/FORMAT.md ("Sharded general generations").
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, RipresaError
+from ..errors import BadInput, IntegrityError, RipresaError
 from .report import Verdict, base_report, err_text, finish, fmt_size, fmt_status, state_summary
 
 #: Tensors listed one by one in the report (all of them are counted in ``dtypes`` and ``groups``).
@@ -63,12 +64,21 @@ def _describe(p: Path, section: dict[str, Any], hashes: dict[str, str]) -> None:
     from ..formats import general as general_fmt
     from ..formats import safetensors_file as st
     from ..formats.companion import loads_bounded
-    from ..formats.shards import COMPANION_NAME, INDEX_NAME
+    from ..formats.shards import COMPANION_NAME, INDEX_NAME, validate_companion
     from ..io.fsio import read_small
     from ..store.shards import MAX_INDEX_BYTES
 
+    def committed(path: Path, what: str, limit: int) -> Any:
+        """``path``'s JSON, read again: the bytes the checks passed (the marker's sha256), else IntegrityError."""
+        raw = read_small(path, what, limit, error=IntegrityError)
+        if hashlib.sha256(raw).hexdigest() != hashes.get(path.name):
+            raise IntegrityError(f"the {what} changed since it was checked", file=path, expected=hashes.get(path.name),
+                                 found=hashlib.sha256(raw).hexdigest(), hint="inspect again")
+        return loads_bounded(raw, file=path)
+
     comp = p / COMPANION_NAME
-    doc = loads_bounded(read_small(comp, "companion", general_fmt.MAX_COMPANION_BYTES), file=comp)
+    doc = committed(comp, "companion", general_fmt.MAX_COMPANION_BYTES)
+    validate_companion(doc, comp)
     section["files"] = {name: os.lstat(p / name).st_size for name in sorted(hashes)}
     dtypes: Counter[str] = Counter()
     groups: dict[str, dict[str, int]] = {}
@@ -89,7 +99,7 @@ def _describe(p: Path, section: dict[str, Any], hashes: dict[str, str]) -> None:
     section["shards"] = shards
     section["tensors"] = {"count": doc["tensors"]["count"], "dtypes": dict(sorted(dtypes.items())),
                           "groups": dict(sorted(groups.items())), "entries": entries}
-    index = loads_bounded(read_small(p / INDEX_NAME, "shard index", MAX_INDEX_BYTES), file=p / INDEX_NAME)
+    index = committed(p / INDEX_NAME, "shard index", MAX_INDEX_BYTES)  # as checked: it says what the shards say
     section["index"] = {"file": INDEX_NAME, "total_size": index["metadata"]["total_size"],
                         "weight_map": len(index["weight_map"])}
     section["aliases"] = doc["aliases"]

@@ -253,7 +253,6 @@ def gpt_bin(tmp_path_factory) -> Path:
     return root / "run" / "step_000004.bin"
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("no_hmac_env")
 def test_convert_bin_to_shards_and_back_is_byte_identical_and_train_resumes_it(gpt_bin, tmp_path):
     sh = tmp_path / "a" / "step_000004.shards"

@@ -5,7 +5,7 @@ Called by :func:`ripresa.tools.export.export_run` with the protocol of every exp
 marker, ``MANIFEST.sha256`` last, then read back and reloaded. A resume bundle keeps the folder as it
 is (``checkpoint/step_NNNNNN.shards/``: Hugging Face's sharded layout, loadable without ripresa); an
 inference bundle is one ``model.safetensors``, as for a general generation. docs/FORMAT.md ("Export
-bundles"), docs/OPERATIONS.md ("Exporting a sharded generation").
+bundles"), docs/OPERATIONS.md ("Large states: .shards generations and the tools").
 """
 
 from __future__ import annotations

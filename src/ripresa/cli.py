@@ -436,7 +436,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = _command(
         sub, "convert", _cmd_convert,
         help="convert a checkpoint between .dcp, .bin (generation or plain), checkpoint.pt and safetensors, verified",
-        description="Convert SRC into DEST (format by name: step_NNNNNN.dcp, step_NNNNNN.bin generation, NAME.bin plain, "
+        description="Convert SRC into DEST (format by name: step_NNNNNN.dcp, step_NNNNNN.shards, step_NNNNNN.bin generation, NAME.bin plain, "
         "NAME.pt, NAME.safetensors weights only), then read DEST back and compare it bitwise with SRC. "
         "DEST must not exist. Missing state is never invented: a plain .bin or safetensors converts only to formats "
         "that hold no more. Exit 0 verified, 1 the re-read differs, 2 bad input.",

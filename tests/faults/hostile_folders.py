@@ -8,7 +8,9 @@ Real fixtures, built once by the real CLI (:func:`build_fixtures`):
 * ``bundle`` — ``ripresa export run --to bundle``;
 * ``ledger`` — ``ripresa generate run --inputs in.txt --out ledger/out.jsonl``;
 * ``dcp``    — ``ripresa convert run/step_000004.bin dcp/step_000004.dcp`` (a real DCP generation);
-* ``pt``     — ``examples/regression/train.py``'s ``checkpoint.pt`` folder.
+* ``pt``     — ``examples/regression/train.py``'s ``checkpoint.pt`` folder;
+* ``shards`` — the run's generations converted to signed ``step_NNNNNN.shards/`` folders (Hugging Face's
+  sharded layout: each shard, the index, ``companion.json``, the marker and signature), with the run's config.
 
 A :class:`Case` is (family, fixture, mutation, target file, command, seed). Each
 mutation is a function of (folder, target, rng, context) that returns a
@@ -141,11 +143,12 @@ class Fixtures:
     srun: Path | None = None     # a run whose mirror push ran with credentials in the endpoint URL
     ref_bin_sha: str = ""        # sha256 of sdcp's step 4 converted back to .bin (the genuine weights)
     ref_resume_sha: str = ""     # sha256 of step_000005.bin of a signed resume from sdcp's step 4 (one step)
+    shards: Path | None = None   # signed .shards generations of steps 2 and 4, with the run's config
 
     def folder(self, kind: str) -> Path:
         return {"run": self.run, "bundle": self.bundle, "ledger": self.ledger, "dcp": self.dcp,
                 "pt": self.pt, "planted": self.run, "mirror": self.mirror, "sdcp": self.sdcp, "gen": self.gen,
-                "cwd": self.run, "secret": self.srun, "esc": self.run}[kind]
+                "cwd": self.run, "secret": self.srun, "esc": self.run, "shards": self.shards}[kind]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -175,7 +178,18 @@ def build_fixtures(root: Path) -> Fixtures:
     _must([*rp, "convert", "run/step_000004.bin", "dcp/step_000004.dcp"], root)
     _must([PY, "-B", str(REGRESSION), "--steps", "3", "--output", "pt"], root)
     build_round_two(fx)
+    build_shards(fx)
     return fx
+
+
+def build_shards(fx: Fixtures) -> None:
+    """A run folder of signed ``.shards`` generations (steps 2 and 4, converted from the run's), with its config."""
+    fx.shards = fx.root / "shards"
+    for step in (2, 4):
+        _must([PY, "-m", "ripresa", "convert", f"run/step_{step:06d}.bin", f"shards/step_{step:06d}.shards"], fx.root,
+              {"RIPRESA_HMAC_KEY": KEY})
+    for name in ("config.json", "config.json.hmac"):
+        shutil.copy2(fx.run / name, fx.shards / name)
 
 
 def build_round_two(fx: Fixtures) -> None:
@@ -286,6 +300,16 @@ def reseal(folder: Path, rel: str, _depth: int = 0) -> None:
             with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError, KeyError, TypeError):
                 doc = json.loads(comp.read_text())
                 doc["bin"]["sha256"], doc["bin"]["size"] = sha, size
+                comp.write_text(json.dumps(doc, separators=(",", ":")))
+                reseal(folder, str(comp.relative_to(folder)), _depth + 1)
+    if target.parent.name.endswith(".shards") and target.name.endswith(".safetensors"):
+        comp = target.parent / "companion.json"  # the companion records each shard's sha256 and size
+        if comp.is_file() and not comp.is_symlink():
+            with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError, KeyError, TypeError):
+                doc = json.loads(comp.read_text())
+                for rec in doc["tensors"]["shards"]:
+                    if rec["name"] == target.name:
+                        rec["sha256"], rec["size"] = sha, size
                 comp.write_text(json.dumps(doc, separators=(",", ":")))
                 reseal(folder, str(comp.relative_to(folder)), _depth + 1)
     if target.parent.name.endswith(".dcp") and target.name != "ripresa.json":
@@ -1059,6 +1083,12 @@ RIP = (PY, "-m", "ripresa")
 #: step past the fixtures' step 4 (a resume then a save), five on a blank folder.
 TRAIN = ("--steps", "5", "--every", "1", "--threads", "1", "--quiet", "--no-audit")
 
+#: The files of the .shards fixture's step 4 (S4_NOSIG: those a check without the key reads; S4_INDEX: the index,
+#: which must say exactly what the shards say even when an attacker recomputed the marker).
+S4 = r"^step_000004\.shards(/|\.sha256$|\.hmac$)"
+S4_NOSIG = r"^step_000004\.shards(/|\.sha256$)"
+S4_INDEX = r"^step_000004\.shards/model\.safetensors\.index\.json$"
+
 BUNDLE_PARSED = (r"^MANIFEST\.json$", r"^checkpoint/step_000004\.(bin|json)$", CONFIG)
 PT = r"^checkpoint\.pt$"
 
@@ -1156,6 +1186,25 @@ COMMANDS.update({
         Command("train --resume --require-signature", (*RIP, "train", "--run", "{O}/new", "--resume",
                                                        "{F}/step_000004.dcp", "--require-signature", *TRAIN),
                 (ANY,), env=SIGNED, expect="genuine_resume", timeout=120),
+    ]},
+    "shards": {c.name: c for c in [
+        Command("inspect", (*RIP, "inspect", "{F}"), (ANY,)),
+        Command("inspect --no-deep --json", (*RIP, "inspect", "{F}", "--no-deep", "--json"), (ANY,)),
+        Command("inspect shards --deep --json", (*RIP, "inspect", "{F}/step_000004.shards", "--deep", "--json"),
+                (S4,), (S4_NOSIG,), (S4_INDEX,)),
+        Command("inspect shards --require-signature", (*RIP, "inspect", "{F}/step_000004.shards", "--require-signature"),
+                (S4,), (S4,), (S4,), SIGNED),
+        Command("train --run", (*RIP, "train", "--run", "{F}", *TRAIN), (ANY,), parses=(CONFIG,)),
+        Command("train --resume", (*RIP, "train", "--run", "{O}/new", "--resume", "{F}/step_000004.shards", *TRAIN),
+                (S4, CONFIG), (S4_NOSIG,), (S4_INDEX,)),
+        Command("train --resume --require-signature", (*RIP, "train", "--run", "{O}/new", "--resume",
+                                                       "{F}/step_000004.shards", "--require-signature", *TRAIN),
+                (S4, CONFIG), (S4,), (S4,), SIGNED),
+        Command("export", (*RIP, "export", "{F}", "--to", "{O}/bundle", "--step", "4"), (ANY,), (S4_NOSIG,), (S4_INDEX,)),
+        Command("export --inference", (*RIP, "export", "{F}", "--to", "{O}/inf", "--inference"), (ANY,)),
+        Command("convert", (*RIP, "convert", "{F}/step_000004.shards", "{O}/step_000004.bin"), (S4,), (S4_NOSIG,),
+                (S4_INDEX,)),
+        Command("mirror push", (*RIP, "mirror", "push", "{F}", "--mirror", "{O}/m"), (ANY,)),
     ]},
     "gen": {c.name: c for c in [
         Command("inspect", (*RIP, "inspect", "{F}"), (ANY,)),
@@ -1288,7 +1337,9 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
         for c in picked:
             cases.append(Case(family, kind, mutation, target, c, rng.randrange(1 << 30)))
 
-    for kind in ("run", "bundle", "ledger", "dcp", "pt"):
+    kinds = ("run", "bundle", "ledger", "dcp", "pt", "shards")
+
+    def per_file(kind: str) -> None:
         for t in _targets(fx, kind):
             # every file: a bit flip, a FIFO, a symlink to the private file; plus one rotating other damage
             # and one rotating other special file (each run by one reader, rotating over the readers)
@@ -1301,12 +1352,16 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
                 add(F_NEST, kind, "nest", t, 2)
                 if not t.endswith("MANIFEST.json") or kind == "bundle":
                     add(F_HUGE, kind, "huge", t, 2)
-            if re.fullmatch(r"step_\d+\.json", Path(t).name) or t.endswith("checkpoint/step_000004.json"):
+            if re.fullmatch(r"step_\d+\.json", Path(t).name) or t.endswith(("checkpoint/step_000004.json",
+                                                                             ".shards/companion.json")):
                 add(F_HUGE, kind, "huge_shape", t, 2)
             if t.endswith(".jsonl"):
                 add(F_HUGE, kind, "sparse_line", t, 2)
             if t.endswith(".bin"):
                 add(F_HUGE, kind, "huge", t, 2)
+
+    for kind in kinds[:-1]:
+        per_file(kind)
     add(F_HUGE, "run", "temp_names", "LOCK", 3)
     for t in ("step_000004.json", "step_000004.bin.hmac", "step_000004.bin.sha256"):  # signatures mean signatures
         cases.append(Case(F_SPECIAL, "run", "delete", t, "train --resume --require-signature", rng.randrange(1 << 30)))
@@ -1329,6 +1384,16 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
     cases.append(Case(F_LOCK, "run", "lock_victim_local", "LOCK", "inspect --no-deep --json", rng.randrange(1 << 30)))
     cases.append(Case(F_LOCK, "run", "lock_pid2^40", "LOCK", "inspect", rng.randrange(1 << 30)))
     cases += round_two_cases(rng)
+    if fx.shards is not None:  # the .shards fixture (its own draws: the other fixtures' seeds stay as they were)
+        rng = random.Random(seed * 1000 + 22)
+        per_file("shards")
+        for t in _targets(fx, "shards"):  # every file of step 4 x every special file and damage, by its inspector
+            if t.startswith("step_000004.shards"):
+                for m in SPECIAL + DAMAGE:
+                    if not any(c.fixture == "shards" and (c.target, c.mutation, c.command) ==
+                               (t, m, "inspect shards --deep --json") for c in cases):
+                        cases.append(Case(F_SPECIAL if m in SPECIAL else F_DAMAGE, "shards", m, t,
+                                          "inspect shards --deep --json", rng.randrange(1 << 30)))
     return cases
 
 
@@ -1413,6 +1478,19 @@ SAMPLE_ROUND_TWO = (
 )
 
 
+#: The .shards fixture's cases always in the sample: (target, family).
+SAMPLE_SHARDS = (("step_000004.shards/model-00001-of-00002.safetensors", F_DAMAGE),
+                 ("step_000004.shards/model.safetensors.index.json", F_SPECIAL))
+
+
+def only_fixtures(cases: list[Case], names: str | None = None) -> list[Case]:
+    """The cases of the fixtures named in ``names`` (comma-separated; default ``RIPRESA_FUZZ_FIXTURES``; empty: all):
+    e.g. ``RIPRESA_FUZZ_FIXTURES=shards`` runs the matrix of one fixture."""
+    names = os.environ.get("RIPRESA_FUZZ_FIXTURES", "") if names is None else names
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    return [c for c in cases if c.fixture in wanted] if wanted else cases
+
+
 def sample_cases(cases: list[Case], n: int = 20, seed: int = 10) -> list[Case]:
     """A fixed sample: every crafted-pickle family entry point once, the dangerous LOCK pids, then a seeded
     draw spread over the other families."""
@@ -1426,6 +1504,8 @@ def sample_cases(cases: list[Case], n: int = 20, seed: int = 10) -> list[Case]:
     must += [c for c in cases if c.mutation == "delete" and c.command == "train --resume --require-signature"][:1]
     for fam, mutation, command in SAMPLE_ROUND_TWO:
         must += [c for c in cases if c.family == fam and c.mutation == mutation and c.command == command][:1]
+    for target, family in SAMPLE_SHARDS:  # the sharded general kind: a damaged shard, a special file as its index
+        must += [c for c in cases if c.fixture == "shards" and c.target == target and c.family == family][:1]
     rest = [c for c in cases if c not in must]
     by_family: dict[str, list[Case]] = {}
     for c in rest:
@@ -1891,7 +1971,7 @@ def run_cases(cases: list[Case], fx: Fixtures, work: Path, *, workers: int = 1) 
     work.mkdir(parents=True, exist_ok=True)
     victim = Victim(work)
     pristine = {k: snapshot(fx.folder(k)) for k in ("run", "bundle", "ledger", "dcp", "pt", "mirror", "sdcp", "gen",
-                                                     "secret") if fx.folder(k) is not None}
+                                                     "secret", "shards") if fx.folder(k) is not None}
     try:
         lock_cases = [c for c in cases if c.family == F_LOCK or COMMANDS[c.fixture][c.command].lock]
         other = [c for c in cases if c not in lock_cases]

@@ -40,7 +40,8 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gen: np.ran
 
 
 def train(run: str | Path, steps: int, every: int, *, mirror: Any = None, fmt: str = "general", keep: int = 3,
-          sleep: float = 0.0, handle_signals: bool = False, after_step: Any = None) -> dict[str, Any]:
+          sleep: float = 0.0, handle_signals: bool = False, after_step: Any = None,
+          checkpointer: dict[str, Any] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     gen = np.random.default_rng(0)
     X = torch.randn(256, 8, generator=torch.Generator().manual_seed(1))
@@ -52,7 +53,7 @@ def train(run: str | Path, steps: int, every: int, *, mirror: Any = None, fmt: s
                                   rng=ripresa.RandomStreams(numpy={"data": gen}), config={"steps": steps},
                                   code_files=[__file__])
     ckpt = ripresa.Checkpointer(run, state, every=every, mirror=mirror, format=fmt, retention=KeepLast(keep),
-                                handle_signals=handle_signals)
+                                handle_signals=handle_signals, **(checkpointer or {}))
     try:
         start = ckpt.resume()
         resumed = ckpt.resumed_from.path.name if ckpt.resumed_from is not None else None

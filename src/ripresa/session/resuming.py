@@ -169,8 +169,9 @@ class Resumer:
         owners = [b for b in self.backends + self._ignored if b.step_of(src) is not None]
         if not owners:
             names = " or ".join(f"a {b.label}" for b in self.backends + self._ignored)
-            raise BadInput(f"--resume needs {names}", file=src,
-                           expected="step_NNNNNN.safetensors, step_NNNNNN.bin or step_NNNNNN.dcp", found=src.name)
+            mains = [b.names.name(0).replace("000000", "NNNNNN") for b in self.backends + self._ignored
+                     if getattr(b, "names", None) is not None]
+            raise BadInput(f"--resume needs {names}", file=src, expected=" or ".join(mains), found=src.name)
         return owners[0].at_path(src)
 
     def _choose(self, from_path: str | Path | None) -> Generation | None:

@@ -266,10 +266,12 @@ def check_generation_file(path: str | os.PathLike[str]) -> None:
     owner = owner_of(p.name)
     naming = owner.spec.naming if owner is not None else None
     if owner is None or naming is None or naming.folder or p.name not in (owner.main, naming.companion_name(owner.main)):
+        folders = [s.naming.name(0).replace("000000", "NNNNNN") for s in kinds() if s.naming and s.naming.folder]
         raise BadInput(
-            "--require-signature checks a run folder or a generation's step_NNNNNN.bin or .safetensors",
+            "--require-signature checks a run folder, a generation folder or a generation's step_NNNNNN.bin or "
+            ".safetensors",
             file=p,
-            expected="a run folder, step_NNNNNN.bin or step_NNNNNN.safetensors",
+            expected=", ".join(["a run folder", *folders, "step_NNNNNN.bin or step_NNNNNN.safetensors"]),
             found=p.name,
             hint="checkpoint.pt files are not signed; sign generations of a run folder",
         )

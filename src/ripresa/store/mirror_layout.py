@@ -26,8 +26,9 @@ from .retention import RetentionPolicy
 #: outage kind caught it: a final state that differs from the uninterrupted run).
 JITTER = random.Random()
 
-#: The kinds a pull takes by default, and their order at equal steps (any other registered kind after them).
-PULL_KINDS = ("bin", "general", "dcp")
+#: The order of the kinds at equal steps in a pull (any other registered kind after them); a pull takes every
+#: registered kind unless told which (:func:`ripresa.store.mirror_pull.pull`).
+PULL_KINDS = ("bin", "general", "shards", "dcp")
 #: Largest marker read (bytes): a ``.dcp`` marker has one line per file.
 MAX_MARKER = 1 << 20
 #: Largest ``config.json`` pulled (bytes).

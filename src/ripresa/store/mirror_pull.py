@@ -22,6 +22,7 @@ from ..io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable
 from ..io.redact import redact_url
 from .history import HISTORY_NAME
 from .kinds import backend_of, spec_of
+from .kinds import kinds as registered_kinds
 from .mirror_layout import (
     CONFIG_SIG,
     JITTER,
@@ -169,9 +170,11 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
 
 
 def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,
-         kinds: Iterable[str] = PULL_KINDS, event: Callable[..., None] | None = None,
+         kinds: Iterable[str] | None = None, event: Callable[..., None] | None = None,
          spec: MirrorSpec = _PULL) -> Generation | None:
     """Land the newest remote generation (or ``step``'s) whose marker verifies; None when the store holds none.
+
+    ``kinds``: the kinds considered (None: every registered kind), ordered at equal steps by :data:`PULL_KINDS`.
 
     Each one that fails (a flipped byte, a bad or missing signature under
     require-signature, a malformed marker) is recorded as ``mirror_refused``
@@ -179,7 +182,7 @@ def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int
     none verifies: :class:`~ripresa.errors.CheckFailed` (exit 1).
     """
     ev = event or (lambda name, **kw: None)
-    kinds = tuple(spec_of(k).kind for k in kinds)  # an old name ("st") reads as its kind's
+    kinds = tuple(spec_of(k).kind for k in kinds) if kinds is not None else tuple(s.kind for s in registered_kinds())
     view = RemoteView(retrying(remote.list, event=ev, what="listing", spec=spec))
 
     def order(kind: str) -> int:
@@ -305,7 +308,7 @@ def restore_run(remote: ObjectStore, run_dir: Path, *, event: Callable[..., None
 
 
 def pull_run(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,
-             kinds: Iterable[str] = PULL_KINDS, event: Callable[..., None] | None = None,
+             kinds: Iterable[str] | None = None, event: Callable[..., None] | None = None,
              spec: MirrorSpec = _PULL) -> Generation | None:
     """A blank machine's resume from the mirror: :func:`restore_run` (history, sidecars, config.json), then
     :func:`pull` (the newest verified generation); a ``history_restored`` event says what came back and from

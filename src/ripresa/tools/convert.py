@@ -1,7 +1,7 @@
 """``ripresa convert SRC DEST``: one checkpoint, another format, verified bit for bit.
 
-The format of each side is chosen by its name (a ``.dcp``, ``.bin`` or general
-generation, a plain ``.bin``, a ``checkpoint.pt``, a weights-only
+The format of each side is chosen by its name (a ``.dcp``, ``.bin``, general or
+``.shards`` generation, a plain ``.bin``, a ``checkpoint.pt``, a weights-only
 ``.safetensors``); missing state is never invented. The conversion goes through
 a live model and AdamW on the CPU, then the destination is read back and
 compared with the source bitwise. Formats, what each holds, hostile sources and
@@ -38,9 +38,10 @@ from ..store.retention import KeepLast
 from ..verify.compare import first_difference
 from .models import ModelFactory
 
-KINDS = ("dcp", "bin", "general", "plain-bin", "pt", "safetensors")
+KINDS = ("dcp", "bin", "general", "shards", "plain-bin", "pt", "safetensors")
 #: What each kind holds: "full" (a complete resume point), "moments" (weights, m, v, step), "weights".
-HOLDS = {"dcp": "full", "bin": "full", "general": "full", "pt": "full", "plain-bin": "moments", "safetensors": "weights"}
+HOLDS = {"dcp": "full", "bin": "full", "general": "full", "shards": "full", "pt": "full", "plain-bin": "moments",
+         "safetensors": "weights"}
 _RANK = {"weights": 0, "moments": 1, "full": 2}
 
 
@@ -62,6 +63,8 @@ def kind_of(path: Path, *, as_dest: bool = False) -> str:
     name = path.name
     if name.endswith(".dcp") or (not as_dest and path.is_dir() and (path / ".metadata").is_file()):
         return "dcp"
+    if name.endswith(".shards"):
+        return "shards"
     if name.endswith(".bin"):
         if parse_bin_name(name) is None:
             return "plain-bin"
@@ -79,8 +82,8 @@ def kind_of(path: Path, *, as_dest: bool = False) -> str:
             return "general"
         return "safetensors"
     raise BadInput("unknown checkpoint format", file=path,
-                   expected="step_NNNNNN.dcp, step_NNNNNN.bin, step_NNNNNN.safetensors, NAME.bin, NAME.pt or "
-                            "NAME.safetensors", found=name)
+                   expected="step_NNNNNN.dcp, step_NNNNNN.shards, step_NNNNNN.bin, step_NNNNNN.safetensors, NAME.bin, "
+                            "NAME.pt or NAME.safetensors", found=name)
 
 
 # ---- building the live objects -------------------------------------------------------------
@@ -176,7 +179,32 @@ def _load_general(src: Path, kind: str, require: bool, config: str | dict[str, A
         v = validate_general(src.parent, step, load=True, key=key, raise_first=True)
     except IntegrityError as exc:
         raise CheckFailed(f"the source generation is not valid: {exc.message}", file=src, found=exc.found) from exc
-    saved = v.state
+    return _loaded_general(src, kind, v.state, step, config, model_factory)
+
+
+def _load_shards(src: Path, kind: str, require: bool, config: str | dict[str, Any] | None, model_factory: ModelFactory) -> Loaded:
+    """A sharded general generation (``step_NNNNNN.shards``): the kind's full validation (every shard hashed), loaded."""
+    from ..formats.shards import SHARDS_NAMES
+    from ..store.shards import validate_shards
+
+    step = SHARDS_NAMES.parse(src.name)
+    if step is None:
+        raise BadInput("a .shards source must be named step_NNNNNN.shards", file=src, expected="step_NNNNNN.shards",
+                       found=src.name)
+    key = auth.load_key() if require else None
+    if require and key is None:
+        raise auth.missing_key_error("require_signature (RIPRESA_REQUIRE_SIGNATURE)")
+    try:
+        v = validate_shards(src.parent, step, load=True, key=key, raise_first=True)
+    except IntegrityError as exc:
+        raise CheckFailed(f"the source generation is not valid: {exc.message}", file=exc.file or src,
+                          expected=exc.expected, found=exc.found) from exc
+    return _loaded_general(src, kind, v.state, step, config, model_factory)
+
+
+def _loaded_general(src: Path, kind: str, saved: dict[str, Any], step: int, config: str | dict[str, Any] | None,
+                    model_factory: ModelFactory) -> Loaded:
+    """A general (or sharded) generation's validated state in a live model and AdamW."""
     cfg = _model_config(saved.get("config"), config, src, model_factory)
     model, opt = _build_sized(model_factory, cfg, src, _numel(saved.get("model")))
     model.load_state_dict(saved["model"], strict=True)
@@ -243,8 +271,8 @@ def _load_safetensors(src: Path, kind: str, require: bool, config: str | dict[st
 _UNSIGNED = {"plain-bin": "a plain .bin", "safetensors": "a .safetensors", "pt": "a checkpoint.pt"}
 #: How each kind is read (:func:`load`): (path, kind, whether a signature is required, --config, factory).
 _LOADERS: dict[str, Callable[[Path, str, bool, str | dict[str, Any] | None, ModelFactory], Loaded]] = {
-    "bin": _load_bin, "general": _load_general, "pt": _load_pt, "dcp": _load_dcp, "plain-bin": _load_plain_bin,
-    "safetensors": _load_safetensors,
+    "bin": _load_bin, "general": _load_general, "shards": _load_shards, "pt": _load_pt, "dcp": _load_dcp,
+    "plain-bin": _load_plain_bin, "safetensors": _load_safetensors,
 }
 
 
@@ -373,6 +401,23 @@ def _write_general(lo: Loaded, dest: Path) -> None:
     save_general(dest.parent, lo.step, tensors, encoded, aliases, hmac_key=auth.load_key())
 
 
+def _write_shards(lo: Loaded, dest: Path) -> None:
+    """A sharded general generation (its commit protocol: every shard hashed, marker last; signed when a key is
+    configured), one shard per CPU as a session writes it (:func:`~ripresa.store.folder.default_shards`)."""
+    from ..formats import general as general_fmt
+    from ..formats.shards import SHARDS_NAMES
+    from ..store.folder import RunFolder, default_shards
+    from ..store.shards import ShardsBackend
+
+    if SHARDS_NAMES.parse(dest.name) != lo.step:
+        raise BadInput("a .shards generation's name must carry its step", file=dest,
+                       expected=f"step_{lo.step:06d}.shards", found=dest.name)
+    tensors, encoded, aliases = general_fmt.split_state(_snapshot(lo), general_fmt.model_aliases(lo.model),
+                                                        plain_model_keys=True)
+    with RunFolder(dest.parent, writer=True, hmac_key=auth.load_key()) as store:
+        ShardsBackend(store).commit_tensors(lo.step, tensors, encoded, aliases, default_shards(), background=False)()
+
+
 def _write_plain_bin(lo: Loaded, dest: Path) -> None:
     """A plain ``.bin``: weights, m, v and the step only."""
     assert lo.optimizer is not None
@@ -422,8 +467,8 @@ def _write_safetensors(lo: Loaded, dest: Path) -> None:
 
 #: How each kind is written (:func:`write`).
 _WRITERS: dict[str, Callable[[Loaded, Path], None]] = {
-    "bin": _write_bin, "general": _write_general, "plain-bin": _write_plain_bin, "pt": _write_pt, "dcp": _write_dcp,
-    "safetensors": _write_safetensors,
+    "bin": _write_bin, "general": _write_general, "shards": _write_shards, "plain-bin": _write_plain_bin,
+    "pt": _write_pt, "dcp": _write_dcp, "safetensors": _write_safetensors,
 }
 
 

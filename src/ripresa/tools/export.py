@@ -1,7 +1,7 @@
 """``ripresa export``: a recoverable bundle of one generation, checked by reading it back.
 
 A thin dispatcher: the kind of the generation picks its exporter
-(:mod:`~ripresa.tools.export_general`, :mod:`~ripresa.tools.export_bin`; a
+(:mod:`~ripresa.tools.export_general`, :mod:`~ripresa.tools.export_shards`, :mod:`~ripresa.tools.export_bin`; a
 sharded ``.dcp`` is consolidated to a ``.bin`` first), all of them write through
 the kit of :mod:`~ripresa.tools.bundle`, and :func:`verify_export` re-hashes and
 reloads the result. Layout and protocol: docs/FORMAT.md ("Export bundles");
@@ -20,7 +20,7 @@ from ..errors import BadInput, IntegrityError, RipresaError
 from ..formats.andrea_bin import bin_name
 from ..io.fsio import fsync_dir
 from ..store.store import CheckpointStore, Generation
-from . import export_bin, export_general
+from . import export_bin, export_general, export_shards
 from .bundle import (
     COMPANION_MAX,
     EXPORT_FORMAT,
@@ -75,6 +75,12 @@ def _export_general(run: Path, dest: Path, gen: Generation, *, model_factory: Mo
                                          show_progress=show_progress, verify=verify_or_uncommit)
 
 
+def _export_shards(run: Path, dest: Path, gen: Generation, *, model_factory: ModelFactory | None, inference: bool,
+                   show_progress: bool) -> dict[str, Any]:
+    return export_shards.export_shards(run, dest, gen, model_factory=model_factory, inference=inference,
+                                       show_progress=show_progress, verify=verify_or_uncommit)
+
+
 def _export_sharded(run: Path, dest: Path, sharded: Generation, *, model_factory: ModelFactory | None, inference: bool,
                     show_progress: bool) -> dict[str, Any]:
     """A ``.dcp`` generation, converted to a ``.bin`` one in a staging folder beside ``dest``, exported, removed."""
@@ -103,7 +109,7 @@ def _export_sharded(run: Path, dest: Path, sharded: Generation, *, model_factory
 def _sharded_source(run: Path, step: int | None) -> Generation | None:
     """The ``.dcp`` generation to export, deep-checked, or None when the export is of a ``.bin``."""
     from ..formats import dcp as dcp_fmt
-    from ..store.backend import latest_valid_of
+    from ..store.backend import latest_valid_of, registered
 
     dcp_steps = dcp_fmt.dcp_steps_on_disk(run) if run.is_dir() else []
     if not dcp_steps:
@@ -118,15 +124,17 @@ def _sharded_source(run: Path, step: int | None) -> Generation | None:
                                  expected="a committed generation whose files match its marker", found=gen.reason,
                                  hint="export another step (`ripresa inspect RUN` shows which are valid)")
         return gen
-    newest = latest_valid_of(run, ("bin", "dcp"), deep=True)
+    newest = latest_valid_of(run, tuple(registered()), deep=True)
     return newest if newest is not None and newest.kind == "dcp" else None
 
 
 #: The kinds whose generation an export looks for first, in this order (docs/FORMAT.md, "Export bundles"):
 #: (kind, whether it needs the model factory, the deep-checked generation of that kind to export or None, its
-#: exporter). A general generation is a Checkpointer's default format; a ``.bin`` is what is left (export_bin).
+#: exporter). A general generation is a Checkpointer's default format (a ``.shards`` one when it is large); a
+#: ``.bin`` is what is left (export_bin).
 _SOURCES: tuple[tuple[str, bool, Callable[[Path, int | None], Generation | None], Callable[..., dict[str, Any]]], ...] = (
     ("general", False, export_general.general_source, _export_general),
+    ("shards", False, export_shards.shards_source, _export_shards),
     ("dcp", True, _sharded_source, _export_sharded),
 )
 
@@ -139,6 +147,9 @@ _RELOADS: dict[tuple[str, str], Callable[[Path, dict[str, Any], Any, Any], dict[
     (RESUME, "bin"): lambda dest, manifest, weights, factory: export_bin.reload_resume(dest, manifest, factory),
     (INFERENCE, "general"): lambda dest, manifest, weights, factory: export_general.reload_inference(dest, manifest, weights),
     (INFERENCE, "bin"): lambda dest, manifest, weights, factory: export_bin.reload_inference(dest, manifest, weights, factory),
+    (RESUME, "shards"): lambda dest, manifest, weights, factory: export_shards.reload_resume(dest, manifest),
+    (INFERENCE, "shards"): lambda dest, manifest, weights, factory: export_general.reload_inference(
+        dest, manifest, weights, source="shards"),
 }
 
 
@@ -184,12 +195,12 @@ def verify_export(dest: Path, *, model_factory: ModelFactory | None = None, show
     listed = {e["path"] for e in manifest["files"]} | {MANIFEST_JSON, MANIFEST_SHA}
     unlisted = sorted(str(p.relative_to(dest)) for p in dest.rglob("*")
                       if (p.is_file() or p.is_symlink()) and str(p.relative_to(dest)) not in listed)
-    general = "general" in (as_dict(manifest.get("generation")).get("format"), as_dict(manifest.get("weights")).get("source"))
-    if model_factory is None and not general:
+    section, key = _SOURCE_OF[manifest["kind"]]
+    named = as_dict(manifest.get(section)).get(key)
+    source = named if isinstance(named, str) and (manifest["kind"], named) in _RELOADS else "bin"
+    if model_factory is None and source == "bin":
         raise BadInput("verifying the export of a .bin generation needs the model factory", file=dest,
                        expected="verify_export(..., model_factory=GPT_FACTORY)", found="model_factory=None")
-    section, key = _SOURCE_OF[manifest["kind"]]
-    source = "general" if as_dict(manifest.get(section)).get(key) == "general" else "bin"
     reload = _RELOADS[manifest["kind"], source](dest, manifest, _expected_weights, model_factory)
     return {
         "dest": str(dest), "kind": manifest["kind"], "step": manifest.get("step"),

@@ -22,7 +22,7 @@ from .._version import __version__
 from ..errors import IntegrityError, MissingDependency, SchemaError
 from ..formats.generation import Generation
 from ..io.fsio import Digest, parse_json_bytes, read_small
-from ..store.backend import backend_of, latest_valid_of
+from ..store.backend import backend_of, latest_valid_of, registered
 from ..store.general import general_paths, validate_general
 from ..store.store import CheckpointStore
 from .bundle import (
@@ -76,8 +76,8 @@ def general_source(run: Path, step: int | None) -> Generation | None:
                                  expected="a committed generation whose files match its marker", found=gen.reason,
                                  hint="export another step (`ripresa inspect RUN` shows which are valid)")
         return gen
-    newest = latest_valid_of(run, ("bin", "st", "dcp"), deep=True, store=store)
-    return newest if newest is not None and newest.kind == "general" else None
+    newest = latest_valid_of(run, tuple(registered()), deep=True, store=store)
+    return newest if newest is not None and newest.kind == GENERAL else None
 
 
 def _loaded_state(run: Path, gen: Generation) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def _loaded_state(run: Path, gen: Generation) -> dict[str, Any]:
     return v.state
 
 
-def _config(run: Path, companion_cfg: Any) -> tuple[bytes | None, str]:
+def run_config(run: Path, companion_cfg: Any) -> tuple[bytes | None, str]:
     """(config.json bytes or None, where from): the run's ``config.json``, else the generation's config."""
     path = run / "config.json"
     if os.path.lexists(path):
@@ -157,7 +157,7 @@ def _write_resume(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_sha:
     doc = parse_json_bytes(raw, c, "the generation's companion", error=IntegrityError)
     state = as_dict(doc.get("state")) if isinstance(doc, dict) else {}
     count = as_dict(doc.get("tensors")).get("count") if isinstance(doc, dict) else None
-    cfg_bytes, cfg_from = _config(run, state.get("config"))
+    cfg_bytes, cfg_from = run_config(run, state.get("config"))
     if cfg_bytes is not None:
         bundle.write("config.json", cfg_bytes)
         if cfg_from == "generation":
@@ -189,12 +189,21 @@ def _write_resume(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_sha:
 
 
 def _write_inference(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_sha: str) -> dict[str, Any]:
+    return write_inference(bundle, run, gen, _loaded_state(run, gen), {
+        "format": GENERAL, "name": gen.path.name, "sha256": f_sha, "size": gen.size, "companion_sha256": c_sha})
+
+
+def write_inference(bundle: Bundle, run: Path, gen: Generation, state: dict[str, Any],
+                    source: dict[str, Any]) -> dict[str, Any]:
+    """The inference bundle of a loaded general state (also a sharded one's): ``model.safetensors`` under the
+    ``state_dict`` names, config, provenance, README. ``source``: format, name, sha256, size, companion_sha256
+    of the generation (recorded in the file's metadata and ``export.json``)."""
     try:
         from safetensors.torch import save as st_save
     except ImportError as exc:  # pragma: no cover - safetensors is a dependency
         raise MissingDependency("an inference export needs safetensors", expected="pip install safetensors",
                                 found="not installed") from exc
-    state = _loaded_state(run, gen)
+    f_sha = source["sha256"]
     model = state.get("model")
     if not isinstance(model, dict) or not model or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
                                                            for k, t in model.items()):
@@ -217,8 +226,8 @@ def _write_inference(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_s
     if hf is not None:
         tensors = drop_tied(tensors, tied)
     n_params = sum(int(t.numel()) for t in tensors.values())
-    metadata = {"format": "pt" if hf is not None else "ripresa.inference", "step": str(gen.step), "source": GENERAL,
-                "source_sha256": f_sha, "ripresa": __version__, "tensors": str(len(tensors)),
+    metadata = {"format": "pt" if hf is not None else "ripresa.inference", "step": str(gen.step),
+                "source": source["format"], "source_sha256": f_sha, "ripresa": __version__, "tensors": str(len(tensors)),
                 "tied": json.dumps(tied, sort_keys=True)}
     try:
         data = st_save(tensors, metadata=metadata)
@@ -226,7 +235,7 @@ def _write_inference(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_s
         raise SchemaError("the model's tensors cannot be written as safetensors", file=gen.path,
                           found=f"{type(exc).__name__}: {exc}"[:200]) from exc
     bundle.write("model.safetensors", data)
-    cfg_bytes, cfg_from = _config(run, state.get("config"))
+    cfg_bytes, cfg_from = run_config(run, state.get("config"))
     if hf is not None:
         cfg_bytes, cfg_from = json_bytes(hf_config(hf)), "transformers"
     if cfg_bytes is not None:
@@ -237,7 +246,7 @@ def _write_inference(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_s
                 "random generator states, data position or LR schedule)",
         "created": now(), "exported_with": f"ripresa {__version__}", "source_run": str(run.resolve()),
         "step": gen.step, "progress": as_dict(state.get("progress")),
-        "source": {"format": GENERAL, "name": gen.path.name, "sha256": f_sha, "size": gen.size, "companion_sha256": c_sha},
+        "source": dict(source),
         "tied": tied, "config_from": cfg_from, "data_identity": state.get("data_identity"),
         "versions": state.get("versions"), "code": state.get("code"),
         **({"transformers": {"model_class": hf["model_class"], "tied_written_once": tied}} if hf is not None else {}),
@@ -250,7 +259,8 @@ def _write_inference(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_s
     if hf is None:
         bundle.write("README.md", _README_INFERENCE.format(step=gen.step, name=gen.path.name, run=run.resolve(),
                                                            n=len(tensors), n_params=f"{n_params:,}", shapes=shapes).encode())
-    extra = {"weights": {"file": "model.safetensors", "source": GENERAL, "source_sha256": f_sha, "n_params": n_params}}
+    extra = {"weights": {"file": "model.safetensors", "source": source["format"], "source_sha256": f_sha,
+                         "n_params": n_params}}
     return {"manifest_extra": extra, "notes": [], "tensors": tensors, "n_params": n_params}
 
 
@@ -284,8 +294,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def reload_inference(dest: Path, manifest: dict[str, Any], expected: Any) -> dict[str, Any]:
-    """Reload a general inference export: safetensors' own loader, the step, bitwise equal to the source."""
+def reload_inference(dest: Path, manifest: dict[str, Any], expected: Any, source: str = GENERAL) -> dict[str, Any]:
+    """Reload a general (or ``source``) inference export: safetensors' own loader, the step, bitwise equal to the
+    source."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -298,9 +309,9 @@ def reload_inference(dest: Path, manifest: dict[str, Any], expected: Any) -> dic
         raise IntegrityError("model.safetensors does not load", file=path, expected="a safetensors file",
                              found=f"{type(exc).__name__}: {exc}"[:200]) from exc
     step = manifest.get("step")
-    if meta.get("step") != str(step) or meta.get("source") != GENERAL:
+    if meta.get("step") != str(step) or meta.get("source") != source:
         raise IntegrityError("model.safetensors' metadata names another step or source", file=path,
-                             expected={"step": str(step), "source": GENERAL},
+                             expected={"step": str(step), "source": source},
                              found={"step": meta.get("step"), "source": meta.get("source")})
     if isinstance(expected, dict):
         same = set(expected) == set(tensors) and all(

@@ -1,9 +1,9 @@
 """``ripresa inspect PATH``: what a checkpoint holds, and whether it can be trusted.
 
 PATH is an ANDREA ``.bin``, a ``.safetensors`` file (a general generation's or
-a foreign one), a ``checkpoint.pt``, a ``.dcp`` generation or a run folder; this
-module only picks the inspector of its kind (``inspect_bin``, ``inspect_general``,
-``inspect_pt``, ``inspect_dcp``, ``inspect_run``; the shared kit is
+a foreign one), a ``checkpoint.pt``, a ``.dcp`` or ``.shards`` generation or a run folder;
+this module only picks the inspector of its kind (``inspect_bin``, ``inspect_general``,
+``inspect_pt``, ``inspect_dcp``, ``inspect_shards``, ``inspect_run``; the shared kit is
 :mod:`ripresa.tools.report`). Inspection is read-only. What is checked, the exit
 codes and the stable keys of the ``--json`` document: docs/INSPECT.md.
 """
@@ -23,14 +23,16 @@ from .inspect_dcp import dcp_report, render_dcp
 from .inspect_general import inspect_safetensors, render_safetensors
 from .inspect_pt import inspect_pt, render_pt
 from .inspect_run import inspect_run, render_run
+from .inspect_shards import render_shards, shards_report
 from .report import SCHEMA, SCHEMA_VERSION, STAT_BLOCK, Stats, error_report
 
 #: What `inspect` reads (its error messages say so).
-INSPECTABLE = "a .bin, a .safetensors file, a checkpoint.pt, a step_NNNNNN.dcp folder or a run folder"
+INSPECTABLE = ("a .bin, a .safetensors file, a checkpoint.pt, a step_NNNNNN.dcp or step_NNNNNN.shards folder "
+               "or a run folder")
 
 
 def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = True) -> dict[str, Any]:
-    """Inspect a ``.bin``, a ``.safetensors``, a ``checkpoint.pt``, a ``.dcp`` folder or a run folder; return the report.
+    """Inspect a ``.bin``, a ``.safetensors``, a ``checkpoint.pt``, a ``.dcp`` or ``.shards`` folder or a run folder.
 
     The report is JSON-able (see the module docstring for its keys) and
     carries its ``exit_code``. Raises :class:`~ripresa.errors.BadInput`
@@ -62,8 +64,8 @@ def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = T
 
 
 #: The inspector of each generation kind (the registry's names, :mod:`ripresa.store.kinds`), chosen by the
-#: kind's file suffix: a ``.bin`` or ``.safetensors`` of any name (a foreign one too), a ``.dcp`` folder.
-_BY_KIND = {"bin": inspect_bin, "general": inspect_safetensors, "dcp": dcp_report}
+#: kind's file suffix: a ``.bin`` or ``.safetensors`` of any name (a foreign one too), a ``.dcp`` or ``.shards`` folder.
+_BY_KIND = {"bin": inspect_bin, "general": inspect_safetensors, "dcp": dcp_report, "shards": shards_report}
 #: Files of no generation kind, by suffix (any other name: a zip archive is a ``checkpoint.pt``).
 _BY_SUFFIX = {".pt": inspect_pt, ".pth": inspect_pt}
 
@@ -84,7 +86,7 @@ def _dispatch(p: Path, path: str | Path, st: os.stat_result, *, check_finite: bo
     raise BadInput(
         "unknown kind of file",
         file=p,
-        expected="an ANDREA .bin, a .safetensors file, a checkpoint.pt (torch zip archive), a step_NNNNNN.dcp folder or a run folder",
+        expected=INSPECTABLE,
         found=f"a file named '{p.name}'",
         hint="for a generation's .json or .sha256, inspect its .bin or the run folder",
     )
@@ -125,6 +127,7 @@ _RENDERERS: dict[str, Callable[[dict[str, Any], Any], None]] = {
     "checkpoint.pt": lambda r, console: render_pt(r["checkpoint"], console),
     "run": lambda r, console: render_run(r["run"], console),
     "dcp": lambda r, console: render_dcp(r["dcp"], console) if r.get("dcp") else None,
+    "shards": lambda r, console: render_shards(r["shards"], console) if r.get("shards") else None,
     "safetensors": lambda r, console: render_safetensors(r["safetensors"], console),
 }
 

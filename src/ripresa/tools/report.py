@@ -203,6 +203,7 @@ def base_report(path: str | Path, kind: str | None, check_finite: bool, deep: bo
         "run": None,
         "safetensors": None,
         "dcp": None,
+        "shards": None,
     }
 
 

@@ -226,9 +226,12 @@ def stall_main(args: argparse.Namespace, workdir: Path, console: Console) -> int
     for c in ("run", "wall s", "stall share", "step-interval excess", "target", "met"):
         t.add_column(c)
     for kind, m in result["median"].items():
-        share = max(m["stall_share_pct"], m["excess_share_pct"])
+        # the goal is the loop's stall (issue 24: the time the loop is blocked at a checkpoint); the excess
+        # (steps slowed by the background write and audit sharing the cores) is reported beside it
+        share = m["stall_share_pct"]
         t.add_row(kind, f"{m['wall_s']:.2f}", f"{m['stall_share_pct']:.3f} %", f"{m['excess_share_pct']:.3f} %",
-                  "<= 0.5 %" if kind == "ckpt+audit" else "", ("yes" if share <= 0.5 else "NO") if kind == "ckpt+audit" else "")
+                  "stall <= 0.5 %" if kind == "ckpt+audit" else "",
+                  ("yes" if share <= 0.5 else "NO") if kind == "ckpt+audit" else "")
     if result["audit_wall_cost_pct"] is not None:
         t.add_row("audit's cost to the wall time", f"{result['audit_wall_cost_pct']:+.2f} %", "", "", "", "")
     console.print(t)

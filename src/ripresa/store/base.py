@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..core.state import Progress, TrainingState
+from ..errors import BadInput, IntegrityError
 from ..formats.generation import Generation
 from ..formats.naming import NameFormat
 from .commit import newest_valid
@@ -142,6 +143,20 @@ class BackendBase:
             return gen
 
         return commit_and_retain
+
+    def checked_at(self, path: Path, check: Callable[[Path, int], Generation]) -> Generation:
+        """``--resume PATH`` of a kind: ``path`` named as this kind's main name, ``check(its folder, step)``
+        valid, or a typed error naming the file (``at_path`` of the kinds that check by folder)."""
+        src = Path(path)
+        step = self.step_of(src)
+        if step is None:
+            want = f"step_NNNNNN{self.names.suffix}"
+            raise BadInput(f"not a {want}", file=src, expected=want, found=src.name)
+        gen = check(src.parent, step)
+        if not gen.valid:
+            raise IntegrityError(f"cannot resume from {self.label} {step}: {gen.reason}", file=src,
+                                 hint="`ripresa inspect` shows the valid generations")
+        return gen
 
     def generations(self, *, deep: bool = False) -> list[Generation]:
         return [self.check(s, deep=deep) for s in self.steps_on_disk()]

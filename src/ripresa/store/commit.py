@@ -21,6 +21,7 @@ from ..core.schema import validate_saved_state
 from ..errors import IntegrityError, RipresaError
 from ..formats import companion as companion_fmt
 from ..formats.generation import Checks, Generation
+from ..formats.naming import NameFormat
 from ..io import auth
 from ..io.fsio import (
     Digest,
@@ -33,7 +34,7 @@ from ..io.fsio import (
     write_atomic,
 )
 
-__all__ = ["CheckpointWarning", "Written", "commit_generation", "companion_checks", "delete_files",
+__all__ = ["CheckpointWarning", "Written", "clean_partials", "commit_generation", "companion_checks", "delete_files",
            "malformed_companion", "marker_checks", "newest_valid", "read_marker", "uncommit", "validate_state"]
 
 
@@ -103,6 +104,19 @@ def commit_generation(folder: Path, step: int, *, marker: Path, signature: Path,
     if not gen.valid:
         raise IntegrityError(f"{what} {step} failed its check right after the save", file=file, found=gen.reason)
     return gen
+
+
+def clean_partials(folder: Path, names: NameFormat) -> list[Path]:
+    """Remove a folder kind's ``.step_NNNNNN<suffix>.partial`` folders left by interrupted saves (the writer, at
+    start); return them."""
+    removed: list[Path] = []
+    if not Path(folder).is_dir():
+        return removed
+    for entry in os.scandir(folder):
+        if names.is_partial(entry.name) and entry.is_dir(follow_symlinks=False):
+            ops.rmtree(Path(entry.path))
+            removed.append(Path(entry.path))
+    return removed
 
 
 def delete_files(*paths: Path) -> None:

@@ -19,6 +19,7 @@ from ..formats.dcp import COMPANION_NAME, DCP_NAMES, dcp_paths, encode_companion
 from ..formats.generation import Generation
 from ..io import auth
 from ..io.fsio import ops, sha256_file, sidecar_line, write_atomic
+from . import commit
 from .base import BackendBase
 from .commit import Written, commit_generation, delete_files
 from .restore import Loaded, rest_proxy
@@ -28,14 +29,7 @@ __all__ = ["DcpBackend", "clean_partials", "commit_dcp", "delete_dcp"]
 
 def clean_partials(folder: Path) -> list[Path]:
     """Remove ``.step_NNNNNN.dcp.partial`` folders left by interrupted saves (rank 0, at start)."""
-    removed: list[Path] = []
-    if not Path(folder).is_dir():
-        return removed
-    for entry in os.scandir(folder):
-        if DCP_NAMES.is_partial(entry.name) and entry.is_dir(follow_symlinks=False):
-            ops.rmtree(Path(entry.path))
-            removed.append(Path(entry.path))
-    return removed
+    return commit.clean_partials(folder, DCP_NAMES)
 
 
 def delete_dcp(folder: Path, step: int) -> None:

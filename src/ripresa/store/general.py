@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..core.state import Progress, TrainingState
-from ..errors import BadInput, IntegrityError, RipresaError
+from ..errors import IntegrityError, RipresaError
 from ..formats import general as general_fmt
 from ..formats import safetensors_file as st
 from ..formats.generation import Check, Checks, Generation, reason_of
@@ -192,15 +192,7 @@ class GeneralBackend(BackendBase):
         return v.generation
 
     def at_path(self, path: Path) -> Generation:
-        src = Path(path)
-        step = self.step_of(src)
-        if step is None:
-            raise BadInput("not a step_NNNNNN.safetensors", file=src, expected="step_NNNNNN.safetensors", found=src.name)
-        gen = validate_general(src.parent, step, key=self._key()).generation
-        if not gen.valid:
-            raise IntegrityError(f"cannot resume from .safetensors generation {step}: {gen.reason}", file=src,
-                                 hint="`ripresa inspect` shows the valid generations")
-        return gen
+        return self.checked_at(path, lambda folder, step: validate_general(folder, step, key=self._key()).generation)
 
     def load(self, gen: Generation, state: TrainingState) -> Loaded:
         known = self._checked.pop(gen.step, None) if gen.path.parent == self.folder else None

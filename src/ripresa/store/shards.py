@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..core.state import Progress, TrainingState, optimizer_record
-from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed
+from ..errors import IntegrityError, RipresaError, SaveFailed
 from ..formats import companion as companion_fmt
 from ..formats import general as general_fmt
 from ..formats import safetensors_file as st
@@ -36,6 +36,7 @@ from ..io.fsio import (
     sidecar_line,
     write_atomic,
 )
+from . import commit
 from .base import BackendBase, load_full_into
 from .commit import (
     Written,
@@ -229,14 +230,7 @@ def delete_shards(folder: Path, step: int) -> None:
 
 def clean_partials(folder: Path) -> list[Path]:
     """Remove ``.step_NNNNNN.shards.partial`` folders left by interrupted saves (the writer, at start)."""
-    removed: list[Path] = []
-    if not Path(folder).is_dir():
-        return removed
-    for entry in os.scandir(folder):
-        if SHARDS_NAMES.is_partial(entry.name) and entry.is_dir(follow_symlinks=False):
-            ops.rmtree(Path(entry.path))
-            removed.append(Path(entry.path))
-    return removed
+    return commit.clean_partials(folder, SHARDS_NAMES)
 
 
 class ShardsBackend(BackendBase):
@@ -262,15 +256,7 @@ class ShardsBackend(BackendBase):
         return self.check(step)  # load() hashes every shard while reading it
 
     def at_path(self, path: Path) -> Generation:
-        src = Path(path)
-        step = self.step_of(src)
-        if step is None:
-            raise BadInput("not a step_NNNNNN.shards folder", file=src, expected="step_NNNNNN.shards", found=src.name)
-        gen = validate_shards(src.parent, step, key=self._key()).generation
-        if not gen.valid:
-            raise IntegrityError(f"cannot resume from .shards generation {step}: {gen.reason}", file=src,
-                                 hint="`ripresa inspect` shows the valid generations")
-        return gen
+        return self.checked_at(path, lambda folder, step: validate_shards(folder, step, key=self._key()).generation)
 
     def load(self, gen: Generation, state: TrainingState) -> Loaded:
         v = validate_shards(gen.path.parent, gen.step, load=True, key=self._key(), raise_first=True)

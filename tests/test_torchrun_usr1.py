@@ -232,3 +232,27 @@ def test_a_rank_with_its_handler_gets_sigusr1_at_once():
     finally:
         child.kill()
     assert child.returncode == 0 and out.strip() == "usr1"
+
+
+UNCLOSED = """
+import atexit, signal, sys
+import torch
+import ripresa
+# registered before the session's own exit hook, so it runs after it (atexit is last in, first out)
+atexit.register(lambda: print("at exit:", "ignored" if signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN else
+                              repr(signal.getsignal(signal.SIGUSR1)), flush=True))
+model = torch.nn.Linear(2, 1)
+ckpt = ripresa.Checkpointer(sys.argv[1], ripresa.TrainingState(model=model), every=0)
+ckpt.resume()
+raise SystemExit("the script ends by an error, its Checkpointer never closed")
+"""
+
+
+def test_a_session_never_closed_leaves_sigusr1_ignored_at_interpreter_exit(tmp_path):
+    """The interpreter puts SIG_DFL back for every Python handler as it exits: a SIGUSR1 landing then would end
+    a process that is leaving by an error of its own (exit -10 instead of its exit status). The session's
+    handler is replaced by SIG_IGN at exit, as after close() (the soak saw the window: seed 2131)."""
+    res = subprocess.run([sys.executable, "-c", UNCLOSED, str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "at exit: ignored" in res.stdout, res.stdout + res.stderr[-2000:]

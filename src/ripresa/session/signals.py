@@ -43,8 +43,11 @@ def _ours(handler: object) -> bool:
 
 
 def _ignore_at_exit() -> None:
-    """Interpreter exit puts SIG_DFL back for every Python handler: make SIGUSR1 ignored instead."""
-    if threading.current_thread() is threading.main_thread() and _ours(signal.getsignal(USR1)):
+    """Interpreter exit puts SIG_DFL back for every Python handler: make SIGUSR1 ignored instead, also when a
+    session still holds it (a script that ended by an exception without closing its Checkpointer)."""
+    handler = signal.getsignal(USR1)
+    if threading.current_thread() is threading.main_thread() and (
+            _ours(handler) or getattr(handler, "__func__", None) is SignalRequests._handler):
         signal.signal(USR1, signal.SIG_IGN)
 
 
@@ -108,6 +111,7 @@ class SignalRequests:
             return self
         for sig in (*self.STOP, *self.CHECKPOINT):
             self._previous[sig] = signal.signal(sig, self._handler)
+        _arm_atexit()  # a SIGUSR1 during the interpreter's exit is ignored, never its default action
         if self._previous.get(USR1) is _defer and _deferred:
             self.received.extend(_deferred)
             _deferred.clear()

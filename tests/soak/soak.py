@@ -885,7 +885,11 @@ class Lane:
                 saved = [e["step"] for e in mine if e.get("event") == "checkpoint" and e.get("reason") == "stop"]
                 last = hist.last_step
                 at_end = self._ended_at_total(hist, rc)
-                if not at_end and (rc != 0 or stops != [last] or saved != [last]):
+                # a trainer ending by its full disk (SaveFailed after max_failed_saves, its documented end: exit 1)
+                # that the SIGTERM reached during that exit, after its session stopped handling signals (no stop
+                # recorded): the interpreter's exit had put SIGTERM's default action back (seed 2131: exit -15)
+                full_disk_end = trainer.may_fail_saves and rc in (1, -signal.SIGTERM) and not stops
+                if not at_end and not full_disk_end and (rc != 0 or stops != [last] or saved != [last]):
                     ok = False
                     self.failures.append(f"SIGTERM: exit {rc}, stop signal at {stops}, stop checkpoint {saved}, "
                                          f"last step {last}")

@@ -11,6 +11,7 @@ random moments from the first line of ripresa's code to the process's exit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -256,3 +257,51 @@ def test_a_session_never_closed_leaves_sigusr1_ignored_at_interpreter_exit(tmp_p
                          timeout=120)
     assert res.returncode == 1, res.stderr[-2000:]
     assert "at exit: ignored" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
+STARTING_RANK = """
+import os, sys, time
+from pathlib import Path
+mark = Path(sys.argv[1])
+rank = os.environ["RANK"]
+(mark / f"{rank}.started").touch()
+time.sleep(float(sys.argv[2]))  # still starting (importing torch, say) when its launcher is killed
+import ripresa  # a rank of python -m ripresa.torchrun: dies with its launcher from here on, or now if it is gone
+(mark / f"{rank}.imported").touch()
+import torch.distributed as dist
+dist.init_process_group("gloo")  # with the launcher gone: a rendezvous with a store that is gone
+"""
+
+
+def test_a_rank_whose_launcher_is_killed_while_it_starts_ends_at_import_ripresa(tmp_path):
+    """Before the Checkpointer binds a rank to its launcher, ``import ripresa`` does: a rank whose launcher was
+    killed during its start ends there, never waits out a rendezvous with a store that is gone (the soak,
+    seed 2132: ranks alive 20 s after their launcher's SIGKILL)."""
+    script = tmp_path / "rank.py"
+    script.write_text(STARTING_RANK)
+    mark = tmp_path / "marks"
+    mark.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "ripresa.torchrun", "--standalone", "--nproc_per_node=2",
+                             str(script), str(mark), "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_env(), start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while len(list(mark.glob("*.started"))) < 2:
+            assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stdout.read()[-2000:]
+            time.sleep(0.05)
+        ranks = launcher.children(proc.pid)
+        assert len(ranks) == 2
+        os.killpg(proc.pid, signal.SIGKILL)  # the ranks run in sessions of their own: they are not hit
+        proc.wait(timeout=30)
+        t1 = time.monotonic()
+        while any(Path(f"/proc/{r}").exists() and b"zombie" not in Path(f"/proc/{r}/status").read_bytes()
+                  for r in ranks):
+            assert time.monotonic() - t1 < 20, "a rank lives on after its launcher was killed during its start"
+            time.sleep(0.05)
+        assert not list(mark.glob("*.imported"))  # it ended at the import, before any rendezvous
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for r in launcher.children(proc.pid) if proc.poll() is None else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r, signal.SIGKILL)

@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
+if "RIPRESA_LAUNCHER_PID" in __import__("os").environ:  # a rank of python -m ripresa.torchrun (session/torchrun.py)
+    from .session.torchrun import bind_at_import as _bind
+
+    _bind()  # dies with its launcher from here on, before any rendezvous
+
 # Public names, imported on first use (PEP 562): `import ripresa.cli` and
 # `ripresa signal RUN stop` never import torch.
 _LAZY: dict[str, str] = {

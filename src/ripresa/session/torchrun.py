@@ -159,6 +159,32 @@ def bind_to_launcher() -> None:
         return
     if os.getppid() != launcher:
         return  # a grandchild of the launcher: not one of its ranks
+    _die_with_parent(launcher)
+
+
+def bind_at_import() -> None:
+    """``import ripresa`` in a process of ``python -m ripresa.torchrun``'s run: a rank dies with the launcher
+    from here on (``PR_SET_PDEATHSIG``, before any rendezvous: a rank whose launcher is killed while it
+    starts would otherwise wait out ``init_process_group`` with a store that is gone); any process of the
+    run (a rank, or one a rank started) whose launcher is gone already ends now, as the launcher's death
+    ends the run (docs/ARCHITECTURE.md, "Signals through the launcher").
+    """
+    raw = os.environ.get(LAUNCHER_ENV, "")
+    if not raw.isdigit() or not sys.platform.startswith("linux"):
+        return
+    launcher = int(raw)
+    if os.getppid() == launcher:
+        _die_with_parent(launcher)
+        return
+    try:
+        os.kill(launcher, 0)
+    except ProcessLookupError:  # the run's launcher has ended: so has the run
+        os.kill(os.getpid(), signal.SIGKILL)
+    except PermissionError:
+        return
+
+
+def _die_with_parent(launcher: int) -> None:
     import ctypes
 
     try:

@@ -87,12 +87,13 @@ def dcp_steps_on_disk(folder: Path) -> list[int]:
     return sorted(steps)
 
 
-def read_dcp_marker(marker: Path, folder_name: str) -> dict[str, str]:
-    """Parse a ``.dcp`` marker: ``{file name inside the folder: sha256}``."""
+def read_folder_marker(marker: Path, folder_name: str, max_bytes: int = MAX_MARKER_BYTES) -> dict[str, str]:
+    """Parse the marker of a folder kind (``.dcp``, ``.shards``): ``{file name inside the folder: sha256}``,
+    from lines ``<sha256>  <folder_name>/<file>`` (read bounded, never through a link or a FIFO)."""
     if not os.path.lexists(marker):
         raise IntegrityError("missing commit marker: the generation was never committed", file=marker,
                              expected=f"{marker.name} written last", found="nothing", hint="an older generation will be used")
-    raw = read_small(marker, "commit marker", MAX_MARKER_BYTES, error=IntegrityError)
+    raw = read_small(marker, "commit marker", max_bytes, error=IntegrityError)
     try:
         lines = raw.decode("ascii").splitlines()
     except UnicodeDecodeError:
@@ -106,6 +107,12 @@ def read_dcp_marker(marker: Path, folder_name: str) -> dict[str, str]:
                                  expected=f"lines '<sha256>  {folder_name}/<file>'", found=repr(line[:160]),
                                  hint="the marker is damaged; this generation cannot be trusted")
         out[name] = parsed[0]
+    return out
+
+
+def read_dcp_marker(marker: Path, folder_name: str) -> dict[str, str]:
+    """Parse a ``.dcp`` marker: ``{file name inside the folder: sha256}``, the companion among them."""
+    out = read_folder_marker(marker, folder_name)
     if COMPANION_NAME not in out:
         raise IntegrityError("commit marker does not list the companion", file=marker, expected=COMPANION_NAME, found=sorted(out)[:8])
     return out

@@ -24,6 +24,7 @@ from ..formats import companion as companion_fmt
 from ..formats import general as general_fmt
 from ..formats import safetensors_file as st
 from ..formats import shards as shards_fmt
+from ..formats.dcp import read_folder_marker
 from ..formats.generation import Checks, Generation, reason_of
 from ..formats.shards import COMPANION_NAME, INDEX_NAME, SHARDS_NAMES
 from ..io import auth
@@ -31,7 +32,6 @@ from ..io.fsio import (
     fsync_dir,
     open_run_file,
     ops,
-    parse_sha256sum_line,
     read_small,
     sidecar_line,
     write_atomic,
@@ -78,22 +78,7 @@ def capture_tensors(state: TrainingState, progress: Progress, extra: dict[str, A
 
 def read_marker(marker: Path, folder_name: str) -> dict[str, str]:
     """``{file inside the folder: sha256}`` of a sharded generation's marker (``<sha256>  step_X.shards/<file>``)."""
-    if not os.path.lexists(marker):
-        raise IntegrityError("missing commit marker: the generation was never committed", file=marker,
-                             expected=f"{marker.name} written last", found="nothing", hint="an older generation will be used")
-    raw = read_small(marker, "commit marker", MAX_MARKER_BYTES, error=IntegrityError)
-    try:
-        lines = raw.decode("ascii").splitlines()
-    except UnicodeDecodeError:
-        lines = [repr(raw[:80])]
-    out: dict[str, str] = {}
-    for line in lines:
-        parsed = parse_sha256sum_line(line, in_folder=True)
-        head, _, name = (parsed[1] if parsed else "").partition("/")
-        if parsed is None or head != folder_name or not name or "/" in name or name in out:
-            raise IntegrityError("malformed commit marker", file=marker, expected=f"lines '<sha256>  {folder_name}/<file>'",
-                                 found=repr(line[:160]), hint="the marker is damaged; this generation cannot be trusted")
-        out[name] = parsed[0]
+    out = read_folder_marker(marker, folder_name, MAX_MARKER_BYTES)
     shards = [n for n in out if shards_fmt.parse_shard_name(n)]
     if set(out) - set(shards) != {COMPANION_NAME, INDEX_NAME} or not shards:
         raise IntegrityError("commit marker does not list a sharded generation", file=marker,

@@ -11,6 +11,7 @@ at step --steps.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 
 import numpy as np
@@ -27,6 +28,8 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to watch signals)")
     args = ap.parse_args()
 
+    random.seed(0)  # every generator a checkpoint saves: two runs, interrupted or not, end with the same bytes
+    np.random.seed(0)
     torch.manual_seed(0)
     gen = np.random.default_rng(0)  # draws the epoch permutations
     X = torch.randn(512, 8, generator=torch.Generator().manual_seed(1))

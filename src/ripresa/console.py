@@ -119,6 +119,74 @@ def install(command: str = "ripresa") -> Callable[[], None]:
     return undo
 
 
+# ---- a user's script: ripresa's errors and warnings as the command prints them --------------------
+
+_SCRIPT_HOOKS: dict[str, Any] = {}
+
+
+def _script_name() -> str:
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and name != "-c" else "python"
+
+
+def _own(category: type[Warning] | None, filename: str | None) -> bool:
+    return _origin(filename) == "ripresa" or (category is not None and category.__module__.startswith("ripresa"))
+
+
+def script_error(exc: BaseException, script: str | None = None) -> str:
+    """The paragraph a ripresa error that ends a script prints: as the command's (``ripresa train.py: error:
+    WHAT`` and its ``file:``/``expected:``/``found:``/``hint:`` lines), then the class to catch and the exit code."""
+    from .io.redact import redact
+
+    name = escape_terminal(script or _script_name(), newlines=False)[:60]
+    code = getattr(exc, "exit_code", 2)
+    return (f"ripresa {name}: error: {redact(str(exc))}\n"
+            f"  raised:   ripresa.errors.{type(exc).__name__}, exit {code} (RIPRESA_DEBUG=1: the traceback)\n")
+
+
+def _script_excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    from .errors import RipresaError
+
+    previous = _SCRIPT_HOOKS.get("excepthook") or sys.__excepthook__
+    if not isinstance(exc, RipresaError) or os.environ.get("RIPRESA_DEBUG") == "1":
+        previous(exc_type, exc, tb)
+        return
+    try:
+        sys.stderr.write(script_error(exc))
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+    raise SystemExit(exc.exit_code)  # from an excepthook: the interpreter exits with it (atexit still runs)
+
+
+def _script_showwarning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                        line: str | None = None) -> None:
+    previous = _SCRIPT_HOOKS["showwarning"]
+    if not _own(category, filename) or os.environ.get("RIPRESA_DEBUG") == "1":
+        previous(message, category, filename, lineno, file, line)
+        return
+    try:
+        (file or sys.stderr).write(warning_line(message, category, filename, command=_script_name()) + "\n")
+        (file or sys.stderr).flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def install_script_hooks() -> None:
+    """In a user's script (the :class:`~ripresa.Checkpointer` calls it): a :class:`~ripresa.errors.RipresaError`
+    that reaches the top prints one paragraph (:func:`script_error`) and exits with its ``exit_code``, and
+    ripresa's own warnings print one line each (:func:`warning_line`); every other exception and warning keeps
+    Python's hooks (docs/API.md, "Errors and warnings in your script"). Idempotent; ``RIPRESA_DEBUG=1`` keeps
+    tracebacks. Not under the ``ripresa`` command, which renders its own (:func:`install`).
+    """
+    if sys.excepthook is not _script_excepthook:
+        _SCRIPT_HOOKS["excepthook"] = sys.excepthook
+        sys.excepthook = _script_excepthook
+    if warnings.showwarning is not _script_showwarning and warnings.showwarning is not show_warning:
+        _SCRIPT_HOOKS["showwarning"] = warnings.showwarning
+        warnings.showwarning = _script_showwarning
+
+
 # ---- tables that fit ----------------------------------------------------------------------------
 
 
@@ -252,5 +320,5 @@ def progress(kind: str = "count", *, quiet: bool = False, transient: bool = True
     return Progress(*columns, console=console, transient=transient, expand=False)
 
 
-__all__ = ["NoProgress", "fit_table", "install", "live", "one_line", "progress", "set_command", "show_warning",
-           "stderr_console", "table_width", "warning_line"]
+__all__ = ["NoProgress", "fit_table", "install", "install_script_hooks", "live", "one_line", "progress", "script_error",
+           "set_command", "show_warning", "stderr_console", "table_width", "warning_line"]

@@ -39,6 +39,32 @@ def _number(v: Any) -> float | None:
     return None
 
 
+def canonical_order(opt_sd: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``optimizer.state_dict()`` with its ``state`` in one order: by parameter index, each entry's keys sorted.
+
+    ``optimizer.state`` lists parameters in the order they first got state (a
+    parameter without a gradient at the first step comes later) and each entry's
+    keys in the order the optimizer created them, while a restored state lists them
+    in the saved order: a generation written after a resume would differ in bytes
+    from one written by a run never interrupted. Every kind of generation saves this
+    order (docs/FORMAT.md, "optimizer_params"); the values are the same objects.
+    """
+    if opt_sd is None or not isinstance(opt_sd.get("state"), Mapping):
+        return None if opt_sd is None else dict(opt_sd)
+
+    def index(k: Any) -> tuple[int, Any]:
+        return (0, k) if isinstance(k, int) and not isinstance(k, bool) else (1, str(k))
+
+    def entry(v: Any) -> Any:
+        if isinstance(v, Mapping) and all(isinstance(k, str) for k in v):
+            return {k: v[k] for k in sorted(v)}
+        return v
+
+    out = dict(opt_sd)
+    out["state"] = {k: entry(opt_sd["state"][k]) for k in sorted(opt_sd["state"], key=index)}
+    return out
+
+
 def optimizer_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
     """Which parameters the optimizer holds state for, captured with the state (docs/FORMAT.md, "optimizer_params").
 

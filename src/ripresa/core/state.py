@@ -22,7 +22,7 @@ import torch
 from ..errors import BadInput, IdentityMismatch, RipresaError, SchemaError
 from .identity import COMPARED_VERSIONS, code_identity, versions
 from .identity import data_identity as compute_data_identity
-from .optimizer_check import PARAM_SHAPED, check_optimizer_state, optimizer_record  # noqa: F401 (re-exported)
+from .optimizer_check import PARAM_SHAPED, canonical_order, check_optimizer_state, optimizer_record  # noqa: F401 (re-exported)
 from .rng import RandomStreams
 from .schema import FORMAT, FORMAT_VERSION, UNEXPECTED, validate_saved_state  # noqa: F401 (re-exported)
 from .script_state import ScriptState  # noqa: F401 (re-exported)
@@ -287,7 +287,7 @@ class TrainingState:
         """
         sched = self.scheduler.state_dict() if self.scheduler is not None else None
         model_sd = self.model.state_dict(keep_vars=True)
-        opt_sd = self.optimizer.state_dict() if self.optimizer is not None else None
+        opt_sd = canonical_order(self.optimizer.state_dict()) if self.optimizer is not None else None
         if not include_parameters:
             model_sd = {k: v for k, v in model_sd.items() if not isinstance(v, torch.nn.Parameter)}
             if opt_sd is not None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..console import install_script_hooks
 from ..core.state import Progress, TrainingState
 from ..errors import BadInput, SaveFailed
 from ..io import auth
@@ -46,6 +47,8 @@ from .cadence import (
 )
 from .deadline import Deadline
 from .distributed import WORLD_CHANGE_NOTE, DistContext, NullHistory
+from .hyperparams import SIDES, HyperparameterWarning, reconcile, script_values
+from .hyperparams import message as hyperparameter_message
 from .resuming import OtherModeWarning, Resumer
 from .run_files import METRICS_NAME, GenerationMetrics, local_run_dir
 from .saving import CollectivePipeline, LocalPipeline, RankZeroPipeline, SaveHooks
@@ -54,7 +57,7 @@ from .signals import SignalRequests, hold
 from .steer import DistSteeredRecorder, SteeredRecorder, Steering
 from .torchrun import bind_to_launcher
 
-__all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view", "METRICS_NAME", "local_run_dir"]
+__all__ = ["Checkpointer", "ForeignCheckpointWarning", "HyperparameterWarning", "OtherModeWarning", "rank_view", "METRICS_NAME", "local_run_dir"]
 
 
 class Checkpointer:
@@ -94,6 +97,14 @@ class Checkpointer:
             exit 2, naming the keys); ``None`` (the default) and ``True`` accept
             it and record it (a ``config_change`` history event, and the lineage
             of every later generation).
+        hyperparameters: which side wins when the script's optimizer param
+            groups (``lr``, ``weight_decay``, ``betas``, ...) differ from the
+            resumed checkpoint's: ``"checkpoint"`` (the default) keeps the
+            checkpoint's (an exact resume) and warns
+            (:class:`~ripresa.session.hyperparams.HyperparameterWarning`),
+            naming each changed key; ``"script"`` applies the script's. Both
+            record a ``hyperparameter_change`` history event (docs/API.md,
+            "Changed hyper-parameters").
         save_on_close: :meth:`close` saves the last step that :meth:`step_done`
             completed when no generation holds it yet (default True; False, or
             ``close(final_save=False)``, opts out). Never after an exception:
@@ -152,6 +163,7 @@ class Checkpointer:
         allow_code_change: bool = False,
         allow_data_change: bool = False,
         allow_config_change: bool | None = None,
+        hyperparameters: str = "checkpoint",
         save_on_close: bool = True,
         max_failed_saves: int = 3,
         distributed: bool | None = None,
@@ -165,6 +177,7 @@ class Checkpointer:
         shards: int | None = None,
         staging_budget: int | None = None,
     ) -> None:
+        install_script_hooks()  # a ripresa error that ends the script: one paragraph and its exit code (docs/API.md)
         if handle_signals:
             hold()  # a SIGUSR1 before the handlers below (lock, resume of the mirror) is deferred, never fatal
         bind_to_launcher()  # a rank of python -m ripresa.torchrun dies with its launcher, never trains on orphaned
@@ -179,6 +192,9 @@ class Checkpointer:
         state.check_stateful()  # data or objects swapped in after the TrainingState was built: refused here, before any lock
         if not auto and (mtbf is not None or max_redo is not None):
             raise ValueError("mtbf and max_redo apply to every='auto' only")
+        if hyperparameters not in SIDES:
+            raise ValueError(f"hyperparameters must be one of {SIDES}, got {hyperparameters!r}")
+        self.hyperparameters = hyperparameters
         #: ``every="auto"``: the measured cadence (docs/CADENCE.md), else None; :attr:`deadline` likewise.
         self.cadence = AutoCadence(mtbf_s=parse_duration(DEFAULT_MTBF_S if mtbf is None else mtbf, "mtbf"),
                                    max_redo=parse_max_redo(max_redo)) if auto else None
@@ -326,7 +342,10 @@ class Checkpointer:
                 pull_run(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
                      event=self.history.event, spec=self.mirror.spec)
             self.mirror.start()
+        before = script_values(self.state.optimizer, self.state.scheduler)  # the script's, before the restore
         gen, restored = self.resumer.take(from_path, restore_rng)
+        if gen is not None and restored is not None:
+            self._hyperparameters(gen, before)
         if gen is None or restored is None:
             world = {} if self.dist is None else {"world_size": self.dist.world_size}
             self.history.event("start", step=0, rng_restored=restore_rng, **world)
@@ -334,6 +353,16 @@ class Checkpointer:
             self._write_config()
             return 0
         return self._resumed(gen, restored, from_path, restore_rng, world_size=1 if self.dist is None else self.dist.world_size)
+
+    def _hyperparameters(self, gen: Generation, before: Any) -> None:
+        """The script's optimizer hyper-parameters against the restored ones: which side wins, never silently."""
+        changes = reconcile(before, self.state.optimizer, self.hyperparameters, self.state.scheduler)
+        if not changes:
+            return
+        self.history.event("hyperparameter_change", step=gen.step, used=self.hyperparameters, changes=changes)
+        if self.hyperparameters == "checkpoint" and (self.dist is None or self.dist.is_main):
+            groups = len(self.state.optimizer.param_groups) if self.state.optimizer is not None else 1
+            warnings.warn(hyperparameter_message(changes, groups), HyperparameterWarning, stacklevel=4)
 
     def _resumed(self, gen: Generation, restored: Any, from_path: Any, restore_rng: bool, *, world_size: int) -> int:
         """Record a restored generation: progress, history event, world change, config."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..core.state import Progress, TrainingState, optimizer_record
+from ..core.state import Progress, TrainingState, canonical_order, optimizer_record
 from ..errors import IntegrityError, RipresaError, SaveFailed
 from ..formats import companion as companion_fmt
 from ..formats import general as general_fmt
@@ -70,7 +70,7 @@ def capture_tensors(state: TrainingState, progress: Progress, extra: dict[str, A
     Everything but model and optimizer is a snapshot; their tensors are taken by reference."""
     snap = rest_proxy(state).snapshot(progress, extra)  # small: copies of scheduler, data, streams, objects
     snap["model"] = dict(state.model.state_dict(keep_vars=True))
-    snap["optimizer"] = state.optimizer.state_dict() if state.optimizer is not None else None
+    snap["optimizer"] = canonical_order(state.optimizer.state_dict()) if state.optimizer is not None else None
     snap["optimizer_params"] = optimizer_record(state.model, state.optimizer)  # what the resume checks it against
     return general_fmt.split_state(snap, general_fmt.model_aliases(state.model), to_cpu=to_cpu,
                                    plain_model_keys=plain_model_keys)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import BadInput, RipresaError
-from .text import escape_terminal
+from .text import escape_terminal, wrap_words
 
 
 def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = False) -> None:  # noqa: A001
@@ -30,12 +30,14 @@ def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush
 
 Handler = Callable[[argparse.Namespace], int]
 _COMMANDS: dict[str, Handler] = {}
+_PARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
 def _command(sub: argparse._SubParsersAction, name: str, handler: Handler, **parser_kw: Any) -> argparse.ArgumentParser:
     """The parser of subcommand ``name``; ``handler`` runs it."""
     _COMMANDS[name] = handler
-    return sub.add_parser(name, **parser_kw)
+    _PARSERS[name] = sub.add_parser(name, **parser_kw)
+    return _PARSERS[name]
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -569,6 +571,28 @@ def _refuse_unknown_command(own: list[str]) -> None:
                    hint=("did you mean " + " or ".join(repr(n) for n in near) + "?") if near else "ripresa --help")
 
 
+def _refuse_unknown_options(command: str, extra: list[str], parser: argparse.ArgumentParser | None = None) -> None:
+    """An option the command does not have is bad input (exit 2) naming the nearest ones (a typo: ``--stpes``),
+    checked before argparse's own errors (a typo beside a missing required option names the typo)."""
+    import difflib
+
+    parser = parser or _PARSERS.get(command)
+    shown = [a for a in parser._actions if a.help != argparse.SUPPRESS] if parser else []
+    known = sorted({o for a in shown for o in a.option_strings if o.startswith("--")})
+    options = [x.split("=", 1)[0] for x in extra if x.startswith("--") and x != "--"]
+    typed = [o for o in options if not any(k.startswith(o) for k in known)]  # argparse takes a unique prefix
+    if not typed:
+        typed = [x for x in extra if not x.startswith("--")][:1] if extra and not options else []
+        if not typed:
+            return
+        raise BadInput(f"unexpected argument for `ripresa {command}`", found=typed[0][:200],
+                       hint=f"ripresa {command} --help")
+    near = difflib.get_close_matches(typed[0], known, n=3, cutoff=0.6)
+    raise BadInput(f"unknown option{'s' if len(typed) > 1 else ''} for `ripresa {command}`", found=" ".join(typed)[:200],
+                   expected=", ".join(known) or None,
+                   hint=("did you mean " + " or ".join(near) + "?") if near else f"ripresa {command} --help")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ripresa`` and ``python -m ripresa``; returns the exit code.
 
@@ -608,19 +632,25 @@ def _main(argv: Sequence[str] | None = None) -> int:
     command = own[0] if own else "ripresa"
     try:
         if own[:1] == ["generate"]:  # its options are parsed by ripresa.engine.ledger (one parser, one place)
+            from .engine.ledger import build_parser as ledger_parser
             from .engine.ledger import main as ledger_main
 
+            _refuse_unknown_options("generate", [x for x in own[1:] if x.startswith("--")], ledger_parser())
             return ledger_main(own[1:])
         parser = build_parser()
         _refuse_unknown_command(own)
-        args = parser.parse_args(own)
+        if own[:1] and own[0] in _PARSERS:
+            _refuse_unknown_options(own[0], [x for x in own[1:] if x.startswith("--")])
+        args, extra = parser.parse_known_args(own)
+        if extra:  # a mistyped option: the command's own options and the nearest, not the top-level usage
+            _refuse_unknown_options(args.command, extra)
         args.trainer = trainer
         command = args.command
         return _COMMANDS[args.command](args)
     except RipresaError as exc:
         from .io.redact import redact
 
-        print(f"ripresa {command}: error: {redact(str(exc))}", file=sys.stderr)  # no credential reaches the terminal
+        print(wrap_words(f"ripresa {command}: error: {redact(str(exc))}"), file=sys.stderr)  # no credential reaches the terminal
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"ripresa {command}: interrupted", file=sys.stderr)

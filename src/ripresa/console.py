@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .text import escape_terminal
+from .text import escape_terminal, wrap_words
 
 #: The command named in each line (set by :func:`install` and :func:`set_command`).
 _COMMAND = ["ripresa"]
@@ -140,7 +140,7 @@ def script_error(exc: BaseException, script: str | None = None) -> str:
 
     name = escape_terminal(script or _script_name(), newlines=False)[:60]
     code = getattr(exc, "exit_code", 2)
-    return (f"ripresa {name}: error: {redact(str(exc))}\n"
+    return (wrap_words(f"ripresa {name}: error: {redact(str(exc))}") + "\n"
             f"  raised:   ripresa.errors.{type(exc).__name__}, exit {code} (RIPRESA_DEBUG=1: the traceback)\n")
 
 
@@ -185,6 +185,23 @@ def install_script_hooks() -> None:
     if warnings.showwarning is not _script_showwarning and warnings.showwarning is not show_warning:
         _SCRIPT_HOOKS["showwarning"] = warnings.showwarning
         warnings.showwarning = _script_showwarning
+
+
+def fit_json(doc: dict[str, Any], width: int | None = None) -> str:
+    """A flat JSON object as ``json.loads`` reads it, one key a line, fitting ``width`` columns (default: the
+    terminal's): a value too long for its key's line goes on the next line, whole (a hash, a path: never split)."""
+    import json
+
+    from .text import terminal_width
+
+    width = width or terminal_width()
+    rows = []
+    for i, (k, v) in enumerate(doc.items()):
+        key, value = json.dumps(str(k)), json.dumps(v, default=str)  # ASCII: every control character escaped
+        comma = "," if i < len(doc) - 1 else ""
+        one = f"  {key}: {value}{comma}"
+        rows.append(one if len(one) <= width else f"  {key}:\n    {value}{comma}")
+    return "{\n" + "\n".join(rows) + "\n}" if rows else "{}"
 
 
 # ---- tables that fit ----------------------------------------------------------------------------
@@ -320,5 +337,5 @@ def progress(kind: str = "count", *, quiet: bool = False, transient: bool = True
     return Progress(*columns, console=console, transient=transient, expand=False)
 
 
-__all__ = ["NoProgress", "fit_table", "install", "install_script_hooks", "live", "one_line", "progress", "script_error",
+__all__ = ["NoProgress", "fit_json", "fit_table", "install", "install_script_hooks", "live", "one_line", "progress", "script_error",
            "set_command", "show_warning", "stderr_console", "table_width", "warning_line"]

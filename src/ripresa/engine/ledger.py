@@ -686,8 +686,8 @@ def _top_k(text: str) -> int | None:
     return int(text)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ripresa.engine.ledger RUN --inputs FILE --out OUT.jsonl [--step N] ...``; returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``ripresa generate`` (and ``python -m ripresa.engine.ledger``)."""
     p = argparse.ArgumentParser(prog="ripresa generate",
                                 description="Complete a file of prompts, one per line, into a crash-safe JSONL ledger.")
     p.add_argument("run", type=Path, help="a run folder made by ripresa train (config.json + generations)")
@@ -707,7 +707,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # testing knobs: slow each item down, and log each generation (before it is recorded)
     p.add_argument("--sleep", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--trace", type=Path, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ripresa.engine.ledger RUN --inputs FILE --out OUT.jsonl [--step N] ...``; returns the exit code."""
+    args = build_parser().parse_args(argv)
     if args.threads:
         import torch
 
@@ -738,7 +743,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if trace is not None:
             trace.close()
-    print(json.dumps(report))
+    from ..console import fit_json
+
+    print(fit_json(report))  # one key a line, 80 columns: the hash and paths whole, never split
     return 0
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
+from ..text import wrap_words
 from ..store.history import HISTORY_NAME, iter_lines
 
 #: MTBF used when none is given: one failure a day (docs/CADENCE.md, "Defaults").
@@ -326,7 +327,7 @@ def render_advice(report: dict[str, Any]) -> str:
         lines.append(f"{r['mtbf']:>6}  {r['every']:>8}  {_fmt_s(r['interval_s']):>10}  {_fmt_s(r['lost_per_failure_s']):>12}"
                      f"  {100 * r['overhead']:>7.2f}%  {r['bound']}")
     lines.append("every = round(√(2·stall·MTBF) / step), bounded (docs/CADENCE.md); lost/failure = interval/2 + write")
-    return "\n".join(lines)
+    return wrap_words("\n".join(lines))  # at spaces only: a number or a path is never split
 
 
 def _fmt_s(s: float) -> str:

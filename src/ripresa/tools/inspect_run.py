@@ -168,7 +168,8 @@ def render_run(r: dict[str, Any], console: Any) -> None:
 
     if not r["generations"]:
         console.print(f"run folder {escape(r['folder'])}: [red]no generation[/] (no step_NNNNNN.bin, .json or .bin.sha256)")
-    t = Table(title=f"run folder — {escape(r['folder'])}")
+    console.print(f"run folder — {escape(r['folder'])}")  # above the table: a long path wraps whole, never split
+    t = Table()
     for col in ("step", "kind", "size", "status", "resume", "reason"):  # numbers on one line, text folds
         t.add_column(col, justify="right" if col in ("step", "size") else "left", no_wrap=col in ("step", "kind", "size"),
                      overflow="fold")

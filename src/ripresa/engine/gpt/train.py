@@ -478,11 +478,11 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         if mixture_slot.skipped_for_pivot is not None:
             ckpt.history.event("bandit_fresh", reason="pivot", saved_phase=mixture_slot.skipped_for_pivot,
                                phase=mixture.phase, policy=policy.to_dict())
-        from ...text import escape_terminal
+        from ...text import escape_terminal, wrap_words
 
         def say(*a: Any, **k: Any) -> None:  # --quiet only hides the progress bar; a config's name comes from a file
             if rank == 0:
-                print(*(escape_terminal(x) for x in a), **k)
+                print(*(wrap_words(escape_terminal(x)) for x in a), **k)  # 80 columns: never a token split
         if start:
             origin = ckpt.resumed_from
             say(f"resumed {run_dir} at step {start} ({_gen_name(origin) if origin else args.resume})")

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInput
-from ..text import wrap_words
 from ..store.history import HISTORY_NAME, iter_lines
+from ..text import wrap_words
 
 #: MTBF used when none is given: one failure a day (docs/CADENCE.md, "Defaults").
 DEFAULT_MTBF_S = 24 * 3600.0

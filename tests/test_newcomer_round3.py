@@ -27,7 +27,6 @@ import torch
 from conftest import REPO, run
 
 import ripresa
-from ripresa.session.hyperparams import HyperparameterWarning
 
 README = (REPO / "README.md").read_text()
 
@@ -58,7 +57,7 @@ def _session(run_dir: Path, lr: float, side: str | None = None, steps: int = 3, 
         ckpt.step_done(step)
     lr_used = opt.param_groups[0]["lr"] if sched is None else opt.param_groups[0]["initial_lr"]
     ckpt.close()
-    hyper = [str(w.message) for w in caught if issubclass(w.category, HyperparameterWarning)]
+    hyper = [str(w.message) for w in caught if w.category.__name__ == "HyperparameterWarning"]
     return start, lr_used, hyper, ckpt
 
 
@@ -296,7 +295,8 @@ def test_train_header_and_generate_fit_80_columns(tmp_path):
     assert res.returncode == 0, res.stderr
     _fits(res.stdout)
     report = json.loads(res.stdout)
-    assert report["total"] == 2 and len(report["bin_sha256"]) == 64 and report["bin_sha256"] in res.stdout.split()[-6]
+    assert report["total"] == 2 and len(report["bin_sha256"]) == 64
+    assert report["bin_sha256"] in [token.strip('",') for token in res.stdout.split()]  # whole, on its own line
 
 
 # ---------------------------------------------------------------------------------- 6. framework scripts

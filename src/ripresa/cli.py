@@ -17,7 +17,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import BadInput, RipresaError
-from .text import escape_terminal, wrap_words
+from .text import escape_terminal
 
 
 def print(*values: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = False) -> None:  # noqa: A001
@@ -650,7 +650,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     except RipresaError as exc:
         from .io.redact import redact
 
-        print(wrap_words(f"ripresa {command}: error: {redact(str(exc))}"), file=sys.stderr)  # no credential reaches the terminal
+        print(f"ripresa {command}: error: {redact(str(exc))}", file=sys.stderr)  # no credential reaches the terminal
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"ripresa {command}: interrupted", file=sys.stderr)

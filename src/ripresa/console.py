@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .text import escape_terminal, wrap_words
+from .text import escape_terminal
 
 #: The command named in each line (set by :func:`install` and :func:`set_command`).
 _COMMAND = ["ripresa"]
@@ -140,7 +140,7 @@ def script_error(exc: BaseException, script: str | None = None) -> str:
 
     name = escape_terminal(script or _script_name(), newlines=False)[:60]
     code = getattr(exc, "exit_code", 2)
-    return (wrap_words(f"ripresa {name}: error: {redact(str(exc))}") + "\n"
+    return (f"ripresa {name}: error: {redact(str(exc))}\n"
             f"  raised:   ripresa.errors.{type(exc).__name__}, exit {code} (RIPRESA_DEBUG=1: the traceback)\n")
 
 

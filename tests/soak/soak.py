@@ -774,7 +774,7 @@ class Lane:
             rc = trainer.poll()
             if rc is not None:
                 hist.poll()
-                if rc != 0 and not (rc == 1 and trainer.may_fail_saves) and not trainer.ended_by_late_signal:
+                if rc != 0 and not (rc in (1, 2) and trainer.may_fail_saves) and not trainer.ended_by_late_signal:
                     self.failures.append(f"lap {n}: a trainer exited {rc} without being interrupted")
                 if self.finals(run) is not None:
                     break
@@ -885,10 +885,11 @@ class Lane:
                 saved = [e["step"] for e in mine if e.get("event") == "checkpoint" and e.get("reason") == "stop"]
                 last = hist.last_step
                 at_end = self._ended_at_total(hist, rc)
-                # a trainer ending by its full disk (SaveFailed after max_failed_saves, its documented end: exit 1)
+                # a trainer ending by its full disk (SaveFailed after max_failed_saves, its documented end: exit 2, its
+                # exit_code, or 1 where the script's excepthook is Python's)
                 # that the SIGTERM reached during that exit, after its session stopped handling signals (no stop
                 # recorded): the interpreter's exit had put SIGTERM's default action back (seed 2131: exit -15)
-                full_disk_end = trainer.may_fail_saves and rc in (1, -signal.SIGTERM) and not stops
+                full_disk_end = trainer.may_fail_saves and rc in (1, 2, -signal.SIGTERM) and not stops
                 if not at_end and not full_disk_end and (rc != 0 or stops != [last] or saved != [last]):
                     ok = False
                     self.failures.append(f"SIGTERM: exit {rc}, stop signal at {stops}, stop checkpoint {saved}, "
@@ -914,7 +915,7 @@ class Lane:
                     hist.poll()
                     # after close() SIGUSR1 is ignored: no exit is explained by it, but a full disk's
                     # SaveFailed after max_failed_saves is the documented end (docs/FAULTS.md)
-                    if not delivered and rc != 0 and not (rc == 1 and trainer.may_fail_saves):
+                    if not delivered and rc != 0 and not (rc in (1, 2) and trainer.may_fail_saves):
                         ok, delivered = False, True
                         self.failures.append(f"SIGUSR1: exit {rc} without a signal checkpoint")
             trainer.kill_all()
@@ -1013,7 +1014,7 @@ class Lane:
         if got is None and rc is None:
             self.failures.append("SIGUSR1 at start: no signal checkpoint within 120 s")
             return False, True
-        if got is None and rc == 1 and trainer.may_fail_saves:
+        if got is None and rc in (1, 2) and trainer.may_fail_saves:
             return True, True  # the disk was full: SaveFailed after max_failed_saves is its documented end
         if got is None and rc != 0 and not any(signal_checkpoint(e) for e in hist.events[seen:]):
             self.failures.append(f"SIGUSR1 at start: exit {rc} without a signal checkpoint")

@@ -159,32 +159,28 @@ def _script_excepthook(exc_type: type[BaseException], exc: BaseException, tb: An
     raise SystemExit(exc.exit_code)  # from an excepthook: the interpreter exits with it (atexit still runs)
 
 
-def _script_showwarning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
-                        line: str | None = None) -> None:
-    previous = _SCRIPT_HOOKS["showwarning"]
+def _script_formatwarning(message: Any, category: type[Warning], filename: str, lineno: int,
+                          line: str | None = None) -> str:
+    previous = _SCRIPT_HOOKS["formatwarning"]
     if not _own(category, filename) or os.environ.get("RIPRESA_DEBUG") == "1":
-        previous(message, category, filename, lineno, file, line)
-        return
-    try:
-        (file or sys.stderr).write(warning_line(message, category, filename, command=_script_name()) + "\n")
-        (file or sys.stderr).flush()
-    except (OSError, ValueError, AttributeError):
-        pass
+        return previous(message, category, filename, lineno, line)
+    return warning_line(message, category, filename, command=_script_name()) + "\n"
 
 
 def install_script_hooks() -> None:
     """In a user's script (the :class:`~ripresa.Checkpointer` calls it): a :class:`~ripresa.errors.RipresaError`
     that reaches the top prints one paragraph (:func:`script_error`) and exits with its ``exit_code``, and
-    ripresa's own warnings print one line each (:func:`warning_line`); every other exception and warning keeps
+    ripresa's own warnings print one line each (:func:`warning_line`, through ``warnings.formatwarning``, so
+    ``catch_warnings(record=True)`` and ``pytest.warns`` still record them); every other exception and warning keeps
     Python's hooks (docs/API.md, "Errors and warnings in your script"). Idempotent; ``RIPRESA_DEBUG=1`` keeps
     tracebacks. Not under the ``ripresa`` command, which renders its own (:func:`install`).
     """
     if sys.excepthook is not _script_excepthook:
         _SCRIPT_HOOKS["excepthook"] = sys.excepthook
         sys.excepthook = _script_excepthook
-    if warnings.showwarning is not _script_showwarning and warnings.showwarning is not show_warning:
-        _SCRIPT_HOOKS["showwarning"] = warnings.showwarning
-        warnings.showwarning = _script_showwarning
+    if warnings.formatwarning is not _script_formatwarning:  # the text only: recording (catch_warnings) still works
+        _SCRIPT_HOOKS["formatwarning"] = warnings.formatwarning
+        warnings.formatwarning = _script_formatwarning
 
 
 def fit_json(doc: dict[str, Any], width: int | None = None) -> str:

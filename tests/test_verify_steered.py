@@ -98,7 +98,9 @@ def test_verify_with_defaults_never_touches_the_scripts_own_run(tmp_path):
     code = (EXAMPLES / "loop" / "train.py").read_text()
     code = code.replace('ap.add_argument("--run", required=True,', f'ap.add_argument("--run", default={str(real)!r},')
     code = code.replace("args = ap.parse_args()", "args, _unknown = ap.parse_known_args()")
-    assert code.count(repr(str(real))) == 1 and "parse_known_args" in code
+    unseeded = code.replace("    random.seed(0)", "    pass  # unseeded").replace("    np.random.seed(0)\n", "")
+    assert code.count(repr(str(real))) == 1 and "parse_known_args" in code and unseeded.count(".seed(0)") == 0
+    code = unseeded  # a script that seeds neither Python's random nor NumPy's global stream (below)
     script.write_text(code)
     before = _listing(real)
     out = tmp_path / "v"

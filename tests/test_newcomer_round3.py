@@ -177,6 +177,30 @@ def test_a_second_process_on_a_locked_run_prints_one_paragraph_and_exits_2(tmp_p
     assert all(line.startswith("  ") for line in res.stderr.splitlines()[1:]), res.stderr  # one paragraph
 
 
+BATCH = """
+import numpy as np, torch, ripresa
+sampler = ripresa.EpochSampler(64, {batch}, generator=np.random.default_rng(0))
+state = ripresa.TrainingState(model=torch.nn.Linear(2, 1), data=sampler)
+ckpt = ripresa.Checkpointer({run!r}, state, every=1)
+start = ckpt.resume()
+ckpt.step_done(start + 1)
+ckpt.close()
+"""
+
+
+def test_a_changed_batch_size_prints_one_line_per_generation_and_one_paragraph(tmp_path):
+    exec(BATCH.format(batch=16, run=str(tmp_path / "run")), {})  # noqa: S102 - generation 1, batch size 16
+    (tmp_path / "train.py").write_text(BATCH.format(batch=8, run=str(tmp_path / "run")))
+    res = run([sys.executable, "train.py"], cwd=tmp_path, env={"RIPRESA_DEBUG": ""})
+    assert res.returncode == 1, res.stderr  # SchemaError: a check failed
+    lines = res.stderr.splitlines()
+    assert "Traceback" not in res.stderr and "warnings.warn" not in res.stderr and "Warning:" not in res.stderr
+    assert lines[0].startswith("ripresa train.py: warning: .safetensors generation 1 not used: data position was "
+                               "saved with batch_size=16"), res.stderr
+    assert lines[1].startswith("ripresa train.py: error: data position was saved with batch_size=16")
+    assert lines[-1] == "  raised:   ripresa.errors.SchemaError, exit 1 (RIPRESA_DEBUG=1: the traceback)"
+
+
 def test_script_hooks_render_ripresa_warnings_in_one_line_and_leave_others_alone(tmp_path):
     from ripresa import console
     from ripresa.store.store import CheckpointWarning

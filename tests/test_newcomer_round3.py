@@ -214,7 +214,7 @@ def test_script_hooks_render_ripresa_warnings_in_one_line_and_leave_others_alone
         assert "UserWarning: something else" in other  # Python's own format for another package's warning
         with pytest.warns(CheckpointWarning, match="still recorded"):  # recording is untouched
             ripresa.Checkpointer(tmp_path, ripresa.TrainingState(model=torch.nn.Linear(1, 1)), handle_signals=False).abort()
-            warnings.warn("still recorded", CheckpointWarning)
+            warnings.warn("still recorded", CheckpointWarning, stacklevel=1)
         err = io.StringIO()
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as ended:
             sys.excepthook(ripresa.IntegrityError, ripresa.IntegrityError("bad", file="x"), None)

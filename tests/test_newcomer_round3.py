@@ -91,6 +91,8 @@ def test_an_unchanged_script_and_a_scheduled_lr_say_nothing(tmp_path):
     assert _session(tmp_path / "b", 1e-3, scheduler=True)[2] == []
     hyper = _session(tmp_path / "b", 5e-4, scheduler=True)[2]  # the base rate changed: initial_lr names it
     assert len(hyper) == 1 and "initial_lr 0.001 -> 0.0005" in hyper[0]
+    assert _session(tmp_path / "a", 2e-3, "loop")[1:3] == (1e-3, [])  # the loop sets its own after resume()
+    assert len(_events(tmp_path / "a", "hyperparameter_change")) == 0
     with pytest.raises(ValueError, match="hyperparameters"):
         ripresa.Checkpointer(tmp_path / "c", ripresa.TrainingState(model=torch.nn.Linear(1, 1)), hyperparameters="mine")
 

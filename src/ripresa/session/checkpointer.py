@@ -103,8 +103,10 @@ class Checkpointer:
             checkpoint's (an exact resume) and warns
             (:class:`~ripresa.session.hyperparams.HyperparameterWarning`),
             naming each changed key; ``"script"`` applies the script's. Both
-            record a ``hyperparameter_change`` history event (docs/API.md,
-            "Changed hyper-parameters").
+            record a ``hyperparameter_change`` history event; ``"loop"``: the
+            loop sets them itself after :meth:`resume` (a schedule applied
+            every step), nothing is compared (docs/API.md, "Changed
+            hyper-parameters").
         save_on_close: :meth:`close` saves the last step that :meth:`step_done`
             completed when no generation holds it yet (default True; False, or
             ``close(final_save=False)``, opts out). Never after an exception:
@@ -356,6 +358,8 @@ class Checkpointer:
 
     def _hyperparameters(self, gen: Generation, before: Any) -> None:
         """The script's optimizer hyper-parameters against the restored ones: which side wins, never silently."""
+        if self.hyperparameters == "loop":
+            return  # the loop sets them itself after resume() (docs/API.md, "Changed hyper-parameters")
         changes = reconcile(before, self.state.optimizer, self.hyperparameters, self.state.scheduler)
         if not changes:
             return

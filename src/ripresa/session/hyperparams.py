@@ -9,7 +9,9 @@ restored ones afterwards and, per ``side``:
   :class:`HyperparameterWarning` names each changed key, old and new value, and how to apply the
   script's value instead;
 * ``"script"``: the script's values are put back into the param groups (and, when a learning-rate
-  scheduler is restored, its ``base_lrs`` follow ``initial_lr``); no warning, the change is recorded.
+  scheduler is restored, its ``base_lrs`` follow ``initial_lr``); no warning, the change is recorded;
+* ``"loop"``: the loop sets them itself after ``resume()`` (a schedule applied before every step, as
+  ``ripresa train`` does): nothing is compared, the checkpoint's values stand until the loop sets its own.
 
 Either way a ``hyperparameter_change`` history event lists the changes: never silent.
 Keys a scheduler drives (``lr`` always; ``betas``/``momentum`` of a momentum-cycling scheduler)
@@ -30,7 +32,7 @@ from ..store.store import CheckpointWarning
 __all__ = ["SIDES", "HyperparameterWarning", "message", "reconcile", "script_values"]
 
 #: The values of ``Checkpointer(..., hyperparameters=...)``.
-SIDES = ("checkpoint", "script")
+SIDES = ("checkpoint", "script", "loop")
 
 
 class HyperparameterWarning(CheckpointWarning):

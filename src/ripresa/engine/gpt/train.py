@@ -457,7 +457,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         allow_config_change=True if run_config is not None or args.allow_config_change else False,
         # the ANDREA .bin whenever the state fits it (docs/FORMAT.md, "Which format a session writes"); FSDP2: .dcp
         format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",
-        hyperparameters="script",  # apply_hyperparameters() sets the config's values after the resume
+        hyperparameters="loop",  # apply_hyperparameters() sets the config's values after the resume
     )
     try:
         for note in notes:

@@ -513,6 +513,50 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- rehearse
+def _add_rehearse(sub: argparse._SubParsersAction) -> None:
+    p = _command(
+        sub, "rehearse", _cmd_rehearse,
+        help="rehearse a rental's save, stop, pull from the mirror and resume, on scratch copies, timed",
+        description="On scratch copies of the run's newest generation: train K steps mirroring to a scratch prefix "
+        "beside the run's mirror, SIGTERM (save, upload, exit), pull into a blank folder, resume K steps, and compare "
+        "bit for bit with the same steps uninterrupted; then export. Times and bytes of each step, set against the "
+        "deadline. The run folder and the mirror's generations are never written; the scratch is removed. "
+        "Exit 0 identical, 1 they differ, 2 not done (no mirror, store unreachable, a trainer failed). "
+        "docs/OPERATIONS.md, \"Rehearse the rental's cycle at the start\".",
+    )
+    p.add_argument("run", type=Path, help="the run folder (ripresa train --run RUN --mirror URL), live or not")
+    p.add_argument("--mirror", metavar="URL", help="the run's mirror (default: RUN/mirror.json's, docs/MIRROR.md)")
+    p.add_argument("--deadline", help="the rental's end: 2026-12-24T18:00Z or a duration such as 72h "
+                   "(default: the run's last launch's --deadline; docs/CADENCE.md)")
+    p.add_argument("--steps", type=int, default=10, metavar="K", help="steps before the stop and after the resume (default 10)")
+    p.add_argument("--output", type=Path, help="new folder for rehearsal.json and rehearsal.log (default RUN.rehearsal-TIMESTAMP beside RUN)")
+    p.add_argument("--scratch", metavar="URL", help="an empty scratch prefix (default: beside the mirror's, same store)")
+    p.add_argument("--config", help="a run with no generation anywhere: the config of its first K steps (default RUN/config.json)")
+    p.add_argument("--device", help="auto | cpu | cuda (default: the run's last launch's)")
+    p.add_argument("--threads", type=int, help="torch CPU threads of the trainers (default: the run's last launch's)")
+    p.add_argument("--omit-rng-restore", action="store_true",
+                   help="negative control: the resume skips the random streams; the comparison must fail (exit 1)")
+    p.add_argument("--json", action="store_true", help="print rehearsal.json instead of the table")
+
+
+def _cmd_rehearse(args: argparse.Namespace) -> int:
+    from .engine.rehearse import rehearse, render_rehearsal
+
+    r = rehearse(args.run, output=args.output, mirror=args.mirror, scratch=args.scratch, steps=args.steps,
+                 deadline=args.deadline, config=args.config, device=args.device, threads=args.threads,
+                 omit_rng_restore=args.omit_rng_restore)
+    if args.json:
+        import json
+
+        print(json.dumps(r, indent=2))
+    else:
+        from .text import safe_console
+
+        render_rehearsal(r, safe_console())
+    return r["exit_code"]
+
+
 # ----------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -536,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_convert(sub)
     _add_mirror(sub)
+    _add_rehearse(sub)
     return parser
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import BadInput
+from ..errors import BadInput, SaveFailed
 from ..io.child import child_env, ripresa_argv
 from ..io.fsio import open_run_file, read_json_small
 from ..store.history import read_history
@@ -32,18 +32,23 @@ def _train_cmd(run: Path, *extra: str) -> list[str]:
     return ripresa_argv("train", "--run", str(run), "--config", "tiny", "--threads", "1", "--quiet", *extra)
 
 
-def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:
+    """The newest step in ``run``'s history once it is ``>= step`` (the child ``proc`` training it must stay
+    alive; a typed :class:`~ripresa.errors.SaveFailed`, exit 2, when it exits or stalls past ``timeout``)."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"the trainer exited early with {proc.returncode}")
+            raise SaveFailed("the trainer exited early", file=run, expected=f"training up to step {step}",
+                             found=f"exit code {proc.returncode}", hint="its output is in the log beside the run")
         hist = run / ".loss.jsonl"
         if hist.exists():
             steps = read_history(hist).steps
             if steps and max(steps) >= step:
                 return max(steps)
         time.sleep(0.05)
-    raise RuntimeError(f"the trainer did not reach step {step} in {timeout:.0f} s (a hang guard; see train.log)")
+    raise SaveFailed("the trainer did not reach its step in time (a hang guard)", file=run,
+                     expected=f"step {step} within {timeout:.0f} s", found="fewer steps",
+                     hint="its output is in the log beside the run")
 
 
 def _valid(run: Path) -> list[int]:
@@ -93,7 +98,7 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
     t0 = time.perf_counter()
     proc = subprocess.Popen(_train_cmd(run, "--steps", "400", "--every", "100"), stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        at = _wait_for_step(run, 150, proc)
+        at = wait_for_step(run, 150, proc)
         proc.send_signal(__import__("signal").SIGUSR1)
         console.print(f"· step {at}: sent SIGUSR1 (checkpoint and continue)")
         t1 = time.time()
@@ -101,7 +106,7 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
             time.sleep(0.05)
         extra = [s for s in _valid(run) if s % 100]
         console.print(f"  → generation step_{extra[0]:06d}.bin committed while training went on" if extra else "  → (no extra generation seen)")
-        at = _wait_for_step(run, 250, proc)
+        at = wait_for_step(run, 250, proc)
         proc.send_signal(__import__("signal").SIGTERM)
         console.print(f"· step {at}: sent SIGTERM (checkpoint and exit)")
         rc = proc.wait(timeout=120)

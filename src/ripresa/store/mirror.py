@@ -39,7 +39,7 @@ from .store import CheckpointStore
 __all__ = ["CONFIG_SIG", "MIRROR_MARKER", "MIRROR_RECORD", "RUN_MANIFEST", "Mirror", "MirrorSpec", "MirrorTarget",
            "RemoteView", "RunManifest", "claim_target", "cli_pull", "cli_push", "cli_status", "has_local_generation",
            "local_generations", "main_of", "open_mirror", "prefetch", "pull", "pull_config", "pull_run", "record_url",
-           "recorded", "redacting", "restore_run"]
+           "recorded", "redacting", "resolve_url", "restore_run"]
 
 
 def status(remote: ObjectStore, run_dir: Path) -> dict[str, Any]:
@@ -87,6 +87,13 @@ def _resolve_url(run_dir: Path, url: str | None, *, write: bool = False) -> tupl
                        expected="a record written by a session holding the key (its MAC)", found=f"a record naming {redact_url(rec)}",
                        hint="name the mirror explicitly: ripresa mirror push RUN --mirror URL")
     return rec, authentic
+
+
+def resolve_url(run_dir: Path, url: str | None, *, write: bool = False) -> tuple[str, bool]:
+    """(the mirror URL, whether it is explicit): ``url``, else ``RUN/mirror.json``'s, under the rules of
+    docs/MIRROR.md, "Trust" (``write``: a record the configured key does not authenticate is refused).
+    ``ripresa rehearse`` follows them like ``push`` (it writes beside the mirror)."""
+    return _resolve_url(run_dir, url, write=write)
 
 
 class _Metered:

@@ -212,12 +212,15 @@ class _Children:
         """Run one trainer to its end; (its start, its end) as POSIX times. A failure is :class:`SaveFailed`."""
         t0 = time.time()
         proc = self.start(*args)
+        rc = None
         try:
             rc = proc.wait(timeout=self.timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = None
+            pass
+        finally:  # a timeout, or Ctrl-C: no trainer outlives the rehearsal (its folders are removed next)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         if rc != 0:
             raise SaveFailed("a rehearsal trainer failed", expected="exit 0", found=f"exit {rc}" if rc is not None
                              else f"no end within {self.timeout:.0f} s", hint=f"its output is in {LOG_NAME}")
@@ -269,10 +272,16 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
                             "will use; docs/MIRROR.md)")
     url, _explicit = resolve_url(run, mirror, write=True)  # docs/MIRROR.md, "Trust": as `mirror push` follows it
     launch = _launch_options(run) if run.is_dir() else {}
-    when = deadline if deadline is not None else launch.get("deadline")
-    due = deadline_time(when) if when is not None else None  # the project's syntax: 72h or 2026-12-24T18:00Z
+    due = deadline_time(deadline) if deadline is not None else None  # the project's syntax: 72h, 2026-12-24T18:00Z
     if due is not None and due <= time.time():
-        raise BadInput("the deadline has passed", expected="a time in the future", found=when)
+        raise BadInput("the deadline has passed", expected="a time in the future", found=deadline)
+    if due is None and launch.get("deadline") is not None:  # the run's own, when it is still ahead
+        try:
+            due = deadline_time(launch["deadline"])
+        except BadInput:
+            due = None
+        if due is not None and due <= time.time():
+            due = None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(output) if output is not None else run.parent / f"{run.name}.rehearsal-{stamp}"
     here = run.resolve()
@@ -299,6 +308,8 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
     work = out / "work"
     work.mkdir()
     log = open_run_file(out / LOG_NAME, "the rehearsal's log", mode="create_append")
+    os.write(log, (f"ripresa rehearse {run}: scratch prefix {redact_url(scratch_url)} and folder {work}; both are "
+                   "removed at the end (a rehearsal killed before it: remove them by hand)\n").encode())
     report: dict[str, Any] = {
         "run": str(run), "mirror": redact_url(url), "scratch": redact_url(scratch_url), "output": str(out),
         "trainer_running": run.is_dir() and os.path.lexists(run / "LOCK") and is_locked(run), "k": steps,
@@ -308,13 +319,26 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
     try:
         report.update(_cycle(run, url, scratch_url, work, _Children(log, flags, timeout), steps, config,
                              omit_rng_restore, quiet, bool(RemoteView(remote_keys).committed)))
+    except RipresaError as exc:  # not done (exit 2): the report says where it stopped, then the error is raised
+        report["error"] = exc.as_dict()
+        raise
     finally:
         os.close(log)
-        report["cleaned"] = {"scratch": remove_scratch(scratch_store), "work": _remove(work)}
+        report["cleaned"] = {"scratch": _removed(scratch_store), "work": _remove(work)}
+        if "error" in report:
+            write_atomic(out / REPORT_NAME, [json.dumps(report, indent=2, default=str).encode() + b"\n"])
     report["wall_s"] = round(time.time() - t_all, 3)
     report.update(_verdict(report, due))
     write_atomic(out / REPORT_NAME, [json.dumps(report, indent=2).encode() + b"\n"])
     return report
+
+
+def _removed(store: ObjectStore) -> bool:
+    """:func:`remove_scratch`, never raising over the error that ended the rehearsal (False: some is left)."""
+    try:
+        return remove_scratch(store)
+    except (RipresaError, OSError):
+        return False
 
 
 def _remove(folder: Path) -> bool:
@@ -408,7 +432,8 @@ def _cycle(run: Path, url: str, scratch_url: str, work: Path, kids: _Children, k
         if uploaded is None:
             raise SaveFailed("the stop generation was not uploaded to the scratch prefix", file=redact_url(scratch_url),
                              expected=f"a mirror_uploaded event for step {s}", found="none",
-                             hint=f"the trainer's output ({LOG_NAME}) and history name the store's error")
+                             hint=f"the trainer's output ({LOG_NAME}) names the store's error; credentials that may "
+                                  "write only the mirror's prefix: name a --scratch they may write")
         resumed = _last_since(stopped, "resume", t_launch)
         rows["train"] = {"seconds": t_sig - t_launch, "bytes": 0, "step": s,
                          "what": f"start, resume at {begin}, {s - begin} steps", "startup_s": _num(resumed.get("time"), t_launch)}
@@ -504,7 +529,7 @@ def human_seconds(s: float) -> str:
         return f"{s:.1f} s"
     if s < 7200:
         return f"{s / 60:.1f} min"
-    if s < 172800:
+    if s < 7 * 86400:
         return f"{s / 3600:.1f} h"
     return f"{s / 86400:.1f} d"
 
@@ -583,6 +608,9 @@ def render_rehearsal(report: dict[str, Any], console: Any) -> None:
     d = report.get("deadline")
     if d is not None and not d["fits"]:
         console.print("[red]warning: the stop, upload and export would not be done before the deadline[/]")
+    if report.get("trainer_running"):
+        console.print("note: the run's trainer was running: the rehearsal shared the machine with it, so its times "
+                      "are upper bounds", highlight=False)
     cleaned = report["cleaned"]
     console.print(f"scratch prefix {escape_markup(report['scratch'], newlines=False)}: "
                   f"{'removed' if cleaned['scratch'] else 'NOT removed'}; report: "

@@ -13,12 +13,13 @@ import hashlib
 import inspect
 import json
 import shutil
+import time
 
 import pytest
 from conftest import ripresa_cli, tree_digest
 
 from ripresa.cli import main
-from ripresa.engine.rehearse import compare_generations, scratch_for
+from ripresa.engine.rehearse import RehearsalWarning, compare_generations, scratch_for, verdict
 from ripresa.errors import BadInput
 
 pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3
@@ -84,6 +85,11 @@ def test_rehearse_a_mirrored_run_passes_times_each_step_and_touches_nothing(user
     assert not [p for p in mirror.parent.iterdir() if p.name != "mirror"], list(mirror.parent.iterdir())
     assert sorted(p.name for p in out.iterdir()) == ["rehearsal.json", "rehearsal.log"]
     assert json.loads((out / "rehearsal.json").read_text()) == report
+    # the same measurements against a deadline 2 s away: the stop and export (and the 5 s margin) do not fit
+    with pytest.warns(RehearsalWarning, match="are left before the deadline"):
+        late = verdict(report, time.time() + 2)
+    assert late["fits"] is False and late["deadline"]["tail_s"] == d["tail_s"] and "do NOT fit" in late["verdict"]
+    assert late["exit_code"] == 0  # advice: the comparison decides the exit code
 
 
 def _recommit_companion(run, step, edit):

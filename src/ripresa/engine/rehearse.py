@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +61,10 @@ PHASE_TIMEOUT = 3600.0
 CYCLE = ("stop", "pull", "resume")
 REPORT_NAME = "rehearsal.json"
 LOG_NAME = "rehearsal.log"
+
+
+class RehearsalWarning(UserWarning):
+    """The rehearsal's measured end of the rental does not fit the deadline (or the session's plan of it)."""
 
 
 # ----------------------------------------------------------------------------- the scratch prefix
@@ -273,8 +278,8 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
     url, _explicit = resolve_url(run, mirror, write=True)  # docs/MIRROR.md, "Trust": as `mirror push` follows it
     launch = _launch_options(run) if run.is_dir() else {}
     due = deadline_time(deadline) if deadline is not None else None  # the project's syntax: 72h, 2026-12-24T18:00Z
-    if due is not None and due <= time.time():
-        raise BadInput("the deadline has passed", expected="a time in the future", found=deadline)
+    if due is not None:
+        Deadline(due)  # refuses a deadline passed or more than 100 years ahead, as `ripresa train` does
     if due is None and launch.get("deadline") is not None:  # the run's own, when it is still ahead
         try:
             due = deadline_time(launch["deadline"])
@@ -328,7 +333,7 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
         if "error" in report:
             write_atomic(out / REPORT_NAME, [json.dumps(report, indent=2, default=str).encode() + b"\n"])
     report["wall_s"] = round(time.time() - t_all, 3)
-    report.update(_verdict(report, due))
+    report.update(verdict(report, due))
     write_atomic(out / REPORT_NAME, [json.dumps(report, indent=2).encode() + b"\n"])
     return report
 
@@ -548,8 +553,9 @@ class _Measured:
         self.last_upload_seconds = seconds
 
 
-def _verdict(report: dict[str, Any], due: float | None) -> dict[str, Any]:
-    """``passed``, ``exit_code``, the deadline's figures and the one-paragraph verdict."""
+def verdict(report: dict[str, Any], due: float | None) -> dict[str, Any]:
+    """``passed``, ``exit_code``, the deadline's figures (``due``: a POSIX time, or None) and the one-paragraph
+    verdict of a rehearsal's measurements; a :class:`RehearsalWarning` when the end of the rental does not fit."""
     rows, cmp = report["steps"], report["compare"]
     cyc = report["cycle"]
     cycle = (f"the full cycle takes {human_seconds(cyc['seconds'])} and {human_bytes(cyc['bytes'])} (stop "
@@ -561,7 +567,7 @@ def _verdict(report: dict[str, Any], due: float | None) -> dict[str, Any]:
     out: dict[str, Any] = {"passed": cmp["equal"], "exit_code": 0 if cmp["equal"] else 1}
     if due is not None:
         now = time.time()
-        plan = Deadline(due, now=now)
+        plan = Deadline(max(due, now + 0.001), now=now)  # passed during the rehearsal: nothing fits
         plan.saved(rows["save"]["seconds"])
         plan.replan(step_s, _Measured(rows["upload"]["seconds"]), now)
         assert plan.plan is not None
@@ -573,7 +579,7 @@ def _verdict(report: dict[str, Any], due: float | None) -> dict[str, Any]:
                            "tail_s": round(tail, 3), "margin_s": round(margin, 3), "fits": fits,
                            "planned_tail_s": round(planned_tail, 3), "plan_covers_tail": tail <= planned_tail + margin}
         end = (f"the end-of-rental stop and export ({human_seconds(tail)} + {human_seconds(margin)} margin) "
-               f"{'fit' if fits else 'do NOT fit'} in the {human_seconds(left)} left before the deadline")
+               f"{'fit' if fits else 'do NOT fit'} in the {human_seconds(max(0.0, left))} left before the deadline")
         if fits and not out["deadline"]["plan_covers_tail"]:
             end += (f"; but the session plans only {human_seconds(planned_tail + margin)} for them: "
                     f"give --deadline {human_seconds(tail + margin - planned_tail)} earlier than the rental ends")
@@ -589,6 +595,16 @@ def _verdict(report: dict[str, Any], due: float | None) -> dict[str, Any]:
     else:
         out["verdict"] = (f"FAIL: the resume from the mirror differs from the uninterrupted run at step {cmp['step']}: "
                           f"{cmp['first_difference']}; {cycle}; {end}.")
+    d = out["deadline"]
+    if d is not None and not d["fits"]:  # one line on stderr through the CLI (docs/FAULTS.md, "Messages")
+        warnings.warn(f"the end-of-rental stop and export need {human_seconds(d['tail_s'] + d['margin_s'])} but only "
+                      f"{human_seconds(max(0.0, d['left_s']))} are left before the deadline: the final generation would not "
+                      "be saved, uploaded and exported in time (docs/CADENCE.md, \"Deadline\")", RehearsalWarning,
+                      stacklevel=3)
+    elif d is not None and not d["plan_covers_tail"]:
+        warnings.warn(f"the session's deadline plan gives the stop and export {human_seconds(d['planned_tail_s'] + d['margin_s'])}"
+                      f", less than the {human_seconds(d['tail_s'])} measured: give --deadline earlier than the rental's end",
+                      RehearsalWarning, stacklevel=3)
     out["fits"] = None if due is None else out["deadline"]["fits"]
     return out
 
@@ -605,9 +621,6 @@ def render_rehearsal(report: dict[str, Any], console: Any) -> None:
     console.print(fit_table(title, ["step", "time", "bytes", "what"], rows, console.width))
     colour = "green" if report["passed"] else "red"
     console.print(f"[{colour}]{escape_markup(report['verdict'])}[/]", highlight=False)
-    d = report.get("deadline")
-    if d is not None and not d["fits"]:
-        console.print("[red]warning: the stop, upload and export would not be done before the deadline[/]")
     if report.get("trainer_running"):
         console.print("note: the run's trainer was running: the rehearsal shared the machine with it, so its times "
                       "are upper bounds", highlight=False)

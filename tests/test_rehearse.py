@@ -190,3 +190,16 @@ def test_rehearse_an_s3_mirrored_run_against_the_real_server(tmp_path, s3, capsy
     everything = s3.client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])
     assert not [o["Key"] for o in everything if not o["Key"].startswith(s3.prefix)]  # the scratch prefix is gone
     assert {k: hashlib.sha256(s3.get(k)).hexdigest() for k in s3.keys()} == objects  # the mirror untouched
+
+
+@pytest.mark.slow
+def test_rehearse_on_a_blank_machine_starts_from_the_mirror_and_creates_no_run_folder(user_run, tmp_path, capsys):
+    _, mirror = user_run
+    before = tree_digest(mirror)
+    blank = tmp_path / "runs" / "gpt"
+    rc, report, err = _rehearse(capsys, blank, "--mirror", mirror, "--steps", "2", "--output", tmp_path / "o")
+    assert rc == 0, err
+    assert report["start"] == {"source": "mirror", "step": 4} and report["passed"]
+    assert "--no-audit" in report["flags"]  # the launch record of the history the pull restored
+    assert not blank.exists() and tree_digest(mirror) == before
+    assert report["cleaned"] == {"scratch": True, "work": True}

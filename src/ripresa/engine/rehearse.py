@@ -204,9 +204,23 @@ def _launch_options(run: Path) -> dict[str, Any]:
 class _Children:
     """The rehearsal's ``ripresa train`` children: ripresa's own code (io/child.py), output into one log."""
 
-    def __init__(self, log: int, flags: list[str], timeout: float) -> None:
-        self.log, self.flags, self.timeout = log, flags, timeout
+    def __init__(self, log: int, timeout: float, device: str | None, threads: int | None) -> None:
+        self.log, self.timeout, self.device, self.threads = log, timeout, device, threads
         self.env = child_env(PYTHONDONTWRITEBYTECODE="1", RIPRESA_PROGRESS="0")
+        self.flags: list[str] = []
+        self.use({})
+
+    def use(self, launch: dict[str, Any]) -> list[str]:
+        """The trainers' flags: the device, threads, audit and save mode of ``launch`` (a run's last launch,
+        :func:`_launch_options`), ``--device``/``--threads`` over them."""
+        self.flags = [f"--device={self.device or launch.get('device', 'auto')}"]
+        if self.threads or launch.get("threads"):
+            self.flags.append(f"--threads={self.threads or launch['threads']}")
+        if launch.get("audit") is False:
+            self.flags.append("--no-audit")
+        if launch.get("asynchronous") is False:
+            self.flags.append("--sync")
+        return self.flags
 
     def start(self, *args: str) -> subprocess.Popen:
         os.write(self.log, f"\n$ ripresa train {' '.join(args)}\n".encode())
@@ -301,13 +315,6 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
                        file=run / "mirror.json", found=redact_url(url), hint="name the mirror with --mirror URL")
     scratch_url = scratch or scratch_for(url, f".rehearsal-{stamp}-{secrets.token_hex(3)}")
     scratch_store = _check_scratch(scratch_url, url, run)
-    flags = [f"--device={device or launch.get('device', 'auto')}"]
-    if threads or launch.get("threads"):
-        flags.append(f"--threads={threads or launch['threads']}")
-    if launch.get("audit") is False:
-        flags.append("--no-audit")
-    if launch.get("asynchronous") is False:
-        flags.append("--sync")
 
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
@@ -318,12 +325,14 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
     report: dict[str, Any] = {
         "run": str(run), "mirror": redact_url(url), "scratch": redact_url(scratch_url), "output": str(out),
         "trainer_running": run.is_dir() and os.path.lexists(run / "LOCK") and is_locked(run), "k": steps,
-        "flags": flags, "omit_rng_restore": omit_rng_restore,
+        "omit_rng_restore": omit_rng_restore,
     }
+    kids = _Children(log, timeout, device, threads)
+    kids.use(launch)
     t_all = time.time()
     try:
-        report.update(_cycle(run, url, scratch_url, work, _Children(log, flags, timeout), steps, config,
-                             omit_rng_restore, quiet, bool(RemoteView(remote_keys).committed)))
+        report.update(_cycle(run, url, scratch_url, work, kids, steps, config, omit_rng_restore, quiet,
+                             bool(RemoteView(remote_keys).committed)))
     except RipresaError as exc:  # not done (exit 2): the report says where it stopped, then the error is raised
         report["error"] = exc.as_dict()
         raise
@@ -407,6 +416,8 @@ def _cycle(run: Path, url: str, scratch_url: str, work: Path, kids: _Children, k
     # 1. the start: the run's newest generation, else the mirror's, else k steps of the run's config
     t0 = time.time()
     gen, source = _start(run, url, start_dir, kids, k, config, has_remote, quiet)
+    if source == "mirror":  # a blank machine: the launch record is in the history the pull restored
+        kids.use(_launch_options(start_dir))
     begin, start_main = gen.step, start_dir / gen.path.name
     rows["start"] = {"seconds": time.time() - t0, "bytes": _tree_bytes(start_dir), "step": begin,
                      "what": f"step {begin} from the {source}"}
@@ -489,7 +500,7 @@ def _cycle(run: Path, url: str, scratch_url: str, work: Path, kids: _Children, k
     for r in rows.values():
         r["seconds"] = round(max(0.0, r["seconds"]), 3)
     scratch_bytes = sum(uploaded_total(stopped).values())
-    return {"start": {"source": source, "step": begin}, "stop_step": s, "end_step": end, "step_s": step_s,
+    return {"start": {"source": source, "step": begin}, "flags": kids.flags, "stop_step": s, "end_step": end, "step_s": step_s,
             "steps": rows, "compare": comparison, "scratch_uploaded_bytes": scratch_bytes,
             "cycle": {"seconds": round(sum(rows[n]["seconds"] for n in CYCLE), 3),
                       "bytes": rows["save"]["bytes"] + rows["upload"]["bytes"] + rows["pull"]["bytes"]}}

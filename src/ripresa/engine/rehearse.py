@@ -273,8 +273,6 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
     a store that cannot be reached, a trainer that failed. ``omit_rng_restore`` is the negative control: the
     resume skips the random streams, and the comparison must fail.
     """
-    from ..io.lock import is_locked
-
     run = Path(run)
     if steps < 1 or steps > 1_000_000:
         raise BadInput("--steps must be between 1 and 1000000", found=steps)
@@ -324,7 +322,7 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
                    "removed at the end (a rehearsal killed before it: remove them by hand)\n").encode())
     report: dict[str, Any] = {
         "run": str(run), "mirror": redact_url(url), "scratch": redact_url(scratch_url), "output": str(out),
-        "trainer_running": run.is_dir() and os.path.lexists(run / "LOCK") and is_locked(run), "k": steps,
+        "trainer_running": _running(run), "k": steps,
         "omit_rng_restore": omit_rng_restore,
     }
     kids = _Children(log, timeout, device, threads)
@@ -345,6 +343,17 @@ def rehearse(run: Path, *, output: Path | None = None, mirror: str | None = None
     report.update(verdict(report, due))
     write_atomic(out / REPORT_NAME, [json.dumps(report, indent=2).encode() + b"\n"])
     return report
+
+
+def _running(run: Path) -> bool:
+    """Whether a trainer holds ``run`` now (a probe of its lock that takes nothing; a LOCK that is a link or a
+    FIFO: False, it is no trainer's)."""
+    from ..io.lock import is_locked
+
+    try:
+        return run.is_dir() and os.path.lexists(run / "LOCK") and is_locked(run)
+    except (RipresaError, OSError):
+        return False
 
 
 def _removed(store: ObjectStore) -> bool:
@@ -499,21 +508,14 @@ def _cycle(run: Path, url: str, scratch_url: str, work: Path, kids: _Children, k
 
     for r in rows.values():
         r["seconds"] = round(max(0.0, r["seconds"]), 3)
-    scratch_bytes = sum(uploaded_total(stopped).values())
     return {"start": {"source": source, "step": begin}, "flags": kids.flags, "stop_step": s, "end_step": end, "step_s": step_s,
-            "steps": rows, "compare": comparison, "scratch_uploaded_bytes": scratch_bytes,
+            "steps": rows, "compare": comparison,
             "cycle": {"seconds": round(sum(rows[n]["seconds"] for n in CYCLE), 3),
                       "bytes": rows["save"]["bytes"] + rows["upload"]["bytes"] + rows["pull"]["bytes"]}}
 
 
 def _num(t: Any, since: float) -> float:
     return float(t) - since if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
-
-
-def uploaded_total(run: Path) -> dict[int, int]:
-    """Bytes uploaded per generation (the history's ``mirror_uploaded`` events)."""
-    return {int(e["step"]): int(e.get("bytes", 0)) for e in _events(run, "mirror_uploaded")
-            if isinstance(e.get("step"), int) and isinstance(e.get("bytes"), int)}
 
 
 def compare_generations(a: Path, b: Path, step: int) -> dict[str, Any]:

@@ -209,3 +209,70 @@ def test_a_rank_whose_launcher_is_gone_says_so_in_one_line(tmp_path):
         for r in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(r, signal.SIGKILL)
+
+
+# --- 2. output floods ------------------------------------------------------------------------------------
+
+def _generation(run: Path) -> Path:
+    """A real general generation (step 1) of a tiny model; its companion's path."""
+    import torch
+
+    import ripresa
+
+    ckpt = ripresa.Checkpointer(run, ripresa.TrainingState(model=torch.nn.Linear(2, 2)), every=1,
+                                handle_signals=False)
+    ckpt.resume()
+    ckpt.step_done(1)
+    ckpt.close()
+    return run / "step_000001.safetensors.json"
+
+
+def _inspect(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ripresa", "inspect", *args], capture_output=True, text=True,
+                         timeout=timeout, env=_env(COLUMNS="100", RIPRESA_PROGRESS="0"))
+    return res, time.monotonic() - t0
+
+
+def test_capped_counts_the_rest_without_keeping_it():
+    from ripresa.console import MAX_LISTED, capped, capped_lines, joined
+
+    shown, more = capped(iter(range(1_000_000)))  # an iterator: counted, never kept
+    assert shown == list(range(MAX_LISTED)) and more == 1_000_000 - MAX_LISTED
+    assert capped({i: i for i in range(70)}) == ([(i, i) for i in range(64)], 6)
+    assert capped([1, 2]) == ([1, 2], 0)
+    assert joined(range(10), limit=3, what="steps") == "0, 1, 2, ... 7 more steps"
+    assert capped_lines(range(100), str)[-1] == f"... {100 - MAX_LISTED} more"
+
+
+def test_inspect_a_companion_of_350k_aliases_prints_a_capped_list(tmp_path):
+    """On main: one line per alias, 350k of them, still printing after 60 s."""
+    import json
+
+    comp = _generation(tmp_path / "run")
+    doc = json.loads(comp.read_text())
+    doc["aliases"] = {f"model/a{i:07d}": "model/weight" for i in range(350_000)}
+    comp.write_text(json.dumps(doc))
+    res, took = _inspect(str(tmp_path / "run" / "step_000001.safetensors"))
+    assert res.returncode == 1, res.stderr[-2000:]  # the companion no longer matches its marker
+    alias_rows = [ln for ln in res.stdout.splitlines() if " -> model/weight" in ln]
+    assert 0 < len(alias_rows) <= 64, len(alias_rows)
+    assert f"... {350_000 - len(alias_rows):,} more aliases" in res.stdout
+    assert len(res.stdout.splitlines()) < 400 and took < 30, (len(res.stdout.splitlines()), took)
+    res, took = _inspect("--json", str(tmp_path / "run" / "step_000001.safetensors"))  # --json: every alias
+    assert len(json.loads(res.stdout)["safetensors"]["aliases"]) == 350_000 and took < 30
+
+
+def test_inspect_a_run_folder_of_thousands_of_leftovers_prints_capped_lists(tmp_path):
+    """Thousands of leftover temporaries: the table of them and the warning repeated for each, both capped."""
+    _generation(tmp_path / "run")
+    n = 5000
+    for i in range(n):
+        (tmp_path / "run" / f".step_000002.safetensors.tmp.{4_000_000 + i % 50}.{i:08x}").touch()
+    res, took = _inspect(str(tmp_path / "run"))
+    lines = res.stdout.splitlines()
+    assert res.returncode in (0, 1), res.stderr[-2000:]
+    assert len(lines) < 500, len(lines)
+    assert any("more temporary files" in ln for ln in lines), res.stdout[-3000:]
+    assert any("more warnings" in ln for ln in lines), res.stdout[-3000:]
+    assert took < 30

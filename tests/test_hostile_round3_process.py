@@ -275,6 +275,31 @@ def test_inspect_json_keeps_every_alias_in_bounded_time(tmp_path):
     assert took < 30, took
 
 
+def test_a_warning_repeated_per_damaged_generation_is_capped(tmp_path):
+    """A run folder of 200 damaged generations above a valid one: 64 warnings, then one that counts the rest
+    (on main: one warning per generation, 200 lines, each a few hundred characters)."""
+    import shutil
+    import warnings
+
+    from ripresa.console import MAX_LISTED
+    from ripresa.store.commit import CheckpointWarning
+    from ripresa.store.kinds import latest_valid_of
+
+    run = tmp_path / "run"
+    _generation(run)
+    for step in range(2, 202):  # a copy under another step's name: its marker and companion say step 1
+        for suffix in ("", ".json", ".sha256"):
+            shutil.copyfile(run / f"step_000001.safetensors{suffix}", run / f"step_{step:06d}.safetensors{suffix}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = latest_valid_of(run, ("general",), deep=False)
+    assert gen is not None and gen.step == 1
+    texts = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    assert len(texts) == MAX_LISTED + 1, len(texts)
+    assert all(" not used: " in t for t in texts[:-1]) and "generation 201 not used" in texts[0]
+    assert texts[-1] == f"... {200 - MAX_LISTED} more .safetensors generations not used (older ones were tried)"
+
+
 @pytest.mark.slow
 def test_inspect_a_run_folder_of_thousands_of_leftovers_prints_capped_lists(tmp_path):
     """Thousands of leftover temporaries: the table of them and the warning repeated for each, both capped."""

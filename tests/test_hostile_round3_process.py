@@ -65,7 +65,7 @@ def _dead_pid() -> int:
 
 
 @pytest.mark.parametrize("value", ["stale-dead", "stale-old-format", "reused-pid", "live-not-parent", "garbage",
-                                   "parent-wrong-start"])
+                                   "parent-wrong-start", "parent-bare-pid"])
 def test_import_ripresa_with_a_stale_or_forged_launcher_variable_survives(value):
     """On main: any process whose variable named a pid that had ended SIGKILLed itself at the import (137)."""
     dead = _dead_pid()
@@ -78,6 +78,7 @@ def test_import_ripresa_with_a_stale_or_forged_launcher_variable_survives(value)
             "live-not-parent": launcher.launcher_value(stranger.pid),  # a live process, not this one's parent
             "garbage": "12\u0663:\n-1",
             "parent-wrong-start": f"{os.getpid()}:{(launcher._start_time(os.getpid()) or 0) + 1}",
+            "parent-bare-pid": str(os.getpid()),  # names its live parent: bound to it, harmless while it lives
         }[value]
         res = subprocess.run([sys.executable, "-c", IMPORT], capture_output=True, text=True, timeout=60,
                              env=_env(RIPRESA_LAUNCHER_PID=raw))

@@ -163,12 +163,13 @@ def launcher_value(pid: int | None = None) -> str:
     return f"{pid}:{_start_time(pid)}"
 
 
-def _parse(raw: str) -> tuple[int, int] | None:
+def _parse(raw: str) -> tuple[int, int | None] | None:
+    """``PID:START`` (or a bare ``PID``, as earlier launchers wrote it: then only the parent check applies)."""
     pid, sep, start = raw.partition(":")
-    if not sep or not (0 < len(pid) <= 10 and pid.isascii() and pid.isdigit()) \
-            or not (0 < len(start) <= 20 and start.isascii() and start.isdigit()):
+    if not (0 < len(pid) <= 10 and pid.isascii() and pid.isdigit()) \
+            or sep and not (0 < len(start) <= 20 and start.isascii() and start.isdigit()):
         return None
-    return int(pid), int(start)
+    return int(pid), int(start) if sep else None
 
 
 def _libc():  # noqa: ANN202 - a ctypes library
@@ -214,9 +215,9 @@ def bind_at_import() -> None:
     The variable (:data:`LAUNCHER_ENV`) is removed from ``os.environ`` first, always: nothing this process
     starts inherits it. It is trusted only in the launcher's own child: one whose parent-death signal is
     :data:`LAUNCHER_DEATH_SIGNAL` (the launcher sets it as it forks a rank; a fork clears it, so a child of
-    a rank never has it), or whose parent is the process named, pid and start time. Such a rank is then
-    SIGKILLed by the kernel when the launcher dies (``PR_SET_PDEATHSIG``, before any rendezvous); one whose
-    launcher has died already prints one line and exits :data:`ORPHAN_EXIT`. Anywhere else (a stale,
+    a rank never has it), or whose parent is the process named, pid and start time (a bare pid: the parent's
+    pid only). Such a rank is then SIGKILLed by the kernel when the launcher dies (``PR_SET_PDEATHSIG``,
+    before any rendezvous); one whose launcher has died already prints one line and exits :data:`ORPHAN_EXIT`. Anywhere else (a stale,
     inherited or forged value) the variable is dropped and nothing happens (docs/ARCHITECTURE.md, "Signals
     through the launcher").
     """
@@ -228,7 +229,7 @@ def bind_at_import() -> None:
     forked_by_launcher = _death_signal() == LAUNCHER_DEATH_SIGNAL
     if forked_by_launcher and LAUNCHER_DEATH_SIGNAL in signal.sigpending():
         _orphan_line(launcher, "has ended")
-    if os.getppid() != launcher or _start_time(launcher) != start:
+    if os.getppid() != launcher or (start is not None and _start_time(launcher) != start):
         if forked_by_launcher:  # its parent at fork is gone (the signal is on its way): the run has ended
             _orphan_line(launcher, "has ended")
         return  # not the launcher's child: a value inherited, left over or forged, dropped

@@ -344,8 +344,10 @@ def _cmd_fork(args: argparse.Namespace) -> int:
     r = fork(args.run, args.step, args.into, args.sets)
     what = f"bin sha256 {r['bin_sha256'][:16]}" if "bin_sha256" in r else f".dcp marker sha256 {r['dcp_marker_sha256'][:16]}"
     print(f"forked {args.run} at step {r['step']} into {r['into']} ({what}…, overrides {r['overrides']})")
-    for warning in r.get("warnings", ()):
-        print(f"ripresa fork: warning: {warning}", file=sys.stderr)
+    from .console import capped_lines
+
+    for line in capped_lines(r.get("warnings", ()), lambda w: f"ripresa fork: warning: {w}", what="warnings"):
+        print(line, file=sys.stderr)
     print(f"continue with: {r['command']}")
     return 0
 
@@ -482,6 +484,13 @@ def _add_mirror(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _steps(steps: list[int]) -> str:
+    """A list of steps as ``[1, 2, ... N more]`` (capped: docs/INSPECT.md, "Long lists"; --json has them all)."""
+    from .console import joined
+
+    return f"[{joined(steps, what='steps')}]" if steps else ""
+
+
 def _cmd_mirror(args: argparse.Namespace) -> int:
     from .store import mirror
 
@@ -500,14 +509,14 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
         print(json.dumps(r, indent=2))
     elif args.action == "status":
         print(f"run {r['run']}  mirror {r['url']}")
-        print(f"  local:  {r['local'] or 'none'}")
-        print(f"  remote: {r['remote'] or 'none'}" + ("  (+ config.json)" if r["config_remote"] else ""))
+        print(f"  local:  {_steps(r['local']) or 'none'}")
+        print(f"  remote: {_steps(r['remote']) or 'none'}" + ("  (+ config.json)" if r["config_remote"] else ""))
         print(f"  {'in flight (the trainer uploads them)' if r['trainer_running'] else 'missing (push uploads them)'}: "
-              f"{r['pending'] or 'none'}")
+              f"{_steps(r['pending']) or 'none'}")
         if r["half_uploaded"]:
-            print(f"  half uploaded (no marker; never used, cleaned by the next writer): {r['half_uploaded']}")
+            print(f"  half uploaded (no marker; never used, cleaned by the next writer): {_steps(r['half_uploaded'])}")
     elif args.action == "push":
-        print(f"pushed {r['uploaded'] or 'nothing (the mirror had everything)'} to {r['url']}")
+        print(f"pushed {_steps(r['uploaded']) or 'nothing (the mirror had everything)'} to {r['url']}")
     else:
         print(f"pulled {r['file']} (step {r['step']}, verified) into {r['run']}" + (" with config.json" if r["config"] else ""))
     return 0

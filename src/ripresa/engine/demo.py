@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ..console import capped_rows
 from ..errors import BadInput, SaveFailed
 from ..io.child import child_env, ripresa_argv
 from ..io.fsio import open_run_file, read_json_small
@@ -126,10 +127,13 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
     table.add_column("event", no_wrap=True)
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("detail", overflow="fold")  # wraps between fields, never cuts a value
-    for e in view.events:
+
+    def row(e: dict) -> tuple[str, str, str]:
         detail = {k: v for k, v in e.items() if k not in ("event", "time", "step", "from_step", "lineage")}
-        table.add_row(escape_markup(e["event"]), escape_markup(str(e.get("step", e.get("from_step", "")))),
-                      escape_markup(_fields(detail)))
+        return (escape_markup(e["event"]), escape_markup(str(e.get("step", e.get("from_step", "")))),
+                escape_markup(_fields(detail)))
+
+    capped_rows(table, view.events, row, what="events")
     console.print(table)
     samples = read_json_small(run / ".samples.json", "sample audits", 16 << 20)  # no link followed, no FIFO waited on
     last = samples["audits"][-1]

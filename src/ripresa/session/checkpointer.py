@@ -51,7 +51,7 @@ from .run_files import METRICS_NAME, GenerationMetrics, local_run_dir
 from .saving import CollectivePipeline, LocalPipeline, RankZeroPipeline, SaveHooks
 from .sharded_async import AsyncCollectivePipeline, ShardedWriter
 from .signals import SignalRequests, hold
-from .steer import DistSteeredRecorder, SteeredRecorder, Steering
+from .steer import DistSteeredRecorder, SteeredRecorder, steer_session
 from .torchrun import bind_to_launcher
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "OtherModeWarning", "rank_view", "METRICS_NAME", "local_run_dir"]
@@ -184,7 +184,7 @@ class Checkpointer:
                                    max_redo=parse_max_redo(max_redo)) if auto else None
         self.deadline = Deadline(deadline) if deadline is not None else None  # both checked before the folder is locked
         #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
-        self.steering = Steering.take_from_env()
+        self.steering = steer_session()  # every session of a verified process (session/steer.py)
         self.run_dir = local_run_dir(run_dir) if self.steering is None else self.steering.run_dir
         if fresh and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise BadInput("--fresh refuses a run folder that is not empty", file=self.run_dir,
@@ -280,7 +280,7 @@ class Checkpointer:
         self.on_deadline = on_deadline
         self._step_exit: float | None = None  # when step_done last returned (the step time is measured outside it)
         self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
-        self._recorder = (None if self.steering is None else SteeredRecorder(self.steering, state) if self.dist is None
+        self._recorder = (None if self.steering is None or not self.steering.records else SteeredRecorder(self.steering, state) if self.dist is None
                           else DistSteeredRecorder(self.steering, state, self.dist))  # every rank is steered
         if self.steering is not None:
             self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,

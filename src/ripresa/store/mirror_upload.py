@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..console import joined
 from ..errors import BadInput, IntegrityError, RipresaError
 from ..io import auth
 from ..io.fsio import open_run_file, read_small
@@ -107,8 +108,7 @@ def _isatty() -> bool:
 
 
 def _steps_text(steps: list[int], most: int = 8) -> str:
-    shown = ", ".join(str(s) for s in steps[:most])
-    return shown + (f" and {len(steps) - most} more" if len(steps) > most else "")
+    return joined(steps, limit=most)  # the first ``most``, then "... N more" (ripresa.console.capped)
 
 
 class Mirror:

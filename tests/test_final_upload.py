@@ -334,3 +334,72 @@ def test_lightning_callback_reports_safe_then_pending(tmp_path, s3, proxy):
         fit(tmp_path / "b", 4, pending, Down())
     assert pending.upload_pending == [2, 4] and pending.close_result.exit_code == 3
     assert pending.close_result.seconds >= 1.0
+
+
+# ---------------------------------------------------------------------------- slow: the deadline, a terminal
+
+
+@pytest.mark.slow
+def test_a_normal_end_never_waits_past_the_deadline(tmp_path, s3, proxy, capsys):
+    """``final_upload_timeout=600`` but the run's deadline is ~20 s away: the close leaves at the deadline."""
+    from datetime import UTC, datetime
+
+    run = tmp_path / "run"
+    deadline = time.time() + 20.0  # the deadline's plan stops ~10 s before it: 4 quick steps end normally first
+    ckpt, result = loop(run, 4, 2, fast(s3.url), after_step=down_before(proxy, s3, 4, 2), handle_signals=False,
+                        final_upload_timeout=600, deadline=datetime.fromtimestamp(deadline, UTC))
+    ended = time.time()
+    print(capsys.readouterr().err, result)
+    assert ckpt.deadline.stopped_at_step is None  # a normal end, not a deadline stop
+    assert result.pending == (4,) and result.exit_code == 3 and "within the deadline" in result.reason, result
+    assert deadline - 1.0 <= ended <= deadline + 2.0  # it waited for the store until the deadline, not 600 s
+    assert history_events(run, "mirror_final_wait")[-1]["bound"] == "the deadline"
+
+
+def _flat(chunks: list[bytes]) -> str:
+    """A terminal's bytes as plain text: escape sequences removed, runs of blanks and line breaks one space."""
+    return " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", " ", b"".join(chunks).decode(errors="replace")).split())
+
+
+@pytest.mark.slow
+def test_on_a_terminal_the_wait_shows_the_store_what_is_pending_and_the_time_left(tmp_path, s3, proxy, one_thread):
+    import pty
+
+    run = tmp_path / "run"
+    assert cli_main(["train", "--run", str(run), "--steps", "2", "--every", "2", "--mirror", s3.url, *GPT]) == 0
+    proxy.mode = "down"
+    proxy.drop_all()
+    master, slave = pty.openpty()  # stderr is a terminal
+    proc = subprocess.Popen([sys.executable, "-m", "ripresa", "train", "--run", str(run), "--steps", "4", "--every",
+                             "2", "--mirror", s3.url, "--final-upload-timeout", "4", *GPT],
+                            stdout=subprocess.PIPE, stderr=slave, cwd=REPO, env=dict(os.environ, COLUMNS="200"))
+    os.close(slave)
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                piece = os.read(master, 65536)
+            except OSError:
+                return
+            if not piece:
+                return
+            chunks.append(piece)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+        os.close(master)
+    err = _flat(chunks)
+    print(err[-3000:])
+    assert rc == 3, err[-3000:]
+    assert re.search(r"\d+/\d+ uploaded", err), err[-3000:]  # generations uploaded of those pending (ripresa.console)
+    assert f"waiting for the store {s3.url}" in err and re.search(r"step\(s\) [\d, ]*4 pending \([\d.]+ [kMG]?B\), "
+                                                                  r"0:0\d left", err), err[-3000:]
+    assert "Ctrl-C to leave them pending" in err and f"ripresa mirror push {run} --mirror {s3.url}" in err

@@ -587,7 +587,7 @@ class Checkpointer:
         (:class:`~ripresa.errors.UploadPending`) (docs/MIRROR.md, "The close").
         """
         final = self.save_on_close if final_save is None else bool(final_save)
-        result = CloseResult(step=self.last_saved_step, run_dir=str(self.run_dir))
+        result: CloseResult | None = None
         try:
             if self._recorder is not None and self._recorder.started:
                 self._recorder.finish(self.progress)  # the script stopped before the steered step: record where
@@ -605,8 +605,8 @@ class Checkpointer:
             except OSError:
                 pass
             self._release()
-        self.close_result = result
-        return result
+        self.close_result = result if result is not None else CloseResult(step=self.last_saved_step, run_dir=str(self.run_dir))
+        return self.close_result
 
     def _close_mirror(self, mirror: Mirror) -> CloseResult:
         """The close's upload: a normal end waits for the store (``final_upload_timeout``, never past the deadline),
@@ -615,8 +615,7 @@ class Checkpointer:
         timeout, wait, label = close_plan(mirror.spec.close_timeout, self.final_upload_timeout, stopped=stopped,
                                           deadline=self.deadline.deadline if self.deadline is not None else None)
         if wait:  # only a stop signal (SIGTERM, SIGINT) leaves the wait; a SIGUSR1 does not
-            stops = [n for n in self.signals.received if n in ("SIGTERM", "SIGINT")]
-            heard = len(stops)
+            heard = sum(n in ("SIGTERM", "SIGINT") for n in self.signals.received)
             interrupted = lambda: sum(n in ("SIGTERM", "SIGINT") for n in self.signals.received) > heard  # noqa: E731
         else:  # a signal during the close leaves it at once
             heard = len(self.signals.received)

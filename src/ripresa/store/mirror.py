@@ -55,12 +55,20 @@ def status(remote: ObjectStore, run_dir: Path, keep: RetentionPolicy | None = No
     """What is where: local committed generations, remote committed and half-uploaded ones, and the plan of the
     next upload (:func:`~ripresa.store.mirror_plan.plan_upload`, the very plan ``ripresa mirror push`` carries out):
     what it uploads (``pending``), what the remote retention does not need, what is damaged locally."""
+    from ..console import progress
     from ..io.lock import is_locked
+    from ..text import escape_markup
 
     local = local_generations(run_dir)
     view = RemoteView(remote.list())
     committed = view.committed
-    plan = plan_upload(Path(run_dir), view, push_policy(keep), deep=True, local=local)
+    with progress("bytes", transient=True) as bar:  # hashing what push would upload: a line on a terminal
+        task = bar.add_task("mirror status: checking the local generations", total=None)
+
+        def hashed(name: str, n: int) -> None:
+            bar.update(task, description=escape_markup(f"mirror status: checking {name}", newlines=False), advance=n)
+
+        plan = plan_upload(Path(run_dir), view, push_policy(keep), deep=True, local=local, hashed=hashed)
     running = Path(run_dir).is_dir() and is_locked(run_dir)
     return {
         "run": str(run_dir), "url": remote.url,
@@ -126,6 +134,11 @@ class _Metered:
         from ..text import escape_markup
 
         self._bar.update(self._task, description=escape_markup(f"mirror {self._verb}: {key}", newlines=False))
+
+    def hashed(self, name: str, n: int) -> None:
+        """A piece of a local file hashed before the upload (the plan's check): the line says so."""
+        self._show(f"checking {name}")
+        self._bar.advance(self._task, n)
 
     def put_file(self, key: str, path: Path, *, sha256: str) -> int:
         self._show(key)
@@ -209,6 +222,7 @@ def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None
                                store=target)
                     m.policy = push_policy(keep)  # the policy `mirror status` plans with
                     m.deep = True  # the plan `mirror status` prints: every file to upload hashed first
+                    m.hashed = metered.hashed
                     ok = m.round()
                 finally:
                     hist.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,12 +73,14 @@ class UploadPlan:
         return sum(self.bytes.values())
 
 
-def read_local(run_dir: Path, main: str, step: int, *, deep: bool = False) -> LocalGeneration:
+def read_local(run_dir: Path, main: str, step: int, *, deep: bool = False,
+               hashed: Callable[[str, int], None] | None = None) -> LocalGeneration:
     """A committed local generation's marker, files and signature, checked as an upload would need them.
 
     Raises :class:`~ripresa.errors.IntegrityError` or :class:`~ripresa.errors.BadInput` for a generation that
     cannot be uploaded: a malformed marker, a file missing or not a regular file (a link, a FIFO), a folder
-    kind's folder that is a link, an unreadable signature; with ``deep``, a file whose sha256 is not the marker's.
+    kind's folder that is a link, an unreadable signature; with ``deep``, a file whose sha256 is not the marker's
+    (``hashed(name, n)`` is told of each piece hashed: a progress line).
     """
     run_dir = Path(run_dir)
     stamp = _stamp(run_dir / (main + ".sha256"))
@@ -106,8 +108,9 @@ def read_local(run_dir: Path, main: str, step: int, *, deep: bool = False) -> Lo
                                  expected="a regular file (never a link or a FIFO)", found=stat.filemode(st.st_mode))
         if deep:
             src = HashedFile(p)
-            for _ in src:
-                pass
+            for piece in src:
+                if hashed is not None:
+                    hashed(name, len(piece))
             src.check(sha)
         sizes[name] = st.st_size
     sig_path = run_dir / (main + auth.SUFFIX)
@@ -126,7 +129,8 @@ def _stamp(path: Path) -> tuple[int, int, int]:
 def plan_upload(run_dir: Path, view: RemoteView, policy: RetentionPolicy,
                 metrics: Mapping[int, Mapping[str, float]] | None = None, *, deep: bool = False,
                 refused: Mapping[str, str] | None = None, local: Mapping[str, int] | None = None,
-                checked: dict[str, LocalGeneration] | None = None) -> UploadPlan:
+                checked: dict[str, LocalGeneration] | None = None,
+                hashed: Callable[[str, int], None] | None = None) -> UploadPlan:
     """The plan of an upload round (see the module doc).
 
     ``view``: the store's listing. ``policy`` and ``metrics``: the remote retention. ``deep``: hash every
@@ -134,7 +138,7 @@ def plan_upload(run_dir: Path, view: RemoteView, policy: RetentionPolicy,
     names; the trainer's thread leaves it to the upload, which hashes as it reads). ``refused``: main → why,
     generations an earlier upload found damaged (the thread remembers them). ``local``: the committed local
     generations (default: the run folder's). ``checked``: a cache main → :class:`LocalGeneration`, kept by
-    the caller between plans (a marker is read once).
+    the caller between plans (a marker is read once). ``hashed(name, n)``: told of each piece ``deep`` hashes.
     """
     run_dir = Path(run_dir)
     local = local_generations(run_dir) if local is None else local
@@ -156,7 +160,7 @@ def plan_upload(run_dir: Path, view: RemoteView, policy: RetentionPolicy,
                 plan.in_store[main] = step
                 continue
             if deep and not gen.verified:  # only what would be uploaded is hashed
-                gen = read_local(run_dir, main, step, deep=True)
+                gen = read_local(run_dir, main, step, deep=True, hashed=hashed)
                 if checked is not None:
                     checked[main] = gen
         except RipresaError as exc:  # a marker, a file or a signature an upload would refuse

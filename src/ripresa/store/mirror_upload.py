@@ -155,6 +155,8 @@ class Mirror:
         #: Hash every file against its marker when planning (``ripresa mirror push``: the plan ``mirror status``
         #: prints); the trainer's thread leaves it to the upload, which hashes as it reads.
         self.deep = False
+        #: Told ``(name, bytes)`` of each piece a deep plan hashes (``mirror push``'s progress line), or None.
+        self.hashed: Callable[[str, int], None] | None = None
         self._waiting = False  # a normal end waits for the store (close(wait=True))
         self._failure: str | None = None  # what ended the last failed round: "store" (an outage) or "error"
         #: After :meth:`close`: why something was left pending (None: nothing was), and the seconds the close took.
@@ -514,7 +516,7 @@ class Mirror:
         once (``mirror_skipped``)."""
         view = self._remote if self._remote is not None else RemoteView({})
         plan = plan_upload(self.run_dir, view, self.policy, self.metrics(), deep=self.deep, refused=self._refused,
-                           local=local, checked=self._checked)
+                           local=local, checked=self._checked, hashed=self.hashed)
         for m, s in plan.not_needed.items():
             if m not in self._superseded:
                 self._superseded.add(m)

@@ -204,6 +204,7 @@ class ExactResume(TrainerCallback):
             self.checkpointer.abort()
             self.checkpointer = None
         self._trainer, self._handle, self._pending = trainer, handle, None
+        self.close_result = None
         self._per_epoch, self._ga = per_epoch, ga
         model = trainer.model
         config: dict[str, Any] = {}

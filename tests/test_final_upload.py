@@ -124,6 +124,7 @@ def test_a_normal_end_waits_for_the_store_and_uploads_the_final_generation_when_
 def test_a_stop_signal_leaves_the_wait_at_once_a_checkpoint_signal_does_not(tmp_path, s3, proxy, capsys):
     run = tmp_path / "run"
     sent: dict[str, float] = {}
+    senders: list[threading.Thread] = []
 
     def signals_later(ckpt) -> None:
         def later() -> None:
@@ -133,7 +134,8 @@ def test_a_stop_signal_leaves_the_wait_at_once_a_checkpoint_signal_does_not(tmp_
             time.sleep(1.0)
             sent["term"] = time.monotonic()
             os.kill(os.getpid(), signal.SIGTERM)  # an operator's stop: leave now, the upload pending
-        threading.Thread(target=later, daemon=True).start()
+        senders.append(threading.Thread(target=later, daemon=True))
+        senders[-1].start()
 
     late: list[int] = []  # a signal after the session gave its handlers back (a close that did not wait) lands here
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
@@ -141,8 +143,9 @@ def test_a_stop_signal_leaves_the_wait_at_once_a_checkpoint_signal_does_not(tmp_
         ckpt, result = loop(run, 4, 2, fast(s3.url), after_step=down_before(proxy, s3, 4, 2),
                             before_close=signals_later, handle_signals=True, final_upload_timeout=60)
         left = time.monotonic()
-        time.sleep(0.1)
     finally:
+        for t in senders:
+            t.join(timeout=10)
         signal.signal(signal.SIGTERM, previous)
     assert not late
     err = capsys.readouterr().err

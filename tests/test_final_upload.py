@@ -108,6 +108,7 @@ def test_a_normal_end_waits_for_the_store_and_uploads_the_final_generation_when_
     # it waited (instead of giving up after one round) and said so: the store, what is pending, the bound
     assert result.safe_off_machine and not result.upload_pending and result.exit_code == 0, result
     assert ckpt.upload_pending == [] and result.step == 6 and result.seconds >= 1.0
+    print(f"normal end, store back 1.5 s into the close: close waited {result.seconds} s")
     assert came_back and took < 30
     assert re.search(r"ripresa: mirror: \S+ cannot be reached .*; waiting up to 0:30 to upload step\(s\) 6 \(\d", err), err
     assert "uploaded step(s) 6" in err and "left step" not in err
@@ -199,6 +200,7 @@ def test_ripresa_train_exits_3_when_the_store_stays_down_and_the_push_it_names_u
     pending = history_events(run, "mirror_pending")[-1]
     # (no listing succeeded this session: 2 and 4, in the store, count as pending too; the push finds them there)
     assert pending["steps"][-1] == 6 and "final_upload_timeout (2 s)" in pending["reason"], pending
+    print(f"normal end, store down, --final-upload-timeout 2: waited {pending['seconds']} s, process {took:.1f} s")
     assert 2.0 <= pending["seconds"] < 10  # the bound, then it left
     assert history_events(run, "mirror_final_wait")[-1]["bound_s"] == 2
     assert 6 not in s3.committed()

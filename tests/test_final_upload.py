@@ -152,8 +152,8 @@ def test_a_stop_signal_leaves_the_wait_at_once_a_checkpoint_signal_does_not(tmp_
     err = capsys.readouterr().err
     print(err, result)
     assert result.upload_pending and result.pending == (4,) and result.exit_code == 3, result
-    assert result.reason == "interrupted" and "term" in sent and left - sent["term"] < 1.5
-    assert result.seconds >= 1.5  # the SIGUSR1 did not end the wait
+    assert result.reason == "interrupted" and "term" in sent
+    assert sent["term"] <= left < sent["term"] + 5  # the SIGUSR1 did not end the wait; the SIGTERM did, at once
     assert f"ripresa mirror push {run}" in err and "left step(s) 4 pending (interrupted)" in err
     assert history_events(run, "mirror_pending")[-1]["steps"] == [4]
     with pytest.raises(ripresa.errors.UploadPending) as info:

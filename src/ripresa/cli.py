@@ -524,8 +524,11 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
             print(f"  partly in the store (push uploads them whole): {r['partial']}")
         if r["not_needed"]:
             print(f"  not uploaded (the mirror's retention keeps newer ones): {r['not_needed']}")
-        for d in r["damaged"]:
-            print(f"  not uploaded, damaged locally: step {d['step']} ({d['file']}): {d['reason']}")
+        for d in r["damaged"]:  # the reason on its own lines: 80 columns
+            import textwrap
+
+            print(f"  not uploaded, damaged locally: step {d['step']} ({d['file']})")
+            print(textwrap.fill(d["reason"], width=78, initial_indent="    ", subsequent_indent="    "))
         if r["half_uploaded"]:
             print(f"  half uploaded (no marker; never used, cleaned by the next writer): {r['half_uploaded']}")
     elif args.action == "push":

@@ -34,6 +34,7 @@ from support.mirror_train import train
 
 import ripresa
 from ripresa.cli import main as cli_main
+from ripresa.errors import UploadPending
 from ripresa.session.closing import CloseResult, close_plan
 from ripresa.store.mirror import MirrorSpec, local_generations
 
@@ -156,7 +157,7 @@ def test_a_stop_signal_leaves_the_wait_at_once_a_checkpoint_signal_does_not(tmp_
     assert sent["term"] <= left < sent["term"] + 5  # the SIGUSR1 did not end the wait; the SIGTERM did, at once
     assert f"ripresa mirror push {run}" in err and "left step(s) 4 pending (interrupted)" in err
     assert history_events(run, "mirror_pending")[-1]["steps"] == [4]
-    with pytest.raises(ripresa.errors.UploadPending) as info:
+    with pytest.raises(UploadPending) as info:
         result.raise_if_pending()
     assert info.value.exit_code == 3 and f"ripresa mirror push {run}" in info.value.hint
 

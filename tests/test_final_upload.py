@@ -11,7 +11,11 @@ real local-path mirror:
   SIGTERM during a normal end's wait leaves it at once (a SIGUSR1 does not);
 * ``mirror status`` lists exactly what ``mirror push`` then uploads: a generation partly in the store, a
   damaged local one, ones the mirror's retention does not keep;
-* Lightning's callback reports pending and safe (slow: Lightning's import).
+* the Lightning and Hugging Face callbacks report pending and safe (slow: their imports);
+* a normal end never waits past the deadline, and on a terminal the wait shows the store, what is pending and
+  the time left (slow).
+
+Default tier: everything but the callbacks, the deadline and the terminal.
 """
 
 from __future__ import annotations
@@ -416,3 +420,54 @@ def test_on_a_terminal_the_wait_shows_the_store_what_is_pending_and_the_time_lef
     assert f"waiting for the store {s3.url}" in err and re.search(r"step\(s\) [\d, ]*4 pending \([\d.]+ [kMG]?B\), "
                                                                   r"0:0\d left", err), err[-3000:]
     assert "Ctrl-C to leave them pending" in err and f"ripresa mirror push {run} --mirror {s3.url}" in err
+
+
+@pytest.mark.slow  # transformers' import alone is seconds of CPU
+def test_hf_trainer_callback_reports_safe_then_pending(tmp_path, s3, proxy, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from ripresa.integrations.transformers import ExactResume
+    from ripresa.store.store import CheckpointWarning
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.rows = torch.randint(0, 32, (32, 8), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.rows[i], "labels": self.rows[i].clone()}
+
+    def fit(run: Path, cb: ExactResume, *more: TrainerCallback) -> None:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+        args = TrainingArguments(output_dir=str(tmp_path / "scratch"), max_steps=4, per_device_train_batch_size=8,
+                                 save_strategy="no", use_cpu=True, report_to="none", disable_tqdm=True,
+                                 logging_steps=1, dataloader_num_workers=0)
+        Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[cb, *more]).train()
+
+    safe = ExactResume(tmp_path / "a", every=2, mirror=fast(s3.url), final_upload_timeout=30)
+    fit(tmp_path / "a", safe)
+    assert safe.close_result is not None and safe.close_result.safe_off_machine and safe.upload_pending == []
+    assert 4 in s3.committed()
+
+    class GoDown(TrainerCallback):  # the store goes away after the first step (a blank folder needs it at the start)
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                proxy.mode = "down"
+                proxy.drop_all()
+
+    pending = ExactResume(tmp_path / "b", every=2, mirror=fast(s3.url + "-b"), final_upload_timeout=1)
+    with pytest.warns(CheckpointWarning, match=r"ripresa mirror push .*b --mirror"):
+        fit(tmp_path / "b", pending, GoDown())
+    assert pending.upload_pending == [2, 4] and pending.close_result.exit_code == 3
+    assert pending.close_result.seconds >= 1.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,9 +187,6 @@ def _complete(gen: LocalGeneration, objects: Mapping[str, int]) -> bool:
     """True when the store lists every object of ``gen`` at its local size."""
     return all(objects.get(k) == n for k, n in gen.objects().items())
 
-
-def steps_text(steps: Iterable[int]) -> str:
-    return ", ".join(str(s) for s in steps) or "none"
 
 
 def size_text(n: int) -> str:

@@ -1,7 +1,10 @@
 """The ``ripresa`` command line. The only place that turns errors into exit codes.
 
 Exit codes (every command): 0 success · 1 a check failed · 2 bad input or the
-work could not be completed. See :mod:`ripresa.errors` and docs/FAULTS.md.
+work could not be completed · 3 ``ripresa train --mirror``: the run ended but its
+final generation is not in the mirror (the store could not be reached in time;
+``ripresa mirror push RUN`` uploads it: docs/MIRROR.md, "The close"). See
+:mod:`ripresa.errors` and docs/FAULTS.md, "Exit codes".
 No traceback reaches a user: an exception no check anticipated is reported in
 one paragraph with exit 2 (``RIPRESA_DEBUG=1`` re-raises it).
 """
@@ -163,7 +166,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "generation, --steps N is the run's end step (the same command after a kill ends where an uninterrupted run "
         "ends; after the end it trains nothing), and a normal end saves the final step. With --output (the "
         "`ripresa verify` contract), --steps counts this process's steps and the folder must not exist. "
-        "SIGTERM/Ctrl-C: checkpoint and exit 0; SIGUSR1: checkpoint and continue.",
+        "SIGTERM/Ctrl-C: checkpoint and exit 0; SIGUSR1: checkpoint and continue. With --mirror, exit 3 when the "
+        "run ended with its final generation not in the mirror (docs/MIRROR.md).",
     )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", type=Path, help="run folder (created, or resumed)")
@@ -202,6 +206,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mirror", metavar="URL",
                    help="copy every generation to s3://bucket/prefix (AWS_* environment) or a path, in the background; "
                    "a blank --run folder resumes from it, config included (docs/MIRROR.md)")
+    p.add_argument("--final-upload-timeout", metavar="SECONDS",
+                   help="--mirror: how long a normal end waits for a store that cannot be reached to upload the final "
+                   "generation (seconds or 15m; default 900, never past --deadline; 0: no wait). Still pending after "
+                   "it: exit 3, upload it with `ripresa mirror push RUN`. SIGTERM keeps its short bound "
+                   "(docs/MIRROR.md, \"The close\")")
 
 
 def _every(text: str) -> int | str:
@@ -232,6 +241,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         parse_duration(args.mtbf, "--mtbf")
     parse_max_redo(args.max_redo)
     deadline = deadline_time(args.deadline) if args.deadline is not None else None
+    from .session.closing import parse_final_upload_timeout
+
+    final_upload = parse_final_upload_timeout(args.final_upload_timeout, "--final-upload-timeout")
+    if final_upload is not None and args.mirror is None:
+        raise BadInput("--final-upload-timeout needs --mirror", found=args.final_upload_timeout,
+                       hint="it bounds the wait for the mirror's store at the end (docs/MIRROR.md)")
     if args.require_signature:
         from .io.auth import require_from_cli
 
@@ -244,6 +259,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
         allow_config_change=args.allow_config_change,
         shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,
+        final_upload_timeout=final_upload,
     ))
 
 
@@ -480,7 +496,8 @@ def _add_mirror(sub: argparse._SubParsersAction) -> None:
                    help="s3://bucket/prefix, file:///path or a path (push without it follows RUN/mirror.json only when "
                    "the run's key authenticates it, or when the target is already a mirror: docs/MIRROR.md, Trust)")
     p.add_argument("--step", type=int, help="pull: this generation (default: the newest that verifies)")
-    p.add_argument("--keep", help="push: the mirror's retention, e.g. last=6 (default: twice the local last=3)")
+    p.add_argument("--keep", help="push (and status, to plan the same push): the mirror's retention, e.g. last=6 "
+                   "(default: twice the local last=3)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -493,13 +510,12 @@ def _steps(steps: list[int]) -> str:
 
 def _cmd_mirror(args: argparse.Namespace) -> int:
     from .store import mirror
+    from .store.retention import parse_retention
 
+    keep = parse_retention(args.keep, source="--keep") if args.keep and args.action != "pull" else None
     if args.action == "status":
-        r = mirror.cli_status(args.run, args.mirror)
+        r = mirror.cli_status(args.run, args.mirror, keep)
     elif args.action == "push":
-        from .store.retention import parse_retention
-
-        keep = parse_retention(args.keep, source="--keep") if args.keep else None
         r = mirror.cli_push(args.run, args.mirror, keep)
     else:
         r = mirror.cli_pull(args.run, args.mirror, args.step)
@@ -512,7 +528,21 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
         print(f"  local:  {_steps(r['local']) or 'none'}")
         print(f"  remote: {_steps(r['remote']) or 'none'}" + ("  (+ config.json)" if r["config_remote"] else ""))
         print(f"  {'in flight (the trainer uploads them)' if r['trainer_running'] else 'missing (push uploads them)'}: "
-              f"{_steps(r['pending']) or 'none'}")
+              f"{_steps(r['pending']) or 'none'}" + (f"  ({r['pending_bytes']:,} bytes)" if r["pending"] else ""))
+        if r["partial"]:
+            print(f"  partly in the store (push uploads them whole): {_steps(r['partial'])}")
+        if r["not_needed"]:
+            print(f"  not uploaded (the mirror's retention keeps newer ones): {_steps(r['not_needed'])}")
+        import textwrap
+
+        from .console import capped, more_line
+
+        damaged, more = capped(r["damaged"])
+        for d in damaged:  # the reason on its own lines: 80 columns
+            print(f"  not uploaded, damaged locally: step {d['step']} ({d['file']})")
+            print(textwrap.fill(d["reason"], width=78, initial_indent="    ", subsequent_indent="    "))
+        if more:
+            print("  " + more_line(more, "damaged generations"))
         if r["half_uploaded"]:
             print(f"  half uploaded (no marker; never used, cleaned by the next writer): {_steps(r['half_uploaded'])}")
     elif args.action == "push":
@@ -571,7 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ripresa",
         description="Crash-safe, verifiable checkpoints and exact resume for PyTorch training runs.",
-        epilog="exit codes: 0 success, 1 a check failed, 2 bad input or work not completed",
+        epilog="exit codes: 0 success, 1 a check failed, 2 bad input or work not completed, "
+        "3 train --mirror: the final generation is not in the mirror (upload pending)",
     )
     parser.add_argument("--version", action="version", version=f"ripresa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -44,6 +44,10 @@ CONFIG_SIG = "config.json" + auth.SUFFIX
 RUN_SIGNS = ("LOCK", ".loss.jsonl", ".samples.json", ".state.json", "lineage.json", MIRROR_RECORD)
 
 
+#: How long a close waits for pending uploads by default (seconds): 15 minutes (why: docs/MIRROR.md, "The close").
+DEFAULT_CLOSE_TIMEOUT = 900.0
+
+
 @dataclass(frozen=True)
 class MirrorSpec:
     """Where and how a run mirrors its generations.
@@ -53,7 +57,10 @@ class MirrorSpec:
     per request (connect and read). ``attempts``: tries of one object in a
     round; ``backoff``/``max_backoff``: the first and largest wait between
     tries (exponential, with jitter). ``close_timeout``: how long
-    :meth:`Checkpointer.close` waits for pending uploads.
+    :meth:`Checkpointer.close` waits for pending uploads (900 s); at a normal
+    end it waits that long also for a store that cannot be reached, after a
+    stop (SIGTERM) it leaves after one more failed round (docs/MIRROR.md,
+    "The close").
     """
 
     url: str
@@ -62,7 +69,7 @@ class MirrorSpec:
     attempts: int = 5
     backoff: float = 0.5
     max_backoff: float = 30.0
-    close_timeout: float = 600.0
+    close_timeout: float = 900.0  # DEFAULT_CLOSE_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.timeout <= 0 or self.backoff < 0 or self.max_backoff < self.backoff:

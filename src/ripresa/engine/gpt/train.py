@@ -36,7 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ...core.rng import RandomStreams
 from ...core.state import TrainingState, config_change_error, config_changes
-from ...errors import BadInput, OutputExists
+from ...errors import BadInput, OutputExists, UploadPending
 from ...formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, parse_bin_name
 from ...formats.bin_state import bin_suits
 from ...io.fsio import open_run_file, read_json_small, write_atomic
@@ -89,6 +89,7 @@ class TrainArgs:
     mtbf: str | None = None  # --every auto: mean time between failures (default 24h)
     max_redo: str | None = None  # --every auto: at most N steps or a duration of work lost
     deadline: float | None = None  # POSIX time: stop, save, upload and export before it
+    final_upload_timeout: float | None = None  # --mirror: a normal end's wait for the store (None: 900 s)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -259,7 +260,9 @@ def write_samples(run_dir: Path, doc: dict[str, Any]) -> None:
 
 
 def run(args: TrainArgs) -> int:
-    """Train; returns the exit code (0: done or stopped by a signal with a checkpoint)."""
+    """Train; returns the exit code (0: done or stopped by a signal with a checkpoint). With ``--mirror``, a run
+    whose final generation could not be uploaded raises :class:`~ripresa.errors.UploadPending` (exit 3) after the
+    end (docs/MIRROR.md, "The close")."""
     if (args.run is None) == (args.output is None):
         raise BadInput("give exactly one of --run or --output", expected="--run DIR or --output DIR")
     if args.shard not in ("ddp", "fsdp"):
@@ -279,10 +282,13 @@ def run(args: TrainArgs) -> int:
             if device.type == "cuda":
                 device = torch.device("cuda", env["local_rank"])
     ok = False
+    pending: UploadPending | None = None
     try:
-        code = _run(args, device)
+        try:
+            code = _run(args, device)
+        except UploadPending as exc:  # the run is complete, its upload is not: the group still ends normally
+            code, pending = exc.exit_code, exc
         ok = True
-        return code
     finally:
         if created_group:
             import gc
@@ -293,6 +299,9 @@ def run(args: TrainArgs) -> int:
                 tdist.barrier()  # no rank tears the group down while another still uses it
             gc.collect()  # the DDP wrapper (a reference cycle) goes before its process group
             tdist.destroy_process_group()
+    if pending is not None:
+        raise pending  # exit 3 (docs/FAULTS.md, "Exit codes"): the final generation is only on this machine
+    return code
 
 
 def _run(args: TrainArgs, device: torch.device) -> int:
@@ -452,6 +461,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         on_staged=audit_staged if audit_model is not None else None, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
         allow_data_change=args.allow_data_change or bool(dropped), mirror=args.mirror,
+        final_upload_timeout=args.final_upload_timeout,
         # config.json, checked above, is the run's experiment config: a generation saved under another one (before
         # a fork or a pivot) is resumed and the difference recorded; without it, a change is refused unless allowed.
         allow_config_change=True if run_config is not None or args.allow_config_change else False,
@@ -526,7 +536,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     except BaseException:
         ckpt.abort()  # no collective on an error path: another rank may be gone
         raise
-    ckpt.close()  # a normal end: saves the last step when no generation holds it yet
+    closed = ckpt.close()  # a normal end: saves the last step when no generation holds it yet, waits for the mirror
     done = ckpt.deadline.done if ckpt.deadline is not None else None
     why = "stopped for the deadline" if done else "stopped by signal" if stopped else "done"
     if done:
@@ -534,6 +544,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
             f"export bundle {done.get('export')} (ripresa export --verify DIR)")
     say(f"{why} at step {last}; checkpoints, .loss.jsonl, "
         f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
+    closed.raise_if_pending()  # UploadPending, exit 3: the final generation is not off this machine (docs/MIRROR.md)
     return 0
 
 

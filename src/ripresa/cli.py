@@ -186,7 +186,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--omit-rng-restore", action="store_true", help="verification negative case: do not restore random streams")
     p.add_argument("--no-audit", action="store_true", help="no sample audits")
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the run's recorded count, else torch's); "
+                   "on the CPU recorded in config.json and compared on resume (docs/ENGINE.md, \"Precision and threads\")")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+                   help="the step's precision (default: the run's recorded one, else auto: bf16 on a CUDA GPU that has "
+                   "it, else fp16 with a GradScaler; fp32 on the CPU); recorded in config.json and compared on resume "
+                   "(docs/ENGINE.md, \"Precision and threads\")")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--allow-version-change", action="store_true")
     p.add_argument("--allow-code-change", action="store_true")
@@ -240,7 +245,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         run=args.run, output=args.output, config=args.config, sets=tuple(args.sets), sources=tuple(args.sources),
         steps=args.steps, every=args.every, device=args.device, fresh=args.fresh, resume=args.resume,
         omit_rng_restore=args.omit_rng_restore, audit=not args.no_audit, asynchronous=not args.sync,
-        quiet=args.quiet, threads=args.threads, allow_version_change=args.allow_version_change,
+        quiet=args.quiet, threads=args.threads, precision=args.precision, allow_version_change=args.allow_version_change,
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
         allow_config_change=args.allow_config_change,
         shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,

@@ -256,26 +256,42 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _add_advise(sub: argparse._SubParsersAction) -> None:
     p = _command(
         sub, "advise", _cmd_advise,
-        help="the checkpoint cadence a run should use, from its history: interval, work lost per failure, overhead",
+        help="the checkpoint cadence a run should use, from its history, and the memory one step needs",
         description="Read RUN/.loss.jsonl (step times, checkpoint stalls and write times) and print, for each MTBF, "
         "the interval --every auto would choose (round(√(2·stall·MTBF)/step), bounded: docs/CADENCE.md), the "
-        "expected work lost per failure and the overhead. Read-only. Exit 0, or 2 when the history cannot tell.",
+        "expected work lost per failure and the overhead. For an ANDREA run (RUN/config.json, or --config without "
+        "RUN), also the memory one step needs (parameters, gradients, AdamW, activations, the staging copy of a "
+        "background save) against the device's, the host's and /dev/shm's, with a verdict (docs/CADENCE.md, "
+        "\"Memory for a step\"). Read-only. Exit 0, or 2 when the history cannot tell.",
     )
-    p.add_argument("run", type=Path, help="run folder")
+    p.add_argument("run", type=Path, nargs="?", help="run folder (without it: --config, memory only)")
     p.add_argument("--mtbf", default="1h,6h,24h,7d", help="comma-separated MTBF values (default 1h,6h,24h,7d)")
     p.add_argument("--max-redo", help="bound: at most N steps or a duration such as 30m of work lost")
+    p.add_argument("--config", help="size this config (tiny | andrea-12m | andrea-120m | FILE.toml) instead of the run's")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for the memory sizing, e.g. train.batch_size=8")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+                   help="the precision to size (default: the run's recorded one, else auto)")
+    p.add_argument("--device", default="auto", help="the device to size for: auto | cpu | cuda")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
+    from .engine.gpt.memory import memory_for, render_memory
     from .session.cadence import advise, render_advice
 
-    report = advise(args.run, args.mtbf.split(","), max_redo=args.max_redo)
+    if args.run is None and args.config is None:
+        raise BadInput("advise needs a run folder or --config", expected="ripresa advise RUN | --config NAME",
+                       hint="ripresa advise runs/NAME, or ripresa advise --config andrea-120m (memory only)")
+    memory = memory_for(args.run, args.config, args.sets, args.precision, args.device)
+    if memory is not None and not args.json:
+        print(render_memory(memory))
+    report = advise(args.run, args.mtbf.split(","), max_redo=args.max_redo) if args.run is not None else {}
     if args.json:
         import json
 
-        print(json.dumps(report, indent=2))
-    else:
+        print(json.dumps({**report, "memory": memory}, indent=2))
+    elif report:
         print(render_advice(report))
     return 0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ..console import progress
 from ..errors import BadInput
 from ..io.child import child_env, ripresa_argv
 from ..io.fsio import open_run_file, read_json_small
@@ -32,17 +33,30 @@ def _train_cmd(run: Path, *extra: str) -> list[str]:
     return ripresa_argv("train", "--run", str(run), "--config", "tiny", "--threads", "1", "--quiet", *extra)
 
 
-def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:
+def _last_step(run: Path) -> int:
+    hist = run / ".loss.jsonl"
+    steps = read_history(hist).steps if hist.exists() else []
+    return max(steps) if steps else 0
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600, *, what: str = "training",
+                   total: int | None = None, until_exit: bool = False) -> int:
+    """Follow the trainer's history until ``step`` (or, ``until_exit``, until it ends), with a progress line
+    (ripresa.console.progress: the steps done of ``total``; nothing when stderr is not a terminal)."""
     t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the trainer exited early with {proc.returncode}")
-        hist = run / ".loss.jsonl"
-        if hist.exists():
-            steps = read_history(hist).steps
-            if steps and max(steps) >= step:
-                return max(steps)
-        time.sleep(0.05)
+    with progress("count") as bar:
+        task = bar.add_task(f"{what} (tiny; history {run / '.loss.jsonl'})", total=total or step, unit="steps")
+        while time.time() - t0 < timeout:
+            done = proc.poll() is not None
+            at = _last_step(run)
+            bar.update(task, completed=min(at, total or step))
+            if until_exit and done:
+                return at
+            if done:
+                raise RuntimeError(f"the trainer exited early with {proc.returncode}")
+            if not until_exit and at >= step:
+                return at
+            time.sleep(0.1)
     raise RuntimeError(f"the trainer did not reach step {step} in {timeout:.0f} s (a hang guard; see train.log)")
 
 
@@ -93,7 +107,7 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
     t0 = time.perf_counter()
     proc = subprocess.Popen(_train_cmd(run, "--steps", "400", "--every", "100"), stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        at = _wait_for_step(run, 150, proc)
+        at = _wait_for_step(run, 150, proc, what="training to step 150", total=400)
         proc.send_signal(__import__("signal").SIGUSR1)
         console.print(f"· step {at}: sent SIGUSR1 (checkpoint and continue)")
         t1 = time.time()
@@ -101,7 +115,7 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
             time.sleep(0.05)
         extra = [s for s in _valid(run) if s % 100]
         console.print(f"  → generation step_{extra[0]:06d}.bin committed while training went on" if extra else "  → (no extra generation seen)")
-        at = _wait_for_step(run, 250, proc)
+        at = _wait_for_step(run, 250, proc, what="training on to step 250", total=400)
         proc.send_signal(__import__("signal").SIGTERM)
         console.print(f"· step {at}: sent SIGTERM (checkpoint and exit)")
         rc = proc.wait(timeout=120)
@@ -110,11 +124,20 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
             proc.kill()
     stopped = max(read_history(run / ".loss.jsonl").steps)
     console.print(f"  → exit code {rc}; last step {stopped}; generations {_valid(run)}")
-    res = subprocess.run(_train_cmd(run, "--steps", "50", "--every", "100"), capture_output=True, text=True, env=env)
-    first = next((line for line in res.stdout.splitlines() if line.startswith("resumed")), res.stdout.strip()[:200])
-    console.print(f"· started again on the same folder: {first}")
-    if res.returncode != 0 or rc != 0:
-        console.print(f"[red]the engine failed[/] (exit {rc}, {res.returncode}):\n{res.stderr[-2000:]}")
+    # the same command again, 50 steps further: `ripresa train` resumes and says from which generation
+    goal = stopped + 50
+    again = subprocess.Popen(_train_cmd(run, "--steps", str(goal), "--every", "100"), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for_step(run, goal, again, what=f"resumed, training to step {goal}", total=goal, until_exit=True)
+        out, err = again.communicate(timeout=120)
+    finally:
+        if again.poll() is None:
+            again.kill()
+    first = next((line for line in out.splitlines() if line.startswith("resumed")), out.strip()[:200])
+    console.print(f"· started again on the same folder: {escape_markup(first)}")
+    if again.returncode != 0 or rc != 0:
+        console.print(f"[red]the engine failed[/] (exit {rc}, {again.returncode}):\n{escape_markup(err[-2000:])}")
         return 2
     view = read_history(run / ".loss.jsonl")
     table = Table(title=f"history of {run} (.loss.jsonl: {len(view.steps)} steps, {len(view.events)} events)")

@@ -130,11 +130,11 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
                              stderr=subprocess.PIPE, text=True, env=env)
     try:
         _wait_for_step(run, goal, again, what=f"resumed, training to step {goal}", total=goal, until_exit=True)
-        out, err = again.communicate(timeout=120)
+        said, err = again.communicate(timeout=120)
     finally:
         if again.poll() is None:
             again.kill()
-    first = next((line for line in out.splitlines() if line.startswith("resumed")), out.strip()[:200])
+    first = next((line for line in said.splitlines() if line.startswith("resumed")), said.strip()[:200])
     console.print(f"· started again on the same folder: {escape_markup(first)}")
     if again.returncode != 0 or rc != 0:
         console.print(f"[red]the engine failed[/] (exit {rc}, {again.returncode}):\n{escape_markup(err[-2000:])}")

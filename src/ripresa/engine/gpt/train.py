@@ -288,7 +288,7 @@ def resolve_precision(asked: str | None, cfg: dict[str, Any], run_config: dict[s
     recorded = cfg["train"].get("precision")
     if recorded is None and run_config is not None and isinstance(run_config.get("train"), dict):
         recorded = run_config["train"].get("precision")
-    if recorded is not None and recorded not in PRECISIONS:
+    if recorded is not None and recorded not in (*PRECISIONS, "auto"):
         raise BadInput("train.precision is not a precision", file=source, expected=list(PRECISIONS),
                        found=repr(recorded)[:80], hint="ripresa train --precision fp32|bf16|fp16|auto")
     choice = asked if asked is not None else recorded if recorded is not None else "auto"
@@ -421,10 +421,11 @@ def _run(args: TrainArgs, device: torch.device) -> int:
             err = config_change_error(changed, reference, against=f"the run's {reference.name}")
             runtime = [k for k in changed if k in ("train.precision", "train.threads")]
             if runtime:  # the way on for a flag: the recorded value, or knowingly another
+                flags = " and ".join(f"--{k.partition('.')[2]}" for k in runtime)
                 recorded = " ".join(f"--{k.partition('.')[2]} {changed[k]['saved']}" for k in runtime
                                     if changed[k]["saved"] is not None)
-                err.hint = (f"resume without {' and '.join('--' + k.partition('.')[2] for k in runtime)} (the run's "
-                            f"recorded {recorded or 'values'}: an exact resume); {err.hint}")
+                err.hint = (f"for an exact resume, resume without {flags}: the run's recorded "
+                            f"{recorded or 'values'} apply (docs/ENGINE.md, \"Precision and threads\"); {err.hint}")
             raise err
     t = cfg["train"]
 

@@ -319,8 +319,10 @@ def resolve_threads(asked: int | None, cfg: dict[str, Any], run_config: dict[str
     if recorded is not None and (type(recorded) is not int or not 1 <= recorded <= 4096):
         raise BadInput("train.threads is not a thread count", file=source, expected="an integer 1..4096 or null",
                        found=repr(recorded)[:80], hint="ripresa train --threads N")
+    if asked == 0:  # --threads 0: torch's default, as before (and as a recorded launch may replay it)
+        asked = None
     if asked is not None and not 1 <= asked <= 4096:
-        raise BadInput("--threads must be 1..4096", found=asked)
+        raise BadInput("--threads must be 1..4096 (0: torch's default)", found=asked)
     n = asked if asked is not None else recorded if device.type == "cpu" and recorded is not None else None
     if n is not None:
         torch.set_num_threads(n)

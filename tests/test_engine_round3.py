@@ -146,8 +146,8 @@ def test_nothing_to_train_is_one_line_with_the_way_on(run_copy):
     res = ripresa_cli("train", "--run", run_copy, "--steps", "1", *FAST)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines == [f"run {run_copy} is already at step 2: nothing to train to --steps 1; "
-                     f"for more: ripresa train --run {run_copy} --steps 3"], res.stdout
+    assert lines == [f"run {run_copy} is already at step 2 (resumed from {run_copy / 'step_000002.bin'}): "
+                     f"nothing to train to --steps 1; for more: ripresa train --run {run_copy} --steps 3"], res.stdout
     assert not (run_copy / "step_000003.bin").exists()
 
 

@@ -582,17 +582,18 @@ def _run(args: TrainArgs, device: torch.device) -> int:
             goal = t["max_steps"]
         else:
             goal = start + args.steps if args.output is not None else args.steps
+        origin = ckpt.resumed_from
+        where_from = origin.path if origin is not None else args.resume
         if start >= goal and args.output is None:  # one line: where the run is, and how to go on
             import shlex
 
             asked = f"--steps {goal}" if args.steps is not None else f"train.max_steps={goal}"
-            say(f"run {run_dir} is already at step {start}: nothing to train to {asked}; for more: "
-                f"ripresa train --run {shlex.quote(str(run_dir))} --steps {start + (args.steps or t['every'] or 100)}")
+            say(f"run {run_dir} is already at step {start}" + (f" (resumed from {where_from})" if start else "")
+                + f": nothing to train to {asked}; for more: ripresa train --run {shlex.quote(str(run_dir))} "
+                f"--steps {start + (args.steps or t['every'] or 100)}")
             ckpt.close()
             return 0
         if start:  # every resume says so, with the generation it started from
-            origin = ckpt.resumed_from
-            where_from = origin.path if origin is not None else args.resume
             say(f"resumed {run_dir} at step {start} from {where_from}")
         floor_warning = lr_floor_warning(t, start)
         if floor_warning is not None and rank == 0:  # once per start, on the console and in the history

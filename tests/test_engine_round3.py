@@ -308,3 +308,34 @@ def test_the_demo_shows_progress_and_the_resume(tmp_path):
     assert "resumed, training to step" in text
     run = tmp_path / "demo" / "gpt"
     assert f"resumed {run} at step " in text and f" from {run}/step_" in text
+
+
+# ------------------------------------------------------------------ a run's recorded values are input
+
+
+@pytest.mark.parametrize("key,value", [
+    ("precision", "fp8"), ("precision", 16), ("precision", ["fp16"]),
+    ("threads", 0), ("threads", 10**9), ("threads", True), ("threads", "2"), ("threads", 1.5),
+])
+def test_a_hostile_recorded_precision_or_thread_count_is_a_typed_error(one_thread, key, value):
+    from ripresa.engine.gpt.config import resolve_config
+    from ripresa.engine.gpt.train import resolve_precision, resolve_threads
+    from ripresa.errors import BadInput
+
+    cfg = resolve_config("tiny", (), None)
+    cfg["train"][key] = value
+    where = Path("run/config.json")
+    with pytest.raises(BadInput) as err:
+        (resolve_precision if key == "precision" else resolve_threads)(None, cfg, None, torch.device("cpu"), where)
+    assert err.value.file == str(where) and f"train.{key}" in err.value.message
+    assert torch.get_num_threads() == 1  # nothing was set from it
+
+
+@pytest.mark.slow
+def test_a_run_that_predates_the_recorded_keys_resumes_and_records_them(run_copy):
+    cfg = json.loads((run_copy / "config.json").read_text())
+    del cfg["train"]["precision"], cfg["train"]["threads"]
+    (run_copy / "config.json").write_text(json.dumps(cfg, indent=2))
+    res = ripresa_cli("train", "--run", run_copy, "--steps", "3", *FAST)
+    assert res.returncode == 0, res.stderr
+    assert _train_cfg(run_copy)["precision"] == "fp32" and isinstance(_train_cfg(run_copy)["threads"], int)

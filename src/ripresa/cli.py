@@ -190,7 +190,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--omit-rng-restore", action="store_true", help="verification negative case: do not restore random streams")
     p.add_argument("--no-audit", action="store_true", help="no sample audits")
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the run's recorded count, else torch's); "
+                   "on the CPU recorded in config.json and compared on resume (docs/ENGINE.md, \"Precision and threads\")")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+                   help="the step's precision (default: the run's recorded one, else auto: bf16 on a CUDA GPU that has "
+                   "it, else fp16 with a GradScaler; fp32 on the CPU); recorded in config.json and compared on resume "
+                   "(docs/ENGINE.md, \"Precision and threads\")")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--allow-version-change", action="store_true")
     p.add_argument("--allow-code-change", action="store_true")
@@ -255,7 +260,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         run=args.run, output=args.output, config=args.config, sets=tuple(args.sets), sources=tuple(args.sources),
         steps=args.steps, every=args.every, device=args.device, fresh=args.fresh, resume=args.resume,
         omit_rng_restore=args.omit_rng_restore, audit=not args.no_audit, asynchronous=not args.sync,
-        quiet=args.quiet, threads=args.threads, allow_version_change=args.allow_version_change,
+        quiet=args.quiet, threads=args.threads, precision=args.precision, allow_version_change=args.allow_version_change,
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
         allow_config_change=args.allow_config_change,
         shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,
@@ -267,26 +272,42 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _add_advise(sub: argparse._SubParsersAction) -> None:
     p = _command(
         sub, "advise", _cmd_advise,
-        help="the checkpoint cadence a run should use, from its history: interval, work lost per failure, overhead",
+        help="the checkpoint cadence a run should use, from its history, and the memory one step needs",
         description="Read RUN/.loss.jsonl (step times, checkpoint stalls and write times) and print, for each MTBF, "
         "the interval --every auto would choose (round(√(2·stall·MTBF)/step), bounded: docs/CADENCE.md), the "
-        "expected work lost per failure and the overhead. Read-only. Exit 0, or 2 when the history cannot tell.",
+        "expected work lost per failure and the overhead. For an ANDREA run (RUN/config.json, or --config without "
+        "RUN), also the memory one step needs (parameters, gradients, AdamW, activations, the staging copy of a "
+        "background save) against the device's, the host's and /dev/shm's, with a verdict (docs/CADENCE.md, "
+        "\"Memory for a step\"). Read-only. Exit 0, or 2 when the history cannot tell.",
     )
-    p.add_argument("run", type=Path, help="run folder")
+    p.add_argument("run", type=Path, nargs="?", help="run folder (without it: --config, memory only)")
     p.add_argument("--mtbf", default="1h,6h,24h,7d", help="comma-separated MTBF values (default 1h,6h,24h,7d)")
     p.add_argument("--max-redo", help="bound: at most N steps or a duration such as 30m of work lost")
+    p.add_argument("--config", help="size this config (tiny | andrea-12m | andrea-120m | FILE.toml) instead of the run's")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for the memory sizing, e.g. train.batch_size=8")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+                   help="the precision to size (default: the run's recorded one, else auto)")
+    p.add_argument("--device", default="auto", help="the device to size for: auto | cpu | cuda")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
+    from .engine.gpt.memory import memory_for, render_memory
     from .session.cadence import advise, render_advice
 
-    report = advise(args.run, args.mtbf.split(","), max_redo=args.max_redo)
+    if args.run is None and args.config is None:
+        raise BadInput("advise needs a run folder or --config", expected="ripresa advise RUN | --config NAME",
+                       hint="ripresa advise runs/NAME, or ripresa advise --config andrea-120m (memory only)")
+    memory = memory_for(args.run, args.config, args.sets, args.precision, args.device)
+    if memory is not None and not args.json:
+        print(render_memory(memory))
+    report = advise(args.run, args.mtbf.split(","), max_redo=args.max_redo) if args.run is not None else {}
     if args.json:
         import json
 
-        print(json.dumps(report, indent=2))
-    else:
+        print(json.dumps({**report, "memory": memory}, indent=2))
+    elif report:
         print(render_advice(report))
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.numbers import checked_number
 from ..errors import BadInput, RipresaError, SchemaError
 
 __all__ = [
@@ -707,12 +709,11 @@ def _float(
 ) -> float | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _schema(f"{what} must be a number", source, expected="float", found=repr(value))
-    f = float(value)
-    if not math.isfinite(f):
-        raise _schema(f"{what} is not finite", source, expected="a finite float", found=repr(f))
-    return f
+    try:  # the one checked conversion (docs/FAULTS.md, "Numbers read from files")
+        return checked_number(value, file=source, field=what, lo=-sys.float_info.max, hi=sys.float_info.max,
+                              integer=False, error=SchemaError)
+    except SchemaError as exc:
+        raise _schema(f"{what} must be a finite number", source, expected="a finite float", found=exc.found) from None
 
 
 def _parse_state(state: object, source: str | Path | None) -> dict[str, Any]:

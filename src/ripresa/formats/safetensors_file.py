@@ -268,19 +268,25 @@ def parse_header(raw_len: bytes, raw_head: bytes, file_size: int, path: Path) ->
     return Header(tuple(entries), meta, 8 + n, file_size, raw_len + raw_head)
 
 
-def _read_header_fd(fd: int, path: Path) -> Header:
+def _read_header_fd(fd: int, path: Path, charge: Callable[[int], None] | None = None) -> Header:
     size = os.fstat(fd).st_size
     raw_len = os.pread(fd, 8, 0) if size >= 8 else b""
-    raw_head = os.pread(fd, _header_length(raw_len, size, path), 8)
+    n = _header_length(raw_len, size, path)
+    if charge is not None:
+        charge(8 + n)  # a budget shared with other pieces, charged before the header is read
+    raw_head = os.pread(fd, n, 8)
     return parse_header(raw_len, raw_head, size, path)
 
 
-def read_header(path: str | Path) -> Header:
-    """Open ``path`` (a regular file, no symlink) and validate its header (nothing else is read)."""
+def read_header(path: str | Path, *, charge: Callable[[int], None] | None = None) -> Header:
+    """Open ``path`` (a regular file, no symlink) and validate its header (nothing else is read).
+
+    ``charge(n)``, when given, is told the header's size before it is read (a shard's header
+    charged to its generation's budget, docs/FAULTS.md, "Many pieces, one budget")."""
     p = Path(path)
     fd = open_run_file(p, "safetensors file", error=IntegrityError)
     try:
-        return _read_header_fd(fd, p)
+        return _read_header_fd(fd, p, charge)
     finally:
         os.close(fd)
 

@@ -150,8 +150,9 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
                 raise IntegrityError("the companion records other shards than the marker", file=c,
                                      expected=sorted(set(hashes) - {COMPANION_NAME, INDEX_NAME})[:8], found=names[:8])
             for r, p in zip(records, paths, strict=True):
-                h = st.read_header(p)  # one shard open at a time (a hostile companion may list thousands)
-                pieces.take(h.data_start, p)  # all headers kept together stay within one budget
+                # one shard open at a time (a hostile companion may list thousands); all headers kept together
+                # stay within one budget, each charged before it is read
+                h = st.read_header(p, charge=lambda n, p=p: pieces.take(n, p))
                 want = {k: v for k, v in shards_fmt.shard_metadata(step).items() if k != "format_version"}
                 got = {k: h.metadata.get(k) for k in want}
                 if got != want:

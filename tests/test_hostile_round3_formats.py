@@ -365,7 +365,7 @@ def test_a_number_beyond_range_in_the_retention_metrics_is_a_typed_error(tmp_pat
     run = tmp_path / "run"
     _run(run, 1)
     (run / "retention_metrics.json").write_text(
-        '{"schema": "ripresa.retention_metrics/1", "steps": {"1": {"val_loss": %s}}}' % value)
+        '{"schema": "ripresa.retention_metrics/1", "steps": {"1": {"val_loss": ' + value + "}}}")
     with pytest.raises(ripresa.errors.BadInput, match="retention") as ei, ripresa.Checkpointer(
             run, _state(), handle_signals=False, save_on_close=False, retention=KeepBest("val_loss")) as ck:
         ck.resume()
@@ -375,7 +375,7 @@ def test_a_number_beyond_range_in_the_retention_metrics_is_a_typed_error(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("field,value", [
     ("lr", "1" + "0" * 400),
-    ("lr", "NaN"), ("seed", "1e400"), ("max_steps", "2.5"), ("batch_size", "-1"), ("weight_decay", "Infinity")])
+    ("weight_decay", "Infinity"), ("max_steps", "1" + "0" * 30)])
 def test_a_number_beyond_range_in_config_json_is_a_typed_error(tmp_path, field, value):
     run = tmp_path / "run"
     p = _cli("train", "--run", str(run), "--config", "tiny", "--steps", "1", "--quiet")

@@ -1913,7 +1913,7 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
         text = so + se
         if hung:
             out.problems.append(f"HANG: killed after {timeout:.0f} s")
-        if case.family in ROUND_TWO and "this is a bug in ripresa or an input it does not recognise" in se:
+        if case.family in ROUND_TWO + r3.FAMILIES and "this is a bug in ripresa or an input it does not recognise" in se:
             last = [ln for ln in se.strip().splitlines() if "could not complete" in ln][:1] or ["?"]
             out.problems.append(f"UNTYPED: the last-resort report instead of a typed error: {last[0][:200]}")
         bad = [repr(c) for c in CONTROL_BYTES if c in text]
@@ -1928,6 +1928,8 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
                 out.problems.append(f"SECRET: the password was written into {grew[:4]}")
         if cmd.expect:
             out.problems += _expect(cmd.expect, case, fx, rc, od)
+        if case.family in r3.FAMILIES:
+            out.problems += r3.check(case.mutation, case.command, rc, text, od)
         if (what := EXPECT_CASES.get((case.fixture, case.mutation, case.command))):
             out.problems += _expect(what, case, fx, rc, od)
         if "Traceback (most recent call last)" in text:

@@ -283,3 +283,30 @@ def cases(commands: dict[str, dict[str, Any]], readers, rng: random.Random) -> l
             if c in commands[kind]:
                 out.append((fam, kind, mutation, target, c))
     return out
+
+
+#: The refusal a pieces case must name, by mutation, for the commands that read the generation whole.
+REASONS = {"linked_shards": "two names of one file", "linked_dcp": "two names of one file",
+           **({"copied_shards": "exceed their budget"} if FULL else {})}  # the default's 2 small copies fit it
+
+
+def check(mutation: str, command: str, rc: int, text: str, out_dir: Path) -> list[str]:
+    """The round-three post-conditions beyond the fuzzer's generic ones: a pieces case names the inode rule
+    or the budget (not some later symptom: the memory was taken by then); a pull leaves no unverified
+    generation in the new run folder."""
+    problems = []
+    flat = " ".join(text.split())
+    want = REASONS.get(mutation)
+    if want is not None and command in READS_WHOLE and want not in flat:
+        problems.append(f"REASON: the refusal does not name {want!r} (rc={rc})")
+    if mutation == "zero_shape" and "(blank machine)" in command:
+        blank = out_dir / "blank"
+        left = sorted(n for n in os.listdir(blank) if n.startswith("step_000004") or "partial" in n) \
+            if blank.is_dir() else []
+        if left:
+            problems.append(f"LANDED: the pull left {left[:4]} in the new run folder")
+    return problems
+
+
+#: Commands whose output names why the crafted generation is not used.
+READS_WHOLE = ("inspect shards --deep --json", "convert", "train --resume", "export")

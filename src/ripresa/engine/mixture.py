@@ -69,15 +69,13 @@ def _fraction(value: object, what: str, *, source: str | Path | None = None) -> 
             expected="a number in [0, 1]",
             found=repr(value),
         )
-    v = float(value)
-    if not math.isfinite(v) or not 0.0 <= v <= 1.0:
-        raise BadInput(
-            f"{what} is outside [0, 1]",
-            file=source,
-            expected="a finite number in [0, 1]",
-            found=repr(v),
-        )
-    return v
+    if isinstance(value, np.integer | np.floating):
+        value = value.item()
+    try:  # the one checked conversion (docs/FAULTS.md, "Numbers read from files"): 10**400 is no OverflowError
+        return float(checked_number(value, file=source, field=what, lo=0.0, hi=1.0, integer=False, error=BadInput))
+    except BadInput as exc:
+        raise BadInput(f"{what} is outside [0, 1]", file=source, expected="a finite number in [0, 1]",
+                       found=exc.found) from None
 
 
 def _arm_name(value: object, what: str, *, source: str | Path | None = None) -> str:
@@ -676,10 +674,10 @@ def _check_hyper(
     def num(v: object, what: str) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise BadInput(f"{what} must be a number", found=repr(v))
-        f = float(v)
-        if not math.isfinite(f):
-            raise BadInput(f"{what} must be finite", found=repr(f))
-        return f
+        if isinstance(v, np.integer | np.floating):
+            v = v.item()
+        return float(checked_number(v, file=None, field=what, lo=-sys.float_info.max, hi=sys.float_info.max,
+                                    integer=False, error=BadInput))
 
     b, t, e = (
         num(reward_ema, "reward_ema"),

@@ -307,7 +307,7 @@ def test_zero_byte_huge_shapes_in_export_and_the_newest_generation(tmp_path, sha
 @pytest.mark.parametrize("shape", [[0, 2**64], [2**40, 0, 2**40], [0] + [2**20] * 4], ids=["2^64", "2^80", "2^80-5d"])
 def test_the_shape_bound_is_one_check_for_every_shape_source(tmp_path, shape):
     """The same bound refuses the shape in a safetensors header and in a companion's tagged tensor
-    (formats/companion.check_shape), and a DCP chunk outside its tensor."""
+    (formats/companion.check_shape), in a .dcp .metadata entry, and refuses a DCP chunk outside its tensor."""
     from ripresa.errors import IntegrityError
     from ripresa.formats import companion, safetensors_file
 
@@ -318,6 +318,26 @@ def test_the_shape_bound_is_one_check_for_every_shape_source(tmp_path, shape):
     with pytest.raises(IntegrityError, match="beyond any size"):
         companion.decode_tensor({"__tensor__": "float32", "shape": shape, "data": []})
     companion.check_shape([0, 2**40], "ok")  # a zero-element shape within the bound stays valid
+    # a .dcp .metadata entry (the same check), and a chunk that lies outside its tensor
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ripresa.formats.dcp_safe import check_metadata
+
+    props = TensorProperties(dtype=torch.float32)
+    size = torch.Size(shape if max(shape) < 2**63 else [0, 2**62])
+    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, size, [])}, storage_data={})
+    with pytest.raises(IntegrityError, match="beyond any size"):
+        check_metadata(md, tmp_path)
+    chunk = ChunkStorageMetadata(torch.Size([0, 4]), torch.Size([2, 2]))
+    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size([2, 4]), [chunk])},
+                  storage_data={})
+    with pytest.raises(IntegrityError, match="outside its tensor"):
+        check_metadata(md, tmp_path)
 
 
 def test_mirror_pull_lands_nothing_it_did_not_verify(tmp_path):

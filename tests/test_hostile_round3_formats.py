@@ -416,3 +416,48 @@ def test_a_huge_number_in_a_history_line_is_not_a_crash(tmp_path):
 
     assert _as_float(10**400) != _as_float(10**400)  # NaN: a gap in the curve, never an OverflowError
     assert _as_float(1.5) == 1.5
+
+
+def test_an_s3_listing_of_endless_pages_has_a_total_budget(monkeypatch):
+    """A store that answers every listing page with nothing but "more to come" (or junk keys the listing
+    skips): the pages together are bounded, a typed error instead of an endless walk; a listed size out of
+    range is the checked conversion's typed error."""
+    from ripresa.io import s3store
+
+    calls = []
+
+    class Endless:
+        def __init__(self, contents):
+            self.contents = contents
+
+        def list_objects_v2(self, **kw):
+            calls.append(kw)
+            if len(calls) > 10_000:
+                raise AssertionError("the listing never ends")
+            return {"Contents": self.contents, "IsTruncated": True, "NextContinuationToken": f"t{len(calls)}"}
+
+    store = s3store.S3Store.__new__(s3store.S3Store)
+    store.bucket, store.prefix, store.url = "b", "p/", "s3://b/p"
+    monkeypatch.setattr(s3store, "MAX_LISTED", 50)
+    for contents in ([], [{"Key": "p/../junk", "Size": 1}] * 7):
+        calls.clear()
+        store.client = Endless(contents)
+        with pytest.raises(ripresa.errors.IntegrityError, match="exceed their budget"):
+            store.list()
+        assert len(calls) <= 51
+    store.client = Endless([{"Key": "p/config.json", "Size": -1}])
+    with pytest.raises(ripresa.errors.IntegrityError, match="listing: Size"):
+        store.list()
+
+
+def test_the_step_lines_a_history_view_keeps_share_one_budget(tmp_path, monkeypatch):
+    """`read_history` keeps one reduced record per step: each line is bounded, their sum is too."""
+    from ripresa.store import history
+
+    h = tmp_path / ".loss.jsonl"
+    h.write_text("".join(json.dumps({"step": s, "loss": 1.0, **{f"m{i}": i for i in range(8)}}) + "\n"
+                         for s in range(1, 200)))
+    assert len(history.read_history(h).steps) == 199
+    monkeypatch.setattr(history, "MAX_KEPT_FIELDS", 500)
+    with pytest.raises(ripresa.errors.IntegrityError, match="exceed their budget"):
+        history.read_history(h)

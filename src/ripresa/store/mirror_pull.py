@@ -1,7 +1,8 @@
 """A resume from the mirror (docs/MIRROR.md): pulling generations and restoring the run's files.
 
-:func:`pull` lands the newest remote generation whose marker verifies through the local commit protocol and
-deep-checks it; :func:`pull_run` first restores the run's history and sidecars (:func:`restore_run`);
+:func:`pull` lands the newest remote generation that verifies: downloaded into a staging folder, deep-checked
+there (the validation a resume gives it), then moved into the run folder, marker last (docs/MIRROR.md, "A pull
+lands only what it verified"); :func:`pull_run` first restores the run's history and sidecars (:func:`restore_run`);
 :func:`pull_config` fetches ``config.json`` (and its signature, for signed runs).
 """
 

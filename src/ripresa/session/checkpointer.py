@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.numbers import checked_number
 from ..core.state import Progress, TrainingState
 from ..errors import BadInput, SaveFailed
 from ..io import auth
@@ -374,7 +375,7 @@ class Checkpointer:
     def _note_world_change(self, saved_extra: Mapping[str, Any], *, world_size: int, fresh: bool) -> None:
         """Record a resume on another number of ranks than the save's (history event, :attr:`world_change`)."""
         rec = saved_record({"extra": saved_extra}, None)
-        saved_world = int(rec["world_size"]) if rec else 1
+        saved_world = checked_number(rec["world_size"], file=None, field="world_size", lo=1, hi=2**20) if rec else 1
         if saved_world == world_size:
             return
         self.world_change = {

@@ -34,6 +34,7 @@ import torch
 # stream — the resume verifier caught it (next_draws.python at the end).
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ...core.numbers import checked_number
 from ...core.rng import RandomStreams
 from ...core.state import TrainingState, config_change_error, config_changes
 from ...errors import BadInput, OutputExists, UploadPending
@@ -463,7 +464,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     if args.run is not None:
         check_model_fits_run(run_dir, mconf.param_count())
     sampler = CropSampler(arms, mconf.block_size, t["batch_size"], data_gen)
-    mixture = BanditMixture(list(arms), policy, mix_gen, phase=int(cfg["mixture"].get("phase", 0)))
+    mixture = BanditMixture(list(arms), policy, mix_gen, phase=checked_number(cfg["mixture"].get("phase", 0), file="config.json", field="mixture.phase", lo=0, hi=2**31 - 1, error=BadInput))
 
     # ---- model, optimizer, schedule, mixed precision ----------------------------
     model = GPT(mconf).to(device)

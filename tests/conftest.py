@@ -178,6 +178,16 @@ def no_hmac_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_verify_steering_left():
+    """A test that steers a Checkpointer in pytest's own process (RIPRESA_VERIFY) leaves no steering behind:
+    every later session of a steered process is steered too (docs/VERIFY.md)."""
+    yield
+    steer = sys.modules.get("ripresa.session.steer")
+    if steer is not None and hasattr(steer, "forget"):
+        steer.forget()
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test: tiny models run fastest so; two OpenMP threads on a busy 2-core box spin."""

@@ -290,6 +290,9 @@ HOSTILE = {
     "shape asking for terabytes": (
         lambda p: _craft(p, {"a": {"dtype": "F32", "shape": [2**20, 2**20, 2**10], "data_offsets": [0, 8]}},
                          b"\0" * 8),
+        "shape beyond any size"),  # the one shape bound (formats/companion.check_shape), before the byte check
+    "shape asking for more than its bytes": (
+        lambda p: _craft(p, {"a": {"dtype": "F32", "shape": [2**10, 2**10], "data_offsets": [0, 8]}}, b"\0" * 8),
         "shape and dtype do not match"),
     "range asking for terabytes": (
         lambda p: _craft(p, {"a": {"dtype": "U8", "shape": [2**42], "data_offsets": [0, 2**42]}}, b"\0" * 8),

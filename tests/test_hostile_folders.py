@@ -47,7 +47,8 @@ def _run_and_check(cases: list[hf.Case], fx: hf.Fixtures, work: Path, *, workers
     bad = [o for o in outcomes if not o.ok]
     ran = {o.case.family for o in outcomes if not o.skipped}
     if hf.only_fixtures(cases) is cases:  # the whole set (RIPRESA_FUZZ_FIXTURES restricts it to some fixtures)
-        assert ran >= {hf.F_PICKLE, hf.F_LOCK, *(f for f, _, _ in hf.SAMPLE_ROUND_TWO)}, "a family ran no case"
+        assert ran >= {hf.F_PICKLE, hf.F_LOCK, *(f for f, _, _ in hf.SAMPLE_ROUND_TWO),
+                       *(f for f, _, _ in hf.r3.SAMPLE_ROUND_THREE)}, "a family ran no case"
     executed = [o for o in outcomes if o.executed]
     assert not executed, "CODE EXECUTED:\n" + "\n".join(o.line() for o in executed)
     assert not bad, (f"{len(bad)}/{len(outcomes)} hostile-folder cases failed "

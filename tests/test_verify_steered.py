@@ -193,10 +193,11 @@ def test_steering_is_taken_once_and_redirects_the_run_folder(tmp_path, monkeypat
     doc = read_trajectory(tmp_path / "out" / "summary.json")
     assert [s["loss"] for s in doc["steps"]] == [1.0, 0.5] and doc["final"]["evaluation"] == {"last_loss": 0.5}
     assert list((tmp_path / "steered").glob("step_000002.*")) and not (tmp_path / "named").exists()
-    # the next Checkpointer of the process is not steered
+    # the next Checkpointer of the process is steered too, into a folder of its own, and records nothing
     other = ripresa.Checkpointer(tmp_path / "named", _state(), every=0, handle_signals=False)
-    assert other.steering is None and other.run_dir == tmp_path / "named"
+    assert other.steering is not None and other.run_dir == tmp_path / "out" / "session-2"
     other.close()
+    assert not (tmp_path / "named").exists()
 
 
 @pytest.mark.slow

@@ -1,7 +1,10 @@
 """The ``ripresa`` command line. The only place that turns errors into exit codes.
 
 Exit codes (every command): 0 success · 1 a check failed · 2 bad input or the
-work could not be completed. See :mod:`ripresa.errors` and docs/FAULTS.md.
+work could not be completed · 3 ``ripresa train --mirror``: the run ended but its
+final generation is not in the mirror (the store could not be reached in time;
+``ripresa mirror push RUN`` uploads it: docs/MIRROR.md, "The close"). See
+:mod:`ripresa.errors` and docs/FAULTS.md, "Exit codes".
 No traceback reaches a user: an exception no check anticipated is reported in
 one paragraph with exit 2 (``RIPRESA_DEBUG=1`` re-raises it).
 """
@@ -165,7 +168,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "generation, --steps N is the run's end step (the same command after a kill ends where an uninterrupted run "
         "ends; after the end it trains nothing), and a normal end saves the final step. With --output (the "
         "`ripresa verify` contract), --steps counts this process's steps and the folder must not exist. "
-        "SIGTERM/Ctrl-C: checkpoint and exit 0; SIGUSR1: checkpoint and continue.",
+        "SIGTERM/Ctrl-C: checkpoint and exit 0; SIGUSR1: checkpoint and continue. With --mirror, exit 3 when the "
+        "run ended with its final generation not in the mirror (docs/MIRROR.md).",
     )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", type=Path, help="run folder (created, or resumed)")
@@ -188,7 +192,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--omit-rng-restore", action="store_true", help="verification negative case: do not restore random streams")
     p.add_argument("--no-audit", action="store_true", help="no sample audits")
     p.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: the run's recorded count, else torch's); "
+                   "on the CPU recorded in config.json and compared on resume (docs/ENGINE.md, \"Precision and threads\")")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+                   help="the step's precision (default: the run's recorded one, else auto: bf16 on a CUDA GPU that has "
+                   "it, else fp16 with a GradScaler; fp32 on the CPU); recorded in config.json and compared on resume "
+                   "(docs/ENGINE.md, \"Precision and threads\")")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--allow-version-change", action="store_true")
     p.add_argument("--allow-code-change", action="store_true")
@@ -204,6 +213,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mirror", metavar="URL",
                    help="copy every generation to s3://bucket/prefix (AWS_* environment) or a path, in the background; "
                    "a blank --run folder resumes from it, config included (docs/MIRROR.md)")
+    p.add_argument("--final-upload-timeout", metavar="SECONDS",
+                   help="--mirror: how long a normal end waits for a store that cannot be reached to upload the final "
+                   "generation (seconds or 15m; default 900, never past --deadline; 0: no wait). Still pending after "
+                   "it: exit 3, upload it with `ripresa mirror push RUN`. SIGTERM keeps its short bound "
+                   "(docs/MIRROR.md, \"The close\")")
 
 
 def _every(text: str) -> int | str:
@@ -234,6 +248,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         parse_duration(args.mtbf, "--mtbf")
     parse_max_redo(args.max_redo)
     deadline = deadline_time(args.deadline) if args.deadline is not None else None
+    from .session.closing import parse_final_upload_timeout
+
+    final_upload = parse_final_upload_timeout(args.final_upload_timeout, "--final-upload-timeout")
+    if final_upload is not None and args.mirror is None:
+        raise BadInput("--final-upload-timeout needs --mirror", found=args.final_upload_timeout,
+                       hint="it bounds the wait for the mirror's store at the end (docs/MIRROR.md)")
     if args.require_signature:
         from .io.auth import require_from_cli
 
@@ -242,10 +262,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         run=args.run, output=args.output, config=args.config, sets=tuple(args.sets), sources=tuple(args.sources),
         steps=args.steps, every=args.every, device=args.device, fresh=args.fresh, resume=args.resume,
         omit_rng_restore=args.omit_rng_restore, audit=not args.no_audit, asynchronous=not args.sync,
-        quiet=args.quiet, threads=args.threads, allow_version_change=args.allow_version_change,
+        quiet=args.quiet, threads=args.threads, precision=args.precision, allow_version_change=args.allow_version_change,
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
         allow_config_change=args.allow_config_change,
         shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,
+        final_upload_timeout=final_upload,
     ))
 
 
@@ -253,26 +274,42 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _add_advise(sub: argparse._SubParsersAction) -> None:
     p = _command(
         sub, "advise", _cmd_advise,
-        help="the checkpoint cadence a run should use, from its history: interval, work lost per failure, overhead",
+        help="the checkpoint cadence a run should use, from its history, and the memory one step needs",
         description="Read RUN/.loss.jsonl (step times, checkpoint stalls and write times) and print, for each MTBF, "
         "the interval --every auto would choose (round(√(2·stall·MTBF)/step), bounded: docs/CADENCE.md), the "
-        "expected work lost per failure and the overhead. Read-only. Exit 0, or 2 when the history cannot tell.",
+        "expected work lost per failure and the overhead. For an ANDREA run (RUN/config.json, or --config without "
+        "RUN), also the memory one step needs (parameters, gradients, AdamW, activations, the staging copy of a "
+        "background save) against the device's, the host's and /dev/shm's, with a verdict (docs/CADENCE.md, "
+        "\"Memory for a step\"). Read-only. Exit 0, or 2 when the history cannot tell.",
     )
-    p.add_argument("run", type=Path, help="run folder")
+    p.add_argument("run", type=Path, nargs="?", help="run folder (without it: --config, memory only)")
     p.add_argument("--mtbf", default="1h,6h,24h,7d", help="comma-separated MTBF values (default 1h,6h,24h,7d)")
     p.add_argument("--max-redo", help="bound: at most N steps or a duration such as 30m of work lost")
+    p.add_argument("--config", help="size this config (tiny | andrea-12m | andrea-120m | FILE.toml) instead of the run's")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for the memory sizing, e.g. train.batch_size=8")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=None,
+                   help="the precision to size (default: the run's recorded one, else auto)")
+    p.add_argument("--device", default="auto", help="the device to size for: auto | cpu | cuda")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
+    from .engine.gpt.memory import memory_for, render_memory
     from .session.cadence import advise, render_advice
 
-    report = advise(args.run, args.mtbf.split(","), max_redo=args.max_redo)
+    if args.run is None and args.config is None:
+        raise BadInput("advise needs a run folder or --config", expected="ripresa advise RUN | --config NAME",
+                       hint="ripresa advise runs/NAME, or ripresa advise --config andrea-120m (memory only)")
+    memory = memory_for(args.run, args.config, args.sets, args.precision, args.device)
+    if memory is not None and not args.json:
+        print(render_memory(memory))
+    report = advise(args.run, args.mtbf.split(","), max_redo=args.max_redo) if args.run is not None else {}
     if args.json:
         import json
 
-        print(json.dumps(report, indent=2))
-    else:
+        print(json.dumps({**report, "memory": memory}, indent=2))
+    elif report:
         print(render_advice(report))
     return 0
 
@@ -346,8 +383,10 @@ def _cmd_fork(args: argparse.Namespace) -> int:
     r = fork(args.run, args.step, args.into, args.sets)
     what = f"bin sha256 {r['bin_sha256'][:16]}" if "bin_sha256" in r else f".dcp marker sha256 {r['dcp_marker_sha256'][:16]}"
     print(f"forked {args.run} at step {r['step']} into {r['into']} ({what}…, overrides {r['overrides']})")
-    for warning in r.get("warnings", ()):
-        print(f"ripresa fork: warning: {warning}", file=sys.stderr)
+    from .console import capped_lines
+
+    for line in capped_lines(r.get("warnings", ()), lambda w: f"ripresa fork: warning: {w}", what="warnings"):
+        print(line, file=sys.stderr)
     print(f"continue with: {r['command']}")
     return 0
 
@@ -480,19 +519,26 @@ def _add_mirror(sub: argparse._SubParsersAction) -> None:
                    help="s3://bucket/prefix, file:///path or a path (push without it follows RUN/mirror.json only when "
                    "the run's key authenticates it, or when the target is already a mirror: docs/MIRROR.md, Trust)")
     p.add_argument("--step", type=int, help="pull: this generation (default: the newest that verifies)")
-    p.add_argument("--keep", help="push: the mirror's retention, e.g. last=6 (default: twice the local last=3)")
+    p.add_argument("--keep", help="push (and status, to plan the same push): the mirror's retention, e.g. last=6 "
+                   "(default: twice the local last=3)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _steps(steps: list[int]) -> str:
+    """A list of steps as ``[1, 2, ... N more]`` (capped: docs/INSPECT.md, "Long lists"; --json has them all)."""
+    from .console import joined
+
+    return f"[{joined(steps, what='steps')}]" if steps else ""
 
 
 def _cmd_mirror(args: argparse.Namespace) -> int:
     from .store import mirror
+    from .store.retention import parse_retention
 
+    keep = parse_retention(args.keep, source="--keep") if args.keep and args.action != "pull" else None
     if args.action == "status":
-        r = mirror.cli_status(args.run, args.mirror)
+        r = mirror.cli_status(args.run, args.mirror, keep)
     elif args.action == "push":
-        from .store.retention import parse_retention
-
-        keep = parse_retention(args.keep, source="--keep") if args.keep else None
         r = mirror.cli_push(args.run, args.mirror, keep)
     else:
         r = mirror.cli_pull(args.run, args.mirror, args.step)
@@ -502,17 +548,75 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
         print(json.dumps(r, indent=2))
     elif args.action == "status":
         print(f"run {r['run']}  mirror {r['url']}")
-        print(f"  local:  {r['local'] or 'none'}")
-        print(f"  remote: {r['remote'] or 'none'}" + ("  (+ config.json)" if r["config_remote"] else ""))
+        print(f"  local:  {_steps(r['local']) or 'none'}")
+        print(f"  remote: {_steps(r['remote']) or 'none'}" + ("  (+ config.json)" if r["config_remote"] else ""))
         print(f"  {'in flight (the trainer uploads them)' if r['trainer_running'] else 'missing (push uploads them)'}: "
-              f"{r['pending'] or 'none'}")
+              f"{_steps(r['pending']) or 'none'}" + (f"  ({r['pending_bytes']:,} bytes)" if r["pending"] else ""))
+        if r["partial"]:
+            print(f"  partly in the store (push uploads them whole): {_steps(r['partial'])}")
+        if r["not_needed"]:
+            print(f"  not uploaded (the mirror's retention keeps newer ones): {_steps(r['not_needed'])}")
+        import textwrap
+
+        from .console import capped, more_line
+
+        damaged, more = capped(r["damaged"])
+        for d in damaged:  # the reason on its own lines: 80 columns
+            print(f"  not uploaded, damaged locally: step {d['step']} ({d['file']})")
+            print(textwrap.fill(d["reason"], width=78, initial_indent="    ", subsequent_indent="    "))
+        if more:
+            print("  " + more_line(more, "damaged generations"))
         if r["half_uploaded"]:
-            print(f"  half uploaded (no marker; never used, cleaned by the next writer): {r['half_uploaded']}")
+            print(f"  half uploaded (no marker; never used, cleaned by the next writer): {_steps(r['half_uploaded'])}")
     elif args.action == "push":
-        print(f"pushed {r['uploaded'] or 'nothing (the mirror had everything)'} to {r['url']}")
+        print(f"pushed {_steps(r['uploaded']) or 'nothing (the mirror had everything)'} to {r['url']}")
     else:
         print(f"pulled {r['file']} (step {r['step']}, verified) into {r['run']}" + (" with config.json" if r["config"] else ""))
     return 0
+
+
+# ----------------------------------------------------------------------------- rehearse
+def _add_rehearse(sub: argparse._SubParsersAction) -> None:
+    p = _command(
+        sub, "rehearse", _cmd_rehearse,
+        help="rehearse a rental's save, stop, pull from the mirror and resume, on scratch copies, timed",
+        description="On scratch copies of the run's newest generation: train K steps mirroring to a scratch prefix "
+        "beside the run's mirror, SIGTERM (save, upload, exit), pull into a blank folder, resume K steps, and compare "
+        "bit for bit with the same steps uninterrupted; then export. Times and bytes of each step, set against the "
+        "deadline. The run folder and the mirror's generations are never written; the scratch is removed. "
+        "Exit 0 identical, 1 they differ, 2 not done (no mirror, store unreachable, a trainer failed). "
+        "docs/OPERATIONS.md, \"Rehearse the rental's cycle at the start\".",
+    )
+    p.add_argument("run", type=Path, help="the run folder (ripresa train --run RUN --mirror URL), live or not")
+    p.add_argument("--mirror", metavar="URL", help="the run's mirror (default: RUN/mirror.json's, docs/MIRROR.md)")
+    p.add_argument("--deadline", help="the rental's end: 2026-12-24T18:00Z or a duration such as 72h "
+                   "(default: the run's last launch's --deadline; docs/CADENCE.md)")
+    p.add_argument("--steps", type=int, default=10, metavar="K", help="steps before the stop and after the resume (default 10)")
+    p.add_argument("--output", type=Path, help="new folder for rehearsal.json and rehearsal.log (default RUN.rehearsal-TIMESTAMP beside RUN)")
+    p.add_argument("--scratch", metavar="URL", help="an empty scratch prefix (default: beside the mirror's, same store)")
+    p.add_argument("--config", help="a run with no generation anywhere: the config of its first K steps (default RUN/config.json)")
+    p.add_argument("--device", help="auto | cpu | cuda (default: the run's last launch's)")
+    p.add_argument("--threads", type=int, help="torch CPU threads of the trainers (default: the run's last launch's)")
+    p.add_argument("--omit-rng-restore", action="store_true",
+                   help="negative control: the resume skips the random streams; the comparison must fail (exit 1)")
+    p.add_argument("--json", action="store_true", help="print rehearsal.json instead of the table")
+
+
+def _cmd_rehearse(args: argparse.Namespace) -> int:
+    from .engine.rehearse import rehearse, render_rehearsal
+
+    r = rehearse(args.run, output=args.output, mirror=args.mirror, scratch=args.scratch, steps=args.steps,
+                 deadline=args.deadline, config=args.config, device=args.device, threads=args.threads,
+                 omit_rng_restore=args.omit_rng_restore)
+    if args.json:
+        import json
+
+        print(json.dumps(r, indent=2))
+    else:
+        from .text import safe_console
+
+        render_rehearsal(r, safe_console())
+    return r["exit_code"]
 
 
 # ----------------------------------------------------------------------------- main
@@ -520,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ripresa",
         description="Crash-safe, verifiable checkpoints and exact resume for PyTorch training runs.",
-        epilog="exit codes: 0 success, 1 a check failed, 2 bad input or work not completed",
+        epilog="exit codes: 0 success, 1 a check failed, 2 bad input or work not completed, "
+        "3 train --mirror: the final generation is not in the mirror (upload pending)",
     )
     parser.add_argument("--version", action="version", version=f"ripresa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -538,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_convert(sub)
     _add_mirror(sub)
+    _add_rehearse(sub)
     return parser
 
 

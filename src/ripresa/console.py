@@ -125,7 +125,11 @@ _SCRIPT_HOOKS: dict[str, Any] = {}
 
 
 def _script_name() -> str:
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    """The script's name (``train.py``), a ``python -m`` module's package (``pytest``), or ``python``."""
+    path = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    name = os.path.basename(path)
+    if name == "__main__.py":
+        name = os.path.basename(os.path.dirname(path)) or name
     return name if name and name != "-c" else "python"
 
 
@@ -198,6 +202,66 @@ def fit_json(doc: dict[str, Any], width: int | None = None) -> str:
         one = f"  {key}: {value}{comma}"
         rows.append(one if len(one) <= width else f"  {key}:\n    {value}{comma}")
     return "{\n" + "\n".join(rows) + "\n}" if rows else "{}"
+
+# ---- long lists: capped ------------------------------------------------------------------------
+
+#: Most entries of one list a command prints for people (aliases, tensors, generations, files, events, steps,
+#: checks, warnings...): the rest are counted on one line, ``... N more`` (docs/INSPECT.md, "Long lists").
+#: ``--json`` keeps every entry.
+MAX_LISTED = 64
+
+
+def capped(items: Iterable[Any], limit: int = MAX_LISTED) -> tuple[list[Any], int]:
+    """The first ``limit`` entries of ``items`` (a mapping gives its items) and how many more there are.
+
+    The rest are counted, never kept or formatted: a list of a million entries
+    costs its count, not a million lines. The one capping helper of every list
+    a command prints (docs/INSPECT.md, "Long lists").
+    """
+    from collections.abc import Mapping
+    from itertools import islice
+
+    if isinstance(items, Mapping):
+        items = items.items()
+    it = iter(items)
+    shown = list(islice(it, max(0, limit)))
+    try:
+        more = len(items) - len(shown)  # type: ignore[arg-type]
+    except TypeError:
+        more = sum(1 for _ in it)
+    return shown, max(0, more)
+
+
+def more_line(more: int, what: str = "") -> str:
+    """The line that counts what a capped list left out: ``... 12,345 more aliases``."""
+    return f"... {more:,} more" + (f" {what}" if what else "")
+
+
+def joined(items: Iterable[Any], fmt: Callable[[Any], str] = str, sep: str = ", ", limit: int = MAX_LISTED,
+           what: str = "") -> str:
+    """``items`` joined on one line through :func:`capped`: the first ``limit``, then ``... N more``."""
+    shown, more = capped(items, limit)
+    parts = [fmt(x) for x in shown]
+    if more:
+        parts.append(more_line(more, what))
+    return sep.join(parts)
+
+
+def capped_lines(items: Iterable[Any], fmt: Callable[[Any], str], limit: int = MAX_LISTED,
+                 what: str = "") -> list[str]:
+    """One line per entry of ``items`` through :func:`capped`, the last one ``... N more`` if any were left out."""
+    shown, more = capped(items, limit)
+    return [fmt(x) for x in shown] + ([more_line(more, what)] if more else [])
+
+
+def capped_rows(table: Any, items: Iterable[Any], row: Callable[[Any], Sequence[str]], limit: int = MAX_LISTED,
+                what: str = "") -> None:
+    """Add a rich table's rows, one per entry through :func:`capped`; a last row ``... N more`` if any were left out."""
+    shown, more = capped(items, limit)
+    for x in shown:
+        table.add_row(*row(x))
+    if more:
+        table.add_row(more_line(more, what))
 
 
 # ---- tables that fit ----------------------------------------------------------------------------

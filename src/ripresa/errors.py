@@ -4,8 +4,9 @@ Every error carries the four facts a user needs to act on it: the *file* involve
 *expected*, what was *found*, and a *hint*. Three families, siblings under :class:`RipresaError`:
 :class:`IntegrityError` (exit 1: a check failed), :class:`BadInput` (exit 2: bad input; its
 :class:`IdentityMismatch` keeps exit 1) and :class:`SaveFailed` (exit 2: a save could not be
-completed; the previous generation is untouched). Only the CLI turns ``exit_code`` into an exit
-code. Misuse of the Python API raises ``TypeError`` or ``ValueError``, not a ripresa error.
+completed; the previous generation is untouched). :class:`UploadPending` (exit 3) is no failure of
+the work: a run that ended with its final generation only on this machine (its mirror could not
+be reached). Only the CLI turns ``exit_code`` into an exit code. Misuse of the Python API raises ``TypeError`` or ``ValueError``, not a ripresa error.
 """
 
 from __future__ import annotations
@@ -124,3 +125,19 @@ class SaveFailed(RipresaError):
     """A save could not be completed (full disk, I/O error); the previous generation is untouched."""
 
     exit_code = 2
+
+
+# ---- exit code 3: done, but the final state is only on this machine ----------------
+
+
+class UploadPending(RipresaError):
+    """The run ended and its final generation is committed locally, but the mirror does not hold it.
+
+    The store could not be reached before the end's bound (``--final-upload-timeout``), or a
+    stop (SIGTERM) or a deadline left no time. Nothing is lost on this machine: ``ripresa mirror
+    push RUN`` uploads it (the hint names the exact command). Its own exit code, 3, so that a
+    wrapper that returns a rented machine on exit 0 keeps this one (docs/FAULTS.md, "Exit codes";
+    docs/MIRROR.md, "The close").
+    """
+
+    exit_code = 3

@@ -59,6 +59,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from faults import hostile_round3 as r3
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 REGRESSION = REPO / "examples" / "regression" / "train.py"
@@ -95,7 +97,8 @@ F_SWAP = "hostile folders: shard swapped during a load (.dcp)"
 F_BOMB = "hostile folders: memo, reference, JSON and history bombs"
 F_SECRET = "hostile folders: URLs with credentials"
 F_ESC = "hostile folders: escape sequences for the terminal"
-FAMILIES = (F_SPECIAL, F_DAMAGE, F_NEST, F_HUGE, F_PICKLE, F_LOCK, F_MIRROR, F_CWD, F_SWAP, F_BOMB, F_SECRET, F_ESC)
+FAMILIES = (F_SPECIAL, F_DAMAGE, F_NEST, F_HUGE, F_PICKLE, F_LOCK, F_MIRROR, F_CWD, F_SWAP, F_BOMB, F_SECRET, F_ESC,
+            *r3.FAMILIES)  # issue #29, round three: tests/faults/hostile_round3.py
 WHAT = {
     F_SPECIAL: "every file replaced by a symlink (private file outside, /dev/zero, /dev/urandom), a FIFO, a folder, "
                "a socket, or deleted; every reader under a time and RSS limit, nothing outside touched or leaked",
@@ -124,6 +127,7 @@ WHAT = {
     F_ESC: "ESC/OSC/CSI/C1/BEL/CR/bidi and rich markup in companions, config, history, LOCK, .state.json, mirror.json "
            "and file names: no control byte of a file reaches stdout/stderr (checked for every case of every family)",
 }
+WHAT.update(r3.WHAT)
 
 
 # ====================================================================== fixtures
@@ -1049,6 +1053,7 @@ MUTATIONS: dict[str, Mutation] = {
     **{f"lock_{v}": m_lock(v) for v in LOCK_VARIANTS},
 }
 MUTATIONS.update(ROUND_TWO_MUTATIONS)
+MUTATIONS.update(r3.MUTATIONS)
 #: Mutations that recompute the plain-sha256 records (what an attacker does): hashes pass, parsers are reached.
 RESEALED = ("nest", "huge", "huge_shape", "sparse_line", "temp_names")
 SPECIAL = ("delete", "symlink_private", "symlink_devzero", "symlink_urandom", "fifo", "folder", "socket")
@@ -1268,9 +1273,9 @@ class Case:
     def strict(self) -> bool:
         """The command must refuse (exit 1 or 2): damage to a file it reads whole (hashes fail), or a resealed
         hostile value in a file whose content it interprets."""
-        if (self.fixture, self.mutation, self.command) in MUST_REFUSE:
+        if (self.fixture, self.mutation, self.command) in MUST_REFUSE | r3.MUST_REFUSE:
             return True
-        if self.family in ROUND_TWO:
+        if self.family in ROUND_TWO + r3.FAMILIES:
             return False
         rxs = self.cmd.parses if self.mutation in RESEALED else self.cmd.strict
         return any(re.search(rx, self.target) for rx in rxs)
@@ -1394,6 +1399,9 @@ def all_cases(fx: Fixtures, *, seed: int = 10, per_case: int = 3) -> list[Case]:
                                (t, m, "inspect shards --deep --json") for c in cases):
                         cases.append(Case(F_SPECIAL if m in SPECIAL else F_DAMAGE, "shards", m, t,
                                           "inspect shards --deep --json", rng.randrange(1 << 30)))
+    rng = random.Random(seed * 1000 + 29)  # issue #29's families: their own draws
+    cases += [Case(fam, kind, mutation, target, c, rng.randrange(1 << 30))
+              for fam, kind, mutation, target, c in r3.cases(COMMANDS, _readers, rng)]
     return cases
 
 
@@ -1503,6 +1511,8 @@ def sample_cases(cases: list[Case], n: int = 20, seed: int = 10) -> list[Case]:
              (keys[0], keys[2], keys[4], keys[11], keys[14])]
     must += [c for c in cases if c.mutation == "delete" and c.command == "train --resume --require-signature"][:1]
     for fam, mutation, command in SAMPLE_ROUND_TWO:
+        must += [c for c in cases if c.family == fam and c.mutation == mutation and c.command == command][:1]
+    for fam, mutation, command in r3.SAMPLE_ROUND_THREE:
         must += [c for c in cases if c.family == fam and c.mutation == mutation and c.command == command][:1]
     for target, family in SAMPLE_SHARDS:  # the sharded general kind: a damaged shard, a special file as its index
         must += [c for c in cases if c.fixture == "shards" and c.target == target and c.family == family][:1]
@@ -1903,7 +1913,7 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
         text = so + se
         if hung:
             out.problems.append(f"HANG: killed after {timeout:.0f} s")
-        if case.family in ROUND_TWO and "this is a bug in ripresa or an input it does not recognise" in se:
+        if case.family in ROUND_TWO + r3.FAMILIES and "this is a bug in ripresa or an input it does not recognise" in se:
             last = [ln for ln in se.strip().splitlines() if "could not complete" in ln][:1] or ["?"]
             out.problems.append(f"UNTYPED: the last-resort report instead of a typed error: {last[0][:200]}")
         bad = [repr(c) for c in CONTROL_BYTES if c in text]
@@ -1918,6 +1928,8 @@ def run_case(case: Case, fx: Fixtures, work: Path, victim: Victim | None = None)
                 out.problems.append(f"SECRET: the password was written into {grew[:4]}")
         if cmd.expect:
             out.problems += _expect(cmd.expect, case, fx, rc, od)
+        if case.family in r3.FAMILIES:
+            out.problems += r3.check(case.mutation, case.command, rc, text, od)
         if (what := EXPECT_CASES.get((case.fixture, case.mutation, case.command))):
             out.problems += _expect(what, case, fx, rc, od)
         if "Traceback (most recent call last)" in text:

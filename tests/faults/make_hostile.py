@@ -244,7 +244,11 @@ def build() -> list[dict]:
          "malformed"),
         ("tensor_bad_dtype", comp(state__t=dict(tensor, __tensor__="complex128")), "malformed tensor"),
         ("tensor_negative_shape", comp(state__t=dict(tensor, shape=[-2])), "bad tensor shape"),
-        ("tensor_huge_shape", comp(state__t=dict(tensor, shape=[2**40, 2**40])), "does not match its shape"),
+        ("tensor_huge_shape", comp(state__t=dict(tensor, shape=[2**40, 2**40])), "beyond any size"),
+        # zero bytes, so no length check bounds the other dimensions: the one shape bound does (issue #29)
+        ("tensor_zero_byte_huge_shape", comp(state__t=dict(tensor, shape=[0, 2**64], data=[])), "beyond any size"),
+        ("tensor_zero_byte_strides", comp(state__t=dict(tensor, shape=[0, 2**16, 2**16, 2**16, 2**16], data=[])),
+         "beyond any size"),
         ("tensor_data_length", comp(state__t=dict(tensor, data=[1.0])), "does not match its shape"),
         ("tensor_string_data", comp(state__t=dict(tensor, data=["a", "b"])), "malformed"),
         ("dict_tag_not_a_list", comp(state__t={"__dict__": 5}), "malformed"),

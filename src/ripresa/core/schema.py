@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError, RipresaError, SchemaError
+from .numbers import checked_number
 from .rng import validate_rng_state
 
 FORMAT = "ripresa.checkpoint"
@@ -102,7 +103,9 @@ def _check_progress_consistency(state: Mapping[str, Any], path: Path | None) -> 
     for s in opt["state"].values():
         if isinstance(s, dict) and "step" in s:
             v = s["step"]
-            steps.append(float(v.item() if isinstance(v, torch.Tensor) else v))
+            steps.append(checked_number(v.item() if isinstance(v, torch.Tensor) else v, file=path,  # no OverflowError
+                                        field="optimizer.state.step", lo=0, hi=2**63 - 1, integer=False,
+                                        error=SchemaError))
     if not steps:
         return
     step = state["progress"]["step"]

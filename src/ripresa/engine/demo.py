@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,7 +19,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import BadInput
+from ..console import capped_rows, progress
+from ..errors import BadInput, SaveFailed
 from ..io.child import child_env, ripresa_argv
 from ..io.fsio import open_run_file, read_json_small
 from ..store.history import read_history
@@ -32,18 +34,38 @@ def _train_cmd(run: Path, *extra: str) -> list[str]:
     return ripresa_argv("train", "--run", str(run), "--config", "tiny", "--threads", "1", "--quiet", *extra)
 
 
-def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:
+def _last_step(run: Path) -> int:
+    hist = run / ".loss.jsonl"
+    steps = read_history(hist).steps if hist.exists() else []
+    return max(steps) if steps else 0
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 600, *, what: str | None = None,
+                  total: int | None = None, until_exit: bool = False) -> int:
+    """The newest step in ``run``'s history once it is ``>= step`` (or, ``until_exit``, once the child ``proc``
+    training it has ended). The child must stay alive until then: a typed :class:`~ripresa.errors.SaveFailed`,
+    exit 2, when it exits early or stalls past ``timeout``. With ``what``, a progress line (ripresa.console.progress:
+    the steps done of ``total``; nothing when stderr is not a terminal)."""
     t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the trainer exited early with {proc.returncode}")
-        hist = run / ".loss.jsonl"
-        if hist.exists():
-            steps = read_history(hist).steps
-            if steps and max(steps) >= step:
-                return max(steps)
-        time.sleep(0.05)
-    raise RuntimeError(f"the trainer did not reach step {step} in {timeout:.0f} s (a hang guard; see train.log)")
+    with progress("count") if what else contextlib.nullcontext() as bar:
+        task = bar.add_task(f"{what} (tiny; history {run / '.loss.jsonl'})", total=total or step,
+                            unit="steps") if bar is not None else None
+        while time.time() - t0 < timeout:
+            done = proc.poll() is not None
+            at = _last_step(run)
+            if bar is not None:
+                bar.update(task, completed=min(at, total or step))
+            if until_exit and done:
+                return at
+            if done:
+                raise SaveFailed("the trainer exited early", file=run, expected=f"training up to step {step}",
+                                 found=f"exit code {proc.returncode}", hint="its output is in the log beside the run")
+            if not until_exit and at >= step:
+                return at
+            time.sleep(0.1)
+    raise SaveFailed("the trainer did not reach its step in time (a hang guard)", file=run,
+                     expected=f"step {step} within {timeout:.0f} s", found="fewer steps",
+                     hint="its output is in the log beside the run")
 
 
 def _valid(run: Path) -> list[int]:
@@ -93,7 +115,7 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
     t0 = time.perf_counter()
     proc = subprocess.Popen(_train_cmd(run, "--steps", "400", "--every", "100"), stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        at = _wait_for_step(run, 150, proc)
+        at = wait_for_step(run, 150, proc, what="training to step 150", total=400)
         proc.send_signal(__import__("signal").SIGUSR1)
         console.print(f"· step {at}: sent SIGUSR1 (checkpoint and continue)")
         t1 = time.time()
@@ -101,7 +123,7 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
             time.sleep(0.05)
         extra = [s for s in _valid(run) if s % 100]
         console.print(f"  → generation step_{extra[0]:06d}.bin committed while training went on" if extra else "  → (no extra generation seen)")
-        at = _wait_for_step(run, 250, proc)
+        at = wait_for_step(run, 250, proc, what="training on to step 250", total=400)
         proc.send_signal(__import__("signal").SIGTERM)
         console.print(f"· step {at}: sent SIGTERM (checkpoint and exit)")
         rc = proc.wait(timeout=120)
@@ -110,21 +132,33 @@ def _run_demo(out: Path, console: Console, log: int, t_all: float) -> int:
             proc.kill()
     stopped = max(read_history(run / ".loss.jsonl").steps)
     console.print(f"  → exit code {rc}; last step {stopped}; generations {_valid(run)}")
-    res = subprocess.run(_train_cmd(run, "--steps", "50", "--every", "100"), capture_output=True, text=True, env=env)
-    first = next((line for line in res.stdout.splitlines() if line.startswith("resumed")), res.stdout.strip()[:200])
-    console.print(f"· started again on the same folder: {first}")
-    if res.returncode != 0 or rc != 0:
-        console.print(f"[red]the engine failed[/] (exit {rc}, {res.returncode}):\n{res.stderr[-2000:]}")
+    # the same command again, 50 steps further: `ripresa train` resumes and says from which generation
+    goal = stopped + 50
+    again = subprocess.Popen(_train_cmd(run, "--steps", str(goal), "--every", "100"), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for_step(run, goal, again, what=f"resumed, training to step {goal}", total=goal, until_exit=True)
+        said, err = again.communicate(timeout=120)
+    finally:
+        if again.poll() is None:
+            again.kill()
+    first = next((line for line in said.splitlines() if line.startswith("resumed")), said.strip()[:200])
+    console.print(f"· started again on the same folder: {escape_markup(first)}")
+    if again.returncode != 0 or rc != 0:
+        console.print(f"[red]the engine failed[/] (exit {rc}, {again.returncode}):\n{escape_markup(err[-2000:])}")
         return 2
     view = read_history(run / ".loss.jsonl")
     table = Table(title=f"history of {run} (.loss.jsonl: {len(view.steps)} steps, {len(view.events)} events)")
     table.add_column("event", no_wrap=True)
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("detail", overflow="fold")  # wraps between fields, never cuts a value
-    for e in view.events:
+
+    def row(e: dict) -> tuple[str, str, str]:
         detail = {k: v for k, v in e.items() if k not in ("event", "time", "step", "from_step", "lineage")}
-        table.add_row(escape_markup(e["event"]), escape_markup(str(e.get("step", e.get("from_step", "")))),
-                      escape_markup(_fields(detail)))
+        return (escape_markup(e["event"]), escape_markup(str(e.get("step", e.get("from_step", "")))),
+                escape_markup(_fields(detail)))
+
+    capped_rows(table, view.events, row, what="events")
     console.print(table)
     samples = read_json_small(run / ".samples.json", "sample audits", 16 << 20)  # no link followed, no FIFO waited on
     last = samples["audits"][-1]

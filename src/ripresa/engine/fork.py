@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
+from ..core.numbers import checked_number
 from ..errors import BadInput, IntegrityError, OutputExists, RipresaError
 from ..io import auth
 from ..io.fsio import (
@@ -135,7 +136,7 @@ def fork(parent: Path, step: int, into: Path, sets: Sequence[str] = ()) -> dict[
     cfg = read_run_config(parent / "config.json")
     cfg = apply_sets(cfg, sets)
     if any(s.startswith("mixture.") for s in sets):
-        cfg["mixture"]["phase"] = int(cfg["mixture"].get("phase", 0)) + 1  # a new policy: fresh bandit
+        cfg["mixture"]["phase"] = checked_number(cfg["mixture"].get("phase", 0), file="config.json", field="mixture.phase", lo=0, hi=2**31 - 1, error=BadInput) + 1  # a new policy: fresh bandit
     validate(cfg)
     b, c, mk = generation_paths(parent, step)
     signature = _read_signature(b, step)
@@ -187,7 +188,7 @@ def _dcp_steps(parent: Path) -> list[int]:
 def _new_config(parent: Path, sets: Sequence[str]) -> dict[str, Any]:
     cfg = apply_sets(read_run_config(parent / "config.json"), sets)
     if any(s.startswith("mixture.") for s in sets):
-        cfg["mixture"]["phase"] = int(cfg["mixture"].get("phase", 0)) + 1  # a new policy: fresh bandit
+        cfg["mixture"]["phase"] = checked_number(cfg["mixture"].get("phase", 0), file="config.json", field="mixture.phase", lo=0, hi=2**31 - 1, error=BadInput) + 1  # a new policy: fresh bandit
     validate(cfg)
     return cfg
 

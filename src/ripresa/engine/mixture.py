@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.numbers import checked_number
 from ..errors import BadInput, RipresaError, SchemaError
 
 __all__ = [
@@ -67,15 +69,13 @@ def _fraction(value: object, what: str, *, source: str | Path | None = None) -> 
             expected="a number in [0, 1]",
             found=repr(value),
         )
-    v = float(value)
-    if not math.isfinite(v) or not 0.0 <= v <= 1.0:
-        raise BadInput(
-            f"{what} is outside [0, 1]",
-            file=source,
-            expected="a finite number in [0, 1]",
-            found=repr(v),
-        )
-    return v
+    if isinstance(value, np.integer | np.floating):
+        value = value.item()
+    try:  # the one checked conversion (docs/FAULTS.md, "Numbers read from files"): 10**400 is no OverflowError
+        return float(checked_number(value, file=source, field=what, lo=0.0, hi=1.0, integer=False, error=BadInput))
+    except BadInput as exc:
+        raise BadInput(f"{what} is outside [0, 1]", file=source, expected="a finite number in [0, 1]",
+                       found=exc.found) from None
 
 
 def _arm_name(value: object, what: str, *, source: str | Path | None = None) -> str:
@@ -674,10 +674,10 @@ def _check_hyper(
     def num(v: object, what: str) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise BadInput(f"{what} must be a number", found=repr(v))
-        f = float(v)
-        if not math.isfinite(f):
-            raise BadInput(f"{what} must be finite", found=repr(f))
-        return f
+        if isinstance(v, np.integer | np.floating):
+            v = v.item()
+        return float(checked_number(v, file=None, field=what, lo=-sys.float_info.max, hi=sys.float_info.max,
+                                    integer=False, error=BadInput))
 
     b, t, e = (
         num(reward_ema, "reward_ema"),
@@ -707,12 +707,11 @@ def _float(
 ) -> float | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _schema(f"{what} must be a number", source, expected="float", found=repr(value))
-    f = float(value)
-    if not math.isfinite(f):
-        raise _schema(f"{what} is not finite", source, expected="a finite float", found=repr(f))
-    return f
+    try:  # the one checked conversion (docs/FAULTS.md, "Numbers read from files")
+        return checked_number(value, file=source, field=what, lo=-sys.float_info.max, hi=sys.float_info.max,
+                              integer=False, error=SchemaError)
+    except SchemaError as exc:
+        raise _schema(f"{what} must be a finite number", source, expected="a finite float", found=exc.found) from None
 
 
 def _parse_state(state: object, source: str | Path | None) -> dict[str, Any]:

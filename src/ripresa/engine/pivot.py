@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core.numbers import checked_number
 from ..errors import BadInput, CheckFailed, RipresaError, SaveFailed
 from ..io import auth
 from ..io.child import child_env, ripresa_argv
@@ -146,7 +147,7 @@ def pivot(run: Path, *, caps: Sequence[str] = (), floors: Sequence[str] = (), re
         fsync_dir(archive)
         fsync_dir(run)
         old = {"floors": dict(cfg["mixture"].get("floors", {})), "caps": dict(cfg["mixture"].get("caps", {}))}
-        phase = int(cfg["mixture"].get("phase", 0)) + 1
+        phase = checked_number(cfg["mixture"].get("phase", 0), file="config.json", field="mixture.phase", lo=0, hi=2**31 - 1, error=BadInput) + 1
         cfg["mixture"].update(policy.to_dict())
         cfg["mixture"]["phase"] = phase
         history = History(run / HISTORY_NAME)
@@ -305,7 +306,8 @@ def restart_command(run: Path, launch: dict[str, Any] | None, gen: Any) -> list[
     """
     flags = _replayed_flags(launch, run)
     shard = (launch or {}).get("options", {}).get("shard", "ddp")
-    world = int((launch or {}).get("world_size", 1))
+    world = checked_number((launch or {}).get("world_size", 1), file=run, field="launch.world_size", lo=1, hi=2**20,
+                           error=BadInput)
     from ..store.backend import spec_of
 
     if gen is not None and spec_of(gen.kind).collective:  # a sharded kind (.dcp)

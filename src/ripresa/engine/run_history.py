@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput
+from ..core.numbers import checked_number
+from ..errors import BadInput, IntegrityError
 from ..io.fsio import read_json_small
 from ..store.history import HISTORY_NAME, HistoryReader, reduce_record
 
@@ -152,10 +154,11 @@ class RunHistory:
 
 
 def _as_float(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
+    try:  # the one checked conversion (docs/FAULTS.md, "Numbers read from files"); a bad value is a gap
+        return checked_number(v, file=None, field="a history value", lo=-sys.float_info.max,
+                              hi=sys.float_info.max, integer=False)
+    except IntegrityError:
         return math.nan
-    f = float(v)
-    return f if math.isfinite(f) else math.nan
 
 
 def _event_step(kind: str, rec: dict[str, Any]) -> int | None:

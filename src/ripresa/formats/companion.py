@@ -92,6 +92,35 @@ _INT_RANGES = {
 }
 
 
+#: Most elements a shape may span, a zero dimension counted as one (2**48: beyond any tensor a run
+#: holds, and small enough that every stride and byte count of it fits an int64).
+MAX_SPAN = 2**48
+
+
+def check_shape(shape: Any, where: str, *, file: str | Path | None = None) -> tuple[int, ...]:
+    """The one bound on a shape read from a file (docs/FAULTS.md, "Shapes"): a list of at most
+    :data:`MAX_NDIM` non-negative ints whose product, each zero counted as one, is at most
+    :data:`MAX_SPAN`. A shape of zero elements has zero bytes, so no byte check bounds its other
+    dimensions (``[0, 2**64]``): this one does, for every reader that yields a shape (companions,
+    safetensors headers, DCP metadata), before anything is allocated or listed valid.
+    Raises :class:`SchemaError`; returns the shape as a tuple."""
+    if (not isinstance(shape, list | tuple) or len(shape) > MAX_NDIM
+            or any(type(s) is not int or s < 0 for s in shape)):
+        raise SchemaError(f"{where}: bad tensor shape", file=file, expected=f"<= {MAX_NDIM} non-negative ints",
+                          found=brief(list(shape) if isinstance(shape, tuple) else shape),
+                          hint="it was not written by ripresa; it is not used")
+    span = 1
+    for s in shape:
+        span *= max(s, 1)
+        if span > MAX_SPAN:
+            raise SchemaError(f"{where}: tensor shape beyond any size", file=file,
+                              expected="dimensions whose product (a zero counted as one) is <= 2**48",
+                              found=brief(list(shape)),
+                              hint="it was not written by ripresa (a zero-byte tensor of astronomic "
+                                   "dimensions); it is not used")
+    return tuple(shape)
+
+
 def tree_depth(obj: Any) -> int:
     """Deepest nesting of lists/dicts in a parsed JSON tree, computed without recursion."""
     deepest = 0
@@ -156,14 +185,11 @@ def decode_tensor(obj: Mapping[str, Any], where: str = "companion") -> torch.Ten
     if not isinstance(shape, list) or not isinstance(data, list) or set(obj) != {"__tensor__", "shape", "data"}:
         raise SchemaError(f"{where}: malformed tensor", expected='{"__tensor__", "shape": [...], "data": [...]}',
                           found=brief(obj))
-    if len(shape) > MAX_NDIM or any(type(s) is not int or s < 0 for s in shape):
-        raise SchemaError(f"{where}: bad tensor shape", expected=f"<= {MAX_NDIM} non-negative ints", found=brief(shape))
+    check_shape(shape, where)
     count = math.prod(shape)
     if count != len(data):
         raise SchemaError(f"{where}: tensor data length does not match its shape", expected=count, found=len(data),
                           hint="a declared shape must describe the data present")
-    if 0 in shape and any(s > 2**31 for s in shape):
-        raise SchemaError(f"{where}: bad tensor shape", expected="dimensions < 2**31", found=brief(shape))
     fits = _fits(dt)
     for x in data:
         if not fits(x):

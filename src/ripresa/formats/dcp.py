@@ -28,6 +28,7 @@ from ..io.fsio import (
     read_small,
     sha256_fd,
 )
+from ..io.pieces import PieceBudget
 from . import companion as companion_fmt
 from .generation import Checks, Generation, reason_of
 from .naming import NameFormat
@@ -238,12 +239,14 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
             if d.is_symlink() or not d.is_dir():
                 raise IntegrityError("the .dcp folder is missing", file=d, expected="a folder", found="nothing or not a folder")
             present = {e.name: e for e in os.scandir(d)}
+            files = PieceBudget(f"the files of {d.name}", 1 << 62)
             if set(present) != set(hashes):
                 raise IntegrityError("the .dcp folder's files differ from its marker's", file=d, expected=sorted(hashes)[:8],
                                      found=sorted(present)[:8], hint="a file was added or removed after the commit")
             for name, e in present.items():
                 if e.is_symlink() or not e.is_file(follow_symlinks=False):
                     raise IntegrityError("a .dcp file is not a regular file", file=d / name)
+                files.inode(e.stat(follow_symlinks=False), d / name)  # no file counted twice (hard links)
             f["found"] = sorted(present)[:8]
         doc = read_dcp_companion(d, hashes[COMPANION_NAME], checks=checks)
         with checks.run("companion step", expected=step) as f:

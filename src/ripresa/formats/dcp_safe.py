@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import IntegrityError, RipresaError
+from .companion import brief
+from .companion import check_shape as shape_bound
 
 #: Largest ``.metadata`` read (bytes): a 120M-parameter model's is about 100 KB.
 MAX_METADATA_BYTES = 64 * 1024 * 1024
@@ -332,6 +334,12 @@ def check_metadata(md: Any, folder: Path, *, sizes: Mapping[str, int] | None = N
                         or type(c.sizes) is not torch.Size or len(c.offsets) != len(entry.size)
                         or len(c.sizes) != len(entry.size)):
                     raise _metadata_error(p, f"entry {key!r}: malformed chunk", hint)
+            shape_bound(entry.size, f".dcp metadata: entry {brief(key, 80)}", file=p)  # the one shape bound
+            for c in entry.chunks:
+                shape_bound(c.sizes, f".dcp metadata: a chunk of {brief(key, 80)}", file=p)
+                if any(o < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, entry.size, strict=True)):
+                    raise _metadata_error(p, f"entry {brief(key, 80)}: a chunk at {list(c.offsets)} of "
+                                             f"{list(c.sizes)} outside its tensor of {list(entry.size)}", hint)
         elif type(entry) is not BytesStorageMetadata:
             raise _metadata_error(p, f"entry {key!r}: a {type(entry).__name__}", hint)
     known: dict[str, int] = {}

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.numbers import checked_number
+from ..errors import IntegrityError
+
 __all__ = ["MARKER_SUFFIX", "SIGNATURE_SUFFIX", "NameFormat"]
 
 #: The commit marker of a generation: its main name plus this suffix (``sha256sum`` lines).
@@ -63,7 +66,10 @@ class NameFormat:
         m = self._main.fullmatch(base)
         if m is None:
             return None
-        step = int(m.group(1))
+        try:  # the one checked conversion (docs/FAULTS.md, "Numbers read from files"): a name beyond int64 is not ours
+            step = checked_number(m.group(1), file=None, field="a generation's step", lo=0, hi=2**63 - 1, text=True)
+        except IntegrityError:
+            return None
         if self.canonical and (f"step_{step:06d}{self.suffix}" != base or self.max_step is not None and step > self.max_step):
             return None
         return step

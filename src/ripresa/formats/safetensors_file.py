@@ -215,7 +215,7 @@ def _header_length(raw_len: bytes, file_size: int, path: Path) -> int:
 
 def parse_header(raw_len: bytes, raw_head: bytes, file_size: int, path: Path) -> Header:
     """Validate a header against the file size before anything is allocated (see the module doc)."""
-    from .companion import loads_bounded
+    from .companion import brief, check_shape, loads_bounded
 
     n = _header_length(raw_len, file_size, path)
     if len(raw_head) != n:
@@ -229,24 +229,28 @@ def parse_header(raw_len: bytes, raw_head: bytes, file_size: int, path: Path) ->
         raise _bad(path, "header is not a JSON object", found=type(doc).__name__)
     meta = doc.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise _bad(path, "__metadata__ is not a map of strings to strings", found=str(meta)[:120])
+        raise _bad(path, "__metadata__ is not a map of strings to strings", found=brief(meta))
     data_size = file_size - 8 - n
     entries = []
     for key, rec in doc.items():
         if not key or len(key) > MAX_KEY:
-            raise _bad(path, "bad tensor key", f"1..{MAX_KEY} characters", repr(key)[:120])
+            raise _bad(path, "bad tensor key", f"1..{MAX_KEY} characters", brief(key))
         if not isinstance(rec, dict) or set(rec) != {"dtype", "shape", "data_offsets"}:
-            raise _bad(path, f"tensor {key!r}: malformed entry", '{"dtype", "shape", "data_offsets"}', str(rec)[:120])
+            raise _bad(path, f"tensor {key!r}: malformed entry", '{"dtype", "shape", "data_offsets"}', brief(rec))
         dt, shape, offs = rec["dtype"], rec["shape"], rec["data_offsets"]
         if not isinstance(dt, str) or dt not in DTYPES:
             raise _bad(path, f"tensor {key!r}: unknown dtype", sorted(DTYPES), repr(dt)[:80])
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or any(type(s) is not int or s < 0 for s in shape)):
-            raise _bad(path, f"tensor {key!r}: bad shape", f"<= {MAX_NDIM} non-negative ints", str(shape)[:120])
+        if not isinstance(shape, list):
+            raise _bad(path, f"tensor {key!r}: bad shape", f"<= {MAX_NDIM} non-negative ints", brief(shape))
+        try:
+            check_shape(shape, f"safetensors file: tensor {brief(key, 80)}", file=path)  # the one shape bound
+        except IntegrityError as exc:
+            raise _bad(path, f"tensor {brief(key, 80)}: {exc.message.rsplit(': ', 1)[-1]}", exc.expected,
+                       exc.found) from None
         if (not isinstance(offs, list) or len(offs) != 2 or any(type(o) is not int for o in offs)
                 or not 0 <= offs[0] <= offs[1] <= data_size):
             raise _bad(path, f"tensor {key!r}: byte range outside the file's data",
-                       f"0 <= begin <= end <= {data_size}", str(offs)[:120])
+                       f"0 <= begin <= end <= {data_size}", brief(offs))
         want = math.prod(shape) * itemsize(DTYPES[dt])  # Python ints: a shape asking for terabytes stays a number
         if offs[1] - offs[0] != want:
             raise _bad(path, f"tensor {key!r}: shape and dtype do not match its byte range",
@@ -264,19 +268,25 @@ def parse_header(raw_len: bytes, raw_head: bytes, file_size: int, path: Path) ->
     return Header(tuple(entries), meta, 8 + n, file_size, raw_len + raw_head)
 
 
-def _read_header_fd(fd: int, path: Path) -> Header:
+def _read_header_fd(fd: int, path: Path, charge: Callable[[int], None] | None = None) -> Header:
     size = os.fstat(fd).st_size
     raw_len = os.pread(fd, 8, 0) if size >= 8 else b""
-    raw_head = os.pread(fd, _header_length(raw_len, size, path), 8)
+    n = _header_length(raw_len, size, path)
+    if charge is not None:
+        charge(8 + n)  # a budget shared with other pieces, charged before the header is read
+    raw_head = os.pread(fd, n, 8)
     return parse_header(raw_len, raw_head, size, path)
 
 
-def read_header(path: str | Path) -> Header:
-    """Open ``path`` (a regular file, no symlink) and validate its header (nothing else is read)."""
+def read_header(path: str | Path, *, charge: Callable[[int], None] | None = None) -> Header:
+    """Open ``path`` (a regular file, no symlink) and validate its header (nothing else is read).
+
+    ``charge(n)``, when given, is told the header's size before it is read (a shard's header
+    charged to its generation's budget, docs/FAULTS.md, "Many pieces, one budget")."""
     p = Path(path)
     fd = open_run_file(p, "safetensors file", error=IntegrityError)
     try:
-        return _read_header_fd(fd, p)
+        return _read_header_fd(fd, p, charge)
     finally:
         os.close(fd)
 

@@ -26,6 +26,7 @@ from ..core.loader import make_exact
 from ..core.state import TrainingState
 from ..errors import BadInput, SchemaError
 from ..session.checkpointer import Checkpointer
+from ..session.closing import CloseResult, warn_if_pending
 from ..session.signals import hold
 
 __all__ = ["ExactResume"]
@@ -173,7 +174,12 @@ class ExactResume(Callback):
             ``max_redo``, ``allow_*_change``, ``save_on_close``, ``format``...).
 
     Attributes: :attr:`checkpointer` (during the fit), :attr:`resumed_step`
-    (the step ``resume()`` returned, 0 for a new run).
+    (the step ``resume()`` returned, 0 for a new run), :attr:`close_result`
+    (after the fit: what the session's ``close()`` returned) and
+    :attr:`upload_pending` (the steps a ``mirror=`` still lacks after the fit:
+    empty when the final state is safe off the machine; a ``CheckpointWarning``
+    line says so when not, and ``sys.exit(callback.close_result.exit_code)``
+    exits 3 as ``ripresa train`` does; docs/INTEGRATIONS_lightning.md).
     """
 
     def __init__(self, run_dir: str | Path, every: int | str = 100, *, handle_signals: bool = True,
@@ -195,6 +201,7 @@ class ExactResume(Callback):
         self.options = dict(checkpointer)
         self.checkpointer: Checkpointer | None = None
         self.resumed_step = 0
+        self.close_result: CloseResult | None = None
         self._data: _TrainLoaders | None = None
         self._rng_after_resume: dict[str, Any] | None = None
         self._last_step: int | None = None
@@ -221,6 +228,7 @@ class ExactResume(Callback):
             self.checkpointer.close()
             self.checkpointer = None
         self._failed, self._last_step, self._rng_after_resume = False, None, None
+        self.close_result = None
         if self.handle_signals:
             hold()  # a SIGUSR1 before on_train_start is deferred, never fatal
         state = self._state(trainer, pl_module)
@@ -313,7 +321,13 @@ class ExactResume(Callback):
     def _close(self, trainer: Trainer) -> None:
         ckpt, self.checkpointer = self.checkpointer, None
         if ckpt is not None:
-            ckpt.close()
+            self.close_result = ckpt.close()  # with a mirror: waits for the store at a normal end (docs/MIRROR.md)
+            warn_if_pending(self.close_result, "ExactResume")
+
+    @property
+    def upload_pending(self) -> list[int]:
+        """The steps the mirror still lacks after the fit (empty: safe off the machine, or no mirror)."""
+        return list(self.close_result.pending) if self.close_result is not None else []
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._failed:

@@ -25,6 +25,7 @@ from ..core.loader import make_exact
 from ..core.state import TrainingState
 from ..errors import BadInput
 from ..session.checkpointer import Checkpointer
+from ..session.closing import CloseResult, warn_if_pending
 
 __all__ = ["ExactResume"]
 
@@ -144,7 +145,13 @@ class ExactResume(TrainerCallback):
     (``control.should_training_stop``); SIGUSR1 saves and goes on. The last
     step is saved when ``train()`` ends. :attr:`checkpointer` is the session
     (None outside ``train()``), :attr:`resumed_step` the step the last
-    ``train()`` resumed from (0: a new run).
+    ``train()`` resumed from (0: a new run). With ``mirror=``, the end waits
+    for the store (``final_upload_timeout``); after ``train()``,
+    :attr:`close_result` is what the session's ``close()`` returned and
+    :attr:`upload_pending` the steps the mirror still lacks (empty: safe off
+    the machine); a ``CheckpointWarning`` line says so when not, and
+    ``sys.exit(callback.close_result.exit_code)`` exits 3 as ``ripresa train``
+    does (docs/INTEGRATIONS_transformers.md).
     """
 
     def __init__(self, run_dir: str | Path, every: int | str = 100, *, seed: int | None = None,
@@ -160,6 +167,7 @@ class ExactResume(TrainerCallback):
         self.kwargs = checkpointer_kwargs
         self.checkpointer: Checkpointer | None = None
         self.resumed_step = 0
+        self.close_result: CloseResult | None = None
         self._trainer: Trainer | None = None
         self._handle: Any = None
         self._pending: int | None = None  # the step whose log/eval/save is under way
@@ -196,6 +204,7 @@ class ExactResume(TrainerCallback):
             self.checkpointer.abort()
             self.checkpointer = None
         self._trainer, self._handle, self._pending = trainer, handle, None
+        self.close_result = None
         self._per_epoch, self._ga = per_epoch, ga
         model = trainer.model
         config: dict[str, Any] = {}
@@ -322,4 +331,10 @@ class ExactResume(TrainerCallback):
             if getattr(wrapped, "_ripresa_owner", None) is self:
                 del trainer.__dict__["_maybe_log_save_evaluate"]
         if ckpt is not None:
-            ckpt.close()
+            self.close_result = ckpt.close()  # with a mirror: waits for the store at a normal end (docs/MIRROR.md)
+            warn_if_pending(self.close_result, "ExactResume")
+
+    @property
+    def upload_pending(self) -> list[int]:
+        """The steps the mirror still lacks after ``train()`` (empty: safe off the machine, or no mirror)."""
+        return list(self.close_result.pending) if self.close_result is not None else []

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..core.numbers import checked_number
 from ..errors import BadInput, IntegrityError
 
 ENV_KEY = "RIPRESA_HMAC_KEY"
@@ -237,7 +238,8 @@ def parse_signature(raw: bytes, where: str | os.PathLike[str]) -> tuple[str, int
             found=repr(raw[:120]),
             hint="the signature is damaged or forged; this generation cannot be trusted",
         )
-    return m.group("key"), int(m.group("step")), m.group("mac")
+    return m.group("key"), checked_number(m.group("step"), file=where, field="signature step", lo=0, hi=2**63 - 1,
+                                          text=True, error=SignatureError), m.group("mac")
 
 
 def verify(key: bytes, sig_path: Path, step: int, bin_name: str, bin_sha256: str, companion_name: str,

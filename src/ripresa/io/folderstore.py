@@ -12,6 +12,7 @@ from ..errors import IntegrityError
 from .fsio import CHUNK, open_run_file, temp_name_for
 from .objstore_base import (
     MAX_KEYS,
+    MAX_LISTED,
     MULTIPART_THRESHOLD,
     GetBytes,
     HashedFile,
@@ -21,6 +22,7 @@ from .objstore_base import (
     check_key,
     key_ok,
 )
+from .pieces import PieceBudget
 
 
 class LocalStore(GetBytes):
@@ -186,8 +188,11 @@ class LocalStore(GetBytes):
         rfd = self._root_fd(create=False)
         if rfd is None:
             return out
+        seen = PieceBudget("the mirror folder's listing", MAX_LISTED, unit="entries",
+                           hint="a mirror ripresa writes holds far fewer entries; it was filled by something else")
         try:
             for entry in os.scandir(rfd):
+                seen.take(1, self.root)
                 if entry.is_dir(follow_symlinks=False):
                     try:
                         dfd = self._sub_fd(rfd, entry.name, create=False)
@@ -197,6 +202,7 @@ class LocalStore(GetBytes):
                         continue
                     try:
                         for sub in os.scandir(dfd):
+                            seen.take(1, self.root)
                             k = f"{entry.name}/{sub.name}"
                             if sub.is_file(follow_symlinks=False) and key_ok(k):
                                 out[k] = sub.stat(follow_symlinks=False).st_size

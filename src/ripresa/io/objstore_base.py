@@ -18,6 +18,9 @@ from .fsio import CHUNK, open_run_file
 
 #: Most keys a listing returns before it is refused as hostile.
 MAX_KEYS = 100_000
+#: Most entries a listing may go through in all, its pages together, kept or not (docs/FAULTS.md, "Many
+#: pieces, one budget"): each page is bounded, their sum is bounded too (an empty page counts as one).
+MAX_LISTED = 4 * MAX_KEYS
 #: The writer lock of an S3 mirror (an object; a folder mirror uses an ``flock`` on ``LOCK``).
 LOCK_KEY = "RIPRESA_MIRROR.lock"
 #: Seconds an S3 writer's lease lasts without renewal (renewed every third of it while the writer lives).

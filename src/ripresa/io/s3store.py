@@ -10,12 +10,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..core.numbers import checked_number
 from ..errors import BadInput, IntegrityError, LockHeld, MissingDependency
 from .fsio import CHUNK
 from .objstore_base import (
     LEASE,
     LOCK_KEY,
     MAX_KEYS,
+    MAX_LISTED,
     MULTIPART_THRESHOLD,
     PART_SIZE,
     GetBytes,
@@ -26,6 +28,7 @@ from .objstore_base import (
     check_key,
     key_ok,
 )
+from .pieces import PieceBudget
 from .redact import redact
 
 
@@ -196,15 +199,20 @@ class S3Store(GetBytes):
     def list(self) -> dict[str, int]:
         out: dict[str, int] = {}
         token: str | None = None
+        seen = PieceBudget("the mirror's listing", MAX_LISTED, unit="entries",
+                           hint="a bucket prefix ripresa writes holds far fewer objects; it was filled by something else")
         while True:
             kw: dict[str, Any] = {"Prefix": self.prefix, "MaxKeys": 1000}
             if token:
                 kw["ContinuationToken"] = token
             r = self._call("listing", self.client.list_objects_v2, **kw)
-            for obj in r.get("Contents", []) or []:
+            page = r.get("Contents", []) or []
+            seen.take(max(1, len(page)), self.url)  # every page counts, an empty one too
+            for obj in page:
                 k = str(obj.get("Key", ""))[len(self.prefix):]
                 if key_ok(k):
-                    out[k] = int(obj.get("Size", 0))
+                    out[k] = checked_number(obj.get("Size", 0), file=f"{self.url}/{k}", field="listing: Size", lo=0,
+                                            hi=2**63 - 1)
             if len(out) > MAX_KEYS:
                 raise IntegrityError("the mirror holds too many objects", file=self.url, expected=f"<= {MAX_KEYS}")
             token = r.get("NextContinuationToken") if r.get("IsTruncated") else None

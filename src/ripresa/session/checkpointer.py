@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..console import install_script_hooks
+from ..core.numbers import checked_number
 from ..core.state import Progress, TrainingState
 from ..errors import BadInput, SaveFailed
 from ..io import auth
@@ -45,6 +46,7 @@ from .cadence import (
     parse_duration,
     parse_max_redo,
 )
+from .closing import CloseResult, close_plan, parse_final_upload_timeout
 from .deadline import Deadline
 from .distributed import WORLD_CHANGE_NOTE, DistContext, NullHistory
 from .hyperparams import SIDES, HyperparameterWarning, reconcile, script_values
@@ -54,7 +56,7 @@ from .run_files import METRICS_NAME, GenerationMetrics, local_run_dir
 from .saving import CollectivePipeline, LocalPipeline, RankZeroPipeline, SaveHooks
 from .sharded_async import AsyncCollectivePipeline, ShardedWriter
 from .signals import SignalRequests, hold
-from .steer import DistSteeredRecorder, SteeredRecorder, Steering
+from .steer import DistSteeredRecorder, SteeredRecorder, steer_session
 from .torchrun import bind_to_launcher
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "HyperparameterWarning", "OtherModeWarning", "rank_view", "METRICS_NAME", "local_run_dir"]
@@ -131,6 +133,13 @@ class Checkpointer:
             verified remote generation. :attr:`mirror` is None or the
             :class:`~ripresa.store.mirror.Mirror` (``drain(timeout)``,
             ``last_upload_seconds``).
+        final_upload_timeout: at a normal end, how long :meth:`close` waits
+            for a mirror that cannot be reached before it leaves the final
+            generation pending (seconds, or ``"15m"``; default the mirror's
+            ``close_timeout``, 900 s; never past ``deadline``). A stop
+            (SIGTERM/SIGINT) keeps the short bound. :meth:`close` returns a
+            :class:`~ripresa.session.closing.CloseResult`; :attr:`upload_pending`
+            (docs/MIRROR.md, "The close").
 
         shard_threshold, shards, staging_budget: how a general generation is
             laid out and staged (:class:`~ripresa.store.folder.SaveOptions`):
@@ -178,6 +187,7 @@ class Checkpointer:
         shard_threshold: int | None = DEFAULT_SHARD_THRESHOLD,
         shards: int | None = None,
         staging_budget: int | None = None,
+        final_upload_timeout: float | str | None = None,
     ) -> None:
         install_script_hooks()  # a ripresa error that ends the script: one paragraph and its exit code (docs/API.md)
         if handle_signals:
@@ -201,8 +211,11 @@ class Checkpointer:
         self.cadence = AutoCadence(mtbf_s=parse_duration(DEFAULT_MTBF_S if mtbf is None else mtbf, "mtbf"),
                                    max_redo=parse_max_redo(max_redo)) if auto else None
         self.deadline = Deadline(deadline) if deadline is not None else None  # both checked before the folder is locked
+        self.final_upload_timeout = parse_final_upload_timeout(final_upload_timeout)
+        #: What :meth:`close` ended with (None before it): the final step, what the mirror still lacks.
+        self.close_result: CloseResult | None = None
         #: ``ripresa verify``'s steering of this process (docs/VERIFY.md), or None: see :mod:`ripresa.session.steer`.
-        self.steering = Steering.take_from_env()
+        self.steering = steer_session()  # every session of a verified process (session/steer.py)
         self.run_dir = local_run_dir(run_dir) if self.steering is None else self.steering.run_dir
         if fresh and self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise BadInput("--fresh refuses a run folder that is not empty", file=self.run_dir,
@@ -298,7 +311,7 @@ class Checkpointer:
         self.on_deadline = on_deadline
         self._step_exit: float | None = None  # when step_done last returned (the step time is measured outside it)
         self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
-        self._recorder = (None if self.steering is None else SteeredRecorder(self.steering, state) if self.dist is None
+        self._recorder = (None if self.steering is None or not self.steering.records else SteeredRecorder(self.steering, state) if self.dist is None
                           else DistSteeredRecorder(self.steering, state, self.dist))  # every rank is steered
         if self.steering is not None:
             self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,
@@ -395,7 +408,7 @@ class Checkpointer:
     def _note_world_change(self, saved_extra: Mapping[str, Any], *, world_size: int, fresh: bool) -> None:
         """Record a resume on another number of ranks than the save's (history event, :attr:`world_change`)."""
         rec = saved_record({"extra": saved_extra}, None)
-        saved_world = int(rec["world_size"]) if rec else 1
+        saved_world = checked_number(rec["world_size"], file=None, field="world_size", lo=1, hi=2**20) if rec else 1
         if saved_world == world_size:
             return
         self.world_change = {
@@ -587,8 +600,8 @@ class Checkpointer:
         self.history.event("checkpoint_failed", step=step, error=exc.message, found=str(exc.found)[:200])
 
     # ------------------------------------------------------------------ end
-    def close(self, *, final_save: bool | None = None) -> None:
-        """Finish the in-flight save, save the final state, release the folder.
+    def close(self, *, final_save: bool | None = None) -> CloseResult:
+        """Finish the in-flight save, save the final state, upload it to the mirror, release the folder.
 
         The final save (``final_save``, default :attr:`save_on_close`, True)
         commits the last step that :meth:`step_done` completed, when no
@@ -599,8 +612,16 @@ class Checkpointer:
         ``except`` block), or after a ``step_done`` that raised. On an error
         path call :meth:`abort` (or use the ``with`` block, which does), never
         a save (docs/FAULTS.md, "The end of a run").
+
+        With a mirror, a normal end waits for the store up to
+        ``final_upload_timeout`` (a stop by SIGTERM/SIGINT: the short bound).
+        Returns a :class:`~ripresa.session.closing.CloseResult`:
+        ``upload_pending`` / ``safe_off_machine``, the ``pending`` steps,
+        ``exit_code`` (0, or 3 pending) and ``raise_if_pending()``
+        (:class:`~ripresa.errors.UploadPending`) (docs/MIRROR.md, "The close").
         """
         final = self.save_on_close if final_save is None else bool(final_save)
+        result: CloseResult | None = None
         try:
             if self._recorder is not None and self._recorder.started:
                 self._recorder.finish(self.progress)  # the script stopped before the steered step: record where
@@ -610,8 +631,7 @@ class Checkpointer:
                 self._save(step, "final", must_succeed=True)
                 self.pipeline.finish()
             if self.mirror is not None:
-                heard = len(self.signals.received)  # a signal during the close leaves it at once (docs/MIRROR.md)
-                self.mirror.close(interrupted=lambda: len(self.signals.received) > heard)
+                result = self._close_mirror(self.mirror)
             self.pipeline.close()  # FSDP2, asynchronous: its gloo save group ends now, not at interpreter exit
         finally:
             try:
@@ -619,6 +639,33 @@ class Checkpointer:
             except OSError:
                 pass
             self._release()
+        self.close_result = result if result is not None else CloseResult(step=self.last_saved_step, run_dir=str(self.run_dir))
+        return self.close_result
+
+    def _close_mirror(self, mirror: Mirror) -> CloseResult:
+        """The close's upload: a normal end waits for the store (``final_upload_timeout``, never past the deadline),
+        a stop keeps the short bound; a stop signal during the wait leaves at once (docs/MIRROR.md, "The close")."""
+        stopped = self.signals.stop_requested
+        timeout, wait, label = close_plan(mirror.spec.close_timeout, self.final_upload_timeout, stopped=stopped,
+                                          deadline=self.deadline.deadline if self.deadline is not None else None)
+        if wait:  # only a stop signal (SIGTERM, SIGINT) leaves the wait; a SIGUSR1 does not
+            heard = sum(n in ("SIGTERM", "SIGINT") for n in self.signals.received)
+            interrupted = lambda: sum(n in ("SIGTERM", "SIGINT") for n in self.signals.received) > heard  # noqa: E731
+        else:  # a signal during the close leaves it at once
+            heard = len(self.signals.received)
+            interrupted = lambda: len(self.signals.received) > heard  # noqa: E731
+        mirror.close(timeout, interrupted=interrupted, wait=wait, label=label)
+        return CloseResult(step=self.last_saved_step, mirror=mirror.spec.url, pending=tuple(mirror.pending),
+                           reason=mirror.close_reason, seconds=round(mirror.close_seconds, 3),
+                           push_command=mirror.push_command(), run_dir=str(self.run_dir))
+
+    @property
+    def upload_pending(self) -> list[int]:
+        """The steps the mirror still lacks: after :meth:`close`, what it left pending ("done, upload pending");
+        before, what the mirror's thread has not uploaded yet. Empty without a mirror."""
+        if self.close_result is not None:
+            return list(self.close_result.pending)
+        return self.mirror.pending if self.mirror is not None else []
 
     def _final_step(self) -> int | None:
         """The step a final save may commit: the last one step_done completed, if the live state is still it."""

@@ -10,10 +10,12 @@ import json
 import math
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.numbers import checked_number, describe
 from ..errors import BadInput
 from ..io.fsio import read_json_small, write_atomic
 
@@ -62,10 +64,12 @@ def read_metrics_sidecar(path: Path) -> dict[int, dict[str, float]]:
             raise bad(f"step entry {str(key)[:40]!r}")
         clean: dict[str, float] = {}
         for name, v in values.items():
-            if not isinstance(name, str) or isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise bad(f"step {key}: {str(name)[:40]!r} = {str(v)[:40]}")
-            clean[name] = float(v)
-        out[int(key)] = clean
+            if not isinstance(name, str):
+                raise bad(f"step {key}: {describe(name)}")
+            clean[name] = checked_number(v, file=path, field=f"retention metrics: step {key}: {name[:40]}",
+                                         lo=-sys.float_info.max, hi=sys.float_info.max, integer=False, error=BadInput)
+        out[checked_number(key, file=path, field="retention metrics: a step", lo=0, hi=2**63 - 1, text=True,
+                           error=BadInput)] = clean
     return out
 
 

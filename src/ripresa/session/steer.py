@@ -6,7 +6,9 @@ one environment variable, :data:`ENV`, a JSON document of schema :data:`SCHEMA` 
 to use, the step to stop at, whether to restore the random streams); the steered session records
 the trajectory itself (:class:`SteeredRecorder`, :class:`DistSteeredRecorder`). A malformed
 document is refused, never half-read; the first ``Checkpointer`` built takes the variable out of
-the environment (docs/VERIFY.md).
+the environment, and every later one of the process is steered too (:func:`steer_session`), each into
+a folder of its own under the path's output, never the folder the script names (docs/VERIFY.md,
+"Every session of the process is steered").
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Steering:
     output: Path
     stop_at: int
     restore_rng: bool = True
+    #: Whether this session records the trajectory and stops at ``stop_at`` (the process's first session only).
+    records: bool = True
 
     def to_env(self) -> dict[str, str]:
         """The environment entry that steers a process this way."""
@@ -69,6 +73,39 @@ class Steering:
         """The steering of this process, taken out of the environment (None: the process is not steered)."""
         raw = os.environ.pop(ENV, None)
         return None if raw is None else cls.parse(raw)
+
+
+#: The steering this process's first Checkpointer took, and how many sessions have been steered since.
+_TAKEN: dict[str, Any] = {}
+
+
+def steer_session() -> Steering | None:
+    """The steering of a new ``Checkpointer`` of this process (None: the process is not steered).
+
+    The first takes :data:`ENV` out of the environment, records the trajectory and stops at ``stop_at``.
+    Every later one — a second ``Checkpointer`` of a two-phase script, a second ``fit()`` or ``train()``
+    with a framework integration — is steered into ``OUTPUT/session-N`` (N = 2, 3, ... in the order the
+    process builds them, the same in the four paths), records nothing and stops only where the script
+    does: the folder the script names is never used, whatever session names it. A later session never
+    writes into the first one's folder, which the resumed paths copy (docs/VERIFY.md, "Every session of
+    the process is steered").
+    """
+    first = Steering.take_from_env()
+    if first is not None:
+        _TAKEN.clear()
+        _TAKEN.update(steering=first, sessions=1)
+        return first
+    base = _TAKEN.get("steering")
+    if base is None:
+        return None
+    _TAKEN["sessions"] += 1
+    folder = base.output / f"session-{_TAKEN['sessions']}"
+    return Steering(base.path, folder, folder, base.stop_at, base.restore_rng, records=False)
+
+
+def forget() -> None:
+    """Forget this process's steering (a test that steered a Checkpointer in its own process cleans up so)."""
+    _TAKEN.clear()
 
 
 def _float_or_none(v: Any) -> float | None:

@@ -121,9 +121,19 @@ def _forward(signum: int, frame: FrameType | None) -> None:
             _send_to_child(child, signum)  # caught, or blocked: pending until the rank's handler unblocks it
 
 
-#: The environment variable that tells a rank its launcher's pid (:func:`bind_to_launcher`).
+#: The environment variable that names a rank's launcher: ``PID:START``, its pid and its start time (clock ticks
+#: since boot, field 22 of ``/proc/PID/stat``), so a reused pid never passes for it (:func:`bind_at_import`).
 LAUNCHER_ENV = "RIPRESA_LAUNCHER_PID"
+#: The parent-death signal the launcher gives each rank as it forks it, blocked there: ``import ripresa`` finds it
+#: set (a fork clears it: only the launcher's own children carry it) and pending if the launcher has died since.
+LAUNCHER_DEATH_SIGNAL = signal.SIGRTMIN + 6
+#: The exit status of a rank that finds its launcher gone at ``import ripresa`` (docs/ARCHITECTURE.md,
+#: "Signals through the launcher"): 2, the work was not completed.
+ORPHAN_EXIT = 2
 _PR_SET_PDEATHSIG = 1
+_PR_GET_PDEATHSIG = 2
+#: The launcher this process was bound to at ``import ripresa`` (its pid), if any.
+_BOUND: list[int] = []
 
 
 def block_checkpoint_signal() -> None:
@@ -137,63 +147,130 @@ def _usr1_forwarder() -> None:
         _forward(signal.SIGUSR1, None)
 
 
-def bind_to_launcher() -> None:
-    """In a rank of ``python -m ripresa.torchrun``: die with the launcher; if it is gone already, stop here.
-
-    Does nothing outside such a rank (no :data:`LAUNCHER_ENV`), in a process
-    that is not the launcher's direct child (a grandchild inherits the
-    variable), or off Linux.
-    """
-    raw = os.environ.get(LAUNCHER_ENV, "")
-    if not raw.isdigit() or not sys.platform.startswith("linux"):
-        return
-    launcher = int(raw)
+def _start_time(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22), or None."""
     try:
-        os.kill(launcher, 0)
-    except ProcessLookupError:
-        from ..errors import BadInput
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])  # fields from the 3rd on: starttime is the 22nd
+    except (OSError, ValueError, IndexError):
+        return None
 
-        raise BadInput(f"the launcher of this rank (pid {launcher}) has ended: this rank is an orphan and stops "
-                       "before it touches the run folder", hint="start the run again with python -m ripresa.torchrun") from None
-    except PermissionError:
-        return
-    if os.getppid() != launcher:
-        return  # a grandchild of the launcher: not one of its ranks
-    _die_with_parent(launcher)
+
+def launcher_value(pid: int | None = None) -> str:
+    """The value of :data:`LAUNCHER_ENV` that names ``pid`` (default: this process): ``PID:START``."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}:{_start_time(pid)}"
+
+
+def _parse(raw: str) -> tuple[int, int | None] | None:
+    """``PID:START`` (or a bare ``PID``, as earlier launchers wrote it: then only the parent check applies)."""
+    pid, sep, start = raw.partition(":")
+    if not (0 < len(pid) <= 10 and pid.isascii() and pid.isdigit()) \
+            or sep and not (0 < len(start) <= 20 and start.isascii() and start.isdigit()):
+        return None
+    return int(pid), int(start) if sep else None
+
+
+def _libc():  # noqa: ANN202 - a ctypes library
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _death_signal() -> int:
+    """This process's parent-death signal (0: none)."""
+    import ctypes
+
+    out = ctypes.c_int(0)
+    try:
+        if _libc().prctl(_PR_GET_PDEATHSIG, ctypes.byref(out), 0, 0, 0) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return out.value
+
+
+def _orphan_line(launcher: int, what: str) -> None:
+    """The line an orphaned rank prints before it exits with :data:`ORPHAN_EXIT` (never a silent end)."""
+    from ..console import one_line
+
+    line = one_line(f"the launcher of this rank (python -m ripresa.torchrun, pid {launcher}) {what}: this rank "
+                    f"stops before it touches the run folder, exit {ORPHAN_EXIT}; hint: start the run again "
+                    "with python -m ripresa.torchrun")
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        os.write(2, f"ripresa: error: {line}\n".encode(errors="replace"))
+    except OSError:
+        pass
+    os._exit(ORPHAN_EXIT)
 
 
 def bind_at_import() -> None:
-    """``import ripresa`` in a process of ``python -m ripresa.torchrun``'s run: a rank dies with the launcher
-    from here on (``PR_SET_PDEATHSIG``, before any rendezvous: a rank whose launcher is killed while it
-    starts would otherwise wait out ``init_process_group`` with a store that is gone); any process of the
-    run (a rank, or one a rank started) whose launcher is gone already ends now, as the launcher's death
-    ends the run (docs/ARCHITECTURE.md, "Signals through the launcher").
+    """``import ripresa`` in a rank of ``python -m ripresa.torchrun``: die with the launcher from here on.
+
+    The variable (:data:`LAUNCHER_ENV`) is removed from ``os.environ`` first, always: nothing this process
+    starts inherits it. It is trusted only in the launcher's own child: one whose parent-death signal is
+    :data:`LAUNCHER_DEATH_SIGNAL` (the launcher sets it as it forks a rank; a fork clears it, so a child of
+    a rank never has it), or whose parent is the process named, pid and start time (a bare pid: the parent's
+    pid only). Such a rank is then SIGKILLed by the kernel when the launcher dies (``PR_SET_PDEATHSIG``,
+    before any rendezvous); one whose launcher has died already prints one line and exits :data:`ORPHAN_EXIT`. Anywhere else (a stale,
+    inherited or forged value) the variable is dropped and nothing happens (docs/ARCHITECTURE.md, "Signals
+    through the launcher").
     """
-    raw = os.environ.get(LAUNCHER_ENV, "")
-    if not raw.isdigit() or not sys.platform.startswith("linux"):
+    raw = os.environ.pop(LAUNCHER_ENV, "")
+    parsed = _parse(raw)
+    if parsed is None or not sys.platform.startswith("linux"):
         return
-    launcher = int(raw)
-    if os.getppid() == launcher:
-        _die_with_parent(launcher)
-        return
+    launcher, start = parsed
+    forked_by_launcher = _death_signal() == LAUNCHER_DEATH_SIGNAL
+    if forked_by_launcher and LAUNCHER_DEATH_SIGNAL in signal.sigpending():
+        _orphan_line(launcher, "has ended")
+    if os.getppid() != launcher or (start is not None and _start_time(launcher) != start):
+        if forked_by_launcher:  # its parent at fork is gone (the signal is on its way): the run has ended
+            _orphan_line(launcher, "has ended")
+        return  # not the launcher's child: a value inherited, left over or forged, dropped
     try:
-        os.kill(launcher, 0)
-    except ProcessLookupError:  # the run's launcher has ended: so has the run
-        os.kill(os.getpid(), signal.SIGKILL)
-    except PermissionError:
-        return
-
-
-def _die_with_parent(launcher: int) -> None:
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        _libc().prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != launcher:  # it died between the check and the prctl
-        os.kill(os.getpid(), signal.SIGKILL)
+    if os.getppid() != launcher or (forked_by_launcher and LAUNCHER_DEATH_SIGNAL in signal.sigpending()):
+        _orphan_line(launcher, "ended as this rank bound to it")
+    _BOUND[:] = [launcher]
+    if forked_by_launcher:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {LAUNCHER_DEATH_SIGNAL})  # SIGKILL is its death signal now
+
+
+def bind_to_launcher() -> None:
+    """In a rank's Checkpointer: a rank bound at ``import ripresa`` whose launcher has ended stops here."""
+    if _BOUND and os.getppid() != _BOUND[0]:
+        from ..errors import BadInput
+
+        raise BadInput(f"the launcher of this rank (pid {_BOUND[0]}) has ended: this rank is an orphan and stops "
+                       "before it touches the run folder", hint="start the run again with python -m ripresa.torchrun")
+
+
+def _fork_rank(launcher: int, libc) -> None:  # noqa: ANN001 - a ctypes library
+    """In a rank between fork and exec: its parent-death signal, blocked, pending at once if the launcher is gone."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {LAUNCHER_DEATH_SIGNAL})
+    libc.prctl(_PR_SET_PDEATHSIG, int(LAUNCHER_DEATH_SIGNAL), 0, 0, 0)
+    if os.getppid() != launcher:
+        os.kill(os.getpid(), LAUNCHER_DEATH_SIGNAL)
+
+
+def _rank_popen(popen):  # noqa: ANN001, ANN202
+    """``popen`` (torchrun's way to start a rank) that starts it bound to this launcher (:func:`_fork_rank`)."""
+    launcher, libc = os.getpid(), _libc()
+
+    def start(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if kwargs.get("preexec_fn") is None and sys.platform.startswith("linux"):
+            kwargs["preexec_fn"] = lambda: _fork_rank(launcher, libc)
+        return popen(*args, **kwargs)
+
+    return start
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -203,8 +280,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _forward)
     threading.Thread(target=_usr1_forwarder, name="ripresa-usr1", daemon=True).start()
-    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    os.environ[LAUNCHER_ENV] = launcher_value()
     from torch.distributed import run as trun
+
+    try:  # each rank is forked bound to this launcher (bind_at_import); without the hook, its parent is checked
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            subprocess_handler as handler,
+        )
+
+        if callable(getattr(handler, "Popen", None)):
+            handler.Popen = _rank_popen(handler.Popen)
+    except ImportError:  # pragma: no cover - another torch: bind_at_import checks the parent's pid and start time
+        pass
 
     parser = trun.get_args_parser()
     parser.allow_abbrev = False

@@ -223,11 +223,20 @@ def newest_valid(checked: Iterable[tuple[str, Generation]], *, warn: bool) -> Ge
     """The first valid generation of ``checked`` ((label, generation), newest first, checked lazily).
 
     Each invalid one before it is passed over with a :class:`CheckpointWarning`
-    naming it (``<label> <step> not used: <reason> (<file>); ...``, :func:`not_used`).
+    naming it (``<label> <step> not used: <reason> (<file>); ...``, :func:`not_used`): the first
+    ``ripresa.console.MAX_LISTED``, then one counting the rest (docs/INSPECT.md, "Long lists").
     """
+    from ..console import MAX_LISTED, more_line
+
+    passed, label, found = 0, "generation", None
     for label, g in checked:
         if g.valid:
-            return g
-        if warn:
+            found = g
+            break
+        passed += 1
+        if warn and passed <= MAX_LISTED:  # capped: thousands of damaged generations are not thousands of lines
             warnings.warn(not_used(label, g.step, g.reason, g.path), CheckpointWarning, stacklevel=3)
-    return None
+    if warn and passed > MAX_LISTED:
+        warnings.warn(more_line(passed - MAX_LISTED, f"{label}s not used (older ones were tried)"), CheckpointWarning,
+                      stacklevel=3)
+    return found

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import BadInput
 from ..io.fsio import open_run_file
+from ..io.pieces import PieceBudget
 
 HISTORY_NAME = ".loss.jsonl"
 
@@ -111,6 +112,8 @@ INT_LIMIT = 1 << 63
 MAX_SKIPPED_LISTED = 1000
 #: Most events a :class:`HistoryView` keeps (the latest; the rest are counted in ``events_dropped``).
 MAX_EVENTS_KEPT = 10_000
+#: Most fields the step lines a :class:`HistoryView` keeps may hold in all (a line ripresa writes has ~4).
+MAX_KEPT_FIELDS = 16_000_000
 #: What a reduced record keeps of a line (docs/FORMAT.md, "Reading the history"): whole fields
 #: while their values hold at most :data:`MAX_RECORD_NODES` JSON values in all, no string
 #: longer than :data:`MAX_RECORD_STR` characters; a field that would exceed either is dropped.
@@ -318,6 +321,8 @@ def read_history(path: str | Path) -> HistoryView:
     reader = HistoryReader(p)
     events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS_KEPT)
     n_events = 0
+    kept = PieceBudget(f"the lines kept of {HISTORY_NAME}", MAX_KEPT_FIELDS, unit="fields",
+                       hint="a history ripresa writes keeps a few fields per step; this one was crafted")
 
     def skip(no: int) -> None:
         view.skipped += 1
@@ -332,7 +337,9 @@ def read_history(path: str | Path) -> HistoryView:
             events.append(reduce_record(obj))
             n_events += 1
         elif _valid_step(obj.get("step")):
-            view.steps[obj["step"]] = reduce_record(obj)
+            rec = reduce_record(obj)
+            kept.take(len(rec), p)  # every line bounded, their sum too (docs/FAULTS.md, "Many pieces, one budget")
+            view.steps[obj["step"]] = rec
         else:
             skip(no)
     view.events = list(events)

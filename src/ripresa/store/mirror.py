@@ -30,26 +30,45 @@ from .mirror_layout import (
     local_generations,
     main_of,
 )
+from .mirror_plan import UploadPlan, plan_upload
 from .mirror_pull import has_local_generation, pull, pull_config, pull_run, restore_run, retrying
 from .mirror_target import MirrorTarget, claim_target, record_url, recorded, redacting
-from .mirror_upload import Mirror, open_mirror
+from .mirror_upload import Mirror, default_remote_policy, open_mirror
 from .retention import RetentionPolicy
 from .store import CheckpointStore
 
 __all__ = ["CONFIG_SIG", "MIRROR_MARKER", "MIRROR_RECORD", "RUN_MANIFEST", "Mirror", "MirrorSpec", "MirrorTarget",
            "RemoteView", "RunManifest", "claim_target", "cli_pull", "cli_push", "cli_status", "has_local_generation",
            "local_generations", "main_of", "open_mirror", "prefetch", "pull", "pull_config", "pull_run", "record_url",
-           "recorded", "redacting", "restore_run"]
+           "recorded", "redacting", "resolve_url", "restore_run", "UploadPlan", "plan_upload", "push_policy", "status"]
 
 
-def status(remote: ObjectStore, run_dir: Path) -> dict[str, Any]:
-    """What is where: local committed generations, remote committed and half-uploaded ones, what is missing."""
+def push_policy(keep: RetentionPolicy | None) -> RetentionPolicy:
+    """The remote retention of ``ripresa mirror push`` and ``status`` (``--keep``, else twice the default local
+    ``keep_last``): one policy, so both plan the same upload."""
+    from .retention import DEFAULT_RETENTION
+
+    return keep if keep is not None else default_remote_policy(DEFAULT_RETENTION)
+
+
+def status(remote: ObjectStore, run_dir: Path, keep: RetentionPolicy | None = None) -> dict[str, Any]:
+    """What is where: local committed generations, remote committed and half-uploaded ones, and the plan of the
+    next upload (:func:`~ripresa.store.mirror_plan.plan_upload`, the very plan ``ripresa mirror push`` carries out):
+    what it uploads (``pending``), what the remote retention does not need, what is damaged locally."""
+    from ..console import progress
     from ..io.lock import is_locked
+    from ..text import escape_markup
 
     local = local_generations(run_dir)
     view = RemoteView(remote.list())
     committed = view.committed
-    missing = sorted(s for m, s in local.items() if m not in committed)
+    with progress("bytes", transient=True) as bar:  # hashing what push would upload: a line on a terminal
+        task = bar.add_task("mirror status: checking the local generations", total=None)
+
+        def hashed(name: str, n: int) -> None:
+            bar.update(task, description=escape_markup(f"mirror status: checking {name}", newlines=False), advance=n)
+
+        plan = plan_upload(Path(run_dir), view, push_policy(keep), deep=True, local=local, hashed=hashed)
     running = Path(run_dir).is_dir() and is_locked(run_dir)
     return {
         "run": str(run_dir), "url": remote.url,
@@ -57,7 +76,11 @@ def status(remote: ObjectStore, run_dir: Path) -> dict[str, Any]:
         "remote": sorted(committed.values()),
         "remote_files": {m: sorted(view.groups[m]) for m in sorted(committed, key=committed.get)},
         "half_uploaded": sorted(view.half.values()),
-        "pending": missing,
+        "pending": plan.steps,
+        "pending_bytes": plan.pending_bytes,
+        "partial": sorted(plan.partial.values()),
+        "not_needed": sorted(plan.not_needed.values()),
+        "damaged": [{"step": st, "file": m, "reason": why} for m, (st, why) in sorted(plan.damaged.items(), key=lambda x: x[1])],
         "trainer_running": running,
         "config_remote": "config.json" in view.objects,
         "run_manifest": RUN_MANIFEST in view.objects,
@@ -89,6 +112,13 @@ def _resolve_url(run_dir: Path, url: str | None, *, write: bool = False) -> tupl
     return rec, authentic
 
 
+def resolve_url(run_dir: Path, url: str | None, *, write: bool = False) -> tuple[str, bool]:
+    """(the mirror URL, whether it is explicit): ``url``, else ``RUN/mirror.json``'s, under the rules of
+    docs/MIRROR.md, "Trust" (``write``: a record the configured key does not authenticate is refused).
+    ``ripresa rehearse`` follows them like ``push`` (it writes beside the mirror)."""
+    return _resolve_url(run_dir, url, write=write)
+
+
 class _Metered:
     """An object store whose transfers move a progress line (``ripresa mirror push``/``pull`` on a terminal:
     ripresa.console.progress): bytes moved so far, and the object being moved. Everything else passes through."""
@@ -111,6 +141,11 @@ class _Metered:
         from ..text import escape_markup
 
         self._bar.update(self._task, description=escape_markup(f"mirror {self._verb}: {key}", newlines=False))
+
+    def hashed(self, name: str, n: int) -> None:
+        """A piece of a local file hashed before the upload (the plan's check): the line says so."""
+        self._show(f"checking {name}")
+        self._bar.advance(self._task, n)
 
     def put_file(self, key: str, path: Path, *, sha256: str) -> int:
         self._show(key)
@@ -166,9 +201,9 @@ def prefetch(run_dir: Path, url: Any) -> Generation | None:
     return gen
 
 
-def cli_status(run_dir: Path, url: str | None) -> dict[str, Any]:
+def cli_status(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None) -> dict[str, Any]:
     """``ripresa mirror status``."""
-    r = status(open_store(_resolve_url(run_dir, url)[0]), Path(run_dir))
+    r = status(open_store(_resolve_url(run_dir, url)[0]), Path(run_dir), keep)
     return {**r, "url": redact_url(r["url"])}
 
 
@@ -192,6 +227,9 @@ def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None
                 try:
                     m = Mirror(spec, run_dir, local_retention=DEFAULT_RETENTION, event=redacting(hist.event),
                                store=target)
+                    m.policy = push_policy(keep)  # the policy `mirror status` plans with
+                    m.deep = True  # the plan `mirror status` prints: every file to upload hashed first
+                    m.hashed = metered.hashed
                     ok = m.round()
                 finally:
                     hist.close()

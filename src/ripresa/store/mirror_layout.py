@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.numbers import checked_number
 from ..errors import IntegrityError
 from ..io import auth
 from ..io.fsio import open_run_file, parse_sha256sum
@@ -44,6 +45,10 @@ CONFIG_SIG = "config.json" + auth.SUFFIX
 RUN_SIGNS = ("LOCK", ".loss.jsonl", ".samples.json", ".state.json", "lineage.json", MIRROR_RECORD)
 
 
+#: How long a close waits for pending uploads by default (seconds): 15 minutes (why: docs/MIRROR.md, "The close").
+DEFAULT_CLOSE_TIMEOUT = 900.0
+
+
 @dataclass(frozen=True)
 class MirrorSpec:
     """Where and how a run mirrors its generations.
@@ -53,7 +58,10 @@ class MirrorSpec:
     per request (connect and read). ``attempts``: tries of one object in a
     round; ``backoff``/``max_backoff``: the first and largest wait between
     tries (exponential, with jitter). ``close_timeout``: how long
-    :meth:`Checkpointer.close` waits for pending uploads.
+    :meth:`Checkpointer.close` waits for pending uploads (900 s); at a normal
+    end it waits that long also for a store that cannot be reached, after a
+    stop (SIGTERM) it leaves after one more failed round (docs/MIRROR.md,
+    "The close").
     """
 
     url: str
@@ -62,7 +70,7 @@ class MirrorSpec:
     attempts: int = 5
     backoff: float = 0.5
     max_backoff: float = 30.0
-    close_timeout: float = 600.0
+    close_timeout: float = 900.0  # DEFAULT_CLOSE_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.timeout <= 0 or self.backoff < 0 or self.max_backoff < self.backoff:
@@ -233,10 +241,12 @@ class RunManifest:
         pos = 0
         for h in hist:
             m = SEGMENT_PATTERN.fullmatch(h[0]) if isinstance(h, list) and len(h) == 4 and isinstance(h[0], str) else None
-            if m is None or not all(isinstance(x, int) and not isinstance(x, bool) for x in h[1:3]) \
-                    or not isinstance(h[3], str) or not _SHA.fullmatch(h[3]):
+            if m is None or not isinstance(h[3], str) or not _SHA.fullmatch(h[3]):
                 raise bad(f"history entry {str(h)[:120]}")
-            start, end = int(m.group(1)), int(m.group(2))
+            for x in h[1:3]:  # the one checked conversion (docs/FAULTS.md, "Numbers read from files")
+                checked_number(x, file=where, field="history segment bytes", lo=0, hi=MAX_HISTORY)
+            start, end = (checked_number(g, file=where, field="history segment name", lo=0, hi=MAX_HISTORY, text=True)
+                          for g in (m.group(1), m.group(2)))
             if (start, end) != (h[1], h[2]) or start != pos or not 0 < end - start <= MAX_SEGMENT or end > MAX_HISTORY:
                 raise bad(f"history segment {h[0]} does not follow byte {pos}")
             out.append((h[0], start, end, h[3]))
@@ -244,9 +254,9 @@ class RunManifest:
         entries: dict[str, tuple[str, int]] = {}
         for path, v in files.items():
             if not run_path_ok(path) or not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) \
-                    or not _SHA.fullmatch(v[0]) or not isinstance(v[1], int) or isinstance(v[1], bool) \
-                    or not 0 <= v[1] <= MAX_RUN_FILE:
+                    or not _SHA.fullmatch(v[0]):
                 raise bad(f"file entry {str(path)[:80]}: {str(v)[:80]}")
+            checked_number(v[1], file=where, field=f"file entry {str(path)[:80]}: size", lo=0, hi=MAX_RUN_FILE)
             entries[path] = (v[0], v[1])
         return cls(out, entries)
 

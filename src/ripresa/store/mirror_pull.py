@@ -1,12 +1,14 @@
 """A resume from the mirror (docs/MIRROR.md): pulling generations and restoring the run's files.
 
-:func:`pull` lands the newest remote generation whose marker verifies through the local commit protocol and
-deep-checks it; :func:`pull_run` first restores the run's history and sidecars (:func:`restore_run`);
+:func:`pull` lands the newest remote generation that verifies: downloaded into a staging folder, deep-checked
+there (the validation a resume gives it), then moved into the run folder, marker last (docs/MIRROR.md, "A pull
+lands only what it verified"); :func:`pull_run` first restores the run's history and sidecars (:func:`restore_run`);
 :func:`pull_config` fetches ``config.json`` (and its signature, for signed runs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -132,41 +134,75 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
         local = backend.check(step, deep=True)
         if local.valid:
             return local  # already here and intact: nothing to download
-    if os.path.lexists(run_dir / (main + ".sha256")) or os.path.lexists(run_dir / main):
-        backend.delete(step)  # a local generation of that step that failed its checks: replaced (marker first)
-    partial = run_dir / names.partial_name(step) if names.folder else None
-    if partial is not None:
-        if partial.exists():
-            ops.rmtree(partial)
-        partial.mkdir()
-    staged: list[StagedFile] = []
+    # Verify before landing (docs/MIRROR.md, "A pull lands only what it verified"): every object goes into a
+    # staging folder beside the run's files (same file system: the landing is renames), the generation is given
+    # there the validation a resume gives it (deep: every byte hashed, the state decoded, every shape bounded),
+    # and only a generation that passes is moved into the run folder, its marker last. What fails is removed.
+    stage = _fresh_stage(run_dir)
     try:
+        staged_main = stage / main
+        if names.folder:
+            staged_main.mkdir()
         for sha, name in files:
-            target = run_dir / name if partial is None else partial / name.split("/", 1)[1]
-            staged.append(_fetch(remote, name, target, view.objects[name], sha, event, spec))
-        for sf in staged:
-            sf.publish()
-        if partial is not None:
-            fsync_dir(partial)
-            ops.rename(partial, run_dir / main)
-            partial = None
+            sf = _fetch(remote, name, stage / name, view.objects[name], sha, event, spec)
+            try:
+                sf.publish()
+            finally:
+                sf.discard()
+        if sig_key in view.objects:
+            sig = retrying(lambda: remote.get_bytes(sig_key, limit=auth.MAX_SIGNATURE), event=event, what=sig_key,
+                           spec=spec)
+            write_atomic(stage / sig_key, [sig], sync_dir=False)
+        write_atomic(stage / (main + ".sha256"), [raw], sync_dir=False)
+        checker = CheckpointStore(stage, writer=False, require_signature=ckpt.require_signature,
+                                  hmac_key=ckpt.hmac_key)
+        try:
+            staged = backend_of(kind_of(main), checker).check(step, deep=True)
+        finally:
+            checker.close()
+        if not staged.valid:
+            raise IntegrityError(f"the pulled generation fails its checks: {staged.reason}", file=where,
+                                 hint="it is not landed in the run folder; an older remote generation is used")
+        if names.folder:
+            fsync_dir(staged_main)
+        fsync_dir(stage)
+        # landing: a local generation of that step that failed its checks is replaced (its marker first)
+        if os.path.lexists(run_dir / (main + ".sha256")) or os.path.lexists(run_dir / main):
+            backend.delete(step)
+        for top in dict.fromkeys(name.split("/", 1)[0] for _, name in files):  # the main file or folder, its companion
+            ops.rename(stage / top, run_dir / top)
+        if sig_key in view.objects:
+            ops.rename(stage / sig_key, run_dir / sig_key)
+        ops.rename(stage / (main + ".sha256"), run_dir / (main + ".sha256"))  # the commit marker, last
         fsync_dir(run_dir)
     finally:
-        for sf in staged:
-            sf.discard()
-        if partial is not None and partial.exists():
-            ops.rmtree(partial)
-    if sig_key in view.objects:
-        sig = retrying(lambda: remote.get_bytes(sig_key, limit=auth.MAX_SIGNATURE), event=event, what=sig_key, spec=spec)
-        write_atomic(run_dir / sig_key, [sig])
-    write_atomic(run_dir / (main + ".sha256"), [raw])  # the commit marker, last
-    gen = backend.check(step, deep=True)
-    if not gen.valid:
+        _drop_stage(stage)
+    gen = backend.check(step)
+    if not gen.valid:  # pragma: no cover - the same bytes passed the deep check above
         backend.delete(step)
         fsync_dir(run_dir)
         raise IntegrityError(f"the pulled generation fails its checks: {gen.reason}", file=where,
                              hint="an older remote generation is used")
-    return gen
+    return dataclasses.replace(gen, deep_checked=True)
+
+
+#: The staging folder of a pull inside the run folder (docs/MIRROR.md): never a generation's name, removed by
+#: every pull before and after it is used.
+STAGE_NAME = ".ripresa-pull.partial"
+
+
+def _drop_stage(stage: Path) -> None:
+    if os.path.islink(stage) or (os.path.lexists(stage) and not stage.is_dir()):
+        ops.unlink(stage)
+    elif os.path.lexists(stage):
+        ops.rmtree(stage)
+
+
+def _fresh_stage(run_dir: Path) -> Path:
+    stage = Path(run_dir) / STAGE_NAME
+    _drop_stage(stage)
+    stage.mkdir()
+    return stage
 
 
 def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int | None = None,

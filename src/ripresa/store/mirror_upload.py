@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..console import joined
 from ..errors import BadInput, IntegrityError, RipresaError
 from ..io import auth
 from ..io.fsio import open_run_file, read_small
@@ -40,6 +41,7 @@ from .mirror_layout import (
     marker_files,
     segment_key,
 )
+from .mirror_plan import LocalGeneration, UploadPlan, duration_text, plan_upload, size_text
 from .mirror_target import MirrorTarget, redacting, release_store
 from .retention import KeepAny, KeepLast, RetentionPolicy
 
@@ -89,6 +91,11 @@ class _Stopped(Exception):
 CLOSE_RETRY_WAIT = 1.0
 #: The shortest pause between two rounds after a failed one (seconds), whatever ``MirrorSpec.backoff`` says.
 MIN_ROUND_WAIT = 0.05
+#: While a normal end waits for a store that cannot be reached (``close(wait=True)``), the longest pause between
+#: two rounds (seconds): a store that comes back is noticed within it (docs/MIRROR.md, "The close").
+FINAL_ROUND_WAIT = 5.0
+#: While a normal end waits, off a terminal, a line on stderr this often (seconds): a log shows the wait.
+WAIT_NOTICE_EVERY = 60.0
 
 
 def _notice(text: str) -> None:
@@ -107,8 +114,7 @@ def _isatty() -> bool:
 
 
 def _steps_text(steps: list[int], most: int = 8) -> str:
-    shown = ", ".join(str(s) for s in steps[:most])
-    return shown + (f" and {len(steps) - most} more" if len(steps) > most else "")
+    return joined(steps, limit=most)  # the first ``most``, then "... N more" (ripresa.console.capped)
 
 
 class Mirror:
@@ -141,8 +147,21 @@ class Mirror:
         self._remote: RemoteView | None = None
         self._pending: set[int] = set()
         self._horizon = -1  # local steps above it were not planned yet: pinned
-        self._refused: set[str] = set()
+        self._refused: dict[str, str] = {}  # main -> why it cannot be uploaded (recorded once)
         self._superseded: set[str] = set()
+        self._checked: dict[str, LocalGeneration] = {}  # the plan's cache of local markers
+        self._last_plan = UploadPlan()
+        self._plan_bytes: dict[int, int] = {}  # step -> bytes to upload, from the last plan
+        #: Hash every file against its marker when planning (``ripresa mirror push``: the plan ``mirror status``
+        #: prints); the trainer's thread leaves it to the upload, which hashes as it reads.
+        self.deep = False
+        #: Told ``(name, bytes)`` of each piece a deep plan hashes (``mirror push``'s progress line), or None.
+        self.hashed: Callable[[str, int], None] | None = None
+        self._waiting = False  # a normal end waits for the store (close(wait=True))
+        self._failure: str | None = None  # what ended the last failed round: "store" (an outage) or "error"
+        #: After :meth:`close`: why something was left pending (None: nothing was), and the seconds the close took.
+        self.close_reason: str | None = None
+        self.close_seconds = 0.0
         self._config_sha: str | None = None
         self._lock = threading.Condition()
         self._dirty = True
@@ -188,6 +207,12 @@ class Mirror:
             return sorted(self._pending)
 
     @property
+    def pending_bytes(self) -> int:
+        """The bytes of the pending generations (files, signatures, markers), from the last plan."""
+        with self._lock:
+            return sum(n for s, n in self._plan_bytes.items() if s in self._pending)
+
+    @property
     def in_outage(self) -> bool:
         """True while the store cannot be reached (a round gave up and none has completed since)."""
         return self._outage is not None
@@ -207,15 +232,20 @@ class Mirror:
                 self._lock.wait(min(left, 0.5))
             return not (self._dirty or self._busy or self._pending)
 
-    def close(self, timeout: float | None = None, *, interrupted: Callable[[], bool] | None = None) -> bool:
+    def close(self, timeout: float | None = None, *, interrupted: Callable[[], bool] | None = None,
+              wait: bool = False, label: str = "close_timeout") -> bool:
         """Upload what is pending, then stop the thread. True when nothing was left pending.
 
         Bounded: at most ``timeout`` seconds (default the spec's ``close_timeout``); at once when
-        ``interrupted()`` turns true (a signal received during the close) or on Ctrl-C; and after one
-        more round when the store cannot be reached (an outage: each request tried once). On a
-        terminal, a progress line on stderr says what is being uploaded and that Ctrl-C leaves it
-        pending; elsewhere only a final one-line summary when something was pending. What is left is
-        recorded (``mirror_pending``) and named, with ``ripresa mirror push RUN``.
+        ``interrupted()`` turns true (a signal received during the close) or on Ctrl-C. When the store
+        cannot be reached: with ``wait`` (a normal end: the final state must get off the machine) it is
+        waited for while generations are pending, rounds retried at most :data:`FINAL_ROUND_WAIT` apart,
+        up to ``timeout`` (``label`` names that bound in the messages); without it (after a stop:
+        SIGTERM, a preemption) one more round is given (each request tried once) and the close leaves.
+        On a terminal, a progress line on stderr says what is being uploaded or waited for and that
+        Ctrl-C leaves it pending; elsewhere a line when a wait for the store begins, one a minute while
+        it lasts, and a final one-line summary. What is left is recorded (``mirror_pending``) and named,
+        with ``ripresa mirror push RUN`` (:attr:`close_reason` says why; :attr:`close_seconds` how long).
         """
         if self._closed:
             return True
@@ -225,6 +255,7 @@ class Mirror:
             return True
         budget = self.spec.close_timeout if timeout is None else max(0.0, timeout)
         self._closing = True
+        self._waiting = bool(wait) and budget > 0
         with self._lock:
             first = self._rounds  # a round numbered above it started after the close began
         self.notify()  # one round now, whatever the back-off
@@ -232,6 +263,8 @@ class Mirror:
         tty = _isatty()
         why: str | None = None
         waited = False
+        waiting_since: float | None = None  # when the wait for an unreachable store began
+        last_notice = 0.0
         last_draw = 0.0
         meter: Any = None  # the progress line (ripresa.console.progress), from the first draw
         task = 0
@@ -252,18 +285,30 @@ class Mirror:
                 if interrupted is not None and interrupted():
                     why = "interrupted"
                     break
-                if failed:
+                now = time.monotonic()
+                if failed and not (self._waiting and pending and self._failure == "store"):
                     why = "the store cannot be reached" + (f" ({self._last_error})" if self._last_error else "")
                     break
-                if time.monotonic() - t0 >= budget:
-                    why = f"close_timeout ({budget:g} s) reached"
+                if failed and waiting_since is None:  # a normal end waits for the store: said once, then each minute
+                    waiting_since = last_notice = now
+                    self._wait_notice(pending, budget, 0.0, first=True)
+                    self._event("mirror_final_wait", steps=pending, bytes=self.pending_bytes, url=self.spec.url,
+                                error=self._last_error, bound_s=round(budget, 3), bound=label,
+                                note="a normal end waits for the store before it ends; SIGTERM or Ctrl-C leaves the "
+                                     "generations pending")
+                elif waiting_since is not None and not tty and now - last_notice >= WAIT_NOTICE_EVERY:
+                    last_notice = now
+                    self._wait_notice(pending, budget, now - t0, first=False)
+                if now - t0 >= budget:
+                    why = (f"the store could not be reached within {label} ({budget:g} s)" if waiting_since is not None
+                           else f"{label} ({budget:g} s) reached")
                     break
                 if budget > 0:
                     waited = True
-                now = time.monotonic()
                 if tty and now - last_draw >= 0.25 and budget > 0:
                     last_draw = now
-                    meter, task, planned = self._draw(pending, meter, task, planned, len(self.uploaded) - uploaded0)
+                    meter, task, planned = self._draw(pending, meter, task, planned, len(self.uploaded) - uploaded0,
+                                                      left=budget - (now - t0) if waiting_since is not None else None)
                 with self._lock:
                     self._lock.wait(0.1)
         except KeyboardInterrupt as exc:  # no signal handler installed: Ctrl-C leaves the close at once
@@ -273,17 +318,19 @@ class Mirror:
         self._thread.join(timeout=0.5 if why is not None else self.spec.timeout + 5)
         release_store(self.store)  # the mirror's writer lock
         left = self.pending
+        self.close_reason, self.close_seconds = why, time.monotonic() - t0
         if meter is not None:
             try:
                 meter.stop()  # transient: the line is cleared
             except (OSError, ValueError):
                 pass
         if why is not None:
-            self._event("mirror_pending", steps=left, url=self.spec.url, reason=why,
+            self._event("mirror_pending", steps=left, url=self.spec.url, reason=why, bytes=self.pending_bytes,
+                        seconds=round(self.close_seconds, 3),
                         note="not uploaded before the session ended; the next session (or `ripresa mirror push`) uploads them")
             what = f"step(s) {_steps_text(left)} pending" if left else "the run's newest history and sidecars not uploaded"
             _notice(f"ripresa: mirror: left {what} ({why}); they stay in {self.run_dir}; "
-                    f"upload them with `ripresa mirror push {self.run_dir}`")
+                    f"upload them with `{self.push_command()}`")
         elif waited and len(self.uploaded) > uploaded0:
             _notice(f"ripresa: mirror: uploaded step(s) {_steps_text(self.uploaded[uploaded0:])} to {self.spec.url} "
                     f"at the close ({time.monotonic() - t0:.1f} s)")
@@ -291,14 +338,35 @@ class Mirror:
             raise ctrl_c
         return why is None
 
-    def _draw(self, pending: list[int], meter: Any, task: int, planned: int, done: int) -> tuple[Any, int, int]:
+    def push_command(self) -> str:
+        """The command that uploads what this mirror left pending, as a person types it (quoted for a shell)."""
+        import shlex
+
+        return f"ripresa mirror push {shlex.quote(str(self.run_dir))} --mirror {shlex.quote(self.spec.url)}"
+
+    def _wait_notice(self, pending: list[int], budget: float, waited: float, *, first: bool) -> None:
+        """A line on stderr while a normal end waits for the store (the start, then one a minute off a terminal)."""
+        what = f"step(s) {_steps_text(pending)} ({size_text(self.pending_bytes)})"
+        error = f" ({self._last_error[:80]})" if self._last_error else ""
+        if first:
+            _notice(f"ripresa: mirror: {self.spec.url} cannot be reached{error}; waiting up to {duration_text(budget)} "
+                    f"to upload {what} before the run ends — SIGTERM or Ctrl-C leaves them pending")
+        else:
+            _notice(f"ripresa: mirror: still waiting for {self.spec.url}{error}: {duration_text(waited)} of "
+                    f"{duration_text(budget)}, {what} pending")
+
+    def _draw(self, pending: list[int], meter: Any, task: int, planned: int, done: int, *,
+              left: float | None = None) -> tuple[Any, int, int]:
         """The close's progress line (ripresa.console.progress, the CLI's one style): generations uploaded of
-        those pending when the close began, what is being done, that Ctrl-C leaves the rest pending."""
+        those pending when the close began, what is being done (or waited for: the store, the bytes pending, the
+        time left), that Ctrl-C leaves the rest pending. The time waited is the line's elapsed time."""
         from ..console import progress
         from ..text import escape_markup
 
         if self._outage is not None:
-            what = f"waiting for the store ({self._outage['error'][:60]}), step(s) {_steps_text(pending, 4)} pending"
+            bound = f", {duration_text(left)} left" if left is not None else ""
+            what = (f"waiting for the store {self.spec.url} ({self._outage['error'][:60]}), step(s) "
+                    f"{_steps_text(pending, 4)} pending ({size_text(self.pending_bytes)}){bound}")
         else:
             cur = self._current if self._current is not None else (pending[0] if pending else None)
             what = f"uploading step {cur} ({len(pending)} pending)" if cur is not None else "uploading the run's files"
@@ -332,9 +400,11 @@ class Mirror:
             try:
                 self.round()
                 ok = self._outage is None
+                self._failure = None if ok else "store"
             except _Stopped:
                 return
             except Exception as exc:  # noqa: BLE001 - the thread never dies; the round is retried after a back-off
+                self._failure = "error"
                 error = f"{type(exc).__name__}: {str(exc)[:200]}"
                 if error != self._last_error:  # recorded once, not once per round
                     self._event("mirror_error", error=error, pending=self.pending,
@@ -352,7 +422,8 @@ class Mirror:
     def _backoff(self, failures: int) -> float:
         """The pause before the next round after ``failures`` failed rounds in a row: exponential, capped, jittered."""
         s = self.spec
-        return max(MIN_ROUND_WAIT, min(s.max_backoff, s.backoff * 2 ** min(failures - 1, 30)) * JITTER.uniform(0.5, 1.0))
+        cap = min(s.max_backoff, FINAL_ROUND_WAIT) if self._waiting else s.max_backoff  # a normal end's wait
+        return max(MIN_ROUND_WAIT, min(cap, s.backoff * 2 ** min(failures - 1, 30)) * JITTER.uniform(0.5, 1.0))
 
     def _retry(self, step: int | None, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, retried with back-off: ``attempts`` tries normally; one try during an outage (the rounds'
@@ -386,7 +457,8 @@ class Mirror:
         failed_before = self._failed_requests
         uploaded_before = len(self.uploaded)
         local = local_generations(self.run_dir)
-        self._plan(local)
+        if self._remote is not None or not self.deep:  # (a deep plan hashes: only against the store's listing)
+            self._plan(local)
         try:
             if self._remote is None:
                 self._remote = RemoteView(self._retry(None, "listing", self.store.list))
@@ -422,8 +494,8 @@ class Mirror:
                     pending=pending, url=self.spec.url,
                     note="training goes on; the pending generations are kept locally and retried with back-off; "
                          "recorded once (mirror_recovered ends it)")
-        if self._thread is None:
-            return  # a single round (`ripresa mirror push`): its caller reports the failure
+        if self._thread is None or self._closing:
+            return  # a single round (`ripresa mirror push`), or the close: their callers report the failure
         kept = f"step(s) {_steps_text(pending)} pending are" if pending else "what is saved from now on is"
         _notice(f"ripresa: mirror {self.spec.url} cannot be reached ({exc.message}); training goes on, {kept} kept in "
                 f"{self.run_dir} and uploaded when it is back (or with `ripresa mirror push {self.run_dir}`)")
@@ -438,26 +510,37 @@ class Mirror:
         _notice(f"ripresa: mirror {self.spec.url} reachable again after {seconds:.1f} s; uploaded step(s) "
                 f"{_steps_text(uploaded) or 'none'}")
 
-    def _plan(self, local: dict[str, int]) -> None:
-        """Which local generations the remote still needs (those its policy would keep): pending, pinned locally."""
-        remote = self._remote.committed if self._remote is not None else {}
-        candidates = {m: s for m, s in local.items() if m not in remote and m not in self._refused}
-        every = sorted(set(remote.values()) | set(candidates.values()))
-        keep = self.policy.keep_scored(every, self.metrics()) | ({every[-1]} if every else set())
-        for m, s in candidates.items():
-            if s not in keep and m not in self._superseded:
+    def _plan(self, local: dict[str, int]) -> UploadPlan:
+        """Which local generations the remote still needs (:func:`~ripresa.store.mirror_plan.plan_upload`, the plan
+        ``mirror status`` prints): pending, pinned locally. One not needed (remote retention) or damaged is recorded
+        once (``mirror_skipped``)."""
+        view = self._remote if self._remote is not None else RemoteView({})
+        plan = plan_upload(self.run_dir, view, self.policy, self.metrics(), deep=self.deep, refused=self._refused,
+                           local=local, checked=self._checked, hashed=self.hashed)
+        for m, s in plan.not_needed.items():
+            if m not in self._superseded:
                 self._superseded.add(m)
                 self._event("mirror_skipped", step=s, file=m, reason="remote retention would not keep it (newer ones are kept)")
+        for m, (s, why) in plan.damaged.items():
+            if m not in self._refused:
+                self._refused[m] = why
+                self._event("mirror_skipped", step=s, file=m, reason=f"the local generation cannot be uploaded: {why}")
         with self._lock:
-            self._pending = {s for m, s in candidates.items() if s in keep}
+            self._pending = set(plan.steps)
+            self._plan_bytes = dict(plan.bytes)
             self._horizon = max([self._horizon, *local.values()])
+        self._last_plan = plan
+        return plan
 
     def _order(self) -> list[tuple[int, str]]:
+        """The generations to upload now, in step order (the last plan's, still pending and local)."""
         remote = self._remote.committed if self._remote is not None else {}
         local = local_generations(self.run_dir)
         with self._lock:
             pending = set(self._pending)
-        return sorted((s, m) for m, s in local.items() if s in pending and m not in remote and m not in self._refused)
+        return [(s, m) for s, m in self._last_plan.upload
+                if s in pending and m in local and m not in self._refused
+                and not (m in remote and m in self._last_plan.in_store)]
 
     def _push_config(self) -> None:
         cfg = self.run_dir / "config.json"
@@ -490,8 +573,9 @@ class Mirror:
             self._refuse_local(main, step, exc)
             return
         assert self._remote is not None
-        if main in self._remote.groups:  # a half upload of ours (an earlier round): its objects are overwritten
-            pass
+        if main in self._remote.committed:  # its marker is in the store but an object is missing or of another size:
+            self._delete_group(main)  # marker first, so it reads as a half upload until it is whole again
+        # (a half upload of ours, from an earlier round: its objects are overwritten)
         total, done = 0, []
         self._current = step
         try:
@@ -623,7 +707,7 @@ class Mirror:
         return man
 
     def _refuse_local(self, main: str, step: int, exc: RipresaError) -> None:
-        self._refused.add(main)
+        self._refused[main] = exc.message
         with self._lock:
             self._pending.discard(step)
         self._event("mirror_skipped", step=step, file=main, reason=f"the local generation cannot be uploaded: {exc.message}",

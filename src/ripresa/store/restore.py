@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..core.numbers import checked_number
 from ..core.schema import check_distributed_record
 from ..core.state import Progress, RestorePlan, TrainingState
 from ..errors import IntegrityError
@@ -81,12 +82,12 @@ def rank_view(full: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], bool,
     """
     out = dict(full)
     rec = saved_record(full, None)
-    saved_world = int(rec["world_size"]) if rec else 1
+    saved_world = checked_number(rec["world_size"], file=None, field="world_size", lo=1, hi=2**20) if rec else 1
     if rank >= saved_world:
         return out, True, saved_world
     if rec:
         entry = rec["ranks"][rank]
-        if int(entry["rank"]) != rank:
+        if checked_number(entry["rank"], file=None, field="ranks[].rank", lo=0, hi=2**20) != rank:
             raise IntegrityError("per-rank entries are out of order in the companion", expected=rank, found=entry["rank"])
         out["rng"], out["data"], out["objects"] = entry["rng"], entry["data"], entry["objects"]
     return out, False, saved_world

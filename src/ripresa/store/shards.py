@@ -36,6 +36,7 @@ from ..io.fsio import (
     sidecar_line,
     write_atomic,
 )
+from ..io.pieces import PieceBudget
 from . import commit
 from .base import BackendBase, load_full_into
 from .commit import (
@@ -56,6 +57,10 @@ KIND = "shards"
 #: Largest marker and index of a sharded generation (bytes): a few thousand shards at most.
 MAX_MARKER_BYTES = 1 << 20
 MAX_INDEX_BYTES = 64 * 1024 * 1024
+#: The budget of all shard headers of one generation together (bytes): as large as one header may be
+#: (:data:`~ripresa.formats.safetensors_file.MAX_HEADER`), shared by the pieces (docs/FAULTS.md,
+#: "Many pieces, one budget"): a thousand shards each with a header just under the bound hold no more.
+MAX_HEADERS_TOTAL = st.MAX_HEADER
 
 
 def shards_paths(folder: Path, step: int) -> tuple[Path, Path]:
@@ -126,9 +131,11 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
                 raise IntegrityError("the .shards folder's files differ from its marker's", file=d,
                                      expected=sorted(hashes)[:8], found=sorted(present)[:8],
                                      hint="a file was added or removed after the commit")
-            for name, e in present.items():
+            pieces = PieceBudget(f"the shard headers of {d.name}", MAX_HEADERS_TOTAL)
+            for name, e in sorted(present.items()):
                 if e.is_symlink() or not e.is_file(follow_symlinks=False):
                     raise IntegrityError("a .shards file is not a regular file", file=d / name)
+                pieces.inode(e.stat(follow_symlinks=False), d / name)  # no file counted twice (hard links)
             f["found"] = sorted(present)[:8]
         doc = companion_checks(
             checks, c, hashes[COMPANION_NAME],
@@ -143,7 +150,9 @@ def validate_shards(folder: Path, step: int, *, deep: bool = False, load: bool =
                 raise IntegrityError("the companion records other shards than the marker", file=c,
                                      expected=sorted(set(hashes) - {COMPANION_NAME, INDEX_NAME})[:8], found=names[:8])
             for r, p in zip(records, paths, strict=True):
-                h = st.read_header(p)  # one shard open at a time (a hostile companion may list thousands)
+                # one shard open at a time (a hostile companion may list thousands); all headers kept together
+                # stay within one budget, each charged before it is read
+                h = st.read_header(p, charge=lambda n, p=p: pieces.take(n, p))
                 want = {k: v for k, v in shards_fmt.shard_metadata(step).items() if k != "format_version"}
                 got = {k: h.metadata.get(k) for k in want}
                 if got != want:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..core.numbers import checked_number
 from ..core.state import BIN_MOMENTS
 from ..errors import (
     BadInput,
@@ -264,7 +265,8 @@ def _load_safetensors(src: Path, kind: str, require: bool, config: str | dict[st
     cfg = _model_config(saved_cfg, config, src, model_factory)
     model, _ = _build_sized(model_factory, cfg, src, _numel(tensors))
     model.load_state_dict(tensors, strict=True)
-    return Loaded(kind, src, model, None, None, int(meta.get("step", 0)), cfg)
+    return Loaded(kind, src, model, None, None, checked_number(meta.get("step", "0"), file=src, field="__metadata__.step", lo=0, hi=2**63 - 1,
+                                                                             text=True), cfg)
 
 
 #: The formats that carry no signature (refused as sources under require-signature), as messages name them.
@@ -445,7 +447,8 @@ def _write_dcp(lo: Loaded, dest: Path) -> None:
     dcp_fmt.save_shards(lo.model, lo.optimizer, part, no_dist=True)
     rest = dict(lo.rest)
     rest["model"], rest["optimizer"] = {}, None
-    world = int(((rest.get("extra") or {}).get("distributed") or {}).get("world_size", 1))
+    world = checked_number(((rest.get("extra") or {}).get("distributed") or {}).get("world_size", 1), file=lo.path,
+                           field="extra.distributed.world_size", lo=1, hi=2**20)
     from ..store.dcp import commit_dcp
 
     commit_dcp(dest.parent, step, part, world_size=world,

@@ -240,6 +240,7 @@ def render_export(report: dict[str, Any], console: Any = None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from ..console import capped_lines, capped_rows
     from ..text import safe_console
 
     console = console or safe_console()
@@ -251,8 +252,8 @@ def render_export(report: dict[str, Any], console: Any = None) -> None:
         table.add_row("source run", escape(report["run"]))
         src = report.get("source", {})
         table.add_row("step", f"{report['step']} ({src.get('n_params', 0):,} parameters, verified before copy)")
-        for s in src.get("skipped", []):
-            table.add_row("skipped", escape(f"step {s['step']}: {s['reason']}"))
+        capped_rows(table, src.get("skipped", []), lambda s: ("skipped", escape(f"step {s['step']}: {s['reason']}")),
+                    what="skipped")
     else:
         table.add_row("step", str(report.get("step")))
     table.add_row("destination", escape(str(report.get("dest"))))
@@ -270,10 +271,11 @@ def render_export(report: dict[str, Any], console: Any = None) -> None:
     if "seconds" in report:
         table.add_row("time", f"{report['seconds']:.2f} s")
     console.print(table)
-    for note in report.get("notes", []):
-        console.print(f"note: {escape(note)}")
-    for name in ver.get("unlisted", []):
-        console.print(f"[yellow]warning:[/] {escape(name)} is not in the manifest")
+    for line in capped_lines(report.get("notes", []), lambda note: f"note: {escape(note)}", what="notes"):
+        console.print(line)
+    for line in capped_lines(ver.get("unlisted", []), lambda name: f"[yellow]warning:[/] {escape(name)} is not in "
+                             "the manifest", what="files not in the manifest"):
+        console.print(line)
     if report.get("kind") == INFERENCE:
         console.print("[yellow]inference export: weights only — not a resume checkpoint[/]")
     if ver.get("verified"):

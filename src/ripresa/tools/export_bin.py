@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .._version import __version__
+from ..console import MAX_LISTED
 from ..errors import BadInput, IntegrityError, MissingDependency, SchemaError
 from ..formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, bin_name, read_bin
 from ..io.fsio import Digest, open_run_file, parse_json_bytes, read_small
@@ -133,8 +134,9 @@ def _select_generation(store: CheckpointStore, step: int | None) -> tuple[Genera
         if gen.valid:
             return gen, skipped
         skipped.append({"step": s, "reason": gen.reason})
-        warnings.warn(not_used("generation", s, gen.reason, gen.bin, then="an older one is exported"), CheckpointWarning,
-                      stacklevel=3)
+        if len(skipped) <= MAX_LISTED:  # the rest are counted in the export's report (docs/INSPECT.md, "Long lists")
+            warnings.warn(not_used("generation", s, gen.reason, gen.bin, then="an older one is exported"),
+                          CheckpointWarning, stacklevel=3)
     if not steps:
         raise BadInput("the run folder holds no generation", file=store.folder,
                        expected="step_NNNNNN.bin + .json + .bin.sha256", found="nothing",

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..console import capped_lines
 from ..errors import BadInput, RipresaError
 from ..io.fsio import open_regular
 from .inspect_bin import inspect_bin, render_bin, scan_bin
@@ -142,12 +143,12 @@ def render_report(report: dict[str, Any], console: Any = None) -> None:
     render = _RENDERERS.get(report["kind"])
     if render is not None:
         render(report, console)
-    for text in report["problems"]:
-        console.print(f"[red]problem:[/] {escape(text)}")
-    for text in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {escape(text)}")
-    for text in report["notes"]:
-        console.print(f"note: {escape(text)}")
+    for line in capped_lines(report["problems"], lambda text: f"[red]problem:[/] {escape(text)}", what="problems"):
+        console.print(line)
+    for line in capped_lines(report["warnings"], lambda text: f"[yellow]warning:[/] {escape(text)}", what="warnings"):
+        console.print(line)
+    for line in capped_lines(report["notes"], lambda text: f"note: {escape(text)}", what="notes"):
+        console.print(line)
     if report["ok"]:
         console.print(f"[bold green]OK[/] {escape(report['path'])} (exit 0)")
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..console import capped_lines, capped_rows, joined
 from ..errors import BadInput, RipresaError
 from .report import Verdict, base_report, finish
 
@@ -102,22 +103,22 @@ def render_dcp(d: dict[str, Any], console: Any) -> None:
     t.add_column("check", no_wrap=True)
     t.add_column("ok", no_wrap=True)
     t.add_column("found", overflow="fold")
-    for c in d["checks"]:
-        t.add_row(escape(c["name"]), "yes" if c["ok"] else "[red]no[/]", escape(str(c.get("found") or c.get("message") or ""))[:80])
+    capped_rows(t, d["checks"], lambda c: (escape(c["name"]), "yes" if c["ok"] else "[red]no[/]",
+                                           escape(str(c.get("found") or c.get("message") or ""))[:80]), what="checks")
     console.print(t)
     if d.get("files"):
         ft = Table(title="files")
         ft.add_column("file", overflow="fold")
         ft.add_column("bytes", justify="right", no_wrap=True)
-        for name, size in sorted(d["files"].items()):
-            ft.add_row(escape(name), f"{size:,}")
+        capped_rows(ft, sorted(d["files"].items()), lambda ns: (escape(ns[0]), f"{ns[1]:,}"), what="files")
         console.print(ft)
     if d.get("tensors") is not None:
         model = [x for x in d["tensors"] if x["key"].startswith("model.")]
         optim = [x for x in d["tensors"] if x["key"].startswith("optim.")]
         console.print(f"tensors: {len(model)} model ({d.get('model_elements', 0):,} elements), {len(optim)} optimizer "
-                      f"entries; dtypes {sorted({x['dtype'] for x in d['tensors'] if x['dtype']})}")
+                      f"entries; dtypes {escape(joined(sorted({x['dtype'] for x in d['tensors'] if x['dtype']}), what='dtypes'))}")
     if d.get("progress"):
         console.print(f"progress: {escape(str(d['progress']))}")
-    for r in d.get("ranks") or []:
-        console.print(f"rank {r['rank']}: data position {escape(str(r['data']))[:160]}")
+    for line in capped_lines(d.get("ranks") or [], lambda r: f"rank {r['rank']}: data position "
+                             f"{escape(str(r['data']))[:160]}", what="ranks"):
+        console.print(line)

@@ -16,11 +16,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ..console import MAX_LISTED, capped, capped_rows, joined
 from ..errors import RipresaError
 from .report import Verdict, base_report, err_text, finish, fmt, fmt_size, fmt_status, state_summary
 
 #: Tensors listed one by one in the report (all of them are counted in ``dtypes`` and ``groups``).
-MAX_LISTED_TENSORS = 64
+MAX_LISTED_TENSORS = MAX_LISTED
 
 
 def _header_summary(header: Any) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def _header_summary(header: Any) -> dict[str, Any]:
         "dtypes": dict(sorted(dtypes.items())),
         "groups": dict(sorted(groups.items())),
         "entries": [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.end - e.begin}
-                    for e in header.entries[:MAX_LISTED_TENSORS]],
+                    for e in capped(header.entries, MAX_LISTED_TENSORS)[0]],
     }
 
 
@@ -131,17 +132,17 @@ def render_safetensors(s: dict[str, Any], console: Any) -> None:
     h = s["header"]
     if h is not None:
         t.add_row("tensors", f"{h['tensors']} ({escape(fmt_size(h['data_bytes']))} of data, header {h['header_bytes']} bytes)")
-        t.add_row("dtypes", escape(", ".join(f"{k} x{n}" for k, n in h["dtypes"].items())))
-        for g, info in h["groups"].items():
-            t.add_row(f"  {escape(g or '(top level)')}/", f"{info['tensors']} tensors, {escape(fmt_size(info['bytes']))}")
+        t.add_row("dtypes", escape(joined(h["dtypes"].items(), lambda kn: f"{kn[0]} x{kn[1]}", what="dtypes")))
+        capped_rows(t, h["groups"].items(), lambda gi: (f"  {escape(gi[0] or '(top level)')}/",
+                    f"{gi[1]['tensors']} tensors, {escape(fmt_size(gi[1]['bytes']))}"), what="key groups")
         if h["metadata"]:
-            t.add_row("metadata", escape(", ".join(f"{k}={val}" for k, val in h["metadata"].items())))
+            t.add_row("metadata", escape(joined(h["metadata"].items(), lambda kv: f"{kv[0]}={kv[1]}", what="keys")))
     if s["generation"]:
         t.add_row("step", fmt(s["step"]))
         t.add_row("valid", fmt_status(s["valid"]) + (f"  {escape(str(s['reason']))}" if s["reason"] else ""))
         t.add_row("sha256", s["sha256"] or "[dim]not computed[/]")
-        for alias, target in s["aliases"].items():
-            t.add_row("  alias", f"{escape(alias)} -> {escape(target)}")
+        capped_rows(t, s["aliases"].items(), lambda at: ("  alias", f"{escape(at[0])} -> {escape(at[1])}"),
+                    what="aliases")
         c = s["companion"] or {}
         if c.get("record") is not None:
             t.add_row("companion", f"{escape(Path(c['path']).name)} ({escape(fmt_size(c.get('size')))})")
@@ -150,15 +151,14 @@ def render_safetensors(s: dict[str, Any], console: Any) -> None:
             if c.get("versions") is not None:
                 t.add_row("  versions", escape(", ".join(f"{k} {val}" for k, val in c["versions"].items()
                                                          if k in ("python", "torch", "numpy", "ripresa"))))
-        for chk in s["checks"]:
-            t.add_row(f"  check {escape(chk['name'])}", fmt_status(chk["ok"]) + (
-                f"  {escape(str(chk.get('message') or ''))[:200]}" if not chk["ok"] else ""))
+        capped_rows(t, s["checks"], lambda chk: (f"  check {escape(chk['name'])}", fmt_status(chk["ok"]) + (
+            f"  {escape(str(chk.get('message') or ''))[:200]}" if not chk["ok"] else "")), what="checks")
     console.print(t)
     if h is not None and h["entries"]:
         e = Table(title=f"tensors (first {len(h['entries'])} of {h['tensors']})")
         e.add_column("key", overflow="fold")
         for col in ("dtype", "shape", "bytes"):  # numbers whole on one line
             e.add_column(col, no_wrap=True, justify="right" if col == "bytes" else "left")
-        for row in h["entries"]:
-            e.add_row(escape(row["key"]), row["dtype"], escape(str(row["shape"])), str(row["bytes"]))
+        capped_rows(e, h["entries"], lambda row: (escape(row["key"]), row["dtype"], escape(str(row["shape"])),
+                                                  str(row["bytes"])), what="tensors")
         console.print(e)

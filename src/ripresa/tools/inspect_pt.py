@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..console import capped_rows, joined
 from ..errors import IntegrityError, RipresaError
 from .report import (
     Stats,
@@ -187,14 +188,14 @@ def render_pt(c: dict[str, Any], console: Any) -> None:
         t.add_row("", f"[red]{escape(side['error'])}[/]")
     t.add_row("schema", fmt_status(c["schema_ok"]))
     if c["progress"] is not None:
-        t.add_row("progress", escape(", ".join(f"{k} {val}" for k, val in c["progress"].items())))
+        t.add_row("progress", escape(joined(c["progress"].items(), lambda kv: f"{kv[0]} {kv[1]}")))
     if c["versions"] is not None:
-        t.add_row("versions", escape(", ".join(f"{k} {val}" for k, val in c["versions"].items())))
+        t.add_row("versions", escape(joined(c["versions"].items(), lambda kv: f"{kv[0]} {kv[1]}")))
     if c["code"] is not None:
         code = c["code"]
         t.add_row("code", escape(f"{code['files_sha256']} ({code['n_files']} files; git {code['git_commit']}, dirty {code['git_dirty']})"))
     if c["data_identity"] is not None:
-        t.add_row("data identity", escape(", ".join(f"{k} {val}" for k, val in c["data_identity"].items()) or "—"))
+        t.add_row("data identity", escape(joined(c["data_identity"].items(), lambda kv: f"{kv[0]} {kv[1]}") or "—"))
     if c["model"] is not None:
         m = c["model"]
         t.add_row("model", f"{m['tensors']} tensors, {m['elements']} elements "
@@ -203,16 +204,16 @@ def render_pt(c: dict[str, Any], console: Any) -> None:
         o = c["optimizer"]
         t.add_row("optimizer", f"{len(o['param_groups'])} group(s), {o['params_with_state']} parameter(s) with state, "
                   f"steps {o['steps']}")
-        for i, g in enumerate(o["param_groups"]):
-            keys = ("lr", "betas", "eps", "weight_decay")
-            t.add_row(f"  group {i}", escape(f"{g['n_params']} params, " + ", ".join(f"{k} {g[k]}" for k in keys if k in g)))
+        keys = ("lr", "betas", "eps", "weight_decay")
+        capped_rows(t, enumerate(o["param_groups"]), lambda ig: (f"  group {ig[0]}", escape(
+            f"{ig[1]['n_params']} params, " + ", ".join(f"{k} {ig[1][k]}" for k in keys if k in ig[1]))), what="groups")
     if c["scheduler"] is not None:
         t.add_row("scheduler", escape(str({k: val for k, val in c["scheduler"].items() if k != "keys"})))
     if c["rng"] is not None:
-        t.add_row("random streams", escape(", ".join(c["rng"])))
+        t.add_row("random streams", escape(joined(c["rng"], what="streams")))
     if c["data"] is not None:
         d = c["data"]
-        t.add_row("data position", escape(", ".join(f"{k} {val}" for k, val in d.items() if not isinstance(val, dict))))
+        t.add_row("data position", escape(joined(((k, val) for k, val in d.items() if not isinstance(val, dict)), lambda kv: f"{kv[0]} {kv[1]}")))
     t.add_row("finite", "[dim]not checked[/]" if not c["finite"]["checked"] else fmt_status(c["finite"]["ok"]))
     console.print(t)
     groups: dict[str, Any] = {}

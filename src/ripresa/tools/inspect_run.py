@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from ..console import capped, capped_rows, more_line
 from ..errors import RipresaError
 from ..io.fsio import temp_name_pid
 from ..io.lock import pid_alive
@@ -173,7 +174,10 @@ def render_run(r: dict[str, Any], console: Any) -> None:
     for col in ("step", "kind", "size", "status", "resume", "reason"):  # numbers on one line, text folds
         t.add_column(col, justify="right" if col in ("step", "size") else "left", no_wrap=col in ("step", "kind", "size"),
                      overflow="fold")
-    for g in r["generations"]:
+    shown, more = capped(r["generations"][::-1])  # the newest, the ones a resume looks at
+    if more:
+        t.add_row("", "", "", "", "", more_line(more, "older generations"))
+    for g in shown[::-1]:
         files = g["files"]
         status = "[green]valid[/]" if g["valid"] else "[red]INVALID[/]"
         if g["valid"] and not g["deep_checked"]:
@@ -205,9 +209,8 @@ def render_run(r: dict[str, Any], console: Any) -> None:
         tt = Table(title="temporary files")
         for col in ("name", "size", "writer pid", "writer"):
             tt.add_column(col)
-        for tmp in r["temporaries"]:
-            tt.add_row(escape(tmp["name"]), fmt_size(tmp["size"]), str(tmp["pid"]),
-                       "alive (save in progress)" if tmp["writer_alive"] else "dead (leftover)")
+        capped_rows(tt, r["temporaries"], lambda tmp: (escape(tmp["name"]), fmt_size(tmp["size"]), str(tmp["pid"]),
+                    "alive (save in progress)" if tmp["writer_alive"] else "dead (leftover)"), what="temporary files")
         console.print(tt)
     if r["finite"]["regions"]:
         console.print(stats_table(f"generation {r['finite']['step']} (the one a resume uses)", r["finite"]["regions"], console.width))

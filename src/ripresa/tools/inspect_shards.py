@@ -15,11 +15,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ..console import MAX_LISTED, capped_lines, capped_rows, joined
 from ..errors import BadInput, IntegrityError, RipresaError
 from .report import Verdict, base_report, err_text, finish, fmt_size, fmt_status, state_summary
 
 #: Tensors listed one by one in the report (all of them are counted in ``dtypes`` and ``groups``).
-MAX_LISTED_TENSORS = 64
+MAX_LISTED_TENSORS = MAX_LISTED
 
 
 def shards_report(p: Path, given: str | Path, *, check_finite: bool, deep: bool) -> dict[str, Any]:
@@ -117,9 +118,8 @@ def render_shards(s: dict[str, Any], console: Any) -> None:
     t.add_column("check", no_wrap=True)
     t.add_column("ok", no_wrap=True)
     t.add_column("found", overflow="fold")
-    for c in s["checks"]:
-        t.add_row(escape(c["name"]), fmt_status(c["ok"]),
-                  escape(str(c.get("found") or c.get("message") or ""))[:120])
+    capped_rows(t, s["checks"], lambda c: (escape(c["name"]), fmt_status(c["ok"]),
+                                           escape(str(c.get("found") or c.get("message") or ""))[:120]), what="checks")
     console.print(t)
     if s.get("shards"):
         ft = Table(title="shards")
@@ -127,20 +127,22 @@ def render_shards(s: dict[str, Any], console: Any) -> None:
         for col in ("bytes", "tensors"):
             ft.add_column(col, justify="right", no_wrap=True)
         ft.add_column("sha256", overflow="fold")
-        for r in s["shards"]:
-            ft.add_row(escape(r["name"]), f"{r['size']:,}", str(r["tensors"]), r["sha256"])
+        capped_rows(ft, s["shards"], lambda r: (escape(r["name"]), f"{r['size']:,}", str(r["tensors"]), r["sha256"]),
+                    what="shards")
         console.print(ft)
     tensors = s.get("tensors")
     if tensors:
         console.print(f"tensors: {tensors['count']}; dtypes "
-                      + escape(", ".join(f"{k} x{n}" for k, n in tensors["dtypes"].items())))
-        for g, info in tensors["groups"].items():
-            console.print(f"  {escape(g)}/: {info['tensors']} tensors, {escape(fmt_size(info['bytes']))}")
+                      + escape(joined(tensors["dtypes"].items(), lambda kn: f"{kn[0]} x{kn[1]}", what="dtypes")))
+        for line in capped_lines(tensors["groups"].items(), lambda gi: f"  {escape(gi[0])}/: {gi[1]['tensors']} "
+                                 f"tensors, {escape(fmt_size(gi[1]['bytes']))}", what="key groups"):
+            console.print(line)
     if s.get("index"):
         console.print(f"index: {s['index']['file']}, {s['index']['weight_map']} names, "
                       f"total_size {s['index']['total_size']:,}")
-    for alias, target in (s.get("aliases") or {}).items():
-        console.print(f"alias: {escape(alias)} -> {escape(target)}")
+    for line in capped_lines((s.get("aliases") or {}).items(), lambda at: f"alias: {escape(at[0])} -> {escape(at[1])}",
+                             what="aliases"):
+        console.print(line)
     c = s.get("companion") or {}
     if c.get("progress") is not None:
         console.print(f"progress: {escape(str(c['progress']))}")

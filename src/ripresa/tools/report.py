@@ -297,11 +297,14 @@ def stats_table(title: str, stats: dict[str, Any], width: int) -> Any:
     wrapped or cut: ripresa.console.fit_table); where the first non-finite value is, the problems/warnings say."""
     from rich.markup import escape
 
-    from ..console import fit_table
+    from ..console import capped, fit_table, more_line
 
     rows = []
-    for name, s in stats.items():
+    shown, more = capped(stats.items())
+    for name, s in shown:
         bad = s["nan"] + s["posinf"] + s["neginf"]
         detail = f"[red]{bad}[/]" if bad else "0"
         rows.append([escape(name), str(s["count"]), fmt(s["min"]), fmt(s["max"]), fmt(s["mean"]), fmt(s["std"]), detail])
+    if more:
+        rows.append([more_line(more, "groups"), "", "", "", "", "", ""])
     return fit_table(title, ("", "count", "min", "max", "mean", "std", "non-finite"), rows, width)

@@ -350,6 +350,7 @@ def render_verdict(verdict: Verdict, console=None) -> None:
     """Print the verdict table: weight gap, final metric, gap, verdict per path."""
     from rich.table import Table
 
+    from ..console import capped_rows, joined
     from ..text import safe_console
 
     console = console or safe_console()
@@ -375,19 +376,18 @@ def render_verdict(verdict: Verdict, console=None) -> None:
     checks.add_column("full resume", justify="right", no_wrap=True)
     checks.add_column("without RNG", justify="right", no_wrap=True)
     neg = {c["name"]: c for c in r["checks"]["resume-without-rng"]}
-    for c in r["checks"]["resume"]:
-        n = neg.get(c["name"], {})
-        checks.add_row(
-            c["name"],
-            ("ok " if c["passed"] else "[red]FAIL[/] ") + _fmt(c["max_abs_gap"]),
-            ("same " if n.get("passed") else "differs ") + _fmt(n.get("max_abs_gap")),
-        )
+    failed_first = sorted(r["checks"]["resume"], key=lambda c: bool(c["passed"]))  # failures first, in their order
+    capped_rows(checks, failed_first, lambda c: (
+        c["name"],
+        ("ok " if c["passed"] else "[red]FAIL[/] ") + _fmt(c["max_abs_gap"]),
+        ("same " if neg.get(c["name"], {}).get("passed") else "differs ") + _fmt(neg.get(c["name"], {}).get("max_abs_gap")),
+    ), what="checks")
     console.print(checks)
     if r.get("mode") == "steered":
         console.print("steered: the command ran unchanged in folders ripresa verify owns, its Checkpointer "
                       "recorded the trajectory")
     if r.get("streams_not_used"):
-        console.print(f"random streams not used (never seeded by the command, not compared): {', '.join(r['streams_not_used'])}")
+        console.print(f"random streams not used (never seeded by the command, not compared): {joined(r['streams_not_used'])}")
     if not r["determinism_before_cut"]["passed"]:
         console.print(f"[red]the trainer is not deterministic before the cut:[/] {r['determinism_before_cut']['first_problem']}")
     if not t["resume"]["agrees"]:

@@ -13,11 +13,13 @@ import copy
 import difflib
 import json
 import os
+import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ...core.numbers import checked_number
 from ...errors import BadInput, IntegrityError, SchemaError
 from ...io.fsio import read_small
 from .model import CONFIGS, TRAIN_DEFAULTS, GPTConfig, from_config_dict
@@ -186,14 +188,16 @@ def validate(cfg: dict[str, Any]) -> None:
             raise BadInput(f"config lacks section '{section}'", expected=section, found=sorted(cfg))
     from_config_dict(cfg["model"])
     t = cfg["train"]
-    for key in ("batch_size", "max_steps", "every", "seed", "warmup_steps"):
-        if not isinstance(t.get(key), int) or isinstance(t.get(key), bool) or t[key] < 0:
-            raise BadInput(f"train.{key} must be a non-negative integer", found=repr(t.get(key)))
-    if t["batch_size"] < 1:
-        raise BadInput("train.batch_size must be >= 1", found=t["batch_size"])
+    for key in ("batch_size", "max_steps", "every", "seed", "warmup_steps"):  # docs/FAULTS.md, "Numbers read from files"
+        checked_number(t.get(key), file="config.json", field=f"train.{key}", lo=1 if key == "batch_size" else 0,
+                       hi=2**31 - 1 if key == "batch_size" else 2**63 - 1, error=BadInput)
     for key in ("lr", "min_lr", "weight_decay", "grad_clip"):
-        if not isinstance(t.get(key), int | float) or t[key] < 0:
-            raise BadInput(f"train.{key} must be a non-negative number", found=repr(t.get(key)))
+        checked_number(t.get(key), file="config.json", field=f"train.{key}", lo=0, hi=sys.float_info.max,
+                       integer=False, error=BadInput)
+    for key in ("phase",):
+        if key in cfg["mixture"]:
+            checked_number(cfg["mixture"][key], file="config.json", field=f"mixture.{key}", lo=0, hi=2**31 - 1,
+                           error=BadInput)
     if not cfg["data"].get("sources"):
         raise BadInput("config names no data source", expected="data.sources = [...]")
     from ..mixture import MixturePolicy

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from ...core.numbers import checked_number
 from ...errors import BadInput
 
 # ---- configuration -------------------------------------------------------------
@@ -76,9 +77,9 @@ class GPTConfig:
                 expected=">= 256 (one token per byte value)",
                 found=self.vocab_size,
             )
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float):
-            raise BadInput("GPTConfig.dropout must be a number", expected="float in [0, 1)", found=repr(self.dropout))
-        if not 0.0 <= float(self.dropout) < 1.0:
+        dropout = checked_number(self.dropout, file=None, field="GPTConfig.dropout", lo=0.0, hi=1.0, integer=False,
+                                 error=BadInput)
+        if not dropout < 1.0:
             raise BadInput("GPTConfig.dropout out of range", expected="0 <= dropout < 1", found=self.dropout)
         if not isinstance(self.bias, bool):
             raise BadInput("GPTConfig.bias must be a bool", expected="true or false", found=repr(self.bias))

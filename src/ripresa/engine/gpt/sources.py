@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...core.numbers import checked_number
 from ...errors import BadInput, IdentityMismatch, MissingDependency, SchemaError
 
 #: Names of the built-in sources, in the order a default mixture lists them.
@@ -460,8 +461,10 @@ class CropSampler:
         self.dropped_arms = {a: dict(v) for a, v in saved.items() if a not in self.sources}
         for arm in self.sources:
             entry = saved.get(arm)
-            self.batches[arm] = int(entry["batches"]) if entry else 0
-            self.tokens[arm] = int(entry["tokens"]) if entry else 0
+            self.batches[arm] = checked_number(entry["batches"], file=None, field=f"sources.{arm}.batches", lo=0,
+                                               hi=2**63 - 1, error=SchemaError) if entry else 0
+            self.tokens[arm] = checked_number(entry["tokens"], file=None, field=f"sources.{arm}.tokens", lo=0,
+                                              hi=2**63 - 1, error=SchemaError) if entry else 0
 
 
 #: The largest block or batch size a saved sampler state may name (far above any real run).

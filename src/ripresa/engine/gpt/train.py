@@ -34,9 +34,10 @@ import torch
 # stream — the resume verifier caught it (next_draws.python at the end).
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ...core.numbers import checked_number
 from ...core.rng import RandomStreams
 from ...core.state import TrainingState, config_change_error, config_changes
-from ...errors import BadInput, OutputExists
+from ...errors import BadInput, OutputExists, UploadPending
 from ...formats.andrea_bin import BYTES_PER_PARAM, HEADER_SIZE, parse_bin_name
 from ...formats.bin_state import bin_suits
 from ...io.fsio import open_run_file, read_json_small, write_atomic
@@ -80,6 +81,7 @@ class TrainArgs:
     asynchronous: bool = True
     quiet: bool = False
     threads: int | None = None
+    precision: str | None = None  # fp32 | bf16 | fp16 | auto; None: the run's recorded one, else auto (docs/ENGINE.md)
     allow_version_change: bool = False
     allow_code_change: bool = False
     allow_data_change: bool = False
@@ -89,6 +91,7 @@ class TrainArgs:
     mtbf: str | None = None  # --every auto: mean time between failures (default 24h)
     max_redo: str | None = None  # --every auto: at most N steps or a duration of work lost
     deadline: float | None = None  # POSIX time: stop, save, upload and export before it
+    final_upload_timeout: float | None = None  # --mirror: a normal end's wait for the store (None: 900 s)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -165,11 +168,22 @@ class SamplerSlot:
         self.sampler.load_state_dict(state, strict=self.strict)
 
 
-def load_arms(specs: list[str], history_notes: list[dict[str, Any]]) -> dict[str, TextSource]:
-    """Build every configured source; a user source whose path vanished is a zombie arm."""
+def load_arms(specs: list[str], history_notes: list[dict[str, Any]], *, new_run: bool = False) -> dict[str, TextSource]:
+    """Build every configured source; a user source whose path vanished is a zombie arm.
+
+    On a new run (``new_run``: nothing to resume, no run config) a source path
+    that does not exist is a typo, not a vanished source: :class:`BadInput`
+    (exit 2) naming it (docs/ENGINE.md, "Data sources on a new run").
+    """
     arms: dict[str, TextSource] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
+        if sep and not os.path.exists(path) and new_run:
+            raise BadInput(f"data source '{name}' does not exist", file=path,
+                           expected="a text file or a folder of text files (--source NAME=PATH)",
+                           found="a dangling link" if os.path.islink(path) else "nothing at this path",
+                           hint="check the path; a new run does not start without the data it names "
+                                "(a source that vanishes from a resumed run is dropped as a zombie arm: docs/ENGINE.md)")
         if sep and not os.path.exists(path):
             msg = f"data source '{name}' ({path}) no longer exists: its arm is dropped (zombie arm)"
             warnings.warn(msg, ZombieArmWarning, stacklevel=2)
@@ -258,8 +272,81 @@ def write_samples(run_dir: Path, doc: dict[str, Any]) -> None:
     write_atomic(run_dir / SAMPLES_NAME, [json.dumps(doc, indent=1).encode() + b"\n"])
 
 
+#: ``--precision`` values as recorded in ``config.json`` (``train.precision``); ``auto`` resolves to one of them.
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: Config keys recorded by ``ripresa train`` itself (not by a preset): a run's ``config.json`` written before
+#: they were recorded lacks them, and such a run is not refused for it (docs/ENGINE.md, "Precision and threads").
+RECORDED_RUNTIME = ("precision", "threads")
+
+
+def resolve_precision(asked: str | None, cfg: dict[str, Any], run_config: dict[str, Any] | None,
+                      device: torch.device, source: Path | None) -> str:
+    """The step's precision: ``--precision``, else the config's / the run's ``train.precision``, else ``auto``.
+
+    ``auto``: bf16 on a CUDA device that supports it, fp16 (with a GradScaler) on one that does not, fp32 on
+    the CPU (docs/ENGINE.md, "Precision and threads"). A recorded value that is not one of
+    :data:`PRECISIONS` is refused (a hostile ``config.json``).
+    """
+    recorded = cfg["train"].get("precision")
+    if recorded is None and run_config is not None and isinstance(run_config.get("train"), dict):
+        recorded = run_config["train"].get("precision")
+    if recorded is not None and recorded not in (*PRECISIONS, "auto"):
+        raise BadInput("train.precision is not a precision", file=source, expected=list(PRECISIONS),
+                       found=repr(recorded)[:80], hint="ripresa train --precision fp32|bf16|fp16|auto")
+    choice = asked if asked is not None else recorded if recorded is not None else "auto"
+    if choice == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp32"
+    if choice not in PRECISIONS:
+        raise BadInput("unknown --precision", expected=["auto", *PRECISIONS], found=choice)
+    if choice == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise BadInput("--precision bf16 on a GPU without bfloat16", expected="a GPU that supports bf16",
+                       found=torch.cuda.get_device_name(device), hint="use --precision fp16 (GradScaler) or fp32")
+    return choice
+
+
+def resolve_threads(asked: int | None, cfg: dict[str, Any], run_config: dict[str, Any] | None,
+                    device: torch.device, source: Path | None) -> int | None:
+    """Set torch's CPU thread count and return what ``config.json`` records as ``train.threads``.
+
+    ``--threads``, else the run's recorded ``train.threads``, else torch's default. On the CPU the count decides
+    the trajectory (a parallel reduction sums in another order with another number of threads), so it is
+    recorded and compared like the experiment config; on CUDA the step does not run on these threads: ``None``
+    is recorded (docs/ENGINE.md, "Precision and threads").
+    """
+    recorded = cfg["train"].get("threads")
+    if recorded is None and run_config is not None and isinstance(run_config.get("train"), dict):
+        recorded = run_config["train"].get("threads")
+    if recorded is not None and (type(recorded) is not int or not 1 <= recorded <= 4096):
+        raise BadInput("train.threads is not a thread count", file=source, expected="an integer 1..4096 or null",
+                       found=repr(recorded)[:80], hint="ripresa train --threads N")
+    if asked == 0:  # --threads 0: torch's default, as before (and as a recorded launch may replay it)
+        asked = None
+    if asked is not None and not 1 <= asked <= 4096:
+        raise BadInput("--threads must be 1..4096 (0: torch's default)", found=asked)
+    n = asked if asked is not None else recorded if device.type == "cpu" and recorded is not None else None
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads() if device.type == "cpu" else None
+
+
+def runtime_reference(run_config: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """The run's config as compared: a :data:`RECORDED_RUNTIME` key it lacks (written before it was recorded)
+    takes this process's value, so an older run is not refused for lacking it."""
+    train_cfg = run_config.get("train")
+    if not isinstance(train_cfg, dict):
+        return run_config
+    missing = [k for k in RECORDED_RUNTIME if k not in train_cfg]
+    if not missing:
+        return run_config
+    return {**run_config, "train": {**train_cfg, **{k: cfg["train"].get(k) for k in missing}}}
+
+
 def run(args: TrainArgs) -> int:
-    """Train; returns the exit code (0: done or stopped by a signal with a checkpoint)."""
+    """Train; returns the exit code (0: done or stopped by a signal with a checkpoint). With ``--mirror``, a run
+    whose final generation could not be uploaded raises :class:`~ripresa.errors.UploadPending` (exit 3) after the
+    end (docs/MIRROR.md, "The close")."""
     if (args.run is None) == (args.output is None):
         raise BadInput("give exactly one of --run or --output", expected="--run DIR or --output DIR")
     if args.shard not in ("ddp", "fsdp"):
@@ -279,10 +366,13 @@ def run(args: TrainArgs) -> int:
             if device.type == "cuda":
                 device = torch.device("cuda", env["local_rank"])
     ok = False
+    pending: UploadPending | None = None
     try:
-        code = _run(args, device)
+        try:
+            code = _run(args, device)
+        except UploadPending as exc:  # the run is complete, its upload is not: the group still ends normally
+            code, pending = exc.exit_code, exc
         ok = True
-        return code
     finally:
         if created_group:
             import gc
@@ -293,6 +383,9 @@ def run(args: TrainArgs) -> int:
                 tdist.barrier()  # no rank tears the group down while another still uses it
             gc.collect()  # the DDP wrapper (a reference cycle) goes before its process group
             tdist.destroy_process_group()
+    if pending is not None:
+        raise pending  # exit 3 (docs/FAULTS.md, "Exit codes"): the final generation is only on this machine
+    return code
 
 
 def _run(args: TrainArgs, device: torch.device) -> int:
@@ -329,16 +422,30 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     run_config = None
     if reference is not None and os.path.lexists(reference):
         run_config = load_config_file(reference, run_file=True)
-        changed = config_changes(run_config, cfg, OPERATIONAL_CONFIG)
+    # precision and CPU threads decide the trajectory: recorded in config.json, compared like the experiment
+    # config (docs/ENGINE.md, "Precision and threads")
+    cfg["train"]["precision"] = resolve_precision(args.precision, cfg, run_config, device, reference)
+    cfg["train"]["threads"] = resolve_threads(args.threads, cfg, run_config, device, reference)
+    if run_config is not None:
+        assert reference is not None
+        changed = config_changes(runtime_reference(run_config, cfg), cfg, OPERATIONAL_CONFIG)
         if changed and not args.allow_config_change:
-            raise config_change_error(changed, reference, against=f"the run's {reference.name}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+            err = config_change_error(changed, reference, against=f"the run's {reference.name}")
+            runtime = [k for k in changed if k in ("train.precision", "train.threads")]
+            if runtime:  # the way on for a flag: the recorded value, or knowingly another
+                flags = " and ".join(f"--{k.partition('.')[2]}" for k in runtime)
+                recorded = " ".join(f"--{k.partition('.')[2]} {changed[k]['saved']}" for k in runtime
+                                    if changed[k]["saved"] is not None)
+                err.hint = (f"for an exact resume, resume without {flags}: the run's recorded "
+                            f"{recorded or 'values'} apply (docs/ENGINE.md, \"Precision and threads\"); {err.hint}")
+            raise err
     t = cfg["train"]
 
     # ---- data: the arms and the bandit that mixes them -------------------------
     notes: list[dict[str, Any]] = []
-    arms = load_arms(list(cfg["data"]["sources"]), notes)
+    # a new run: nothing to resume and no run config (a run's config.json, a mirror's, --resume's)
+    new_run = args.resume is None and run_config is None and not (args.run is not None and _has_generation(run_dir))
+    arms = load_arms(list(cfg["data"]["sources"]), notes, new_run=new_run)
     dropped = {n["arm"] for n in notes}
     policy = MixturePolicy.from_dict({k: {a: v for a, v in cfg["mixture"].get(k, {}).items() if a not in dropped}
                                       for k in ("floors", "caps")})
@@ -357,7 +464,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     if args.run is not None:
         check_model_fits_run(run_dir, mconf.param_count())
     sampler = CropSampler(arms, mconf.block_size, t["batch_size"], data_gen)
-    mixture = BanditMixture(list(arms), policy, mix_gen, phase=int(cfg["mixture"].get("phase", 0)))
+    mixture = BanditMixture(list(arms), policy, mix_gen, phase=checked_number(cfg["mixture"].get("phase", 0), file="config.json", field="mixture.phase", lo=0, hi=2**31 - 1, error=BadInput))
 
     # ---- model, optimizer, schedule, mixed precision ----------------------------
     model = GPT(mconf).to(device)
@@ -394,12 +501,10 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     # before every step, so it has no state of its own to save: the optimizer's
     # param groups (saved) hold the LR in use, and a fork that overrides
     # train.lr or the schedule takes effect at its first step.
-    amp_dtype = None
-    scaler = None
-    if device.type == "cuda":
-        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if amp_dtype == torch.float16:
-            scaler = torch.amp.GradScaler("cuda")
+    # the step's precision (resolved above, recorded as train.precision): autocast to bf16 or fp16 on either
+    # device; fp16 scales the loss with a GradScaler whose state is saved and restored with the rest
+    amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[t["precision"]]
+    scaler = torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None
 
     # ---- the state ripresa saves, and the session over the run folder ------------
     mixture_slot = MixtureSlot(mixture)
@@ -452,6 +557,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         on_staged=audit_staged if audit_model is not None else None, sidecars={STATE_NAME: mixture.state_dict},
         allow_version_change=args.allow_version_change, allow_code_change=args.allow_code_change,
         allow_data_change=args.allow_data_change or bool(dropped), mirror=args.mirror,
+        final_upload_timeout=args.final_upload_timeout,
         # config.json, checked above, is the run's experiment config: a generation saved under another one (before
         # a fork or a pivot) is resumed and the difference recorded; without it, a change is refused unless allowed.
         allow_config_change=True if run_config is not None or args.allow_config_change else False,
@@ -483,23 +589,31 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         def say(*a: Any, **k: Any) -> None:  # --quiet only hides the progress bar; a config's name comes from a file
             if rank == 0:
                 print(*(wrap_words(escape_terminal(x)) for x in a), **k)  # 80 columns: never a token split
-        if start:
-            origin = ckpt.resumed_from
-            say(f"resumed {run_dir} at step {start} ({_gen_name(origin) if origin else args.resume})")
-        floor_warning = lr_floor_warning(t, start)
-        if floor_warning is not None and rank == 0:  # once per start, on the console and in the history
-            print(f"ripresa train: warning: {floor_warning}", file=sys.stderr, flush=True)
-            ckpt.history.event("lr_below_floor", step=start, lr=float(t["lr"]), min_lr=float(t["min_lr"]))
-        n_params = sum(p.numel() for p in model.parameters())
         # --run: --steps is the run's end step; --output (the verify contract): this process's steps.
         if args.steps is None:
             goal = t["max_steps"]
         else:
             goal = start + args.steps if args.output is not None else args.steps
-        if start >= goal and args.output is None:
-            say(f"already at step {start} (the end is step {goal}{'' if args.steps is not None else ', train.max_steps'}):"
-                " nothing to train; a longer run: --steps N")
+        origin = ckpt.resumed_from
+        where_from = origin.path if origin is not None else args.resume
+        if start >= goal and args.output is None:  # one line: where the run is, and how to go on
+            import shlex
+
+            asked = f"--steps {goal}" if args.steps is not None else f"train.max_steps={goal}"
+            say(f"run {run_dir} is already at step {start}" + (f" (resumed from {where_from})" if start else "")
+                + f": nothing to train to {asked}; for more: ripresa train --run {shlex.quote(str(run_dir))} "
+                f"--steps {start + (args.steps or t['every'] or 100)}")
+            ckpt.close()
+            return 0
+        if start:  # every resume says so, with the generation it started from
+            say(f"resumed {run_dir} at step {start} from {where_from}")
+        floor_warning = lr_floor_warning(t, start)
+        if floor_warning is not None and rank == 0:  # once per start, on the console and in the history
+            print(f"ripresa train: warning: {floor_warning}", file=sys.stderr, flush=True)
+            ckpt.history.event("lr_below_floor", step=start, lr=float(t["lr"]), min_lr=float(t["min_lr"]))
+        n_params = sum(p.numel() for p in model.parameters())
         where = f"{device}" if not group else f"{world} rank(s) on {device.type} ({args.shard}, {tdist.get_backend()})"
+        where += f", {t['precision']}" + (f", {t['threads']} thread(s)" if t["threads"] is not None else "")
         say(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {where}, steps {start}→{goal}, "
             f"checkpoint every {'auto (docs/CADENCE.md)' if ckpt.cadence else t['every']} → {run_dir}")
         traj = None
@@ -527,7 +641,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     except BaseException:
         ckpt.abort()  # no collective on an error path: another rank may be gone
         raise
-    ckpt.close()  # a normal end: saves the last step when no generation holds it yet
+    closed = ckpt.close()  # a normal end: saves the last step when no generation holds it yet, waits for the mirror
     done = ckpt.deadline.done if ckpt.deadline is not None else None
     why = "stopped for the deadline" if done else "stopped by signal" if stopped else "done"
     if done:
@@ -535,6 +649,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
             f"export bundle {done.get('export')} (ripresa export --verify DIR)")
     say(f"{why} at step {last}; checkpoints, .loss.jsonl, "
         f"{SAMPLES_NAME}, {STATE_NAME} in {run_dir}")
+    closed.raise_if_pending()  # UploadPending, exit 3: the final generation is not off this machine (docs/MIRROR.md)
     return 0
 
 
@@ -559,6 +674,14 @@ def launch_record(args: TrainArgs, world: int, local_world: int) -> dict[str, An
         opts["mirror"] = redact_url(opts["mirror"]) if "://" in opts["mirror"] else os.path.abspath(opts["mirror"])
     opts["require_signature"] = auth.require_signature_from_env()
     return {"command": "ripresa train", "options": opts, "world_size": world, "local_world_size": local_world}
+
+
+def _has_generation(run_dir: Path) -> bool:
+    """Whether the folder holds a file named like a generation (a resume, not a new run, whatever its state)."""
+    try:
+        return any(e.name.startswith("step_") for e in os.scandir(run_dir))
+    except OSError:
+        return False
 
 
 def _gen_name(gen: Any) -> str:

@@ -312,10 +312,12 @@ def test_train_header_and_generate_fit_80_columns(tmp_path):
     res = run([sys.executable, "-m", "ripresa", "train", "--run", str(run_dir), "--config", "tiny", "--steps", "4",
                "--every", "100", "--quiet", "--no-audit"], env=env)
     assert res.returncode == 0, res.stderr
-    header = next(line for line in res.stdout.splitlines() if line.startswith("ripresa train:"))
-    _fits(res.stdout)
-    assert "every 100" in " ".join(res.stdout.split()) and header.split()[:3] == ["ripresa", "train:", "tiny"]
-    assert str(run_dir) in res.stdout.split()
+    lines = res.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("ripresa train:"))
+    last = next(i for i in range(first, len(lines)) if lines[i].split()[-1:] == [str(run_dir)])
+    header = "\n".join(lines[first: last + 1])  # the header, wrapped: its path whole on the last line
+    _fits(header)
+    assert "every 100 →" in " ".join(header.split()) and header.split()[:3] == ["ripresa", "train:", "tiny"]
     (tmp_path / "p.txt").write_text("hello\nworld\n")
     res = run([sys.executable, "-m", "ripresa", "generate", str(run_dir), "--inputs", str(tmp_path / "p.txt"),
                "--out", str(tmp_path / "o.jsonl"), "--quiet"], env=env)

@@ -588,7 +588,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
 
         def say(*a: Any, **k: Any) -> None:  # --quiet only hides the progress bar; a config's name comes from a file
             if rank == 0:
-                print(*(wrap_words(escape_terminal(x)) for x in a), **k)  # 80 columns: never a token split
+                print(*(escape_terminal(x) for x in a), **k)
         # --run: --steps is the run's end step; --output (the verify contract): this process's steps.
         if args.steps is None:
             goal = t["max_steps"]
@@ -614,8 +614,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         n_params = sum(p.numel() for p in model.parameters())
         where = f"{device}" if not group else f"{world} rank(s) on {device.type} ({args.shard}, {tdist.get_backend()})"
         where += f", {t['precision']}" + (f", {t['threads']} thread(s)" if t["threads"] is not None else "")
-        say(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {where}, steps {start}→{goal}, "
-            f"checkpoint every {'auto (docs/CADENCE.md)' if ckpt.cadence else t['every']} → {run_dir}")
+        say(wrap_words(f"ripresa train: {cfg['name']} ({n_params:,} parameters) on {where}, steps {start}→{goal}, "
+            f"checkpoint every {'auto (docs/CADENCE.md)' if ckpt.cadence else t['every']} → {run_dir}"))  # 80 columns
         traj = None
         if args.output is not None:
             eval_loss = evaluate(model, sampler, device, amp_dtype)  # every rank: a sharded forward is collective

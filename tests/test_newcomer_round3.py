@@ -249,6 +249,7 @@ def test_a_mistyped_option_names_the_nearest(argv, near):
     code, _, err = _cli(*argv)
     assert code == 2 and "usage:" not in err, err
     assert f"did you mean {near}" in err and f"ripresa {argv[0]}: error: unknown option" in err, err
+    assert max(map(len, err.splitlines())) <= 80, err  # the refusal fits a terminal, not a 300-column option list
 
 
 def test_a_mistyped_command_names_the_nearest():

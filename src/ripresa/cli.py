@@ -695,7 +695,7 @@ def _refuse_unknown_options(command: str, extra: list[str], parser: argparse.Arg
                        hint=f"ripresa {command} --help")
     near = difflib.get_close_matches(typed[0], known, n=3, cutoff=0.6)
     raise BadInput(f"unknown option{'s' if len(typed) > 1 else ''} for `ripresa {command}`", found=" ".join(typed)[:200],
-                   expected=", ".join(known) or None,
+                   expected=f"one of its {len(known)} options (ripresa {command} --help)",
                    hint=("did you mean " + " or ".join(near) + "?") if near else f"ripresa {command} --help")
 
 

@@ -81,3 +81,54 @@ def test_a_sparse_ledger_of_many_short_lines_is_refused_in_bounded_memory(tiny_r
     rss_kib = int(text.split("MAXRSS_KIB")[1])
     assert rss_kib < 1024 * 1024, text  # the model and torch (~0.4 GB), never the GiB of the ledger
     assert os.path.getsize(out) == 1 << 30  # the refused ledger is left as it was
+
+
+# ---------------------------------------------------------------- 80 columns: a hash is never cut
+
+
+def _hashes_whole(text: str, digests: list[str]) -> None:
+    for line in text.splitlines():
+        assert len(line.rstrip()) <= 80, repr(line)
+    for d in digests:
+        assert d in text, (d, text)  # on one line, whole
+
+
+def test_inspect_file_tables_keep_a_sha256_on_one_line(tiny_run, tmp_path):
+    """``ripresa inspect FILE`` of a ``.bin``, a general ``.safetensors`` and a ``checkpoint.pt`` at
+    80 columns: the key/value box cut every sha256 in its value column (57 characters wide). Now
+    a value that does not fit beside its field is on its own line under it."""
+    import hashlib
+
+    import torch
+
+    bin_file = tiny_run / "step_000010.bin"
+    res = _cli("inspect", bin_file.name, "--no-deep", cwd=tiny_run)
+    assert res.returncode == 0, res.stdout + res.stderr
+    marker = (tiny_run / "step_000010.bin.sha256").read_text().split()
+    _hashes_whole(res.stdout, [w for w in marker if len(w) == 64])
+    res = _cli("inspect", bin_file.name, cwd=tiny_run)
+    assert res.returncode == 0, res.stdout + res.stderr
+    _hashes_whole(res.stdout, [hashlib.sha256(bin_file.read_bytes()).hexdigest()])
+
+    import ripresa
+
+    run = tmp_path / "general"
+    model = torch.nn.Linear(3, 2)
+    state = ripresa.TrainingState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with ripresa.Checkpointer(run, state, every=1, asynchronous=False, handle_signals=False) as ck:
+        ck.resume()
+        ck.step_done(1)
+    (gen,) = sorted(run.glob("*.safetensors"))
+    res = _cli("inspect", gen.relative_to(tmp_path), cwd=tmp_path)  # a short path: the lines fit
+    assert res.returncode == 0, res.stdout + res.stderr
+    _hashes_whole(res.stdout, [hashlib.sha256(gen.read_bytes()).hexdigest()])
+
+
+def test_inspect_checkpoint_pt_keeps_its_sidecar_hash_on_one_line(interrupted_run):
+    """The same for ``checkpoint.pt`` (its sidecar's expected sha256 was cut in the box)."""
+    import hashlib
+
+    pt = interrupted_run / "checkpoint.pt"
+    res = _cli("inspect", pt.name, cwd=interrupted_run)
+    assert res.returncode == 0, res.stdout + res.stderr
+    _hashes_whole(res.stdout, [hashlib.sha256(pt.read_bytes()).hexdigest()])

@@ -132,3 +132,42 @@ def test_inspect_checkpoint_pt_keeps_its_sidecar_hash_on_one_line(interrupted_ru
     res = _cli("inspect", pt.name, cwd=interrupted_run)
     assert res.returncode == 0, res.stdout + res.stderr
     _hashes_whole(res.stdout, [hashlib.sha256(pt.read_bytes()).hexdigest()])
+
+
+# ---------------------------------------------------------------- 3. a variable trusted at start
+
+
+LOOP = Path(__file__).resolve().parents[1] / "examples" / "loop" / "train.py"
+
+
+def test_a_stale_verify_steering_never_redirects_a_real_training(tmp_path):
+    """``RIPRESA_VERIFY`` left in a user's shell (copied from a verify's log, or exported by a verify
+    that has ended) steered the next real training: ``python train.py --run runs/real`` trained in the
+    old verify's folder, stopped at its ``stop_at`` and exited 0, the user's folder never created.
+    Now the steering is bound to the ``ripresa verify`` that set it (pid and start time, an ancestor of
+    the process): a stale or copied value is refused in one paragraph, exit 2, nothing touched."""
+    from ripresa.session.steer import ENV, Steering
+
+    verify_out = tmp_path / "old-verify"
+    helper = subprocess.run(  # a 'verify' process that writes the value and ends
+        [PY, "-c", "import json, sys; from pathlib import Path; from ripresa.session.steer import Steering, ENV; "
+         f"print(Steering('continuous', Path({str(verify_out / 'run')!r}), Path({str(verify_out)!r}), 2).to_env()[ENV])"],
+        capture_output=True, text=True, timeout=60)
+    assert helper.returncode == 0, helper.stderr
+    stale = helper.stdout.strip()
+    real = tmp_path / "real"
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", RIPRESA_PROGRESS="0", **{ENV: stale})
+    res = subprocess.run([PY, str(LOOP), "--run", str(real), "--steps", "3", "--every", "1"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    assert "Traceback" not in out and f"unset {ENV}" in out, out
+    assert not verify_out.exists(), out  # the old verify's folder is never written
+    assert not real.exists(), out  # and the user's folder untouched (refused before anything)
+
+    # the same value in a process the live 'verify' (here: this test's process) started is honoured
+    fresh = Steering("continuous", verify_out / "run", verify_out, 2).to_env()[ENV]
+    res = subprocess.run([PY, str(LOOP), "--run", str(real), "--steps", "3", "--every", "1"], capture_output=True,
+                         text=True, timeout=120, env={**env, ENV: fresh})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (verify_out / "run").is_dir() and not real.exists()

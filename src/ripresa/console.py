@@ -312,6 +312,65 @@ def fit_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], 
     return t
 
 
+class KeyValues:
+    """A report's fields, one ``field  value`` line each, that keeps a long value whole (docs/INSPECT.md, "80 columns").
+
+    A two-column table box cut a sha256 (64 characters) in its value column at 80 columns; here a
+    value that does not fit beside its field goes on its own line under it, indented four, and a
+    hash or a path is never broken unless it is longer than the line itself. The API is the part of
+    ``rich.table.Table`` the key/value reports use (``add_row``, so :func:`capped_rows` works).
+    """
+
+    #: Widest field column; a longer field puts its value on the next line.
+    FIELD_MAX = 26
+
+    def __init__(self, title: str = "") -> None:
+        self.title = title
+        self.rows: list[tuple[str, str]] = []
+
+    def add_column(self, *args: Any, **kwargs: Any) -> None:  # the Table API: columns are fixed
+        pass
+
+    def add_row(self, field: str = "", value: str = "") -> None:
+        self.rows.append((field, value))
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.padding import Padding
+        from rich.table import Table
+        from rich.text import Text
+
+        def text(cell: str) -> Any:
+            try:
+                return Text.from_markup(cell)
+            except Exception:  # noqa: BLE001 - not markup: the plain text
+                return Text(cell)
+
+        width = options.max_width
+        rows = [(text(f), text(v)) for f, v in self.rows]
+        fw = min(max((f.cell_len for f, _ in rows), default=0), self.FIELD_MAX)
+        room = max(width - 2 - fw - 2, 8)  # the value column beside the fields
+        if self.title:
+            yield text(f"[bold]{self.title}[/]")
+        grid: Any = None
+        for f, v in rows:
+            longest = max((len(w) for w in v.plain.split()), default=0)
+            if f.cell_len <= fw and longest <= room:  # beside its field, wrapped at spaces if need be
+                if grid is None:
+                    grid = Table.grid(padding=(0, 2))
+                    grid.add_column(width=fw, no_wrap=True)
+                    grid.add_column(max_width=room, overflow="fold")
+                grid.add_row(f, v)
+                continue
+            if grid is not None:
+                yield Padding(grid, (0, 0, 0, 2), expand=False)
+                grid = None
+            lead = len(f.plain) - len(f.plain.lstrip(" "))  # a sub-field's value goes under it, deeper
+            yield Padding(f, (0, 0, 0, 2), expand=False)  # a hash or a path on its own line under its field
+            yield Padding(v, (0, 0, 0, 4 + lead), expand=False)
+        if grid is not None:
+            yield Padding(grid, (0, 0, 0, 2), expand=False)
+
+
 # ---- progress on stderr -------------------------------------------------------------------------
 
 

@@ -188,25 +188,13 @@ def scan_ledger(data: bytes, out: Path, items: Sequence[InputItem] | None = None
     last_nl = data.rfind(b"\n")
     complete_size = last_nl + 1
     records: dict[int, dict[str, Any]] = {}
+    lines: dict[int, int] = {}
     if complete_size:
         for line_no, line in enumerate(data[:last_nl].split(b"\n"), start=1):
-            try:
-                rec = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: deep nesting
-                raise _bad_record(out, line_no, "not a JSON object", repr(line[:120])) from None
-            if not isinstance(rec, dict) or set(rec) != set(RECORD_KEYS):
-                found = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                raise _bad_record(out, line_no, "not a ledger record", found)
+            rec = _parse_record(line, line_no, out)
             rid = rec["id"]
-            if not isinstance(rid, int) or isinstance(rid, bool):
-                raise _bad_record(out, line_no, "id is not an integer", repr(rid))
             if rid in records:
-                raise _bad_record(
-                    out, line_no, f"duplicate id {rid}: the item was recorded twice",
-                    f"id {rid} on line {records[rid]['_line']} and on line {line_no}",
-                    hint="two writers shared this ledger, or it was edited; its outputs cannot be trusted "
-                    "as exactly-once — keep it for inspection and write to a new --out file",
-                )
+                raise _duplicate(out, rid, lines[rid], line_no)
             if items is not None:
                 if not 1 <= rid <= len(items):
                     raise _bad_record(out, line_no, "id out of range", rid,
@@ -218,21 +206,25 @@ def scan_ledger(data: bytes, out: Path, items: Sequence[InputItem] | None = None
             if step is not None and rec["step"] != step:
                 raise _bad_record(out, line_no, f"record {rid} was made at another step", rec["step"],
                                   hint=f"this ledger is bound to step {step}")
-            if not isinstance(rec["completion"], str):
-                raise _bad_record(out, line_no, "completion is not a string", type(rec["completion"]).__name__)
-            rec["_line"] = line_no
+            lines[rid] = line_no
             records[rid] = rec
-    for rec in records.values():
-        rec.pop("_line", None)
     return LedgerScan(records, complete_size, len(data) - complete_size)
 
 
-def _read_fd_all(fd: int, path: Path) -> bytes:
-    """The ledger's bytes, read in 1 MiB chunks; a line longer than :data:`_RECORD_MAX` stops the
-    read with an IntegrityError before it is held in memory (lines are records, see scan_ledger)."""
-    chunks: list[bytes] = []
-    offset = 0
-    line_start = 0  # offset where the current (unterminated) line began
+def _scan_fd(fd: int, path: Path, on_line: Callable[[int, bytes], None]) -> tuple[int, int]:
+    """Stream the ledger's complete lines to ``on_line(line_no, line)``; return ``(complete_size, size)``.
+
+    Read in 1 MiB chunks and never held whole: only the current line is in memory, and a line
+    longer than :data:`_RECORD_MAX` stops the read with an IntegrityError. Bounding each line
+    does not bound their sum (docs/FAULTS.md, "Many pieces, one budget"): a sparse 100 GB file
+    cut into lines under the bound would be read whole. The sum is bounded by the caller, which
+    stops at the first line that is not a record and keeps at most one id per input item.
+    """
+    buf = bytearray()
+    offset = 0  # bytes read so far
+    line_no = 0
+    complete = 0  # bytes up to and including the last newline seen
+    searched = 0  # how much of buf is known to hold no newline
     while True:
         try:
             chunk = os.pread(fd, 1 << 20, offset)
@@ -240,16 +232,95 @@ def _read_fd_all(fd: int, path: Path) -> bytes:
             raise BadInput("ledger could not be read", file=path, found=_describe_oserror(exc),
                            hint="check the disk and the file's permissions") from exc
         if not chunk:
-            return b"".join(chunks)
-        nl = chunk.rfind(b"\n")
-        if nl != -1:
-            line_start = offset + nl + 1
-        if offset + len(chunk) - line_start > _RECORD_MAX:
-            line_no = sum(c.count(b"\n") for c in chunks) + chunk.count(b"\n") + 1
-            raise _bad_record(path, line_no, "line too long for a record",
-                              f"more than {_RECORD_MAX} bytes from offset {line_start}")
-        chunks.append(chunk)
+            return complete, offset
         offset += len(chunk)
+        buf.extend(chunk)
+        start = 0
+        nl = buf.find(b"\n", searched)
+        while nl >= 0:
+            line_no += 1
+            on_line(line_no, bytes(buf[start:nl]))
+            start = nl + 1
+            nl = buf.find(b"\n", start)
+        if start:
+            complete = offset - (len(buf) - start)
+            del buf[:start]
+        searched = len(buf)
+        if len(buf) > _RECORD_MAX:
+            raise _bad_record(path, line_no + 1, "line too long for a record",
+                              f"more than {_RECORD_MAX} bytes from offset {complete}")
+
+
+def _parse_record(line: bytes, line_no: int, out: Path) -> dict[str, Any]:
+    """One complete ledger line as a record (its keys and id checked), or the typed error."""
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: deep nesting
+        raise _bad_record(out, line_no, "not a JSON object", repr(line[:120])) from None
+    if not isinstance(rec, dict) or set(rec) != set(RECORD_KEYS):
+        found = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+        raise _bad_record(out, line_no, "not a ledger record", found)
+    rid = rec["id"]
+    if not isinstance(rid, int) or isinstance(rid, bool):
+        raise _bad_record(out, line_no, "id is not an integer", repr(rid))
+    if not isinstance(rec["completion"], str):
+        raise _bad_record(out, line_no, "completion is not a string", type(rec["completion"]).__name__)
+    return rec
+
+
+@dataclass
+class _Seen:
+    """What the streamed scan keeps of one record: its line and two verdicts, never its text."""
+
+    line: int
+    matches_input: bool
+    step: Any  # the record's step when it is not the job's (for the message), else None
+
+
+def _scan_ledger_fd(fd: int, out: Path, items: Sequence[InputItem],
+                    step: int) -> tuple[dict[int, _Seen], int, int]:
+    """The ledger streamed (:func:`_scan_fd`): at most one entry per input item is kept (an id out
+    of range or seen twice stops the scan), so memory is bounded by the inputs, never by the
+    ledger's size. Returns ``(seen, complete_size, size)``."""
+    seen: dict[int, _Seen] = {}
+
+    def on_line(line_no: int, line: bytes) -> None:
+        rec = _parse_record(line, line_no, out)
+        rid = rec["id"]
+        if rid in seen:
+            raise _duplicate(out, rid, seen[rid].line, line_no)
+        if not 1 <= rid <= len(items):
+            raise _bad_record(out, line_no, "id out of range", rid, hint=f"the inputs have {len(items)} lines")
+        item = items[rid - 1]
+        ok = rec["input_sha256"] == item.sha256 and rec["prompt"] == item.prompt
+        other = None if rec["step"] == step else rec["step"]
+        if isinstance(other, str | bytes | list | dict):
+            other = repr(other)[:80]
+        seen[rid] = _Seen(line_no, ok, other)
+
+    complete, size = _scan_fd(fd, out, on_line)
+    return seen, complete, size
+
+
+def _check_seen(seen: dict[int, _Seen], out: Path, step: int) -> None:
+    """The checks against the job, after its binding was compared (a ledger of another job is
+    named as such first): each record's input and step, in line order."""
+    for rid, s in seen.items():
+        if not s.matches_input:
+            raise _bad_record(out, s.line, f"record {rid} does not match input line {rid}",
+                              "another prompt or input_sha256")
+        if s.step is not None:
+            raise _bad_record(out, s.line, f"record {rid} was made at another step", s.step,
+                              hint=f"this ledger is bound to step {step}")
+
+
+def _duplicate(out: Path, rid: int, first: int, line_no: int) -> IntegrityError:
+    return _bad_record(
+        out, line_no, f"duplicate id {rid}: the item was recorded twice",
+        f"id {rid} on line {first} and on line {line_no}",
+        hint="two writers shared this ledger, or it was edited; its outputs cannot be trusted "
+        "as exactly-once — keep it for inspection and write to a new --out file",
+    )
 
 
 class _LedgerFile:
@@ -282,9 +353,9 @@ class _LedgerFile:
         self.created = not existed
         self.size = st.st_size
 
-    def read(self) -> bytes:
+    def scan(self, items: Sequence[InputItem], step: int) -> tuple[dict[int, _Seen], int, int]:
         assert self.fd is not None
-        return _read_fd_all(self.fd, self.path)
+        return _scan_ledger_fd(self.fd, self.path, items, step)
 
     def truncate(self, size: int) -> None:
         """Cut the torn tail (the only rewrite): back to ``size`` bytes, then fsync."""
@@ -579,11 +650,11 @@ def generate_batch(
     ledger = _LedgerFile(out)
     try:
         saved = _read_meta(meta)
-        data = ledger.read()
-        ledger.size = len(data)
+        seen, complete_size, size = ledger.scan(items, loaded.step)
+        ledger.size = size
         if saved is not None:
             diffs = _binding_differences(saved["binding"], binding)
-            if diffs and data.rfind(b"\n") >= 0:  # a meta with no complete record binds nothing
+            if diffs and complete_size:  # a meta with no complete record binds nothing
                 gen_was = saved["binding"].get("generation", {}) if isinstance(saved["binding"], dict) else {}
                 hint = ("write to a new --out file, or continue this one with its own settings: "
                         f"--step {saved['binding'].get('step')} "
@@ -599,16 +670,16 @@ def generate_batch(
                                found="; ".join(diffs), hint=hint)
             if diffs:
                 saved = None  # nothing recorded under the old binding: rebind
-        elif data.rfind(b"\n") >= 0:
+        elif complete_size:
             raise BadInput("the ledger has records but no meta file", file=meta,
                            expected=f"{meta.name} beside {out.name}", found="nothing",
                            hint="without it the job that made these records cannot be known; write to a new "
                            "--out file")
-        scan = scan_ledger(data, out, items, loaded.step)
+        _check_seen(seen, out, loaded.step)
         repaired = 0
-        if scan.torn_bytes:
-            repaired = scan.torn_bytes
-            ledger.truncate(scan.complete_size)
+        if size > complete_size:
+            repaired = size - complete_size
+            ledger.truncate(complete_size)
         if saved is None:
             _clean_meta_temporaries(meta)
             doc = {
@@ -627,7 +698,7 @@ def generate_batch(
         elif ledger.created:
             fsync_dir(out.parent)  # the ledger (deleted and re-created) must keep its name after a power cut
 
-        done = set(scan.records)
+        done = set(seen)
         todo = [it for it in items if it.id not in done]
         start_info = {"total": len(items), "already_done": len(done), "to_do": len(todo),
                       "step": loaded.step, "repaired_bytes": repaired}

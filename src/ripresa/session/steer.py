@@ -28,7 +28,9 @@ from .trajectory import Trajectory, to_json_tree
 ENV = "RIPRESA_VERIFY"
 #: The schema of its JSON value.
 SCHEMA = "ripresa.verify.steer/1"
-_KEYS = {"schema", "path", "run_dir", "output", "stop_at", "restore_rng"}
+_KEYS = {"schema", "path", "run_dir", "output", "stop_at", "restore_rng", "verifier"}
+#: How many parents up a steered process may be from its ``ripresa verify`` (a shell, a launcher, a rank...).
+_MAX_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,11 @@ class Steering:
     records: bool = True
 
     def to_env(self) -> dict[str, str]:
-        """The environment entry that steers a process this way."""
+        """The environment entry that steers a process this way, bound to this process (the verifier)."""
+        from .torchrun import launcher_value
+
         doc = {"schema": SCHEMA, "path": self.path, "run_dir": str(self.run_dir), "output": str(self.output),
-               "stop_at": self.stop_at, "restore_rng": self.restore_rng}
+               "stop_at": self.stop_at, "restore_rng": self.restore_rng, "verifier": launcher_value()}
         return {ENV: json.dumps(doc)}
 
     @classmethod
@@ -62,10 +66,13 @@ class Steering:
                            hint=f"only `ripresa verify` sets {ENV}; unset it to run the script as itself")
         ok = (isinstance(doc["path"], str) and isinstance(doc["run_dir"], str) and doc["run_dir"]
               and isinstance(doc["output"], str) and doc["output"]
-              and type(doc["stop_at"]) is int and doc["stop_at"] > 0 and type(doc["restore_rng"]) is bool)
+              and type(doc["stop_at"]) is int and 0 < doc["stop_at"] < 2**63 and type(doc["restore_rng"]) is bool
+              and isinstance(doc["verifier"], str))
         if not ok:
             raise BadInput(f"the environment variable {ENV} has a field of the wrong type", found=raw[:200],
-                           expected="path, run_dir, output: text; stop_at: an int > 0; restore_rng: true or false")
+                           expected="path, run_dir, output, verifier: text; stop_at: an int > 0; "
+                                    "restore_rng: true or false")
+        _check_verifier(doc["verifier"])
         return cls(doc["path"], Path(doc["run_dir"]), Path(doc["output"]), doc["stop_at"], doc["restore_rng"])
 
     @classmethod
@@ -73,6 +80,41 @@ class Steering:
         """The steering of this process, taken out of the environment (None: the process is not steered)."""
         raw = os.environ.pop(ENV, None)
         return None if raw is None else cls.parse(raw)
+
+
+def _check_verifier(value: str) -> None:
+    """The steering is trusted only under the ``ripresa verify`` that wrote it: that process (pid and start
+    time, as the launcher's variable, docs/ARCHITECTURE.md) must be alive and an ancestor of this one. A value
+    left in a shell, copied to another terminal, or inherited by a job the verifier did not start would
+    otherwise send a real training into a verify folder and stop it at ``stop_at`` (docs/VERIFY.md,
+    "Every session of the process is steered"): it is refused, one paragraph, before anything is touched."""
+    import sys
+
+    from .torchrun import _parent_of, _parse, _start_time
+
+    parsed = _parse(value)
+    if parsed is None or parsed[1] is None:
+        raise BadInput(f"the environment variable {ENV} has a verifier that is not PID:START",
+                       expected="the pid and start time of the ripresa verify that set it", found=value[:60],
+                       hint=f"only `ripresa verify` sets {ENV}; unset it to run the script as itself")
+    if not sys.platform.startswith("linux"):
+        return
+    verifier, start = parsed
+    pid: int | None = os.getpid()  # the verifier itself, or one of its descendants (a shell, a launcher, a rank)
+    for _ in range(_MAX_DEPTH):
+        if pid is None or pid <= 1:
+            break
+        if pid == verifier:
+            if _start_time(pid) == start:
+                return
+            break
+        pid = _parent_of(pid)
+    raise BadInput(f"the environment variable {ENV} is set, but the ripresa verify that set it (pid {verifier}) "
+                   "is not running this process: a value left over or inherited",
+                   expected=f"{ENV} only in a process that ripresa verify started",
+                   found=f"pid {verifier} {'is not an ancestor of this process' if _start_time(verifier) == start else 'has ended'}",
+                   hint=f"unset {ENV} (`unset {ENV}`) and run the script again: it then trains in the folder it "
+                        "names; nothing was touched")
 
 
 #: The steering this process's first Checkpointer took, and how many sessions have been steered since.

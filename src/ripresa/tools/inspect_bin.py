@@ -307,11 +307,10 @@ def inspect_bin(p: Path, given: str | Path, *, check_finite: bool, deep: bool) -
 
 def render_bin(b: dict[str, Any], console: Any, *, deep: bool) -> None:
     from rich.markup import escape
-    from rich.table import Table
 
-    t = Table(title=f"ANDREA .bin — {escape(b['file'])}", show_header=False)
-    t.add_column("field", no_wrap=True)
-    t.add_column("value", overflow="fold")
+    from ..console import KeyValues
+
+    t = KeyValues(f"ANDREA .bin — {escape(b['file'])}")  # a hash or a path on its own line, never cut (docs/INSPECT.md, "80 columns")
     h = b["header"] or {}
     t.add_row("step", fmt(h.get("step")) + (f"  (name says {b['name_step']})" if b["name_step"] is not None else ""))
     t.add_row("n_params", fmt(h.get("n_params")))

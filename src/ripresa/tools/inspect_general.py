@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..console import MAX_LISTED, capped, capped_rows, joined
+from ..console import MAX_LISTED, KeyValues, capped, capped_rows, joined
 from ..errors import RipresaError
 from .report import Verdict, base_report, err_text, finish, fmt, fmt_size, fmt_status, state_summary
 
@@ -125,9 +125,7 @@ def render_safetensors(s: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     title = "general generation" if s["generation"] else "safetensors file (foreign)"
-    t = Table(title=f"{title} — {escape(s['file'])}", show_header=False)
-    t.add_column("field", no_wrap=True)
-    t.add_column("value", overflow="fold")  # a hash or a path folds, never cut
+    t = KeyValues(f"{title} — {escape(s['file'])}")  # a hash or a path on its own line, never cut (docs/INSPECT.md, "80 columns")
     t.add_row("size", escape(fmt_size(s["size"])))
     h = s["header"]
     if h is not None:

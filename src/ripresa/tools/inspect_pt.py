@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..console import capped_rows, joined
+from ..console import KeyValues, capped_rows, joined
 from ..errors import IntegrityError, RipresaError
 from .report import (
     Stats,
@@ -172,11 +172,8 @@ def inspect_pt(p: Path, given: str | Path, *, check_finite: bool, deep: bool, no
 
 def render_pt(c: dict[str, Any], console: Any) -> None:
     from rich.markup import escape
-    from rich.table import Table
 
-    t = Table(title=f"checkpoint.pt — {escape(c['file'])}", show_header=False)
-    t.add_column("field", no_wrap=True)
-    t.add_column("value", overflow="fold")
+    t = KeyValues(f"checkpoint.pt — {escape(c['file'])}")  # a hash or a path on its own line, never cut (docs/INSPECT.md, "80 columns")
     t.add_row("size", fmt_size(c["size"]))
     side = c["sidecar"] or {}
     if not side.get("present"):

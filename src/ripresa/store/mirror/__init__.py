@@ -32,12 +32,12 @@ from .layout import (
     main_of,
 )
 from .plan import UploadPlan, plan_upload
-from .pull import has_local_generation, pull, pull_config, pull_run, restore_run, retrying
+from .pull import has_local_generation, pull_config, pull_run, restore_run, retrying
 from .target import MirrorTarget, claim_target, record_url, recorded, redacting
 from .upload import Mirror, open_mirror
 
 __all__ = ["CONFIG_SIG", "DEFAULT_CLOSE_TIMEOUT", "MIRROR_MARKER", "MIRROR_RECORD", "RUN_MANIFEST", "Mirror",
            "MirrorContract", "MirrorSpec", "MirrorTarget", "RemoteView", "RunManifest", "UploadPlan", "claim_target",
            "cli_pull", "cli_push", "cli_status", "has_local_generation", "local_generations", "main_of", "open_mirror",
-           "plan_upload", "prefetch", "pull", "pull_config", "pull_run", "push_policy", "record_url", "recorded",
+           "plan_upload", "prefetch", "pull_config", "pull_run", "push_policy", "record_url", "recorded",
            "redacting", "resolve_url", "restore_run", "retrying", "status"]

@@ -51,5 +51,5 @@ class MirrorContract(Protocol):
         malformed marker, a file changed or gone) is refused and recorded, never half-committed."""
 
     def pull(self, ckpt: CheckpointStore, *, step: int | None = None) -> Generation | None:
-        """Land the newest verified remote generation (or ``step``'s) in the run folder through ``ckpt`` (the run
-        folder, under its writer lock); None when the store holds none."""
+        """Land the newest verified remote generation (or ``step``'s) in this mirror's run folder, ``ckpt`` (its
+        store, under its writer lock); None when the store holds none."""

@@ -572,8 +572,10 @@ class Mirror(MirrorContract):
         return RemoteView(self._retry(None, "listing", self.store.list)).committed
 
     def pull(self, ckpt: CheckpointStore, *, step: int | None = None) -> Generation | None:
-        """Land the newest verified remote generation (or ``step``'s) in the run folder (:func:`~ripresa.store.
-        mirror.pull.pull`, its events in this mirror's history)."""
+        """Land the newest verified remote generation (or ``step``'s) in this mirror's run folder, whose store
+        ``ckpt`` is (:func:`~ripresa.store.mirror.pull.pull`, its events in this mirror's history)."""
+        if os.path.realpath(ckpt.folder) != os.path.realpath(self.run_dir):
+            raise ValueError(f"a mirror of {self.run_dir} pulls into its own run folder, not {ckpt.folder}")
         return pull(self.store, self.run_dir, ckpt, step=step, event=self._event)
 
     def upload(self, main: str, step: int) -> None:

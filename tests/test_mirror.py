@@ -320,7 +320,7 @@ def test_a_sharded_dcp_generation_is_mirrored_and_pulled_deep_checked(tmp_path, 
     from ripresa.core.state import Progress, TrainingState
     from ripresa.formats import dcp
     from ripresa.store.dcp import commit_dcp
-    from ripresa.store.mirror import Mirror, pull
+    from ripresa.store.mirror import Mirror
     from ripresa.store.restore import rest_proxy
     from ripresa.store.retention import KeepLast
     from ripresa.store.store import CheckpointStore
@@ -339,8 +339,8 @@ def test_a_sharded_dcp_generation_is_mirrored_and_pulled_deep_checked(tmp_path, 
     assert mirror.round() and s3.committed() == [5]
     assert {"step_000005.dcp/.metadata", "step_000005.dcp/__0_0.distcp", "step_000005.dcp/ripresa.json"} <= set(s3.keys())
     new = tmp_path / "new"
-    with CheckpointStore(new) as store:
-        gen = pull(mirror.store, new, store)
+    with CheckpointStore(new) as store:  # a blank machine's mirror, on the same store
+        gen = Mirror(fast(s3.url), new, local_retention=KeepLast(3)).pull(store)
     assert gen.valid and gen.deep_checked and gen.kind == "dcp"
     for name in ("__0_0.distcp", ".metadata", "ripresa.json"):
         assert (new / "step_000005.dcp" / name).read_bytes() == (run / "step_000005.dcp" / name).read_bytes()

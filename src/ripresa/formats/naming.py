@@ -131,6 +131,15 @@ class NameFormat:
                     return main, step
         return None
 
+    def holds(self, main: str, name: str) -> bool:
+        """Whether ``name`` (relative to the run folder, as a commit marker names it) is one of generation
+        ``main``'s data files: a folder kind's ``main/<file>`` (every rank's part, the metadata), another kind's
+        main file or companion beside it; never a marker or a signature (the mirror uploads and pulls what this
+        says: :func:`ripresa.store.kinds.generation_files`)."""
+        of = self.main_of(name)
+        return (of is not None and of[0] == main and not name.endswith((MARKER_SUFFIX, SIGNATURE_SUFFIX))
+                and self.folder == ("/" in name))
+
     def owns(self, name: str) -> int | None:
         """The step of the generation file ``name`` (a name in the run folder) belongs to, or None."""
         of = self.main_of(name)

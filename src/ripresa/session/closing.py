@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadInput, UploadPending
-from ..store.mirror_layout import DEFAULT_CLOSE_TIMEOUT
+from ..store.mirror import DEFAULT_CLOSE_TIMEOUT
 
 #: The default bound of a normal end's wait for the store (seconds): 15 minutes. Long enough to ride out a
 #: store's usual incidents (a restart, a network blip, throttling: minutes), short enough that a machine

@@ -24,6 +24,7 @@ from .kinds import (
     choose_writer,
     describe,
     formats,
+    generation_files,
     kinds,
     latest_valid_any,
     latest_valid_of,
@@ -38,5 +39,5 @@ from .kinds import (
 
 __all__ = ["AUTO", "MODES", "BackendBase", "BackendSpec", "BinBackend", "Check", "DcpBackend", "ForeignCheckpointWarning",
            "GeneralBackend", "Generation", "Owner", "StorageBackend", "backend_of", "backends_for", "check_generation_file",
-           "choose_writer", "describe", "formats", "kinds", "latest_valid_any", "latest_valid_of", "load_full_into", "newest_kind",
+           "choose_writer", "describe", "formats", "generation_files", "kinds", "latest_valid_any", "latest_valid_of", "load_full_into", "newest_kind",
            "owner_of", "register_backend", "registered", "retain", "spec_of", "unregister_backend"]

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..core.state import TrainingState
-from ..errors import BadInput
+from ..errors import BadInput, IntegrityError
 from ..formats.generation import Generation
 from ..formats.naming import NameFormat
 from ..io import auth
+from ..io.fsio import parse_sha256sum
 from .base import StorageBackend
 from .bin import BinBackend
 from .commit import newest_valid
@@ -30,7 +31,7 @@ from .general import GeneralBackend
 from .shards import ShardsBackend
 
 __all__ = ["AUTO", "MODES", "BackendSpec", "Owner", "backend_of", "backends_for", "check_generation_file", "choose_writer",
-           "describe", "formats", "kinds", "latest_valid_any", "latest_valid_of", "newest_kind", "owner_of", "register_backend",
+           "describe", "formats", "generation_files", "kinds", "latest_valid_any", "latest_valid_of", "newest_kind", "owner_of", "register_backend",
            "registered", "retain", "spec_of", "unregister_backend"]
 
 #: The run modes a session can be in.
@@ -145,6 +146,29 @@ def owner_of(path: str | os.PathLike[str]) -> Owner | None:
             if of is not None:
                 return Owner(spec, of[1], of[0])
     return None
+
+
+def generation_files(main: str, marker: bytes, *, where: str) -> list[tuple[str, str]]:
+    """The files of generation ``main``: the (sha256, name) lines of its commit marker ``marker``, each name one
+    its kind says is that generation's own (:meth:`~ripresa.formats.naming.NameFormat.holds`: a folder kind's
+    ``main/<file>``, whichever rank wrote it; another kind's files beside the marker), in the marker's order.
+
+    What the mirror uploads and pulls of a generation (docs/MIRROR.md): no part of it knows a kind's files.
+    A marker read from a store or a folder is hostile: anything else (no line, one line, a name twice, a
+    name of another generation or kind, a marker or signature) is an :class:`~ripresa.errors.IntegrityError`
+    naming ``where``.
+    """
+    parsed = parse_sha256sum(marker, in_folder=True)
+    owner = owner_of(main)
+    naming = owner.spec.naming if owner is not None and owner.main == main else None
+    ok = parsed is not None and naming is not None and len(parsed) >= 2 and len({n for _, n in parsed}) == len(parsed)
+    if ok:
+        assert parsed is not None and naming is not None
+        ok = all(getattr(owner_of(name), "main", None) == main and naming.holds(main, name) for _, name in parsed)
+    if not ok:
+        raise IntegrityError("malformed commit marker", file=where, expected=f"sha256sum lines naming the files of {main}",
+                             found=repr(marker[:160]), hint="this generation cannot be trusted")
+    return parsed  # type: ignore[return-value]
 
 
 def open_backend(spec: BackendSpec, store: RunFolder) -> StorageBackend:

@@ -16,13 +16,18 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..console import joined
-from ..errors import BadInput, IntegrityError, RipresaError
-from ..io import auth
-from ..io.fsio import open_run_file, read_small
-from ..io.objstore import LocalStore, ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
-from .history import HISTORY_NAME
-from .mirror_layout import (
+from ...console import joined
+from ...errors import BadInput, IntegrityError, RipresaError
+from ...formats.generation import Generation
+from ...io import auth
+from ...io.fsio import open_run_file, read_small
+from ...io.objstore import LocalStore, ObjectStore, RemoteNotFound, RemoteUnavailable, open_store
+from ..history import HISTORY_NAME
+from ..kinds import generation_files
+from ..retention import KeepAny, KeepLast, RetentionPolicy
+from ..store import CheckpointStore
+from .contract import MirrorContract
+from .layout import (
     CONFIG_SIG,
     JITTER,
     MAX_CONFIG,
@@ -38,12 +43,11 @@ from .mirror_layout import (
     history_size,
     local_generations,
     local_run_files,
-    marker_files,
     segment_key,
 )
-from .mirror_plan import LocalGeneration, UploadPlan, duration_text, plan_upload, size_text
-from .mirror_target import MirrorTarget, redacting, release_store
-from .retention import KeepAny, KeepLast, RetentionPolicy
+from .plan import LocalGeneration, UploadPlan, duration_text, plan_upload, size_text
+from .pull import pull
+from .target import MirrorTarget, redacting, release_store
 
 
 def default_remote_policy(local: RetentionPolicy) -> RetentionPolicy:
@@ -68,7 +72,7 @@ def _safe(event: Callable[..., None] | None) -> Callable[..., None]:
 
 def _read_range(path: Path, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of a run file (opened without following a link; shorter if the file is)."""
-    from ..io.fsio import CHUNK
+    from ...io.fsio import CHUNK
 
     fd = open_run_file(path, "history (.loss.jsonl)", error=IntegrityError)
     try:
@@ -117,7 +121,7 @@ def _steps_text(steps: list[int], most: int = 8) -> str:
     return joined(steps, limit=most)  # the first ``most``, then "... N more" (ripresa.console.capped)
 
 
-class Mirror:
+class Mirror(MirrorContract):
     """Uploads a run folder's committed generations in the background (see the module doc).
 
     The session calls :meth:`start`, :meth:`notify` after each commit,
@@ -360,8 +364,8 @@ class Mirror:
         """The close's progress line (ripresa.console.progress, the CLI's one style): generations uploaded of
         those pending when the close began, what is being done (or waited for: the store, the bytes pending, the
         time left), that Ctrl-C leaves the rest pending. The time waited is the line's elapsed time."""
-        from ..console import progress
-        from ..text import escape_markup
+        from ...console import progress
+        from ...text import escape_markup
 
         if self._outage is not None:
             bound = f", {duration_text(left)} left" if left is not None else ""
@@ -458,15 +462,15 @@ class Mirror:
         uploaded_before = len(self.uploaded)
         local = local_generations(self.run_dir)
         if self._remote is not None or not self.deep:  # (a deep plan hashes: only against the store's listing)
-            self._plan(local)
+            self.plan(local)
         try:
             if self._remote is None:
                 self._remote = RemoteView(self._retry(None, "listing", self.store.list))
                 self._clean_half()
-                self._plan(local)
+                self.plan(local)
             self._push_config()
             for step, main in self._order():
-                self._upload(main, step)
+                self.upload(main, step)
                 self._apply_remote_retention()
             pending = set(self.pending)
             for main, step in self._remote.half.items():  # our own cut-short uploads of what is no longer pending
@@ -479,7 +483,7 @@ class Mirror:
         self._last_error = None
         if self._outage is not None:
             self._recovered()
-        self._plan(local_generations(self.run_dir))
+        self.plan(local_generations(self.run_dir))
         return not self._pending
 
     def _outage_started(self, exc: RemoteUnavailable, failed_before: int, uploaded_before: int) -> None:
@@ -510,10 +514,11 @@ class Mirror:
         _notice(f"ripresa: mirror {self.spec.url} reachable again after {seconds:.1f} s; uploaded step(s) "
                 f"{_steps_text(uploaded) or 'none'}")
 
-    def _plan(self, local: dict[str, int]) -> UploadPlan:
-        """Which local generations the remote still needs (:func:`~ripresa.store.mirror_plan.plan_upload`, the plan
+    def plan(self, local: Mapping[str, int] | None = None) -> UploadPlan:
+        """Which local generations the remote still needs (:func:`~ripresa.store.mirror.plan.plan_upload`, the plan
         ``mirror status`` prints): pending, pinned locally. One not needed (remote retention) or damaged is recorded
-        once (``mirror_skipped``)."""
+        once (``mirror_skipped``). ``local``: the committed local generations (None: the run folder's)."""
+        local = local_generations(self.run_dir) if local is None else local
         view = self._remote if self._remote is not None else RemoteView({})
         plan = plan_upload(self.run_dir, view, self.policy, self.metrics(), deep=self.deep, refused=self._refused,
                            local=local, checked=self._checked, hashed=self.hashed)
@@ -562,17 +567,32 @@ class Mirror:
             self._retry(None, "config.json", lambda: self.store.put_bytes("config.json", raw))
             self._config_sha = sha
 
-    def _upload(self, main: str, step: int) -> None:
+    def committed(self) -> dict[str, int]:
+        """The committed generations the store holds now (a fresh listing): main name → step."""
+        return RemoteView(self._retry(None, "listing", self.store.list)).committed
+
+    def pull(self, ckpt: CheckpointStore, *, step: int | None = None) -> Generation | None:
+        """Land the newest verified remote generation (or ``step``'s) in this mirror's run folder, whose store
+        ``ckpt`` is (:func:`~ripresa.store.mirror.pull.pull`, its events in this mirror's history)."""
+        if os.path.realpath(ckpt.folder) != os.path.realpath(self.run_dir):
+            raise ValueError(f"a mirror of {self.run_dir} pulls into its own run folder, not {ckpt.folder}")
+        return pull(self.store, self.run_dir, ckpt, step=step, event=self._event)
+
+    def upload(self, main: str, step: int) -> None:
+        """Upload committed generation ``main``: the files of its marker (named by its kind:
+        :func:`~ripresa.store.kinds.generation_files`), each checked against the marker's sha256 as it is read,
+        its signature, then the marker object **last** (docs/MIRROR.md)."""
         t0 = time.perf_counter()
         try:
             raw = read_small(self.run_dir / (main + ".sha256"), "commit marker", MAX_MARKER, error=IntegrityError)
-            files = marker_files(main, raw, str(self.run_dir / (main + ".sha256")))
+            files = generation_files(main, raw, where=str(self.run_dir / (main + ".sha256")))
             sig_path = self.run_dir / (main + auth.SUFFIX)
             sig = read_small(sig_path, "signature", auth.MAX_SIGNATURE, error=IntegrityError) if os.path.lexists(sig_path) else None
         except (IntegrityError, BadInput) as exc:
             self._refuse_local(main, step, exc)
             return
-        assert self._remote is not None
+        if self._remote is None:  # called before any round: the store's listing first
+            self._remote = RemoteView(self._retry(None, "listing", self.store.list))
         if main in self._remote.committed:  # its marker is in the store but an object is missing or of another size:
             self._delete_group(main)  # marker first, so it reads as a half upload until it is whole again
         # (a half upload of ours, from an earlier round: its objects are overwritten)

@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, RipresaError
-from ..io import auth
-from ..io.fsio import is_temp_name, read_small, write_atomic
-from ..io.objstore import ObjectStore
-from ..io.redact import redact_fields, redact_url
-from .mirror_layout import (
+from ...errors import BadInput, RipresaError
+from ...io import auth
+from ...io.fsio import is_temp_name, read_small, write_atomic
+from ...io.objstore import ObjectStore
+from ...io.redact import redact_fields, redact_url
+from .layout import (
     CONFIG_SIG,
     MIRROR_MARKER,
     MIRROR_MARKER_BODY,

@@ -16,16 +16,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, CheckFailed, IntegrityError, SaveFailed
-from ..formats.generation import Generation
-from ..io import auth
-from ..io.fsio import StagedFile, fsync_dir, open_run_file, ops, write_atomic
-from ..io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable
-from ..io.redact import redact_url
-from .history import HISTORY_NAME
-from .kinds import backend_of, spec_of
-from .kinds import kinds as registered_kinds
-from .mirror_layout import (
+from ...errors import BadInput, CheckFailed, IntegrityError, SaveFailed
+from ...formats.generation import Generation
+from ...io import auth
+from ...io.fsio import StagedFile, fsync_dir, open_run_file, ops, write_atomic
+from ...io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable
+from ...io.redact import redact_url
+from ..history import HISTORY_NAME
+from ..kinds import backend_of, generation_files, spec_of
+from ..kinds import kinds as registered_kinds
+from ..store import CheckpointStore
+from .layout import (
     CONFIG_SIG,
     JITTER,
     MAX_CONFIG,
@@ -36,12 +37,11 @@ from .mirror_layout import (
     MirrorSpec,
     RemoteView,
     RunManifest,
+    folders_of,
     history_size,
     kind_of,
     local_generations,
-    marker_files,
 )
-from .store import CheckpointStore
 
 
 def _safe_parent(run_dir: Path, path: str) -> Path:
@@ -111,11 +111,10 @@ def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, e
 def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step: int, ckpt: CheckpointStore,
           event: Callable[..., None], spec: MirrorSpec) -> Generation:
     """Download ``main`` into ``run_dir`` through the local commit protocol, marker last; deep-check it there."""
-    names = spec_of(kind_of(main)).naming
     backend = backend_of(kind_of(main), ckpt)
     where = f"{remote.url}/{main}.sha256"
     raw = retrying(lambda: remote.get_bytes(main + ".sha256", limit=MAX_MARKER), event=event, what=main + ".sha256", spec=spec)
-    files = marker_files(main, raw, where)
+    files = generation_files(main, raw, where=where)
     missing = [n for _, n in files if n not in view.objects]
     if missing:
         raise IntegrityError("the marker names objects the mirror does not hold", file=where, expected=missing[:4],
@@ -140,9 +139,9 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
     # and only a generation that passes is moved into the run folder, its marker last. What fails is removed.
     stage = _fresh_stage(run_dir)
     try:
-        staged_main = stage / main
-        if names.folder:
-            staged_main.mkdir()
+        folders = folders_of(files)  # a folder kind's folder: its kind named the files inside it
+        for folder in folders:
+            (stage / folder).mkdir()
         for sha, name in files:
             sf = _fetch(remote, name, stage / name, view.objects[name], sha, event, spec)
             try:
@@ -163,8 +162,8 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
         if not staged.valid:
             raise IntegrityError(f"the pulled generation fails its checks: {staged.reason}", file=where,
                                  hint="it is not landed in the run folder; an older remote generation is used")
-        if names.folder:
-            fsync_dir(staged_main)
+        for folder in folders:
+            fsync_dir(stage / folder)
         fsync_dir(stage)
         # landing: a local generation of that step that failed its checks is replaced (its marker first)
         if os.path.lexists(run_dir / (main + ".sha256")) or os.path.lexists(run_dir / main):

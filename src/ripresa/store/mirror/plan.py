@@ -17,13 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import IntegrityError, RipresaError
-from ..io import auth
-from ..io.fsio import read_small
-from ..io.objstore_base import HashedFile
-from .kinds import spec_of
-from .mirror_layout import MAX_MARKER, RemoteView, kind_of, local_generations, marker_files
-from .retention import RetentionPolicy
+from ...errors import IntegrityError, RipresaError
+from ...io import auth
+from ...io.fsio import read_small
+from ...io.objstore_base import HashedFile
+from ..kinds import generation_files
+from ..retention import RetentionPolicy
+from .layout import MAX_MARKER, RemoteView, folders_of, local_generations
 
 
 @dataclass
@@ -85,15 +85,15 @@ def read_local(run_dir: Path, main: str, step: int, *, deep: bool = False,
     run_dir = Path(run_dir)
     stamp = _stamp(run_dir / (main + ".sha256"))
     raw = read_small(run_dir / (main + ".sha256"), "commit marker", MAX_MARKER, error=IntegrityError)
-    files = marker_files(main, raw, str(run_dir / (main + ".sha256")))
-    if spec_of(kind_of(main)).naming.folder:
+    files = generation_files(main, raw, where=str(run_dir / (main + ".sha256")))
+    for folder in folders_of(files):  # a folder kind's folder (its kind named the files inside it)
         try:
-            st = os.lstat(run_dir / main)
+            st = os.lstat(run_dir / folder)
         except OSError as exc:
-            raise IntegrityError("the generation's folder is missing", file=run_dir / main, expected="a folder",
+            raise IntegrityError("the generation's folder is missing", file=run_dir / folder, expected="a folder",
                                  found=type(exc).__name__) from None
         if not stat.S_ISDIR(st.st_mode):
-            raise IntegrityError("the generation's folder is not a folder", file=run_dir / main,
+            raise IntegrityError("the generation's folder is not a folder", file=run_dir / folder,
                                  expected="a folder (never a link)", found=stat.filemode(st.st_mode))
     sizes: dict[str, int] = {}
     for sha, name in files:

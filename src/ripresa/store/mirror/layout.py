@@ -1,9 +1,10 @@
 """What a mirror holds (docs/MIRROR.md): the shared vocabulary of the upload and the pull.
 
-:class:`MirrorSpec` (where and how a run mirrors), the generation keys (:func:`main_of`, :func:`marker_files`,
-:func:`local_generations`; names and kinds from the registry, :func:`ripresa.store.kinds.owner_of`), the
+:class:`MirrorSpec` (where and how a run mirrors), the generation keys (:func:`main_of`, :func:`local_generations`;
+names, kinds and a generation's files from the registry: :func:`ripresa.store.kinds.owner_of`,
+:func:`ripresa.store.kinds.generation_files`), the
 :class:`RemoteView` of a listing, and the run record (:class:`RunManifest`: the history segments and sidecars
-under ``run.json``). The upload thread is :mod:`ripresa.store.mirror_upload`, the pull :mod:`ripresa.store.mirror_pull`.
+under ``run.json``). The upload thread is :mod:`ripresa.store.mirror.upload`, the pull :mod:`ripresa.store.mirror.pull`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.numbers import checked_number
-from ..errors import IntegrityError
-from ..io import auth
-from ..io.fsio import open_run_file, parse_sha256sum
-from .kinds import owner_of, spec_of
-from .retention import RetentionPolicy
+from ...core.numbers import checked_number
+from ...errors import IntegrityError
+from ...io import auth
+from ...io.fsio import open_run_file
+from ..kinds import owner_of
+from ..retention import RetentionPolicy
 
 #: The back-off jitter's own stream: drawing from the global ``random`` would change the training's random
 #: stream (checkpointed, restored on resume) with every retry, so a store outage would alter the run (the soak's
@@ -28,7 +29,7 @@ from .retention import RetentionPolicy
 JITTER = random.Random()
 
 #: The order of the kinds at equal steps in a pull (any other registered kind after them); a pull takes every
-#: registered kind unless told which (:func:`ripresa.store.mirror_pull.pull`).
+#: registered kind unless told which (:func:`ripresa.store.mirror.pull.pull`).
 PULL_KINDS = ("bin", "general", "shards", "dcp")
 #: Largest marker read (bytes): a ``.dcp`` marker has one line per file.
 MAX_MARKER = 1 << 20
@@ -105,22 +106,11 @@ def local_generations(run_dir: Path) -> dict[str, int]:
     return out
 
 
-def marker_files(main: str, raw: bytes, where: str) -> list[tuple[str, str]]:
-    """The (sha256, name) lines of ``main``'s marker, each name one of that generation's own files."""
-    parsed = parse_sha256sum(raw, in_folder=True)
-    ok = parsed is not None and len(parsed) >= 2 and len({n for _, n in parsed}) == len(parsed)
-    if ok:
-        folder_kind = spec_of(kind_of(main)).naming.folder
-        for _, name in parsed:
-            of = main_of(name)
-            if of is None or of[0] != main or name.endswith((".sha256", ".hmac")):
-                ok = False
-            if folder_kind != ("/" in name):
-                ok = False
-    if not ok:
-        raise IntegrityError("malformed commit marker", file=where, expected=f"sha256sum lines naming the files of {main}",
-                             found=repr(raw[:160]), hint="this generation cannot be trusted")
-    return parsed  # type: ignore[return-value]
+def folders_of(files: Iterable[tuple[str, str]]) -> list[str]:
+    """The folders (relative to the run folder) that a generation's files (:func:`ripresa.store.kinds.
+    generation_files`) lie in, in order: a folder kind's own folder; none for a kind whose files lie beside
+    its marker."""
+    return list(dict.fromkeys(name.rpartition("/")[0] for _, name in files if "/" in name))
 
 
 class RemoteView:

@@ -1,10 +1,6 @@
-"""The mirror: a run's committed generations copied to a second store, and a resume from it (docs/MIRROR.md).
-
-This module is the front door: the ``ripresa mirror status|push|pull`` commands (:func:`cli_status`,
-:func:`cli_push`, :func:`cli_pull`), :func:`prefetch` for ``train --resume`` and the public names. The parts:
-what a mirror holds (:mod:`~ripresa.store.mirror_layout`), which store may be one and the run's record of it
-(:mod:`~ripresa.store.mirror_target`), the upload thread (:mod:`~ripresa.store.mirror_upload`), and the pull
-(:mod:`~ripresa.store.mirror_pull`).
+"""The mirror's commands: ``ripresa mirror status|push|pull`` (:func:`cli_status`, :func:`cli_push`,
+:func:`cli_pull`), :func:`prefetch` for ``train --resume``, and :func:`status`, the plan ``mirror status`` prints
+(docs/MIRROR.md). The public names are the package's (:mod:`ripresa.store.mirror`).
 """
 
 from __future__ import annotations
@@ -13,51 +9,43 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, CheckFailed, SaveFailed
-from ..formats.generation import Generation
-from ..io import auth
-from ..io.objstore import ObjectStore, open_store
-from ..io.redact import redact_url
-from .mirror_layout import (
-    CONFIG_SIG,
+from ...errors import BadInput, CheckFailed, SaveFailed
+from ...formats.generation import Generation
+from ...io import auth
+from ...io.objstore import ObjectStore, open_store
+from ...io.redact import redact_url
+from ..retention import RetentionPolicy
+from ..store import CheckpointStore
+from .layout import (
     MIRROR_MARKER,
     MIRROR_RECORD,
     RUN_MANIFEST,
     SEGMENT_PATTERN,
     MirrorSpec,
     RemoteView,
-    RunManifest,
     local_generations,
-    main_of,
 )
-from .mirror_plan import UploadPlan, plan_upload
-from .mirror_pull import has_local_generation, pull, pull_config, pull_run, restore_run, retrying
-from .mirror_target import MirrorTarget, claim_target, record_url, recorded, redacting
-from .mirror_upload import Mirror, default_remote_policy, open_mirror
-from .retention import RetentionPolicy
-from .store import CheckpointStore
-
-__all__ = ["CONFIG_SIG", "MIRROR_MARKER", "MIRROR_RECORD", "RUN_MANIFEST", "Mirror", "MirrorSpec", "MirrorTarget",
-           "RemoteView", "RunManifest", "claim_target", "cli_pull", "cli_push", "cli_status", "has_local_generation",
-           "local_generations", "main_of", "open_mirror", "prefetch", "pull", "pull_config", "pull_run", "record_url",
-           "recorded", "redacting", "resolve_url", "restore_run", "UploadPlan", "plan_upload", "push_policy", "status"]
+from .plan import plan_upload
+from .pull import has_local_generation, pull_config, pull_run, retrying
+from .target import MirrorTarget, recorded, redacting
+from .upload import Mirror, default_remote_policy
 
 
 def push_policy(keep: RetentionPolicy | None) -> RetentionPolicy:
     """The remote retention of ``ripresa mirror push`` and ``status`` (``--keep``, else twice the default local
     ``keep_last``): one policy, so both plan the same upload."""
-    from .retention import DEFAULT_RETENTION
+    from ..retention import DEFAULT_RETENTION
 
     return keep if keep is not None else default_remote_policy(DEFAULT_RETENTION)
 
 
 def status(remote: ObjectStore, run_dir: Path, keep: RetentionPolicy | None = None) -> dict[str, Any]:
     """What is where: local committed generations, remote committed and half-uploaded ones, and the plan of the
-    next upload (:func:`~ripresa.store.mirror_plan.plan_upload`, the very plan ``ripresa mirror push`` carries out):
+    next upload (:func:`~ripresa.store.mirror.plan.plan_upload`, the very plan ``ripresa mirror push`` carries out):
     what it uploads (``pending``), what the remote retention does not need, what is damaged locally."""
-    from ..console import progress
-    from ..io.lock import is_locked
-    from ..text import escape_markup
+    from ...console import progress
+    from ...io.lock import is_locked
+    from ...text import escape_markup
 
     local = local_generations(run_dir)
     view = RemoteView(remote.list())
@@ -124,7 +112,7 @@ class _Metered:
     ripresa.console.progress): bytes moved so far, and the object being moved. Everything else passes through."""
 
     def __init__(self, inner: Any, verb: str) -> None:
-        from ..console import progress
+        from ...console import progress
 
         self._inner, self._verb = inner, verb
         self._bar = progress("bytes", transient=True)
@@ -138,7 +126,7 @@ class _Metered:
         self._bar.__exit__(*exc)
 
     def _show(self, key: str) -> None:
-        from ..text import escape_markup
+        from ...text import escape_markup
 
         self._bar.update(self._task, description=escape_markup(f"mirror {self._verb}: {key}", newlines=False))
 
@@ -174,7 +162,7 @@ class _Metered:
 
 def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Generation | None, bool]:
     """Land a remote generation (and config.json when missing) in ``run_dir`` under its writer lock."""
-    from .history import HISTORY_NAME, History
+    from ..history import HISTORY_NAME, History
 
     store = CheckpointStore(run_dir, writer=True)
     try:
@@ -209,8 +197,8 @@ def cli_status(run_dir: Path, url: str | None, keep: RetentionPolicy | None = No
 
 def cli_push(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None) -> dict[str, Any]:
     """``ripresa mirror push``: upload what the mirror lacks (under the run's writer lock), one round."""
-    from .history import HISTORY_NAME, History
-    from .retention import DEFAULT_RETENTION
+    from ..history import HISTORY_NAME, History
+    from ..retention import DEFAULT_RETENTION
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

@@ -1,0 +1,158 @@
+"""The mirror's one contract (store/mirror/contract.py; docs/ARCHITECTURE.md, "Storage backends").
+
+``Mirror`` keeps the four promises of ``MirrorContract`` against a real folder store that records the order of
+its writes: it lists what is committed, plans, uploads a generation's files first (each checked against the
+local marker's sha256: a file changed after its commit is never uploaded) and the marker object last, and
+pulls a generation back verified. A generation's files are its kind's to name (``kinds.generation_files``):
+a kind registered here, a folder of per-rank files the mirror has never heard of, is planned and uploaded
+like any other, and a marker naming files that are not its generation's is refused whatever the kind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from support.mirror_train import train
+
+from ripresa.errors import IntegrityError
+from ripresa.formats.naming import NameFormat
+from ripresa.io.folderstore import LocalStore
+from ripresa.store.backend import (
+    BackendSpec,
+    DcpBackend,
+    generation_files,
+    register_backend,
+    unregister_backend,
+)
+from ripresa.store.mirror import (
+    MIRROR_MARKER,
+    Mirror,
+    MirrorContract,
+    MirrorSpec,
+    MirrorTarget,
+    local_generations,
+)
+from ripresa.store.retention import KeepLast
+from ripresa.store.store import CheckpointStore
+
+
+class Recording(LocalStore):
+    """A real folder store that remembers the order of the objects it was asked to write."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, str(root))
+        self.writes: list[str] = []
+
+    def put_file(self, key: str, path: Path, *, sha256: str) -> int:
+        n = super().put_file(key, path, sha256=sha256)
+        self.writes.append(key)
+        return n
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        super().put_bytes(key, data)
+        self.writes.append(key)
+
+
+def mirror_of(run: Path, remote: Path, events: list[tuple[str, dict]]) -> tuple[Mirror, Recording]:
+    rec = Recording(remote)
+    m = Mirror(MirrorSpec(str(remote), attempts=1), run, local_retention=KeepLast(3),
+               event=lambda name, **kw: events.append((name, kw)), store=MirrorTarget(rec, explicit=True))
+    return m, rec
+
+
+def test_mirror_keeps_the_contract_list_plan_upload_marker_last_and_pull(tmp_path):
+    run, remote = tmp_path / "run", tmp_path / "mirror"
+    train(run, 4, 2)  # two general generations, no mirror
+    local = local_generations(run)
+    (main2, _), (main4, _) = sorted(local.items(), key=lambda x: x[1])
+    events: list[tuple[str, dict]] = []
+    m, rec = mirror_of(run, remote, events)
+    assert isinstance(m, MirrorContract)
+    assert m.committed() == {}
+    assert m.plan().steps == [2, 4]
+
+    m.upload(main2, 2)
+    files = generation_files(main2, (run / f"{main2}.sha256").read_bytes(), where="test")
+    ours = [k for k in rec.writes if k.startswith(main2)]
+    assert ours == [n for _, n in files] + [f"{main2}.sha256"]  # its kind's files, then the marker LAST
+    assert m.committed() == {main2: 2}
+
+    target = run / main4
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # changed after its commit: its sha256 is no longer the marker's
+    target.write_bytes(bytes(raw))
+    m.upload(main4, 4)
+    assert f"{main4}.sha256" not in rec.writes and m.committed() == {main2: 2}  # never committed in the store
+    assert any(n == "mirror_skipped" and kw["step"] == 4 for n, kw in events)
+
+    m.close()
+
+    new = tmp_path / "new"  # a blank machine: a mirror of a new run folder, on the same store
+    pulled: list[tuple[str, dict]] = []
+    blank, _ = mirror_of(new, remote, pulled)
+    with CheckpointStore(new) as store:
+        with pytest.raises(ValueError, match="its own run folder"):
+            m.pull(store)  # a mirror lands generations in its own run folder only
+        gen = blank.pull(store)
+    assert gen is not None and gen.step == 2 and gen.valid and gen.deep_checked
+    for _, name in files:
+        assert (new / name).read_bytes() == (run / name).read_bytes()
+    assert sorted(local_generations(new).values()) == [2]
+    assert any(n == "mirror_pulled" and kw["step"] == 2 for n, kw in pulled)
+    blank.close()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def ranks_kind():
+    """A folder kind of per-rank files that no mirror module names (its backend only matters to a pull)."""
+    register_backend(BackendSpec("ranks", DcpBackend, {"fsdp2": 90}, names=NameFormat(".ranks", folder=True)))
+    try:
+        yield
+    finally:
+        unregister_backend("ranks")
+
+
+def test_a_new_folder_kind_is_planned_and_uploaded_by_its_own_names(tmp_path, ranks_kind):
+    run, remote = tmp_path / "run", tmp_path / "mirror"
+    gen = run / "step_000003.ranks"
+    gen.mkdir(parents=True)
+    lines = b""
+    for rank in range(3):  # each rank's shard, as each node would write its own
+        body = f"rank {rank}".encode() * 100
+        (gen / f"rank{rank}.bin").write_bytes(body)
+        lines += f"{_sha(body)}  step_000003.ranks/rank{rank}.bin\n".encode()
+    (run / "step_000003.ranks.sha256").write_bytes(lines)
+    m, rec = mirror_of(run, remote, [])
+    assert m.plan().steps == [3]
+    m.upload("step_000003.ranks", 3)
+    assert [k for k in rec.writes if k != MIRROR_MARKER] == [f"step_000003.ranks/rank{r}.bin" for r in range(3)] + ["step_000003.ranks.sha256"]
+    assert m.committed() == {"step_000003.ranks": 3}
+    assert (remote / "step_000003.ranks" / "rank1.bin").read_bytes() == (gen / "rank1.bin").read_bytes()
+    m.close()
+
+
+@pytest.mark.parametrize("main, names", [
+    ("step_000003.ranks", ["step_000003.ranks/a", "step_000004.ranks/b"]),  # another generation's file
+    ("step_000003.ranks", ["step_000003.ranks/a", "step_000003.bin"]),  # another kind's file
+    ("step_000003.ranks", ["step_000003.ranks/a", "step_000003.ranks.hmac"]),  # a signature
+    ("step_000003.ranks", ["step_000003.ranks/a", "step_000003.ranks/a"]),  # a name twice
+    ("step_000003.ranks", ["step_000003.ranks/a"]),  # one line only
+    ("step_000003.bin", ["step_000003.bin/x", "step_000003.json"]),  # a folder name for a kind of files
+    ("step_000003.ranks", ["step_000003.ranks", "step_000003.ranks/a"]),  # a folder kind's file outside its folder
+])
+def test_a_marker_naming_files_that_are_not_its_generations_is_refused(main, names, ranks_kind):
+    raw = b"".join(f"{'0' * 64}  {n}\n".encode() for n in names)
+    with pytest.raises(IntegrityError, match="malformed commit marker"):
+        generation_files(main, raw, where="m")
+
+
+def test_generation_files_keeps_the_markers_lines_in_order(ranks_kind):
+    names = ["step_000003.ranks/rank1.bin", "step_000003.ranks/rank0.bin", "step_000003.ranks/meta.json"]
+    raw = b"".join(f"{str(i) * 64}  {n}\n".encode() for i, n in enumerate(names))
+    assert generation_files("step_000003.ranks", raw, where="m") == [(str(i) * 64, n) for i, n in enumerate(names)]

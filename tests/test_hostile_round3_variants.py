@@ -140,6 +140,7 @@ def test_inspect_checkpoint_pt_keeps_its_sidecar_hash_on_one_line(interrupted_ru
 LOOP = Path(__file__).resolve().parents[1] / "examples" / "loop" / "train.py"
 
 
+@pytest.mark.slow  # ~10 s: two real script processes (the default tier keeps the in-process steering checks)
 def test_a_stale_verify_steering_never_redirects_a_real_training(tmp_path):
     """``RIPRESA_VERIFY`` left in a user's shell (copied from a verify's log, or exported by a verify
     that has ended) steered the next real training: ``python train.py --run runs/real`` trained in the

@@ -72,12 +72,12 @@ def test_import_ripresa_with_a_stale_or_forged_launcher_variable_survives(value)
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         raw = {
-            "stale-dead": f"{dead}:{launcher._start_time(os.getpid())}",
+            "stale-dead": f"{dead}:{launcher.start_time(os.getpid())}",
             "stale-old-format": str(dead),
             "reused-pid": f"{os.getpid()}:1",  # a live pid, but not the process that was the launcher
             "live-not-parent": launcher.launcher_value(stranger.pid),  # a live process, not this one's parent
             "garbage": "12\u0663:\n-1",
-            "parent-wrong-start": f"{os.getpid()}:{(launcher._start_time(os.getpid()) or 0) + 1}",
+            "parent-wrong-start": f"{os.getpid()}:{(launcher.start_time(os.getpid()) or 0) + 1}",
             "parent-bare-pid": str(os.getpid()),  # names its live parent: bound to it, harmless while it lives
         }[value]
         res = subprocess.run([sys.executable, "-c", IMPORT], capture_output=True, text=True, timeout=60,

@@ -90,9 +90,9 @@ def _check_verifier(value: str) -> None:
     "Every session of the process is steered"): it is refused, one paragraph, before anything is touched."""
     import sys
 
-    from .torchrun import _parent_of, _parse, _start_time
+    from .torchrun import parent_of, parse_identity, start_time
 
-    parsed = _parse(value)
+    parsed = parse_identity(value)
     if parsed is None or parsed[1] is None:
         raise BadInput(f"the environment variable {ENV} has a verifier that is not PID:START",
                        expected="the pid and start time of the ripresa verify that set it", found=value[:60],
@@ -105,14 +105,14 @@ def _check_verifier(value: str) -> None:
         if pid is None or pid <= 1:
             break
         if pid == verifier:
-            if _start_time(pid) == start:
+            if start_time(pid) == start:
                 return
             break
-        pid = _parent_of(pid)
+        pid = parent_of(pid)
     raise BadInput(f"the environment variable {ENV} is set, but the ripresa verify that set it (pid {verifier}) "
                    "is not running this process: a value left over or inherited",
                    expected=f"{ENV} only in a process that ripresa verify started",
-                   found=f"pid {verifier} {'is not an ancestor of this process' if _start_time(verifier) == start else 'has ended'}",
+                   found=f"pid {verifier} {'is not an ancestor of this process' if start_time(verifier) == start else 'has ended'}",
                    hint=f"unset {ENV} (`unset {ENV}`) and run the script again: it then trains in the folder it "
                         "names; nothing was touched")
 

@@ -38,7 +38,7 @@ def children(pid: int | None = None) -> list[int]:
     return sorted(set(out))
 
 
-def _parent_of(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
     """The parent pid of ``pid`` from ``/proc/PID/stat``, or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -60,7 +60,7 @@ def _send_to_child(pid: int, signum: int) -> None:
         except OSError:
             pidfd = None
     try:
-        if _parent_of(pid) != os.getpid():
+        if parent_of(pid) != os.getpid():
             return
         if pidfd is not None:
             signal.pidfd_send_signal(pidfd, signum)
@@ -92,7 +92,7 @@ def catches(pid: int, signum: int) -> bool:
 def _send_when_caught(pid: int, signum: int) -> None:
     """Deliver ``signum`` once ``pid`` catches it; give up when it exits or after :data:`USR1_WAIT_S`."""
     deadline = time.monotonic() + USR1_WAIT_S
-    while time.monotonic() < deadline and _parent_of(pid) == os.getpid():
+    while time.monotonic() < deadline and parent_of(pid) == os.getpid():
         if catches(pid, signum):
             _send_to_child(pid, signum)
             return
@@ -147,7 +147,7 @@ def _usr1_forwarder() -> None:
         _forward(signal.SIGUSR1, None)
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """The start time of ``pid`` (clock ticks since boot, ``/proc/PID/stat`` field 22), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -160,10 +160,10 @@ def _start_time(pid: int) -> int | None:
 def launcher_value(pid: int | None = None) -> str:
     """The value of :data:`LAUNCHER_ENV` that names ``pid`` (default: this process): ``PID:START``."""
     pid = os.getpid() if pid is None else pid
-    return f"{pid}:{_start_time(pid)}"
+    return f"{pid}:{start_time(pid)}"
 
 
-def _parse(raw: str) -> tuple[int, int | None] | None:
+def parse_identity(raw: str) -> tuple[int, int | None] | None:
     """``PID:START`` (or a bare ``PID``, as earlier launchers wrote it: then only the parent check applies)."""
     pid, sep, start = raw.partition(":")
     if not (0 < len(pid) <= 10 and pid.isascii() and pid.isdigit()) \
@@ -222,14 +222,14 @@ def bind_at_import() -> None:
     through the launcher").
     """
     raw = os.environ.pop(LAUNCHER_ENV, "")
-    parsed = _parse(raw)
+    parsed = parse_identity(raw)
     if parsed is None or not sys.platform.startswith("linux"):
         return
     launcher, start = parsed
     forked_by_launcher = _death_signal() == LAUNCHER_DEATH_SIGNAL
     if forked_by_launcher and LAUNCHER_DEATH_SIGNAL in signal.sigpending():
         _orphan_line(launcher, "has ended")
-    if os.getppid() != launcher or (start is not None and _start_time(launcher) != start):
+    if os.getppid() != launcher or (start is not None and start_time(launcher) != start):
         if forked_by_launcher:  # its parent at fork is gone (the signal is on its way): the run has ended
             _orphan_line(launcher, "has ended")
         return  # not the launcher's child: a value inherited, left over or forged, dropped

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.helpers import history_events
+from support.helpers import PtyStderr, history_events
 from support.mirror_train import train
 
 import ripresa
@@ -373,47 +373,26 @@ def test_a_normal_end_never_waits_past_the_deadline(tmp_path, s3, proxy, capsys)
     assert history_events(run, "mirror_final_wait")[-1]["bound"] == "the deadline"
 
 
-def _flat(chunks: list[bytes]) -> str:
-    """A terminal's bytes as plain text: escape sequences removed, runs of blanks and line breaks one space."""
-    return " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", " ", b"".join(chunks).decode(errors="replace")).split())
-
-
 @pytest.mark.slow
 def test_on_a_terminal_the_wait_shows_the_store_what_is_pending_and_the_time_left(tmp_path, s3, proxy, one_thread):
-    import pty
 
     run = tmp_path / "run"
     assert cli_main(["train", "--run", str(run), "--steps", "2", "--every", "2", "--mirror", s3.url, *GPT]) == 0
     proxy.mode = "down"
     proxy.drop_all()
-    master, slave = pty.openpty()  # stderr is a terminal
+    tty = PtyStderr()  # stderr is a terminal
     proc = subprocess.Popen([sys.executable, "-m", "ripresa", "train", "--run", str(run), "--steps", "4", "--every",
                              "2", "--mirror", s3.url, "--final-upload-timeout", "4", *GPT],
-                            stdout=subprocess.PIPE, stderr=slave, cwd=REPO, env=dict(os.environ, COLUMNS="200"))
-    os.close(slave)
-    chunks: list[bytes] = []
-
-    def read() -> None:
-        while True:
-            try:
-                piece = os.read(master, 65536)
-            except OSError:
-                return
-            if not piece:
-                return
-            chunks.append(piece)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+                            stdout=subprocess.PIPE, stderr=tty.slave, cwd=REPO, env=dict(os.environ, COLUMNS="200"))
+    tty.start()
     try:
         rc = proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        reader.join(timeout=5)
-        os.close(master)
-    err = _flat(chunks)
+        tty.close()
+    err = tty.text()
     print(err[-3000:])
     assert rc == 3, err[-3000:]
     assert re.search(r"\d+/\d+ uploaded", err), err[-3000:]  # generations uploaded of those pending (ripresa.console)

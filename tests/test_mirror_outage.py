@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.helpers import history_events
+from support.helpers import PtyStderr, history_events
 from support.mirror_train import train
 
 from ripresa.store.history import HISTORY_NAME, History, read_history
@@ -179,37 +179,16 @@ def test_sigterm_with_the_store_down_exits_in_seconds_naming_the_pending_steps(t
     assert last in s3.committed()
 
 
-def _flat(chunks: list[bytes]) -> str:
-    """A terminal's bytes as plain text: escape sequences removed, runs of blanks and line breaks one space."""
-    return " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", " ", b"".join(chunks).decode(errors="replace")).split())
-
-
 @pytest.mark.slow
 def test_a_second_sigterm_during_a_slow_close_leaves_at_once(tmp_path, s3, proxy):
     """On a terminal the close shows its progress with the Ctrl-C hint; a second SIGTERM during it leaves at once."""
-    import pty
-
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    master, slave = pty.openpty()  # stderr is a terminal
+    tty = PtyStderr()  # stderr is a terminal
     proc = subprocess.Popen([sys.executable, str(MIRROR_TRAIN), "--run", str(run), "--steps", "100000", "--every", "5",
                              "--mirror", s3.url, "--sleep", "0.02", "--timeout", "30", "--close-timeout", "600"],
-                            env=env, stdout=subprocess.PIPE, stderr=slave, text=True)
-    os.close(slave)
-    chunks: list[bytes] = []
-
-    def read() -> None:
-        while True:
-            try:
-                piece = os.read(master, 65536)
-            except OSError:
-                return
-            if not piece:
-                return
-            chunks.append(piece)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+                            env=env, stdout=subprocess.PIPE, stderr=tty.slave, text=True)
+    tty.start()
     try:
         t0 = time.time()
         while 5 not in s3.committed():
@@ -218,7 +197,7 @@ def test_a_second_sigterm_during_a_slow_close_leaves_at_once(tmp_path, s3, proxy
         proxy.slow_bps = 1000  # uploads crawl: the stop's generation takes many seconds
         proxy.drop_all()
         proc.send_signal(signal.SIGTERM)  # the first: stop, save, close (which waits for the upload)
-        while "Ctrl-C to leave them pending" not in _flat(chunks):
+        while "Ctrl-C to leave them pending" not in tty.text():
             assert proc.poll() is None and time.time() - t0 < 240
             time.sleep(0.05)
         sent = time.monotonic()
@@ -230,9 +209,8 @@ def test_a_second_sigterm_during_a_slow_close_leaves_at_once(tmp_path, s3, proxy
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        reader.join(timeout=5)
-        os.close(master)
-    err = _flat(chunks)  # the progress line wraps its text under the numbers at 80 columns
+        tty.close()
+    err = tty.text()  # the progress line wraps its text under the numbers at 80 columns
     print(f"second SIGTERM to exit: {took:.2f} s\n{err[-2000:]}")
     assert proc.returncode == 0, err[-3000:]
     assert took < 15

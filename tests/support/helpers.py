@@ -11,9 +11,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import select
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,3 +102,39 @@ def valid_dcp_steps(run: Path, *, deep: bool = False) -> list[int]:
     from ripresa.formats import dcp as dcp_fmt
 
     return [g.step for g in dcp_fmt.dcp_generations(run, deep=deep) if g.valid]
+
+
+class PtyStderr:
+    """A pseudo-terminal for a child's stderr (ripresa.console shows progress only on a terminal), drained by a
+    thread so the child never blocks on it: ``Popen(..., stderr=tty.slave)``, then ``tty.start()``; ``tty.text()``
+    is what it printed so far as plain text; ``tty.close()`` once the child has ended."""
+
+    def __init__(self) -> None:
+        import pty
+
+        self.master, self.slave = pty.openpty()
+        self.chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+
+    def start(self) -> None:
+        os.close(self.slave)  # the child holds its end: the reader sees EOF when the child exits
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                piece = os.read(self.master, 65536)
+            except OSError:  # the child closed its end
+                return
+            if not piece:
+                return
+            self.chunks.append(piece)
+
+    def text(self) -> str:
+        """The terminal's bytes as plain text: escape sequences removed, runs of blanks and line breaks one space."""
+        return " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", " ", b"".join(self.chunks).decode(errors="replace")).split())
+
+    def close(self) -> None:
+        self._reader.join(timeout=5)
+        os.close(self.master)
+

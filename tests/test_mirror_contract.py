@@ -10,12 +10,15 @@ like any other, and a marker naming files that are not its generation's is refus
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import hashlib
 from pathlib import Path
 
 import pytest
 from support.mirror_train import train
 
+import ripresa.store.mirror
 from ripresa.errors import IntegrityError
 from ripresa.formats.naming import NameFormat
 from ripresa.io.folderstore import LocalStore
@@ -23,7 +26,9 @@ from ripresa.store.backend import (
     BackendSpec,
     DcpBackend,
     generation_files,
+    kinds,
     register_backend,
+    spec_of,
     unregister_backend,
 )
 from ripresa.store.mirror import (
@@ -156,3 +161,64 @@ def test_generation_files_keeps_the_markers_lines_in_order(ranks_kind):
     names = ["step_000003.ranks/rank1.bin", "step_000003.ranks/rank0.bin", "step_000003.ranks/meta.json"]
     raw = b"".join(f"{str(i) * 64}  {n}\n".encode() for i, n in enumerate(names))
     assert generation_files("step_000003.ranks", raw, where="m") == [(str(i) * 64, n) for i, n in enumerate(names)]
+
+
+# ---------------------------------------------------------------------------- the mirror names no kind
+
+MIRROR_PACKAGE = Path(ripresa.store.mirror.__file__).parent
+
+
+def kind_words() -> tuple[set[str], set[str]]:
+    """What names a kind in source: each registered kind's name and old names (a whole string), and each
+    kind's file suffix (``.safetensors``, ``.dcp``, ...) and DCP's rank files (``.distcp``) anywhere in one."""
+    names = {n for s in kinds() for n in (s.kind, *s.aliases)}
+    suffixes = {s.naming.suffix for s in kinds() if s.naming is not None} | {".distcp"}
+    return names, suffixes
+
+
+def kinds_named(source: str) -> list[tuple[int, str]]:
+    """The string literals of ``source`` (docstrings aside) that name a kind: (line, literal)."""
+    tree = ast.parse(source)
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    names, suffixes = kind_words()
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+            and (node.value in names or any(s in node.value for s in suffixes))]
+
+
+def test_no_module_of_the_mirror_names_a_kind():
+    assert kinds_named('PULL_KINDS = ("bin", "general")\nx = f"{m}/__0_0.distcp"\n') == [
+        (1, "bin"), (1, "general"), (2, "/__0_0.distcp")]  # the scan sees what it looks for
+    modules = sorted(MIRROR_PACKAGE.glob("*.py"))
+    assert {"pull.py", "upload.py", "layout.py", "retry.py"} <= {p.name for p in modules}
+    found = {p.name: hits for p in modules if (hits := kinds_named(p.read_text()))}
+    assert found == {}, f"store/mirror names kinds (ask the registry, ripresa.store.kinds): {found}"
+
+
+def test_the_pull_prefers_at_equal_steps_what_the_registry_of_kinds_says(tmp_path):
+    remote = tmp_path / "mirror"
+    for fmt in ("andrea", "general"):  # one .bin and one general generation, both of step 2, in one store
+        run = tmp_path / fmt
+        train(run, 2, 2, fmt=fmt)
+        m, _ = mirror_of(run, remote, [])
+        for main, step in local_generations(run).items():
+            m.upload(main, step)
+        m.close()
+    general = spec_of("general")
+    chosen = []
+    for rank in (general.pull_rank, 5):  # the registry's preference, then general re-registered before .bin
+        register_backend(dataclasses.replace(general, pull_rank=rank))
+        try:
+            blank = tmp_path / f"blank{rank}"
+            m, _ = mirror_of(blank, remote, [])
+            with CheckpointStore(blank) as store:
+                gen = m.pull(store)
+            m.close()
+        finally:
+            register_backend(general)
+        assert gen is not None and gen.step == 2 and gen.valid
+        chosen.append(gen.kind)
+    assert chosen == ["bin", "general"]
+    assert spec_of("general") == general and [s.kind for s in kinds()] == ["bin", "dcp", "general", "shards"]

@@ -31,7 +31,7 @@ from .general import GeneralBackend
 from .shards import ShardsBackend
 
 __all__ = ["AUTO", "MODES", "BackendSpec", "Owner", "backend_of", "backends_for", "check_generation_file", "choose_writer",
-           "describe", "formats", "generation_files", "kinds", "latest_valid_any", "latest_valid_of", "newest_kind", "owner_of", "register_backend",
+           "describe", "formats", "generation_files", "kinds", "latest_valid_any", "latest_valid_of", "newest_kind", "owner_of", "pull_order", "register_backend",
            "registered", "retain", "spec_of", "unregister_backend"]
 
 #: The run modes a session can be in.
@@ -69,6 +69,9 @@ class BackendSpec:
     pool: str | None = None
     #: how messages name its files (``general .safetensors``); None: the kind
     describes: str | None = None
+    #: its preference when a pull from a mirror finds generations of several kinds at one step: the lowest
+    #: is tried first (:func:`pull_order`; docs/MIRROR.md, "For contributors: the code")
+    pull_rank: int = 100
     #: the registration order (set by :func:`register_backend`)
     order: int = field(default=0, compare=False)
 
@@ -126,6 +129,13 @@ class Owner(NamedTuple):
     spec: BackendSpec
     step: int
     main: str
+
+
+def pull_order(kind: str) -> tuple[int, int]:
+    """Where generations of ``kind`` come among the kinds of one step in a pull from a mirror (smaller first):
+    its spec's ``pull_rank``, then its registration order. The mirror asks this; it names no kind itself."""
+    spec = spec_of(kind)
+    return spec.pull_rank, spec.order
 
 
 def describe(kind: str) -> str:
@@ -319,10 +329,12 @@ def _bin_fits(state: TrainingState) -> str | None:
 # is written when a session asks for "andrea" (ripresa train does). Every mode resumes every kind: an FSDP2 session
 # loads a .bin or general generation whole and shards it (docs/SHARDED.md, "Resuming": 2 -> 1 -> 2).
 register_backend(BackendSpec("bin", BinBackend, {"single": 10, "ddp": 10, "fsdp2": 20}, "andrea", _bin_fits,
-                             pool="run", describes="ANDREA .bin"))
-register_backend(BackendSpec("dcp", DcpBackend, {"single": 30, "ddp": 20, "fsdp2": 10}, describes="sharded .dcp"))
+                             pool="run", describes="ANDREA .bin", pull_rank=10))
+# A pull from a mirror prefers, at equal steps, .bin, then general, .shards, .dcp (pull_rank).
+register_backend(BackendSpec("dcp", DcpBackend, {"single": 30, "ddp": 20, "fsdp2": 10}, describes="sharded .dcp",
+                             pull_rank=40))
 register_backend(BackendSpec("general", GeneralBackend, {"single": 5, "ddp": 5, "fsdp2": 15}, "general", aliases=("st",),
-                             pool="run", describes="general .safetensors"))
+                             pool="run", describes="general .safetensors", pull_rank=20))
 # Written by the general kind for a state of SaveOptions.shard_threshold bytes or more (never chosen by `format=`).
 register_backend(BackendSpec("shards", ShardsBackend, {"single": 40, "ddp": 40, "fsdp2": 40}, pool="run",
-                             describes="sharded general .shards"))
+                             describes="sharded general .shards", pull_rank=30))

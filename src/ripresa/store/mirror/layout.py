@@ -28,9 +28,6 @@ from ..retention import RetentionPolicy
 #: outage kind caught it: a final state that differs from the uninterrupted run).
 JITTER = random.Random()
 
-#: The order of the kinds at equal steps in a pull (any other registered kind after them); a pull takes every
-#: registered kind unless told which (:func:`ripresa.store.mirror.pull.pull`).
-PULL_KINDS = ("bin", "general", "shards", "dcp")
 #: Largest marker read (bytes): a ``.dcp`` marker has one line per file.
 MAX_MARKER = 1 << 20
 #: Largest ``config.json`` pulled (bytes).

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -20,19 +19,17 @@ from ...errors import BadInput, CheckFailed, IntegrityError, SaveFailed
 from ...formats.generation import Generation
 from ...io import auth
 from ...io.fsio import StagedFile, fsync_dir, open_run_file, ops, write_atomic
-from ...io.objstore import ObjectStore, RemoteNotFound, RemoteUnavailable
+from ...io.objstore import ObjectStore, RemoteNotFound
 from ...io.redact import redact_url
 from ..history import HISTORY_NAME
-from ..kinds import backend_of, generation_files, spec_of
+from ..kinds import backend_of, generation_files, pull_order, spec_of
 from ..kinds import kinds as registered_kinds
 from ..store import CheckpointStore
 from .layout import (
     CONFIG_SIG,
-    JITTER,
     MAX_CONFIG,
     MAX_MARKER,
     MAX_RUN_MANIFEST,
-    PULL_KINDS,
     RUN_MANIFEST,
     MirrorSpec,
     RemoteView,
@@ -42,6 +39,7 @@ from .layout import (
     kind_of,
     local_generations,
 )
+from .retry import Retry
 
 
 def _safe_parent(run_dir: Path, path: str) -> Path:
@@ -65,47 +63,34 @@ _PULL = MirrorSpec("", attempts=4, backoff=0.25, max_backoff=8.0)
 
 
 def retrying(fn: Callable[[], Any], event: Callable[..., None] | None = None, what: str = "",
-              spec: MirrorSpec = _PULL) -> Any:
-    for attempt in range(1, spec.attempts + 1):
-        try:
-            return fn()
-        except RemoteUnavailable as exc:
-            if attempt == spec.attempts:
-                raise
-            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * JITTER.uniform(0.5, 1.5)
-            if event is not None:
-                event("mirror_retry", step=None, object=what, attempt=attempt, error=exc.message, wait=round(wait, 3))
-            time.sleep(wait)
-    raise AssertionError("unreachable")
+             spec: MirrorSpec = _PULL) -> Any:
+    """``fn()`` under the mirror's back-off policy (:class:`~ripresa.store.mirror.retry.Retry`) with ``spec``'s
+    tries and waits: a :class:`~ripresa.io.objstore.RemoteUnavailable` is retried, a ``mirror_retry`` event
+    per retry (when ``event`` is given); the last failure is raised."""
+    return Retry.of(spec).call(fn, what=what, event=event)
 
 
 def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, event: Callable[..., None],
            spec: MirrorSpec) -> StagedFile:
     """Object ``name`` streamed into a temporary sibling of ``target`` (at most ``limit`` bytes), fsync'd,
     its sha256 compared with the marker's; the caller publishes it. A failed try starts a new temporary."""
-    for attempt in range(1, spec.attempts + 1):
+
+    def once() -> tuple[StagedFile, Any]:
         sf = StagedFile(target)
         try:
             remote.get_into(name, sf, limit=limit)
-            d = sf.finish()
-        except RemoteUnavailable as exc:
-            sf.discard()
-            if attempt == spec.attempts:
-                raise
-            wait = min(spec.max_backoff, spec.backoff * 2 ** (attempt - 1)) * JITTER.uniform(0.5, 1.5)
-            event("mirror_retry", step=None, object=name, attempt=attempt, error=exc.message, wait=round(wait, 3))
-            time.sleep(wait)
-            continue
+            return sf, sf.finish()
         except BaseException:
             sf.discard()
             raise
-        if d.sha256 != sha:
-            sf.discard()
-            raise IntegrityError("a remote object differs from its marker", file=f"{remote.url}/{name}",
-                                 expected=sha, found=d.sha256,
-                                 hint="it was changed in the store; an older remote generation is used")
-        return sf
-    raise AssertionError("unreachable")
+
+    sf, d = retrying(once, event=event, what=name, spec=spec)
+    if d.sha256 != sha:
+        sf.discard()
+        raise IntegrityError("a remote object differs from its marker", file=f"{remote.url}/{name}",
+                             expected=sha, found=d.sha256,
+                             hint="it was changed in the store; an older remote generation is used")
+    return sf
 
 
 def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step: int, ckpt: CheckpointStore,
@@ -209,7 +194,8 @@ def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int
          spec: MirrorSpec = _PULL) -> Generation | None:
     """Land the newest remote generation (or ``step``'s) whose marker verifies; None when the store holds none.
 
-    ``kinds``: the kinds considered (None: every registered kind), ordered at equal steps by :data:`PULL_KINDS`.
+    ``kinds``: the kinds considered (None: every registered kind), ordered at equal steps by the registry of
+    kinds (:func:`ripresa.store.kinds.pull_order`: each kind's ``pull_rank``).
 
     Each one that fails (a flipped byte, a bad or missing signature under
     require-signature, a malformed marker) is recorded as ``mirror_refused``
@@ -219,12 +205,8 @@ def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int
     ev = event or (lambda name, **kw: None)
     kinds = tuple(spec_of(k).kind for k in kinds) if kinds is not None else tuple(s.kind for s in registered_kinds())
     view = RemoteView(retrying(remote.list, event=ev, what="listing", spec=spec))
-
-    def order(kind: str) -> int:
-        return PULL_KINDS.index(kind) if kind in PULL_KINDS else len(PULL_KINDS)
-
     cands = sorted(((s, m) for m, s in view.committed.items() if kind_of(m) in kinds and (step is None or s == step)),
-                   key=lambda x: (-x[0], order(kind_of(x[1]))))
+                   key=lambda x: (-x[0], pull_order(kind_of(x[1]))))
     refused: list[str] = []
     for s, main in cands:
         try:

@@ -47,6 +47,7 @@ from .layout import (
 )
 from .plan import LocalGeneration, UploadPlan, duration_text, plan_upload, size_text
 from .pull import pull
+from .retry import Retry, Stopped
 from .target import MirrorTarget, redacting, release_store
 
 
@@ -430,30 +431,24 @@ class Mirror(MirrorContract):
         return max(MIN_ROUND_WAIT, min(cap, s.backoff * 2 ** min(failures - 1, 30)) * JITTER.uniform(0.5, 1.0))
 
     def _retry(self, step: int | None, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()``, retried with back-off: ``attempts`` tries normally; one try during an outage (the rounds'
-        own back-off spaces them) and for the first listing of a session (an unreachable store says so at once)."""
-        s = self.spec
+        """``fn()``, retried by the mirror's back-off policy (:class:`~ripresa.store.mirror.retry.Retry`):
+        ``attempts`` tries normally; one try during an outage (the rounds' own back-off spaces them) and for the
+        first listing of a session (an unreachable store says so at once); a close's waits capped; a stop ends it."""
         once = self._outage is not None or (self._remote is None and what == "listing" and not self._closing)
-        tries = 1 if once else s.attempts
-        for attempt in range(1, tries + 1):
-            if self._stop.is_set():
-                raise _Stopped
-            try:
-                return fn()
-            except (RemoteUnavailable, RemoteNotFound) as exc:
-                self._failed_requests += 1
-                if self._outage is not None:
-                    self._outage["error"] = exc.message
-                if attempt == tries:
-                    raise RemoteUnavailable(exc.message, file=exc.file, found=exc.found) from None
-                wait = min(s.max_backoff, s.backoff * 2 ** (attempt - 1)) * JITTER.uniform(0.5, 1.5)
-                if self._closing:
-                    wait = min(wait, CLOSE_RETRY_WAIT)
-                self._event("mirror_retry", step=step, object=what, attempt=attempt, error=exc.message,
-                            found=None if exc.found is None else str(exc.found)[:200], wait=round(wait, 3))
-                if self._stop.wait(wait):
-                    raise _Stopped from None
-        raise AssertionError("unreachable")
+
+        def failed(exc: RipresaError) -> None:
+            self._failed_requests += 1
+            if self._outage is not None:
+                self._outage["error"] = exc.message
+
+        try:
+            return Retry.of(self.spec).call(fn, what=what, step=step, event=self._event, once=once,
+                                            retry_on=(RemoteUnavailable, RemoteNotFound), failed=failed,
+                                            stop=self._stop, cap=lambda: CLOSE_RETRY_WAIT if self._closing else None)
+        except Stopped:
+            raise _Stopped from None
+        except (RemoteUnavailable, RemoteNotFound) as exc:
+            raise RemoteUnavailable(exc.message, file=exc.file, found=exc.found) from None
 
     def round(self) -> bool:
         """One pass: list the store (first time), clean half uploads, upload what is pending, apply remote

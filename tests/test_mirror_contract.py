@@ -6,6 +6,12 @@ local marker's sha256: a file changed after its commit is never uploaded) and th
 pulls a generation back verified. A generation's files are its kind's to name (``kinds.generation_files``):
 a kind registered here, a folder of per-rank files the mirror has never heard of, is planned and uploaded
 like any other, and a marker naming files that are not its generation's is refused whatever the kind.
+
+No module of store/mirror names a kind (an AST scan of its string literals for the registered kinds' names and
+suffixes): which kind a pull prefers at equal steps is the registry's (``BackendSpec.pull_rank``), and a kind
+re-registered with another preference changes the pull's choice. The pull and the upload thread retry by one
+back-off policy (store/mirror/retry.py): tries, jittered exponential waits, an event per retry, a stop check,
+a one-try mode.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +30,7 @@ import ripresa.store.mirror
 from ripresa.errors import IntegrityError
 from ripresa.formats.naming import NameFormat
 from ripresa.io.folderstore import LocalStore
+from ripresa.io.objstore import RemoteNotFound, RemoteUnavailable
 from ripresa.store.backend import (
     BackendSpec,
     DcpBackend,
@@ -38,7 +47,9 @@ from ripresa.store.mirror import (
     MirrorSpec,
     MirrorTarget,
     local_generations,
+    retrying,
 )
+from ripresa.store.mirror.retry import Retry, Stopped
 from ripresa.store.retention import KeepLast
 from ripresa.store.store import CheckpointStore
 
@@ -222,3 +233,89 @@ def test_the_pull_prefers_at_equal_steps_what_the_registry_of_kinds_says(tmp_pat
         chosen.append(gen.kind)
     assert chosen == ["bin", "general"]
     assert spec_of("general") == general and [s.kind for s in kinds()] == ["bin", "dcp", "general", "shards"]
+
+
+# ---------------------------------------------------------------------------- one back-off policy
+
+
+class Flaky:
+    """A request that fails ``n`` times (``exc``), then returns "ok"; the events of its retries recorded."""
+
+    def __init__(self, n: int, exc: type[Exception] = RemoteUnavailable) -> None:
+        self.n, self.exc, self.calls, self.events = n, exc, 0, []
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.calls <= self.n:
+            raise self.exc(f"down {self.calls}", file="s3://b/p", found="HTTP 503")
+        return "ok"
+
+    def event(self, name: str, **kw) -> None:
+        self.events.append((name, kw))
+
+
+def test_the_back_off_policy_tries_waits_records_stops_and_tries_once():
+    policy = Retry(attempts=3, backoff=0.01, max_backoff=0.02)
+    f = Flaky(2)
+    assert policy.call(f, what="k", step=7, event=f.event) == "ok" and f.calls == 3
+    assert [(n, kw["step"], kw["object"], kw["attempt"], kw["error"], kw["found"]) for n, kw in f.events] == [
+        ("mirror_retry", 7, "k", 1, "down 1", "HTTP 503"), ("mirror_retry", 7, "k", 2, "down 2", "HTTP 503")]
+    assert 0.005 <= f.events[0][1]["wait"] <= 0.015 and 0.01 <= f.events[1][1]["wait"] <= 0.03  # 2^k, jittered
+    f, seen = Flaky(5), []
+    with pytest.raises(RemoteUnavailable, match="down 3"):  # the last failure is raised
+        policy.call(f, what="k", event=f.event, failed=seen.append)
+    assert f.calls == 3 and len(f.events) == 2 and [e.message for e in seen] == ["down 1", "down 2", "down 3"]
+    f = Flaky(1)
+    with pytest.raises(RemoteUnavailable):  # the one-try mode: no retry, no event
+        policy.call(f, what="k", event=f.event, once=True)
+    assert f.calls == 1 and f.events == []
+    f = Flaky(1, RemoteNotFound)
+    with pytest.raises(RemoteNotFound):  # only what it is told to retry is retried
+        policy.call(f, what="k")
+    assert f.calls == 1
+    assert policy.call(Flaky(1, RemoteNotFound), what="k", retry_on=(RemoteNotFound,)) == "ok"
+    f = Flaky(2)
+    assert Retry(3, 50.0, 100.0).call(f, what="k", event=f.event, cap=lambda: 0.001) == "ok"  # a close's cap
+    assert [kw["wait"] for _, kw in f.events] == [0.001, 0.001]
+    stop = threading.Event()
+    stop.set()
+    f = Flaky(0)
+    with pytest.raises(Stopped):  # checked before a try
+        policy.call(f, what="k", stop=stop)
+    assert f.calls == 0
+    stop.clear()
+    f = Flaky(5)
+    t0 = time.monotonic()
+    with pytest.raises(Stopped):  # and during the wait, which it ends at once
+        Retry(3, 60.0, 60.0).call(f, what="k", event=lambda *a, **kw: stop.set(), stop=stop)
+    assert f.calls == 1 and time.monotonic() - t0 < 5
+
+
+def test_the_pull_and_the_upload_thread_retry_by_the_one_policy(tmp_path, monkeypatch):
+    calls: list[dict] = []
+    real = Retry.call
+
+    def spy(self, fn, **kw):
+        calls.append(kw)
+        return real(self, fn, **kw)
+
+    monkeypatch.setattr(Retry, "call", spy)
+    fast = MirrorSpec(str(tmp_path / "mirror"), attempts=3, backoff=0.0, max_backoff=0.0)
+    f = Flaky(2)
+    assert retrying(f, event=f.event, what="run.json", spec=fast) == "ok" and len(f.events) == 2
+    assert [c["what"] for c in calls] == ["run.json"]
+    events: list[tuple[str, dict]] = []
+    m = Mirror(fast, tmp_path / "run", local_retention=KeepLast(3), event=lambda n, **kw: events.append((n, kw)),
+               store=MirrorTarget(LocalStore(tmp_path / "mirror", str(tmp_path / "mirror")), explicit=True))
+    f = Flaky(1)
+    with pytest.raises(RemoteUnavailable):  # the session's first listing: one try (an unreachable store says so)
+        m._retry(None, "listing", f)
+    assert f.calls == 1 and calls[-1]["once"] is True
+    f = Flaky(2, RemoteNotFound)
+    assert m._retry(4, "step_000004.bin", f) == "ok" and f.calls == 3
+    assert [(n, kw["step"], kw["attempt"]) for n, kw in events] == [("mirror_retry", 4, 1), ("mirror_retry", 4, 2)]
+    f = Flaky(5, RemoteNotFound)
+    with pytest.raises(RemoteUnavailable, match="down 3"):  # whatever failed last, the round sees an unavailable store
+        m._retry(4, "step_000004.bin", f)
+    assert len(calls) == 4 and all(c["stop"] is m._stop for c in calls[1:])
+    m.close()

@@ -141,3 +141,19 @@ class UploadPending(RipresaError):
     """
 
     exit_code = 3
+
+
+# ---- exit code 4: a node of a multi-node run was lost ---------------------------------
+
+
+class NodeLost(RipresaError):
+    """A node of a multi-node run stopped answering: the surviving ranks stop, naming it.
+
+    Raised on every surviving rank when a collective fails because a peer is gone (its launcher
+    killed, its machine lost). Nothing committed is lost: the newest generation committed in the
+    store stands; start the launcher again on every node (a fresh node resumes from the store).
+    Its own exit code, 4, so that a wrapper restarts the run rather than reporting bad input
+    (docs/DISTRIBUTED.md, "Losing a node"; docs/FAULTS.md, "Exit codes").
+    """
+
+    exit_code = 4

@@ -200,7 +200,7 @@ def decode_state(doc: dict[str, Any], folder: Path) -> dict[str, Any]:
 
 
 def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature: bool | None = None,
-              hmac_key: bytes | None = None) -> Generation:
+              hmac_key: bytes | None = None, part: bool = False) -> Generation:
     """Validate one ``.dcp`` generation through named checks (:class:`~ripresa.formats.generation.Check`).
 
     In order: ``marker present``, ``marker format``; under ``require_signature``
@@ -214,6 +214,10 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
     :func:`ripresa.formats.dcp_safe.read_metadata`, the same check
     :func:`load_shards` makes before DCP runs). A missing key under
     require-signature raises :class:`~ripresa.errors.BadInput`.
+
+    ``part``: the folder is one node's part of a generation committed through the store (docs/DISTRIBUTED.md):
+    it may lack shard files of the marker (never the companion or ``.metadata``, never a file the marker does
+    not name); the files it holds are checked as above, the absent ones are listed in ``Generation.absent``.
     """
     from .dcp_safe import VerifiedFiles, read_metadata
 
@@ -240,7 +244,12 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
                 raise IntegrityError("the .dcp folder is missing", file=d, expected="a folder", found="nothing or not a folder")
             present = {e.name: e for e in os.scandir(d)}
             files = PieceBudget(f"the files of {d.name}", 1 << 62)
-            if set(present) != set(hashes):
+            absent = sorted(set(hashes) - set(present)) if part else []
+            if absent and ({COMPANION_NAME, ".metadata"} & set(absent) or set(present) - set(hashes)):
+                raise IntegrityError("a node's part of a .dcp generation lacks its companion or .metadata, or holds "
+                                     "a file its marker does not name", file=d, expected=sorted(hashes)[:8],
+                                     found=sorted(present)[:8], hint="land them from the store first")
+            if set(present) | set(absent) != set(hashes):
                 raise IntegrityError("the .dcp folder's files differ from its marker's", file=d, expected=sorted(hashes)[:8],
                                      found=sorted(present)[:8], hint="a file was added or removed after the commit")
             for name, e in present.items():
@@ -261,6 +270,8 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
         total = 0
         with checks.run("file sizes") as f:
             for name, size in doc["files"].items():
+                if name in absent:
+                    continue
                 actual = present[name].stat(follow_symlinks=False).st_size
                 if actual != size:
                     raise IntegrityError("a .dcp file has the wrong size", file=d / name, expected=size, found=actual,
@@ -271,6 +282,8 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
             meta_raw = b""
             with checks.run("file sha256", expected=f"{len(hashes)} files as the marker says"):
                 for name, want in hashes.items():
+                    if name in absent:
+                        continue
                     if name == ".metadata":  # hashed while read: the bytes checked below are the bytes hashed
                         meta_raw = bytes(VerifiedFiles(d, hashes, doc["files"]).read(name))
                         continue
@@ -290,7 +303,7 @@ def check_dcp(folder: Path, step: int, *, deep: bool = False, require_signature:
     except RipresaError as exc:
         return Generation(step, "dcp", d, c, mk, valid=False, reason=reason_of(exc), checks=tuple(checks))
     return Generation(step, "dcp", d, c, mk, valid=True, size=total, world_size=doc["world_size"], files=hashes,
-                      deep_checked=deep, signature_verified=key is not None, checks=tuple(checks))
+                      deep_checked=deep, signature_verified=key is not None, checks=tuple(checks), absent=tuple(absent))
 
 
 def dcp_generations(folder: Path, *, deep: bool = False) -> list[Generation]:
@@ -415,7 +428,8 @@ def write_shards_async(staged: dict[str, Any], path: Path, *, group: Any,
 
 
 def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, path: Path, *,
-                files: Mapping[str, str], sizes: Mapping[str, int], no_dist: bool = False) -> None:
+                files: Mapping[str, str], sizes: Mapping[str, int], no_dist: bool = False,
+                fetch: Any = None) -> None:
     """``dcp.load`` of exactly the verified bytes into the live model and optimizer (any number of ranks).
 
     ``files`` is ``{file name: sha256}`` as the generation's check verified
@@ -430,7 +444,9 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     :class:`~ripresa.formats.dcp_safe.SafeLoadPlanner`: the ``.metadata`` is
     unpickled by the restricted, bounded reader and checked first (a
     refusal raises here, before DCP runs), every item is loaded with
-    ``weights_only=True``.
+    ``weights_only=True``. ``fetch(name, sha256, size)``: lands a file the folder lacks (a node's part of a generation
+    committed through the store, docs/DISTRIBUTED.md) before it is read; only the files this rank's load
+    reads are fetched, and each is verified like the others.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -445,7 +461,7 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     if not files or ".metadata" not in files:
         raise IntegrityError("a .dcp load needs the sha256 of every file its check verified", file=path,
                              expected="the generation's marker hashes", found=sorted(files)[:8])
-    reader = SafeFileSystemReader(path, VerifiedFiles(path, files, sizes))  # .metadata through the restricted unpickler
+    reader = SafeFileSystemReader(path, VerifiedFiles(path, files, sizes, fetch=fetch))  # .metadata through the restricted unpickler
     reader.read_metadata()  # refuses a hostile .metadata with its own error, before DCP runs
     ctx = _quiet_dcp()
     try:

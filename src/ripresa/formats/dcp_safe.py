@@ -387,8 +387,11 @@ class VerifiedFiles:
     :class:`~ripresa.errors.IntegrityError` (nothing of it is used).
     """
 
-    def __init__(self, folder: str | os.PathLike[str], expected: Mapping[str, str], sizes: Mapping[str, int]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], expected: Mapping[str, str], sizes: Mapping[str, int], *,
+                 fetch: Any = None) -> None:
         self.folder = Path(folder)
+        #: ``fetch(name, sha256, size)`` lands a file the folder lacks (a node's part: docs/DISTRIBUTED.md)
+        self.fetch = fetch
         self.expected = dict(expected)
         #: each file's committed size (the companion's ``files``, read from the bytes its marker hash covers)
         self.sizes = dict(sizes)
@@ -407,6 +410,8 @@ class VerifiedFiles:
             raise IntegrityError("a .dcp file the load needs is not one its check verified", file=p,
                                  expected=sorted(self.expected)[:8], found=name,
                                  hint="the .metadata names a file the commit marker does not list")
+        if self.fetch is not None and want is not None and not os.path.lexists(p):
+            self.fetch(name, want, self.sizes.get(name))  # verified: by the fetch, then again below, as it is read
         fd = open_run_file(p, ".dcp file", error=IntegrityError)
         try:
             size = os.fstat(fd).st_size

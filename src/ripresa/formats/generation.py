@@ -72,6 +72,9 @@ class Generation:
     signature_verified: bool = False
     checks: tuple[Check, ...] = ()
     foreign: bool = False
+    #: Files the marker names that this folder does not hold: a node's part of a generation committed through
+    #: the store (docs/DISTRIBUTED.md); a load fetches each one it needs from the store, verified.
+    absent: tuple[str, ...] = ()
 
     @property
     def bin(self) -> Path:

@@ -10,6 +10,7 @@ distributed runs: docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import warnings
@@ -18,10 +19,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import console
 from ..console import install_script_hooks
 from ..core.numbers import checked_number
 from ..core.state import Progress, TrainingState
-from ..errors import BadInput, SaveFailed
+from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed
 from ..io import auth
 from ..io.fsio import write_atomic
 from ..store.async_save import AsyncCheckpointWriter
@@ -34,7 +36,10 @@ from ..store.backend import (
 )
 from ..store.folder import DEFAULT_SHARD_THRESHOLD, SaveOptions
 from ..store.history import HISTORY_NAME, History
+from ..store.kinds import generation_files
 from ..store.mirror import Mirror, has_local_generation, open_mirror, pull_run, record_url
+from ..store.mirror.commit import newest_committed
+from ..store.mirror.plan import size_text
 from ..store.restore import rank_view, saved_record
 from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
 from ..store.store import CheckpointStore, CheckpointWarning, Generation
@@ -51,6 +56,16 @@ from .deadline import Deadline
 from .distributed import WORLD_CHANGE_NOTE, DistContext, NullHistory
 from .hyperparams import SIDES, HyperparameterWarning, reconcile, script_values
 from .hyperparams import message as hyperparameter_message
+from .nodes import (
+    Heartbeat,
+    NodeLayout,
+    NodePipeline,
+    NodeStore,
+    mark_node_local,
+    once_node_local,
+    one_node,
+)
+from .nodes import detect as detect_nodes
 from .resuming import OtherModeWarning, Resumer
 from .run_files import METRICS_NAME, GenerationMetrics, local_run_dir
 from .saving import CollectivePipeline, LocalPipeline, RankZeroPipeline, SaveHooks
@@ -246,6 +261,21 @@ class Checkpointer:
         self.mode = "single" if self.dist is None else "fsdp2" if self.dist.sharded else "ddp"
         shards: ShardedWriter | None = None  # FSDP2, asynchronous: every rank's background DCP writes
         choose_writer(self.mode, state, format)  # a refused format fails here, on every rank, before any lock
+        #: The nodes of a multi-node run (None on one node); node-local folders: docs/DISTRIBUTED.md
+        self.layout: NodeLayout | None = None if self.dist is None else detect_nodes(self.dist, self.run_dir)
+        if self.layout is None and self.dist is not None and mirror is not None and once_node_local(self.run_dir):
+            self.layout = one_node(self.dist)  # a node-local run resumed on one node: its store stays the truth
+        self.node_local = self.layout is not None and not self.layout.shared
+        self.node_store: NodeStore | None = None
+        self.heartbeat: Heartbeat | None = None
+        if self.node_local and (mirror is None or self.steering is not None):
+            raise BadInput("the nodes of this run do not share the run folder, and no store joins them",
+                           file=self.run_dir, expected="a mirror (the object store every node reaches)",
+                           found="node-local run folders without --mirror",
+                           hint="pass mirror='s3://bucket/run' (ripresa train --mirror URL); docs/DISTRIBUTED.md")
+        leader = self.layout.is_leader if self.node_local and self.layout is not None else False
+        if self.node_local and self.mode == "fsdp2":
+            asynchronous = False  # committed in the store at the save (docs/DISTRIBUTED.md, "What a save costs")
         if self.dist is None:
             self.store = CheckpointStore(self.run_dir, retention=retention)
             self.store.save_options = save_options
@@ -255,20 +285,29 @@ class Checkpointer:
         else:
             # Rank 0 creates the folder and takes the lock; the others wait, then read only.
             self.dist.barrier()
-            if self.dist.is_main:
+            if self.dist.is_main or leader:  # node-local folders: each node's first rank holds its node's folder
                 self.store = CheckpointStore(self.run_dir, retention=retention)
                 self.store.save_options = save_options
                 self._open_backends()
                 self.backend.clean()  # what interrupted saves of the kind it writes left
-                self.history = History(self.run_dir / HISTORY_NAME)
+                self.history = History(self.run_dir / HISTORY_NAME) if self.dist.is_main else NullHistory()  # type: ignore[assignment]
             self.dist.barrier()
-            if not self.dist.is_main:
+            if not (self.dist.is_main or leader):
                 self.store = CheckpointStore(self.run_dir, writer=False)
                 self._open_backends()
                 self.history = NullHistory()  # type: ignore[assignment]
+            if self.layout is not None:
+                self.heartbeat = Heartbeat(self.layout, self.dist.rank)
+            if self.node_local:
+                if leader:
+                    mark_node_local(self.run_dir, self.layout)
+                url = getattr(mirror, "url", None) or os.fspath(mirror)
+                self.node_store = NodeStore(url, self.layout, self.dist, event=self.history.event)
+                self.store.node_part = self.mode == "fsdp2"
+                self.store.fetch = self.node_store.fetch
             if asynchronous and self.mode == "fsdp2":
                 shards = ShardedWriter(self.dist)  # a collective: built here, in the same order on every rank
-            asynchronous = asynchronous and self.dist.is_main
+            asynchronous = asynchronous and (self.dist.is_main or leader)
         asynchronous = asynchronous and self.backend.background
         self.resumer = Resumer(store=self.store, backends=self.backends, ignored=self._ignored, state=state,
                                allow=self.allow, dist=self.dist, history=self.history, run_dir=self.run_dir,
@@ -293,6 +332,9 @@ class Checkpointer:
                 raise
             self.store.pinned = self.mirror.pinned  # local retention keeps what the mirror still lacks
             self.mirror.metrics = self.store.step_metrics  # a KeepBest policy keeps the same best ones remotely
+            if self.node_store is not None and self.mode == "fsdp2":
+                self.mirror.generations = False  # the nodes commit each generation in the store themselves
+                self.node_store.keep = self.mirror.policy
         if self.history.repaired_torn_line:
             self.history.event("torn_line_terminated")
         previous = newest_kind(self.backends)
@@ -329,8 +371,13 @@ class Checkpointer:
         args = (self.backend, self.state, lambda: self.progress, self.writer, hooks, self.save_stalls, self.run_dir)
         if self.dist is None:
             return LocalPipeline(*args)
+        if self.node_store is not None and self.backend.collective:
+            return NodePipeline(*args, self.dist, None, nodes=self.node_store)
         if not self.backend.collective:
-            return RankZeroPipeline(*args, self.dist, shards)
+            pipe = RankZeroPipeline(*args, self.dist, shards)
+            if self.node_local and self.layout is not None:  # DDP: every node keeps a whole copy of its own
+                pipe.main, pipe.replicas = self.layout.is_leader, True
+            return pipe
         return (CollectivePipeline if shards is None else AsyncCollectivePipeline)(*args, self.dist, shards)
 
     # ------------------------------------------------------------------ start
@@ -352,13 +399,24 @@ class Checkpointer:
         return self._resume(from_path, restore_rng)
 
     def _resume(self, from_path: str | Path | None, restore_rng: bool) -> int:
+        landed = False
+        if self.node_store is not None and from_path is None and not self._fresh:
+            # FSDP2: every node holds its part of the store's newest generation; DDP: every node a whole copy
+            from_path = self._land_from_store() if self.mode == "fsdp2" else self._land_replica()
+            landed = from_path is not None
+            self.resumer.reroot = True
         if self.mirror is not None:
-            if from_path is None and not self._fresh and not has_local_generation(self.run_dir):  # a new machine
+            if self.node_store is not None:
+                pass  # generations come from the nodes' folders and the store above; the mirror keeps the run's files
+            elif from_path is None and not self._fresh and not has_local_generation(self.run_dir):  # a new machine
                 pull_run(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
                      event=self.history.event, spec=self.mirror.spec)
             self.mirror.start()
         before = script_values(self.state.optimizer, self.state.scheduler)  # the script's, before the restore
         gen, restored = self.resumer.take(from_path, restore_rng)
+        if landed:
+            from_path = None  # the newest committed generation, as a resume without a path would take it
+            self._report_pulled(gen)
         if gen is not None and restored is not None:
             self._hyperparameters(gen, before)
         if gen is None or restored is None:
@@ -368,6 +426,102 @@ class Checkpointer:
             self._write_config()
             return 0
         return self._resumed(gen, restored, from_path, restore_rng, world_size=1 if self.dist is None else self.dist.world_size)
+
+    def _land_from_store(self) -> Path | None:
+        """Node-local folders: rank 0 names the store's newest committed generation, every node's leader lands
+        its marker, companion and ``.metadata`` in its folder (docs/DISTRIBUTED.md, "Resuming on any nodes")."""
+        d, ns, layout = self.dist, self.node_store, self.layout
+        assert d is not None and ns is not None and layout is not None
+        choice, error = None, None
+        if d.is_main:
+            try:
+                choice = ns.newest(self.backend.names.parse)
+            except RipresaError as exc:
+                error = exc.message
+        choice, error = d.broadcast((choice, error))
+        if error is not None:
+            raise BadInput(f"rank 0 could not list the store: {error}", file=ns.url,
+                           hint="the store must be reachable to resume a run on node-local folders")
+        if choice is None:
+            return None
+        step, main, marker, sig, sizes = choice
+        failed = None
+        if layout.is_leader:
+            try:
+                hashes = {k.split("/", 1)[1]: sha for sha, k in generation_files(main, marker, where=f"{ns.url}/{main}.sha256")}
+                ns.land(self.run_dir, main, marker, sig, hashes, sizes, always=self.backend.part_common)
+            except (RipresaError, OSError) as exc:
+                failed = f"node {layout.node}: {getattr(exc, 'message', None) or exc}"
+        errors = [e for e in self.dist.all_gather(failed) if e]
+        if errors:
+            raise IntegrityError(f"the store's generation {main} could not be landed on every node",
+                                 file=ns.url, found="; ".join(errors)[:600],
+                                 hint="an older generation is not tried on its own: check the store with ripresa inspect URL")
+        return self.run_dir / main
+
+    def _land_replica(self) -> Path | None:
+        """DDP on node-local folders: the newest step every node holds or the store holds committed; a node
+        without it pulls it whole from the store (docs/DISTRIBUTED.md, "Resuming on any nodes")."""
+        d, ns, layout = self.dist, self.node_store, self.layout
+        assert d is not None and ns is not None and layout is not None
+        local: dict[int, str] = {}
+        if layout.is_leader:
+            for b in self.backends:
+                for g in b.generations():
+                    if g.valid:
+                        local.setdefault(g.step, g.path.name)
+        every = d.all_gather(sorted(local) if layout.is_leader else None)
+        held, error = None, None
+        if d.is_main:
+            try:
+                listing = ns.listing()
+                held = sorted({step for b in self.backends for step, _ in newest_committed(listing, b.names.parse)})
+            except RipresaError as exc:
+                error = exc.message
+        held, error = d.broadcast((held, error))
+        if error is not None:
+            raise BadInput(f"rank 0 could not list the store: {error}", file=ns.url,
+                           hint="the store must be reachable to resume a run on node-local folders")
+        steps = [set(x) for x in every if x is not None]
+        candidates = set(held or ()) | (set.intersection(*steps) if steps else set())
+        if not candidates:
+            return None
+        step = max(candidates)
+        failed = None
+        if layout.is_leader and step not in local:
+            try:
+                gen = pull_run(ns.remote, self.run_dir, self.store, step=step, kinds=[b.kind for b in self.backends],
+                               event=self.history.event)
+                if gen is None:
+                    raise IntegrityError(f"the store holds no verified generation of step {step}", file=ns.url)
+                local[step] = gen.path.name
+                ns.pulled_bytes += gen.size or 0
+                ns.pulled_objects += len(gen.files)
+            except (RipresaError, OSError) as exc:
+                failed = f"node {layout.node}: {getattr(exc, 'message', None) or exc}"
+        errors = [e for e in d.all_gather(failed) if e]
+        if errors:
+            raise IntegrityError(f"step {step} could not be landed on every node", file=ns.url,
+                                 found="; ".join(errors)[:600], hint="check the store with ripresa inspect URL")
+        return self.run_dir / d.broadcast(local.get(step))
+
+    def _report_pulled(self, gen: Generation | None) -> None:
+        """Every rank's pulled bytes, summed per node: one history event and one line on rank 0."""
+        assert self.dist is not None and self.node_store is not None and self.layout is not None
+        mine = (self.layout.node, self.node_store.pulled_bytes, self.node_store.pulled_objects)
+        per_node: dict[int, list[int]] = {}
+        for node, n, k in self.dist.all_gather(mine):
+            acc = per_node.setdefault(node, [0, 0])
+            acc[0] += n
+            acc[1] += k
+        if gen is None:
+            return
+        nodes = {str(i): {"bytes": v[0], "objects": v[1]} for i, v in sorted(per_node.items())}
+        self.history.event("nodes_pulled", step=gen.step, file=gen.path.name, nodes=nodes)
+        if self.dist.is_main:
+            text = ", ".join(f"node {i} pulled {size_text(v[0])} ({v[1]} objects)" for i, v in sorted(per_node.items()))
+            sys.stderr.write(console.one_line(f"ripresa: resumed {gen.path.name} from the store: {text}") + "\n")
+            sys.stderr.flush()
 
     def _hyperparameters(self, gen: Generation, before: Any) -> None:
         """The script's optimizer hyper-parameters against the restored ones: which side wins, never silently."""

@@ -287,5 +287,13 @@ class DistContext:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on every rank (a list indexed by rank; pickled, small objects only)."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def describe(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "backend": self.backend, "shard": "fsdp" if self.sharded else "ddp"}

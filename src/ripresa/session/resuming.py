@@ -44,6 +44,8 @@ class Resumer:
         self.dist, self.history, self.run_dir, self.mode, self.format = dist, history, run_dir, mode, format
         self.backend = backends[0]
         self._skipped_committed: list[str] = []  # committed generations that failed a check (not uncommitted leftovers)
+        #: Node-local folders (docs/DISTRIBUTED.md): rank 0's choice names its own folder; each rank reads its node's.
+        self.reroot = False
 
     def take(self, from_path: str | Path | None, restore_rng: bool) -> tuple[Generation | None, Any]:
         """Choose the generation and restore it into the live state: ``(generation, Restored)``, or ``(None, None)``."""
@@ -86,6 +88,10 @@ class Resumer:
             raise BadInput(f"rank 0 could not choose a generation to resume: {error}", file=self.run_dir)
         if choice is None:
             return None, None
+        if self.reroot:
+            from .nodes import reroot
+
+            choice = reroot(choice, self.run_dir)
         return choice, self._restore(choice, restore_rng, wrap=False)
 
     def _backend_of(self, gen: Generation) -> StorageBackend:

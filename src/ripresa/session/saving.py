@@ -202,7 +202,9 @@ class RankZeroPipeline(LocalPipeline):
                  dist: DistContext, shards: Any = None) -> None:
         super().__init__(backend, state, progress, writer, hooks, stalls, run_dir)
         self.dist = dist
-        self.main = dist.is_main
+        self.main = dist.is_main  # this rank writes the generation (rank 0; every node's leader on node-local folders)
+        #: every node's leader writes a whole copy into its own folder (DDP on node-local folders, docs/DISTRIBUTED.md)
+        self.replicas = False
         self.shards = shards  # FSDP2, asynchronous: every rank's background DCP writes (a sharded_async.ShardedWriter)
         self.captured: int | None = None  # the step whose state every rank handed over last
         self.deferred: SaveFailed | None = None  # a stop-save failure, raised on every rank by finish()
@@ -220,9 +222,9 @@ class RankZeroPipeline(LocalPipeline):
         t0 = time.perf_counter()
         entry = self.rank_entry()
         fault_point("before_gather", step, d.rank)
-        entries = d.gather(entry)  # every rank has handed over its part once this returns on rank 0
+        entries = d.all_gather(entry) if self.replicas else d.gather(entry)  # every rank has handed over its part
         self.captured = step
-        extra = {"distributed": {**d.describe(), "ranks": entries}} if d.is_main else None
+        extra = {"distributed": {**d.describe(), "ranks": entries}} if self.main else None
         return self.write(step, reason, must_succeed, extra, t0)
 
     def staged_on_loop(self, step: int) -> None:
@@ -242,7 +244,7 @@ class RankZeroPipeline(LocalPipeline):
 
     def write(self, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None, t0: float) -> bool:
         """Rank 0 commits the whole state with every rank's entry; the other ranks are done."""
-        if not self.dist.is_main:
+        if not self.main:
             return True
         try:
             self.submit(step, reason, must_succeed, t0, extra)
@@ -261,19 +263,23 @@ class RankZeroPipeline(LocalPipeline):
         err: SaveFailed | None = None
         if self.shards is not None:
             self.shards.wait()  # this rank's write; a failure anywhere fails rank 0's commit, broadcast below
-        if d.is_main:
+        if self.main:
             err, self.deferred = self.deferred, None
             if err is None:
                 try:
                     self.collect(block=True, must_succeed=True)
                 except SaveFailed as exc:
                     err = exc
-        msg = d.broadcast(None if err is None else err.message)
+        if self.replicas:
+            msgs = [m for m in d.all_gather(None if err is None else err.message) if m]
+            msg = "; ".join(msgs)[:600] or None
+        else:
+            msg = d.broadcast(None if err is None else err.message)
         if err is not None:
             raise err
         if msg is not None:
             raise SaveFailed(f"rank 0 could not commit the checkpoint: {msg}", hint="the previous generation is intact")
-        return self.last_gen if d.is_main else None
+        return self.last_gen if self.main else None
 
     def close(self) -> None:
         if self.shards is not None:

@@ -85,13 +85,74 @@ class DcpBackend(BackendBase):
     background = True  # rank 0 commits in the background once every rank's shards are durable
     names = DCP_NAMES
 
+    @property
+    def node_part(self) -> bool:
+        """The folder holds one node's part of each generation (committed through the store,
+        docs/DISTRIBUTED.md): the run folder's ``node_part``, set by the session in that mode."""
+        return bool(getattr(self.store, "node_part", False))
+
+    @property
+    def fetch(self) -> Callable[[Path, str, str, int | None], Any] | None:
+        """``fetch(folder, name, sha256, size)`` lands a file of a node's part that a load needs (the run folder's ``fetch``)."""
+        return getattr(self.store, "fetch", None)
+
     def steps_on_disk(self) -> list[int]:
         return dcp_fmt.dcp_steps_on_disk(self.folder)
 
     def check(self, step: int, *, deep: bool = False, folder: Path | None = None) -> Generation:
         return dcp_fmt.check_dcp(folder or self.folder, step, deep=deep,
                                 require_signature=self.store.require_signature or None,
-                                hmac_key=self.store.hmac_key if self.store.require_signature else None)
+                                hmac_key=self.store.hmac_key if self.store.require_signature else None,
+                                part=self.node_part)
+
+    # -- a node's part of a generation committed through the store (docs/DISTRIBUTED.md) -----------------
+    #: The files every node's part holds (the others: the shards of its own ranks, or fetched when read)
+    part_common = (COMPANION_NAME, ".metadata")
+
+    def part_files(self, step: int) -> tuple[Path, list[str]]:
+        """The files this node's ranks wrote for ``step`` (its partial folder): the node's part to upload."""
+        part = dcp_fmt.partial_path(self.folder, step)
+        names = sorted(e.name for e in os.scandir(part) if e.is_file(follow_symlinks=False) and e.name != COMPANION_NAME)
+        return part, names
+
+    def seal_part(self, step: int, state: TrainingState, progress: Progress, extra: dict[str, Any] | None, *,
+                  world_size: int, sizes: Mapping[str, int]) -> str:
+        """Rank 0: the companion, written into its partial folder, naming every node's files (``sizes``)."""
+        rest = rest_proxy(state).snapshot(progress, extra, include_parameters=False)
+        n = sum(p.numel() for p in state.model.parameters())
+        part = dcp_fmt.partial_path(self.folder, step)
+        if ".metadata" not in sizes:
+            raise SaveFailed("DCP wrote no .metadata", file=part, hint="the sharded save did not complete")
+        write_atomic(part / COMPANION_NAME, [dcp_fmt.encode_companion(step, world_size, n, dict(sizes), rest)])
+        ops.fsync_dir(part)
+        return COMPANION_NAME
+
+    def marker_of(self, step: int, hashes: Mapping[str, str]) -> tuple[str, bytes, tuple[str, bytes] | None]:
+        """The marker's name and bytes (and the signature's, with a key) for a generation of these files."""
+        final, marker = dcp_paths(self.folder, step)
+        lines = b"".join(sidecar_line(hashes[name], f"{final.name}/{name}") for name in sorted(hashes))
+        key = self.store.hmac_key
+        sig = None if key is None else (signature_path(self.folder, step).name,
+                                        auth.dcp_signature_line(key, step, final.name, dict(hashes)))
+        return marker.name, lines, sig
+
+    def land_part(self, step: int, marker: bytes, signature: bytes | None) -> None:
+        """Every node: its partial folder becomes ``step_NNNNNN.dcp`` (its part), the signature, the marker
+        last — the store's very marker, so the part reads as the generation with files absent."""
+        final, mk = dcp_paths(self.folder, step)
+        part = dcp_fmt.partial_path(self.folder, step)
+        if os.path.lexists(mk) or os.path.lexists(final):
+            delete_dcp(self.folder, step)
+            ops.fsync_dir(self.folder)
+        if part.is_dir():
+            ops.rename(part, final)
+        else:
+            final.mkdir()
+        ops.fsync_dir(final)
+        if signature is not None:
+            write_atomic(signature_path(self.folder, step), [signature])
+        write_atomic(mk, [marker])
+        ops.fsync_dir(self.folder)
 
     def at_path(self, path: Path) -> Generation:
         src = Path(path)
@@ -118,7 +179,9 @@ class DcpBackend(BackendBase):
         def load_weights(model: Any, optimizer: Any, saved: Mapping[str, Any], sharded: bool) -> None:
             # exactly the bytes the check verified: every file re-read into memory and re-hashed against the
             # marker hashes the check found (signed under require-signature), never re-opened by DCP
-            dcp.load_shards(model, optimizer, gen.path, files=gen.files, sizes=doc["files"], no_dist=not sharded)
+            fetch = None if self.fetch is None else (lambda name, sha, size, f=self.fetch, p=gen.path: f(p, name, sha, size))
+            dcp.load_shards(model, optimizer, gen.path, files=gen.files, sizes=doc["files"], no_dist=not sharded,
+                            fetch=fetch)
 
         return Loaded(dcp.decode_state(doc, gen.path), False, load_weights, gen.companion, validated=True)
 

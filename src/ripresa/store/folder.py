@@ -109,6 +109,10 @@ class RunFolder:
         self.lock: RunLock | None = None
         #: steps retention must keep besides its policy (a mirror's pending uploads: docs/MIRROR.md), or None
         self.pinned: Callable[[Iterable[int]], Iterable[int]] | None = None
+        #: The folder holds one node's part of each sharded generation, committed through the store
+        #: (docs/DISTRIBUTED.md); ``fetch(folder, name, sha256, size)`` lands a file of a part that a load needs.
+        self.node_part = False
+        self.fetch: Callable[[Path, str, str, int | None], Any] | None = None
         #: The metrics recorded with each generation, for a metric retention policy (``KeepBest``): set by the
         #: ``Checkpointer``; None: none known.
         self.metrics: Callable[[], Mapping[int, Mapping[str, float]]] | None = None

@@ -70,8 +70,8 @@ def retrying(fn: Callable[[], Any], event: Callable[..., None] | None = None, wh
     return Retry.of(spec).call(fn, what=what, event=event)
 
 
-def _fetch(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, event: Callable[..., None],
-           spec: MirrorSpec) -> StagedFile:
+def fetch_staged(remote: ObjectStore, name: str, target: Path, limit: int, sha: str, event: Callable[..., None],
+                 spec: MirrorSpec) -> StagedFile:
     """Object ``name`` streamed into a temporary sibling of ``target`` (at most ``limit`` bytes), fsync'd,
     its sha256 compared with the marker's; the caller publishes it. A failed try starts a new temporary."""
 
@@ -128,7 +128,7 @@ def _land(remote: ObjectStore, view: RemoteView, run_dir: Path, main: str, step:
         for folder in folders:
             (stage / folder).mkdir()
         for sha, name in files:
-            sf = _fetch(remote, name, stage / name, view.objects[name], sha, event, spec)
+            sf = fetch_staged(remote, name, stage / name, view.objects[name], sha, event, spec)
             try:
                 sf.publish()
             finally:

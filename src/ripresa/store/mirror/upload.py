@@ -142,6 +142,9 @@ class Mirror(MirrorContract):
                  event: Callable[..., None] | None = None, store: ObjectStore | None = None) -> None:
         self.spec = spec
         self.run_dir = Path(run_dir)
+        #: False on a run whose generations are committed in the store by the nodes themselves
+        #: (docs/DISTRIBUTED.md): the thread then keeps only the run's own files (history, config) in the store.
+        self.generations = True
         self.store = store if store is not None else MirrorTarget(open_store(spec.url, timeout=spec.timeout), explicit=True)
         self.policy = spec.keep if spec.keep is not None else default_remote_policy(local_retention)
         #: The metrics recorded with each generation (a ``KeepBest`` policy): the Checkpointer sets it.
@@ -203,6 +206,8 @@ class Mirror(MirrorContract):
 
     def pinned(self, valid: Iterable[int]) -> set[int]:
         """The steps of ``valid`` local retention must keep: pending, or not planned yet."""
+        if not self.generations:
+            return set()
         with self._lock:
             return {s for s in valid if s in self._pending or s > self._horizon}
 
@@ -455,21 +460,22 @@ class Mirror(MirrorContract):
         retention, then the run's own files (:meth:`_push_run`). True when nothing is left pending. Also what ``ripresa mirror push`` runs."""
         failed_before = self._failed_requests
         uploaded_before = len(self.uploaded)
-        local = local_generations(self.run_dir)
+        local = local_generations(self.run_dir) if self.generations else {}
         if self._remote is not None or not self.deep:  # (a deep plan hashes: only against the store's listing)
             self.plan(local)
         try:
             if self._remote is None:
                 self._remote = RemoteView(self._retry(None, "listing", self.store.list))
-                self._clean_half()
+                if self.generations:
+                    self._clean_half()
                 self.plan(local)
             self._push_config()
             for step, main in self._order():
                 self.upload(main, step)
                 self._apply_remote_retention()
             pending = set(self.pending)
-            for main, step in self._remote.half.items():  # our own cut-short uploads of what is no longer pending
-                if step not in pending:
+            for main, step in self._remote.half.items() if self.generations else ():
+                if step not in pending:  # our own cut-short uploads of what is no longer pending
                     self._delete_group(main)
             self._push_run()
         except RemoteUnavailable as exc:
@@ -478,7 +484,7 @@ class Mirror(MirrorContract):
         self._last_error = None
         if self._outage is not None:
             self._recovered()
-        self.plan(local_generations(self.run_dir))
+        self.plan(local_generations(self.run_dir) if self.generations else {})
         return not self._pending
 
     def _outage_started(self, exc: RemoteUnavailable, failed_before: int, uploaded_before: int) -> None:

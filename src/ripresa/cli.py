@@ -766,6 +766,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `ripresa inspect ... | head`
         return 2
     except (Exception, RecursionError, MemoryError) as exc:  # noqa: BLE001 - the last resort, see _unexpected
+        from .console import translated
+
+        meant = translated(exc)  # a collective that failed because a node is gone: NodeLost (docs/DISTRIBUTED.md)
+        if isinstance(meant, RipresaError):
+            print(f"ripresa {command}: error: {meant}", file=sys.stderr)
+            return meant.exit_code
         return _unexpected(command, exc)
 
 

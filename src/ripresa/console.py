@@ -11,6 +11,7 @@ Like :mod:`ripresa.text`, this module imports nothing of ripresa's layers, and r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -148,10 +149,29 @@ def script_error(exc: BaseException, script: str | None = None) -> str:
             f"  raised:   ripresa.errors.{type(exc).__name__}, exit {code} (RIPRESA_DEBUG=1: the traceback)\n")
 
 
+#: Functions that turn an exception no check anticipated into the ripresa error it means (None: not theirs);
+#: a multi-node session registers one: a collective that failed because a node is gone is ``NodeLost``.
+TRANSLATORS: list[Callable[[BaseException], BaseException | None]] = []
+
+
+def translated(exc: BaseException) -> BaseException:
+    """``exc`` as the first of :data:`TRANSLATORS` that claims it reads it, else ``exc``."""
+    for t in list(TRANSLATORS):
+        try:
+            new = t(exc)
+        except Exception:  # noqa: BLE001 - a translator never hides the original failure
+            new = None
+        if new is not None:
+            return new
+    return exc
+
+
 def _script_excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-    from .errors import RipresaError
+    from .errors import NodeLost, RipresaError
 
     previous = _SCRIPT_HOOKS.get("excepthook") or sys.__excepthook__
+    if not isinstance(exc, RipresaError) and os.environ.get("RIPRESA_DEBUG") != "1":
+        exc = translated(exc)
     if not isinstance(exc, RipresaError) or os.environ.get("RIPRESA_DEBUG") == "1":
         previous(exc_type, exc, tb)
         return
@@ -160,6 +180,10 @@ def _script_excepthook(exc_type: type[BaseException], exc: BaseException, tb: An
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):
         pass
+    if isinstance(exc, NodeLost):  # a process group whose peer is gone can hang or abort in finalization
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(exc.exit_code)
     raise SystemExit(exc.exit_code)  # from an excepthook: the interpreter exits with it (atexit still runs)
 
 

@@ -61,7 +61,9 @@ from .nodes import (
     NodeLayout,
     NodePipeline,
     NodeStore,
+    is_collective_failure,
     mark_node_local,
+    node_lost_error,
     once_node_local,
     one_node,
 )
@@ -72,7 +74,7 @@ from .saving import CollectivePipeline, LocalPipeline, RankZeroPipeline, SaveHoo
 from .sharded_async import AsyncCollectivePipeline, ShardedWriter
 from .signals import SignalRequests, hold
 from .steer import DistSteeredRecorder, SteeredRecorder, steer_session
-from .torchrun import bind_to_launcher
+from .torchrun import bind_to_agent, bind_to_launcher
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "HyperparameterWarning", "OtherModeWarning", "rank_view", "METRICS_NAME", "local_run_dir"]
 
@@ -297,7 +299,9 @@ class Checkpointer:
                 self._open_backends()
                 self.history = NullHistory()  # type: ignore[assignment]
             if self.layout is not None:
+                bind_to_agent()  # a lost node's ranks die with its launcher; the survivors learn it at once
                 self.heartbeat = Heartbeat(self.layout, self.dist.rank)
+                console.TRANSLATORS.append(self._node_lost)
             if self.node_local:
                 if leader:
                     mark_node_local(self.run_dir, self.layout)
@@ -458,6 +462,12 @@ class Checkpointer:
                                  file=ns.url, found="; ".join(errors)[:600],
                                  hint="an older generation is not tried on its own: check the store with ripresa inspect URL")
         return self.run_dir / main
+
+    def _node_lost(self, exc: BaseException) -> BaseException | None:
+        """A failed collective of a multi-node run as :class:`~ripresa.errors.NodeLost` (None: another failure)."""
+        if self.layout is None or self.dist is None or not is_collective_failure(exc):
+            return None
+        return node_lost_error(self.layout, self.heartbeat, self.dist.rank, exc)
 
     def _land_replica(self) -> Path | None:
         """DDP on node-local folders: the newest step every node holds or the store holds committed; a node

@@ -313,3 +313,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def bind_to_agent() -> bool:
+    """A rank of a multi-node run under plain ``torchrun``: die with the agent that started it.
+
+    torchrun starts each rank in a session of its own, so a SIGKILL of a node's launcher (a lost node, as
+    an operator or a scheduler ends it) used to leave its ranks training on, unsupervised: the survivors
+    never learned that the node was gone. The rank asks the kernel to SIGKILL it when its parent ends
+    (``PR_SET_PDEATHSIG``), but only when that parent is a torch elastic agent (``TORCHELASTIC_RUN_ID`` set,
+    the parent's command line names ``torch.distributed.run`` or ``torchrun``); a parent already gone
+    (re-parented before the call) stops the rank at once. True when bound (docs/DISTRIBUTED.md, "Losing a node").
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _death_signal() == int(signal.SIGKILL):
+        return False
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            cmd = f.read(4096)
+    except OSError:
+        return False
+    if b"torch.distributed.run" not in cmd and b"torchrun" not in cmd:
+        return False
+    try:
+        _libc().prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the agent ended before the binding took: this rank is an orphan already
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True

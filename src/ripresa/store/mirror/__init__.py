@@ -17,7 +17,16 @@ here knows a kind's files.
 
 from __future__ import annotations
 
-from .commands import cli_pull, cli_push, cli_status, prefetch, push_policy, resolve_url, status
+from .commands import (
+    cli_pull,
+    cli_push,
+    cli_status,
+    prefetch,
+    pull_generation,
+    push_policy,
+    resolve_url,
+    status,
+)
 from .contract import MirrorContract
 from .layout import (
     CONFIG_SIG,
@@ -39,5 +48,5 @@ from .upload import Mirror, open_mirror
 __all__ = ["CONFIG_SIG", "DEFAULT_CLOSE_TIMEOUT", "MIRROR_MARKER", "MIRROR_RECORD", "RUN_MANIFEST", "Mirror",
            "MirrorContract", "MirrorSpec", "MirrorTarget", "RemoteView", "RunManifest", "UploadPlan", "claim_target",
            "cli_pull", "cli_push", "cli_status", "has_local_generation", "local_generations", "main_of", "open_mirror",
-           "plan_upload", "prefetch", "pull_config", "pull_run", "push_policy", "record_url", "recorded",
+           "plan_upload", "prefetch", "pull_config", "pull_generation", "pull_run", "push_policy", "record_url", "recorded",
            "redacting", "resolve_url", "restore_run", "retrying", "status"]

@@ -189,6 +189,15 @@ def prefetch(run_dir: Path, url: Any) -> Generation | None:
     return gen
 
 
+def pull_generation(run_dir: Path, remote: ObjectStore, step: int | None = None) -> tuple[Generation | None, bool]:
+    """The newest (or ``step``'s) remote generation that verifies, landed in ``run_dir`` (created; its writer lock
+    held meanwhile) with the run's files and ``config.json``, a progress line on a terminal: the pull of
+    ``ripresa mirror pull`` for the tools that read a store (docs/MIRROR.md, "Tools on a generation that lives
+    only in the store"). Returns (the generation or None when the store holds no committed one, config pulled)."""
+    with _Metered(remote, "pull") as metered:
+        return _pull_into(Path(run_dir), metered, step)  # type: ignore[arg-type]
+
+
 def cli_status(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None) -> dict[str, Any]:
     """``ripresa mirror status``."""
     r = status(open_store(_resolve_url(run_dir, url)[0]), Path(run_dir), keep)

@@ -34,7 +34,7 @@ from ripresa.tools.from_store import TEMP_PREFIX
 
 pytest_plugins = ["support.s3fixtures"]  # the fixtures moto, s3
 
-LINE = re.compile(r"^(inspecting|exporting) step (\d+) from (\S+) \(pulled [\d.]+ (?:bytes|KiB|MiB), (\d+) objects\)$")
+LINE = re.compile(r"^(inspecting|exporting|converting) step (\d+) from (\S+) \(pulled [\d.]+ (?:bytes|KiB|MiB), (\d+) objects\)$")
 LOOP = Path(__file__).resolve().parent / "fixtures" / "fsdp_loop.py"
 
 
@@ -127,6 +127,18 @@ def test_a_step_the_store_lacks_and_step_without_a_url_are_bad_input(store, tmp_
     (tmp_path / "run").mkdir()
     assert cli_main(["inspect", str(tmp_path / "run"), "--step", "3"]) == 2
     assert "--step needs a store URL" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path / "run"), str(tmp_path / "w.safetensors"), "--step", "3"]) == 2
+    assert "--step needs a store URL" in capsys.readouterr().err
+
+
+def test_require_signature_refuses_an_unsigned_store(store, capsys, monkeypatch):
+    from ripresa.io import auth
+
+    monkeypatch.setenv(auth.ENV_KEY, "0123456789abcdef0123456789abcdef")
+    monkeypatch.setenv(auth.ENV_REQUIRE, "0")  # recorded: the command sets it to 1, the teardown removes it
+    assert cli_main(["inspect", f"file://{store}", "--require-signature"]) == 1
+    err = capsys.readouterr().err
+    assert "not signed, and signatures are required" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------------------------- hostile stores
@@ -323,3 +335,25 @@ def test_export_from_s3_in_a_fresh_process(store, tmp_path, s3, private_tmp):
     m = LINE.match(res.stdout.splitlines()[0])
     assert m and m.group(2) == "6" and m.group(3) == s3.url
     assert json.loads((tmp_path / "bundle" / "export.json").read_text())["source_run"] == s3.url
+
+
+@pytest.mark.slow
+def test_convert_and_export_a_bin_generation_of_ripresa_train_from_a_store(tmp_path, capsys):
+    """The bundled trainer's .bin generations, only in a folder store: `convert URL --step 2` and `export URL`
+    (reloaded through the model factory, forward pass) work on the pulled generation and name the store."""
+    url = f"file://{tmp_path / 'store'}"
+    res = subprocess.run([sys.executable, "-m", "ripresa", "train", "--run", str(tmp_path / "run"), "--config", "tiny",
+                          "--steps", "4", "--every", "2", "--quiet", "--threads", "1", "--no-audit", "--mirror", url],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    shutil.rmtree(tmp_path / "run")
+    assert cli_main(["convert", url, str(tmp_path / "w.safetensors"), "--step", "2", "--json"]) == 0
+    cap = capsys.readouterr()
+    r = json.loads(cap.out)
+    assert r["step"] == 2 and r["source"] == f"{url}/step_000002.bin" and r["verified"]
+    assert LINE.match(cap.err.strip().splitlines()[-1]).group(1) == "converting"
+    assert cli_main(["export", url, "--to", str(tmp_path / "bundle"), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["step"] == 4 and r["run"] == url and r["store"]["step"] == 4
+    assert r["verification"]["reload"]["forward"] == "ok"
+    assert json.loads((tmp_path / "bundle" / "export.json").read_text())["source_run"] == url

@@ -523,17 +523,29 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "DEST must not exist. Missing state is never invented: a plain .bin or safetensors converts only to formats "
         "that hold no more. Exit 0 verified, 1 the re-read differs, 2 bad input.",
     )
-    p.add_argument("src", type=Path, help="the checkpoint to convert")
+    p.add_argument("src", help="the checkpoint to convert, or a store URL (s3://bucket/prefix, file:///path): its "
+                   "generation pulled verified into a temporary folder first (docs/MIRROR.md, \"Tools on a "
+                   "generation that lives only in the store\")")
     p.add_argument("dest", type=Path, help="the new checkpoint (its name gives the format)")
+    p.add_argument("--step", type=int, help="with a store URL: this generation (default: the newest that verifies)")
     p.add_argument("--config", help="the model, for a source without a config: tiny | andrea-12m | andrea-120m | FILE.toml")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .engine.gpt.factory import GPT_FACTORY
+    from .tools import from_store
     from .tools.convert import convert
 
-    r = convert(args.src, args.dest, model_factory=GPT_FACTORY, config=args.config)
+    if from_store.is_store_url(args.src):  # a generation that lives only in the store (docs/MIRROR.md)
+        with from_store.pulled(args.src, args.step) as got:
+            print(got.line("converting"), file=sys.stderr if args.json else sys.stdout)
+            r = got.relabel(convert(got.path, args.dest, model_factory=GPT_FACTORY, config=args.config))
+    elif args.step is not None:
+        raise BadInput("--step needs a store URL", found=f"--step {args.step} with {args.src}",
+                       hint="name the generation itself: ripresa convert RUN/step_NNNNNN.* DEST")
+    else:
+        r = convert(from_store.local_path(args.src, "SRC"), args.dest, model_factory=GPT_FACTORY, config=args.config)
     if args.json:
         import json
 

@@ -131,6 +131,14 @@ def test_a_step_the_store_lacks_and_step_without_a_url_are_bad_input(store, tmp_
     assert "--step needs a store URL" in capsys.readouterr().err
 
 
+def test_a_full_tmpdir_is_exit_2_naming_tmpdir(store, tmp_path, capsys, monkeypatch):
+    full = shutil.disk_usage(tmp_path)._replace(free=1000)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: full)  # the pull's own check of the space it needs
+    assert cli_main(["inspect", f"file://{store}"]) == 2
+    err = capsys.readouterr().err
+    assert "not enough disk space to pull" in err and "set TMPDIR" in err and "Traceback" not in err
+
+
 def test_require_signature_refuses_an_unsigned_store(store, capsys, monkeypatch):
     from ripresa.io import auth
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, CheckFailed
+from ..errors import BadInput, CheckFailed, SaveFailed
 from ..io.objstore import open_store
 from ..io.redact import redact, redact_url
 from ..store import mirror
@@ -74,7 +74,7 @@ class Pulled:
         what a report names is where the bytes live, not a folder removed when the command ends."""
         prefix = str(self.run)
         if isinstance(value, str):
-            return self.url + value[len(prefix):] if value.startswith(prefix) else value
+            return value.replace(prefix, self.url)  # a path, or a message quoting one
         if isinstance(value, dict):
             return {k: self.relabel(v) for k, v in value.items()}
         if isinstance(value, list):
@@ -157,7 +157,14 @@ def pulled(url: str, step: int | None = None) -> Iterator[Pulled]:
     with _term_unwinds():
         run = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))  # mode 0700: this user's alone
         try:
-            gen, config = mirror.pull_generation(run, remote, step)  # type: ignore[arg-type]
+            try:
+                gen, config = mirror.pull_generation(run, remote, step)  # type: ignore[arg-type]
+            except SaveFailed as exc:  # not enough space under $TMPDIR: say where more space is asked for
+                if "disk space" not in exc.message:
+                    raise
+                raise SaveFailed(exc.message, file=exc.file, expected=exc.expected, found=exc.found,
+                                 hint=f"the generation is pulled under $TMPDIR ({run.parent}); set TMPDIR to a folder "
+                                 "on a disk with room for it") from None
             if gen is None:
                 raise CheckFailed("the store holds no committed generation", file=shown,
                                   expected="at least one marker object (step_NNNNNN.*.sha256)", found="none",

@@ -115,9 +115,11 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         help="show what a .bin, .safetensors, checkpoint.pt or run folder holds, and whether it is valid",
         description="Inspect an ANDREA .bin (header, size, sidecar, companion, statistics of weights/m/v), "
         "a checkpoint.pt (hash, schema, progress, versions, identities, tensor statistics) or a run folder "
-        "(generations, which one a resume uses, LOCK holder, leftover temporaries). Read-only. "
+        "(generations, which one a resume uses, LOCK holder, leftover temporaries); a store URL's (s3://, file://) "
+        "newest committed generation or --step N's, pulled verified into a temporary folder. Read-only. "
         "Exit 0 valid (a run folder: a resume finds a valid generation), 1 a check failed, 2 bad input.",
-        usage="ripresa inspect PATH|URL [--step N] [--json] [--check-finite] [--deep | --no-deep]",
+        usage="ripresa inspect PATH|URL [--step N] [--json] [--check-finite]\n"
+        "                       [--deep | --no-deep] [--require-signature]",
     )
     p.add_argument("path", help="a .bin, a .safetensors, a checkpoint.pt, a step_NNNNNN.dcp folder or a run folder "
                    "(docs/INSPECT.md); or a store URL, s3://bucket/prefix or file:///path: its newest committed "

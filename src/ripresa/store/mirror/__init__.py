@@ -4,7 +4,8 @@ This package's front door holds the names the other layers use (the session, the
 nothing outside it imports its modules. What each module holds (docs/ARCHITECTURE.md, "Storage backends"):
 
 - :mod:`~ripresa.store.mirror.contract`: what a mirror does, in one :class:`MirrorContract`;
-- :mod:`~ripresa.store.mirror.commands`: ``ripresa mirror status|push|pull`` and :func:`prefetch`;
+- :mod:`~ripresa.store.mirror.commands`: ``ripresa mirror status|push|pull``, :func:`prefetch` and
+  :func:`pull_generation` (the tools that read a store: ``ripresa inspect URL``, ``export URL``);
 - :mod:`~ripresa.store.mirror.upload`: the upload thread (:class:`Mirror`, :func:`open_mirror`);
 - :mod:`~ripresa.store.mirror.pull`: the pull and the restore of the run's own files;
 - :mod:`~ripresa.store.mirror.plan`: the one upload plan of ``status``, ``push`` and the thread;

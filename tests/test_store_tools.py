@@ -186,6 +186,29 @@ def test_a_hostile_newest_generation_is_refused_and_the_older_one_inspected(stor
     assert not os.path.exists("/etc/passwd.partial")
 
 
+def test_refusals_in_the_store_s_history_are_not_this_pull_s(store, tmp_path, capsys):
+    """The run's history in the store holds an old `mirror_refused` event (a past session's pull): only this
+    pull's refusals are warned about."""
+    import warnings
+
+    from ripresa.store.commit import CheckpointWarning
+
+    old = copy_store(store, tmp_path)
+    man = json.loads((old / "run.json").read_bytes())
+    end = man["history"][-1][2]
+    line = json.dumps({"event": "mirror_refused", "step": 9, "file": "step_000009.safetensors",
+                       "reason": "an old refusal", "url": "file:///elsewhere"}).encode() + b"\n"
+    key = f"history/{end:012d}-{end + len(line):012d}.jsonl"
+    (old / key).write_bytes(line)
+    man["history"].append([key, end, end + len(line), hashlib.sha256(line).hexdigest()])
+    (old / "run.json").write_bytes(json.dumps(man).encode())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert cli_main(["inspect", f"file://{old}", "--no-deep"]) == 0
+    assert LINE.match(capsys.readouterr().out.splitlines()[0]).group(2) == "6"
+    assert not [w for w in seen if issubclass(w.category, CheckpointWarning)], [str(w.message) for w in seen]
+
+
 def test_a_store_whose_every_generation_is_hostile_fails_with_exit_1(store, tmp_path, capsys):
     bad = copy_store(store, tmp_path)
     _flip(bad / "step_000006.safetensors")

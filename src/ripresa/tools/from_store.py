@@ -127,15 +127,12 @@ def _term_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, before)
 
 
-def _warn_refused(run: Path, url: str, step: int) -> None:
-    """A :class:`~ripresa.store.commit.CheckpointWarning` for each newer generation the pull refused (the
-    ``mirror_refused`` events of the temporary run's history; the first ``console.MAX_LISTED``, then a count)."""
+def _warn_refused(refused: list[dict[str, Any]], url: str, step: int) -> None:
+    """A :class:`~ripresa.store.commit.CheckpointWarning` for each newer generation this pull refused (its
+    ``mirror_refused`` events; the first ``console.MAX_LISTED``, then a count)."""
     from ..console import capped_lines
     from ..store.commit import CheckpointWarning, not_used
-    from ..store.history import HISTORY_NAME, read_history
 
-    events = read_history(run / HISTORY_NAME).events
-    refused = [e for e in events if e.get("event") == "mirror_refused" and isinstance(e.get("step"), int)]
     for line in capped_lines(refused, lambda e: not_used("generation", e["step"], redact(e.get("reason")), url,
                                                          then=f"step {step} is used"), what="refused generations"):
         warnings.warn(line, CheckpointWarning, stacklevel=3)
@@ -154,11 +151,17 @@ def pulled(url: str, step: int | None = None) -> Iterator[Pulled]:
         raise BadInput("--step must be >= 0", found=step)
     shown = redact_url(url)
     remote = _Counting(open_store(url))  # a URL carrying credentials is refused here, redacted
+    refused: list[dict[str, Any]] = []
+
+    def seen(name: str, **kw: Any) -> None:  # this pull's refusals (never a restored history's old events)
+        if name == "mirror_refused" and isinstance(kw.get("step"), int):
+            refused.append(kw)
+
     with _term_unwinds():
         run = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))  # mode 0700: this user's alone
         try:
             try:
-                gen, config = mirror.pull_generation(run, remote, step)  # type: ignore[arg-type]
+                gen, config = mirror.pull_generation(run, remote, step, event=seen)  # type: ignore[arg-type]
             except SaveFailed as exc:  # not enough space under $TMPDIR: say where more space is asked for
                 if "disk space" not in exc.message:
                     raise
@@ -169,7 +172,7 @@ def pulled(url: str, step: int | None = None) -> Iterator[Pulled]:
                 raise CheckFailed("the store holds no committed generation", file=shown,
                                   expected="at least one marker object (step_NNNNNN.*.sha256)", found="none",
                                   hint="check the URL (`ripresa mirror status RUN --mirror URL` lists a store)")
-            _warn_refused(run, shown, gen.step)
+            _warn_refused(refused, shown, gen.step)
             yield Pulled(url=shown, step=gen.step, kind=gen.kind, path=gen.path, run=run, bytes=remote.bytes,
                          objects=remote.objects, config=config)
         finally:

@@ -115,11 +115,17 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         help="show what a .bin, .safetensors, checkpoint.pt or run folder holds, and whether it is valid",
         description="Inspect an ANDREA .bin (header, size, sidecar, companion, statistics of weights/m/v), "
         "a checkpoint.pt (hash, schema, progress, versions, identities, tensor statistics) or a run folder "
-        "(generations, which one a resume uses, LOCK holder, leftover temporaries). Read-only. "
+        "(generations, which one a resume uses, LOCK holder, leftover temporaries); a store URL's (s3://, file://) "
+        "newest committed generation or --step N's, pulled verified into a temporary folder. Read-only. "
         "Exit 0 valid (a run folder: a resume finds a valid generation), 1 a check failed, 2 bad input.",
-        usage="ripresa inspect PATH [--json] [--check-finite] [--deep | --no-deep]",
+        usage="ripresa inspect PATH|URL [--step N] [--json] [--check-finite]\n"
+        "                       [--deep | --no-deep] [--require-signature]",
     )
-    p.add_argument("path", type=Path, help="a .bin, a .safetensors, a checkpoint.pt, a step_NNNNNN.dcp folder or a run folder (docs/INSPECT.md)")
+    p.add_argument("path", help="a .bin, a .safetensors, a checkpoint.pt, a step_NNNNNN.dcp folder or a run folder "
+                   "(docs/INSPECT.md); or a store URL, s3://bucket/prefix or file:///path: its newest committed "
+                   "generation, pulled verified into a temporary folder (docs/MIRROR.md, \"Tools on a generation "
+                   "that lives only in the store\")")
+    p.add_argument("--step", type=int, help="with a store URL: this generation (default: the newest that verifies)")
     p.add_argument("--json", action="store_true", help="print one JSON document (keys: docs/INSPECT.md) instead of tables")
     p.add_argument("--check-finite", action="store_true", help="fail (exit 1) on NaN/Inf in weights, m, v or any floating tensor")
     p.add_argument(
@@ -134,6 +140,26 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .tools import from_store
+
+    if from_store.is_store_url(args.path):  # a generation that lives only in the store (docs/MIRROR.md)
+        if args.require_signature:
+            from .io.auth import require_from_cli
+
+            require_from_cli("ripresa inspect --require-signature")  # the pull refuses unsigned generations
+        with from_store.pulled(args.path, args.step) as got:
+            print(got.line("inspecting"), file=sys.stderr if args.json else sys.stdout)
+            args.path, args.require_signature = got.path, False
+            return _inspect_local(args, got)
+    if args.step is not None:
+        raise BadInput("--step needs a store URL", found=f"--step {args.step} with {args.path}",
+                       hint="ripresa inspect RUN/step_NNNNNN.* inspects one generation of a run folder")
+    args.path = from_store.local_path(args.path, "path")
+    return _inspect_local(args)
+
+
+def _inspect_local(args: argparse.Namespace, got: Any = None) -> int:
+    """``ripresa inspect`` on a local path (``got``: a generation pulled from a store, its paths shown as the URL)."""
     from .tools.inspect import error_report, inspect_path, render_report
 
     if args.require_signature:
@@ -150,6 +176,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             raise
         print(f"ripresa inspect: error: {exc}", file=sys.stderr)
         report = error_report(args.path, exc, check_finite=args.check_finite, deep=args.deep)
+    if got is not None:
+        report = {**got.relabel(report), "store": {"url": got.url, "step": got.step, "bytes": got.bytes,
+                                                   "objects": got.objects}}
     if args.json:
         import json
 
@@ -445,9 +474,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- export
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = _command(sub, "export", _cmd_export, help="a verified, self-describing bundle of a run (or --inference: weights only)")
-    p.add_argument("run", type=Path, nargs="?", help="run folder")
+    p.add_argument("run", nargs="?", help="run folder, or a store URL (s3://bucket/prefix, file:///path): its "
+                   "generation pulled verified into a temporary folder first (docs/MIRROR.md, \"Tools on a "
+                   "generation that lives only in the store\")")
     p.add_argument("--to", type=Path, help="destination folder (new or empty)")
-    p.add_argument("--step", type=int, help="generation to export (default: newest valid)")
+    p.add_argument("--step", type=int, help="generation to export (default: newest valid; of a store: the newest "
+                   "that verifies)")
     p.add_argument("--inference", action="store_true", help="weights only, as safetensors (not a resume checkpoint)")
     p.add_argument("--verify", type=Path, metavar="DEST", help="re-hash and reload an existing bundle instead")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -461,8 +493,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
         report = verify_export(args.verify, model_factory=GPT_FACTORY, show_progress=not args.json)
     else:
         if args.run is None or args.to is None:
-            raise BadInput("ripresa export needs RUN and --to DEST", expected="ripresa export RUN --to DEST [--step N] [--inference]")
-        report = export_run(args.run, args.to, model_factory=GPT_FACTORY, step=args.step, inference=args.inference, show_progress=not args.json)
+            raise BadInput("ripresa export needs RUN and --to DEST", expected="ripresa export RUN|URL --to DEST [--step N] [--inference]")
+        from .tools import from_store
+
+        if from_store.is_store_url(args.run):  # a generation that lives only in the store (docs/MIRROR.md)
+            with from_store.pulled(args.run, args.step) as got:
+                print(got.line("exporting"), file=sys.stderr if args.json else sys.stdout)
+                report = export_run(got.run, args.to, model_factory=GPT_FACTORY, step=got.step, inference=args.inference,
+                                    show_progress=not args.json, source_run=got.url)
+                report = {**got.relabel(report), "store": {"url": got.url, "step": got.step, "bytes": got.bytes,
+                                                           "objects": got.objects}}
+        else:
+            report = export_run(from_store.local_path(args.run, "RUN"), args.to, model_factory=GPT_FACTORY, step=args.step,
+                                inference=args.inference, show_progress=not args.json)
     if args.json:
         import json
 
@@ -482,17 +525,29 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "DEST must not exist. Missing state is never invented: a plain .bin or safetensors converts only to formats "
         "that hold no more. Exit 0 verified, 1 the re-read differs, 2 bad input.",
     )
-    p.add_argument("src", type=Path, help="the checkpoint to convert")
+    p.add_argument("src", help="the checkpoint to convert, or a store URL (s3://bucket/prefix, file:///path): its "
+                   "generation pulled verified into a temporary folder first (docs/MIRROR.md, \"Tools on a "
+                   "generation that lives only in the store\")")
     p.add_argument("dest", type=Path, help="the new checkpoint (its name gives the format)")
+    p.add_argument("--step", type=int, help="with a store URL: this generation (default: the newest that verifies)")
     p.add_argument("--config", help="the model, for a source without a config: tiny | andrea-12m | andrea-120m | FILE.toml")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .engine.gpt.factory import GPT_FACTORY
+    from .tools import from_store
     from .tools.convert import convert
 
-    r = convert(args.src, args.dest, model_factory=GPT_FACTORY, config=args.config)
+    if from_store.is_store_url(args.src):  # a generation that lives only in the store (docs/MIRROR.md)
+        with from_store.pulled(args.src, args.step) as got:
+            print(got.line("converting"), file=sys.stderr if args.json else sys.stdout)
+            r = got.relabel(convert(got.path, args.dest, model_factory=GPT_FACTORY, config=args.config))
+    elif args.step is not None:
+        raise BadInput("--step needs a store URL", found=f"--step {args.step} with {args.src}",
+                       hint="name the generation itself: ripresa convert RUN/step_NNNNNN.* DEST")
+    else:
+        r = convert(from_store.local_path(args.src, "SRC"), args.dest, model_factory=GPT_FACTORY, config=args.config)
     if args.json:
         import json
 

@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,16 @@ INFERENCE = "inference"
 
 #: Verifies a just-written bundle (``export.verify_or_uncommit``): (dest, model factory, progress, expected weights).
 Verifier = Callable[[Path, Any, bool, Any], dict[str, Any]]
+
+
+#: The source a bundle's manifest names, when it is not the run folder exported (a store URL: the run folder is a
+#: temporary one, docs/MIRROR.md, "Tools on a generation that lives only in the store"); set by ``export_run``.
+SOURCE_RUN: ContextVar[str | None] = ContextVar("ripresa_export_source_run", default=None)
+
+
+def source_run(run: Path) -> str:
+    """What the manifest's ``source_run`` says: :data:`SOURCE_RUN`, else the run folder's absolute path."""
+    return SOURCE_RUN.get() or str(Path(run).resolve())
 
 
 def now() -> str:

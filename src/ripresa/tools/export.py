@@ -31,6 +31,7 @@ from .bundle import (
     MANIFEST_SHA,
     PROGRESS_MIN_BYTES,
     RESUME,
+    SOURCE_RUN,
     as_dict,
     check_dest,
     drop_page_cache_quiet,
@@ -44,7 +45,7 @@ from .models import ModelFactory
 
 
 def export_run(run: Path, dest: Path, *, model_factory: ModelFactory | None = None, step: int | None = None,
-               inference: bool = False, show_progress: bool = True) -> dict[str, Any]:
+               inference: bool = False, show_progress: bool = True, source_run: str | None = None) -> dict[str, Any]:
     """Export one generation of ``run`` (:mod:`~ripresa.tools.export_general` or :mod:`~ripresa.tools.export_bin`); a sharded ``.dcp`` one is consolidated first.
 
     When the generation to export (``step``, or the newest valid one of the
@@ -54,9 +55,19 @@ def export_run(run: Path, dest: Path, *, model_factory: ModelFactory | None = No
     beside ``dest`` (``ripresa convert``: re-read and compared bitwise), which
     is then exported like any other and removed: the bundle resumes on any
     number of ranks, ``--inference`` gives consolidated safetensors
-    (docs/SHARDED.md).
+    (docs/SHARDED.md). ``source_run``: what the bundle's manifest names as its source instead of ``run``'s path
+    (a store URL whose generation was pulled into ``run``, a temporary folder: docs/MIRROR.md).
     """
-    run, dest = Path(run), Path(dest)
+    token = SOURCE_RUN.set(source_run)
+    try:
+        return _export_run(Path(run), Path(dest), model_factory=model_factory, step=step, inference=inference,
+                           show_progress=show_progress)
+    finally:
+        SOURCE_RUN.reset(token)
+
+
+def _export_run(run: Path, dest: Path, *, model_factory: ModelFactory | None, step: int | None, inference: bool,
+                show_progress: bool) -> dict[str, Any]:
     for _kind, needs_factory, source, export in _SOURCES:
         if needs_factory and model_factory is None and run.is_dir():
             raise BadInput("exporting a .bin or .dcp generation needs the model factory", file=run,

@@ -46,6 +46,7 @@ from .bundle import (
     now,
     safe_rel,
     size_or_zero,
+    source_run,
 )
 from .export_readme import inference_readme, resume_readme
 from .models import ModelFactory
@@ -305,7 +306,7 @@ def _write_resume(bundle: Bundle, run: Path, gen: Generation, n_params: int, mod
         "format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "kind": RESUME,
         "what": "a resume checkpoint: everything needed to continue the training exactly",
         "created": now(), "exported_with": f"ripresa {__version__}",
-        "source_run": str(run.resolve()), "step": gen.step, "progress": progress,
+        "source_run": source_run(run), "step": gen.step, "progress": progress,
         "generation": {"bin": rel_bin, "companion": rel_comp, "marker": rel_marker, "signature": rel_sig,
                        "bin_sha256": gen.bin_sha256, "bin_size": gen.size, "companion_sha256": gen.companion_sha256,
                        "n_params": n_params},
@@ -364,7 +365,7 @@ def _write_inference(bundle: Bundle, run: Path, gen: Generation, n_params: int, 
         "what": "an inference export: model weights only. NOT a resume checkpoint (no optimizer moments, "
                 "random generator states, data position or LR schedule)",
         "created": now(), "exported_with": f"ripresa {__version__}",
-        "source_run": str(run.resolve()), "step": gen.step, "progress": progress,
+        "source_run": source_run(run), "step": gen.step, "progress": progress,
         "source_bin": {"name": gen.bin.name, "sha256": gen.bin_sha256, "size": gen.size, "n_params": n_params},
         "config_from": cfg_from, "data_identity": state.get("data_identity"),
         "versions": state.get("versions"), "code": state.get("code"),

@@ -43,6 +43,7 @@ from .bundle import (
     now,
     safe_rel,
     size_or_zero,
+    source_run,
 )
 from .export_hf import README as HF_README
 from .export_hf import drop_tied, hf_config, transformers_record
@@ -177,7 +178,7 @@ def _write_resume(bundle: Bundle, run: Path, gen: Generation, f_sha: str, c_sha:
     provenance = {
         "format": "ripresa.tools.export", "format_version": 1, "kind": RESUME,
         "what": "a resume checkpoint (general format): everything needed to continue the training exactly",
-        "created": now(), "exported_with": f"ripresa {__version__}", "source_run": str(run.resolve()),
+        "created": now(), "exported_with": f"ripresa {__version__}", "source_run": source_run(run),
         "step": gen.step, "progress": as_dict(state.get("progress")), "generation": generation,
         "config_from": cfg_from, "lineage_in_companion": state.get("lineage") or [], "metrics": metrics, "notes": notes,
     }
@@ -244,7 +245,7 @@ def write_inference(bundle: Bundle, run: Path, gen: Generation, state: dict[str,
         "format": "ripresa.tools.export", "format_version": 1, "kind": INFERENCE,
         "what": "an inference export: the model's tensors only. NOT a resume checkpoint (no optimizer state, "
                 "random generator states, data position or LR schedule)",
-        "created": now(), "exported_with": f"ripresa {__version__}", "source_run": str(run.resolve()),
+        "created": now(), "exported_with": f"ripresa {__version__}", "source_run": source_run(run),
         "step": gen.step, "progress": as_dict(state.get("progress")),
         "source": dict(source),
         "tied": tied, "config_from": cfg_from, "data_identity": state.get("data_identity"),

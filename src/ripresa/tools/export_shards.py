@@ -41,6 +41,7 @@ from .bundle import (
     now,
     safe_rel,
     size_or_zero,
+    source_run,
 )
 from .export_general import run_config, write_inference
 from .models import ModelFactory
@@ -154,7 +155,7 @@ def _write_resume(bundle: Bundle, run: Path, gen: Generation, marker_sha: str) -
     bundle.write("export.json", json_bytes({
         "format": "ripresa.tools.export", "format_version": 1, "kind": RESUME,
         "what": "a resume checkpoint (sharded general format): everything needed to continue the training exactly",
-        "created": now(), "exported_with": f"ripresa {__version__}", "source_run": str(run.resolve()),
+        "created": now(), "exported_with": f"ripresa {__version__}", "source_run": source_run(run),
         "step": gen.step, "progress": as_dict(state.get("progress")), "generation": generation,
         "config_from": cfg_from, "lineage_in_companion": state.get("lineage") or [], "metrics": metrics, "notes": notes,
     }))

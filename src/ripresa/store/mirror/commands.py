@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,15 +161,17 @@ class _Metered:
         return getattr(self._inner, name)
 
 
-def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None) -> tuple[Generation | None, bool]:
-    """Land a remote generation (and config.json when missing) in ``run_dir`` under its writer lock."""
+def _pull_into(run_dir: Path, remote: ObjectStore, step: int | None,
+               also: Callable[..., None] | None = None) -> tuple[Generation | None, bool]:
+    """Land a remote generation (and config.json when missing) in ``run_dir`` under its writer lock (``also``:
+    told each event of this pull too, redacted)."""
     from ..history import HISTORY_NAME, History
 
     store = CheckpointStore(run_dir, writer=True)
     try:
         hist = History(Path(run_dir) / HISTORY_NAME)
         try:
-            event = redacting(hist.event)
+            event = redacting(hist.event if also is None else _both(hist.event, also))
             gen = pull_run(remote, Path(run_dir), store, step=step, event=event)
             config = pull_config(remote, Path(run_dir), require=store.require_signature) if gen is not None else False
         finally:
@@ -187,6 +190,25 @@ def prefetch(run_dir: Path, url: Any) -> Generation | None:
     with _Metered(open_store(spec.url, timeout=spec.timeout), "pull") as remote:  # progress on a terminal
         gen, _ = _pull_into(Path(run_dir), remote, None)  # type: ignore[arg-type]
     return gen
+
+
+def _both(a: Callable[..., None], b: Callable[..., None]) -> Callable[..., None]:
+    def event(name: str, **kw: Any) -> None:
+        a(name, **kw)
+        b(name, **kw)
+
+    return event
+
+
+def pull_generation(run_dir: Path, remote: ObjectStore, step: int | None = None,
+                    event: Callable[..., None] | None = None) -> tuple[Generation | None, bool]:
+    """The newest (or ``step``'s) remote generation that verifies, landed in ``run_dir`` (created; its writer lock
+    held meanwhile) with the run's files and ``config.json``, a progress line on a terminal: the pull of
+    ``ripresa mirror pull`` for the tools that read a store (docs/MIRROR.md, "Tools on a generation that lives
+    only in the store"). ``event``: told each event of the pull (``mirror_refused``: a generation that failed its
+    checks), redacted. Returns (the generation or None when the store holds no committed one, config pulled)."""
+    with _Metered(remote, "pull") as metered:
+        return _pull_into(Path(run_dir), metered, step, also=event)  # type: ignore[arg-type]
 
 
 def cli_status(run_dir: Path, url: str | None, keep: RetentionPolicy | None = None) -> dict[str, Any]:

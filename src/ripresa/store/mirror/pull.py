@@ -212,7 +212,9 @@ def pull(remote: ObjectStore, run_dir: Path, ckpt: CheckpointStore, *, step: int
         try:
             gen = _land(remote, view, Path(run_dir), main, s, ckpt, ev, spec)
         except IntegrityError as exc:
-            msg = f"{main}: {exc.message}" + (f" (found {str(exc.found)[:80]})" if exc.found is not None else "")
+            obj = str(exc.file or "").removeprefix(remote.url + "/")  # the object at fault: a rank's shard, say
+            msg = f"{obj if obj.startswith(main + '/') else main}: {exc.message}" \
+                + (f" (found {str(exc.found)[:80]})" if exc.found is not None else "")
             refused.append(msg)
             ev("mirror_refused", step=s, file=main, reason=msg, url=remote.url)
             continue

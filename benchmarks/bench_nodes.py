@@ -552,6 +552,19 @@ def main() -> int:
     model_here = paper(nodes=NODES, ranks=RANKS, state=state_bytes, small=small, **inputs)
     model_64 = paper(nodes=a.paper_nodes, ranks=a.paper_ranks, state=12 * a.paper_params, small=small, **inputs)
     model_64_here = paper(nodes=a.paper_nodes, ranks=a.paper_ranks, state=state_bytes, small=small, **inputs)
+    check = []  # the model at 2 x 2 beside what was measured (docs: benchmarks/README.md, "Multi-node commit")
+    if "nodes.s3" in methods and "nodes.file" in methods:
+        check.append({"figure": "nodes.s3 - nodes.file: the store's share of a per-node save",
+                      "measured": methods["nodes.s3"]["median"] - methods["nodes.file"]["median"],
+                      "model": model_here["per_node"]["store_s"]})
+    for t in (MAX_PARALLEL_UPLOADS, 1):
+        if f"one.s3_{t}" in methods:
+            check.append({"figure": f"one.s3_{t}: one uploader, {t} thread(s), upload + marker",
+                          "measured": methods[f"one.s3_{t}"]["median"], "model": model_here["rank0"][t]["store_s"]})
+    if "single.s3" in methods:
+        check.append({"figure": "single.s3 minus its local save: the mirror's upload",
+                      "measured": statistics.median(x["seconds"] - x["local_commit"] for x in res["single.s3"]["saves"]),
+                      "model": model_here["rank0"][1]["store_s"]})
     doc = {
         "benchmark": "bench_nodes", "schema": "ripresa-bench-nodes/1",
         "command": "benchmarks/bench_nodes.py " + " ".join(sys.argv[1:]),
@@ -561,7 +574,7 @@ def main() -> int:
         "link_measured": link, "methods": methods, "measured": measured, "raw": res,
         "paper": {"inputs": inputs, "inputs_from": "measured here: one connection's bandwidth and a small PUT's "
                   "round trip through an idle node proxy, a 64 MiB write+fsync of the scratch disk",
-                  "here_2x2": model_here, "nodes_64": model_64, "nodes_64_this_state": model_64_here},
+                  "here_2x2": model_here, "check_2x2": check, "nodes_64": model_64, "nodes_64_this_state": model_64_here},
         "machine": {"cpus": os.cpu_count(), "load_average_start": [round(x, 2) for x in load0],
                     "load_average_end": [round(x, 2) for x in os.getloadavg()],
                     "python": platform.python_version(), "platform": platform.platform(),
@@ -592,16 +605,12 @@ def main() -> int:
             p.add_row(f"{name} rank 0, {c} conn", f"{r['bytes_through_one_uplink'] / MB:.1f} MB",
                       str(m["requests_per_save"]), f"{r['latency_s']:.2f}")
     console.print(p)
-    if "nodes.s3" in methods:
-        c = Table(title="the model against this run (2 x 2, S3): seconds in the store (upload + commit)")
-        for col in ("alternative", "measured median", "model"):
-            c.add_column(col, justify="left" if col == "alternative" else "right")
-        c.add_row("nodes.s3 (save-to-commit; the model: store only)", f"{methods['nodes.s3']['median']:.3f}",
-                  f"{model_here['per_node']['store_s']:.3f}")
-        for t in (MAX_PARALLEL_UPLOADS, 1):
-            if f"one.s3_{t}" in methods:
-                c.add_row(f"one.s3_{t}", f"{methods[f'one.s3_{t}']['median']:.3f}",
-                          f"{model_here['rank0'][t]['store_s']:.3f}")
+    if check:
+        c = Table(title="the model against this run (2 x 2, S3), seconds")
+        for col in ("figure", "measured median", "model"):
+            c.add_column(col, justify="left" if col == "figure" else "right")
+        for row in check:
+            c.add_row(row["figure"], f"{row['measured']:.3f}", f"{row['model']:.3f}")
         console.print(c)
     console.print(f"wrote {path}")
     return 0

@@ -27,7 +27,7 @@ all. Then, side by side in one run, on the same FSDP2 state
 
 It prints the medians and minimums, a model on paper for 64 nodes × 8 ranks
 (inputs: the per-connection bandwidth, request latency and disk write speed
-measured here) and writes ``benchmarks/results/bench_nodes_<W>.json``.
+measured here) and writes ``benchmarks/results/bench_nodes_<W>[_uplink<U>].json``.
 """
 
 from __future__ import annotations
@@ -581,7 +581,7 @@ def main() -> int:
                     "wall_s": round(time.time() - t_start, 1)},
     }
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"bench_nodes_{a.width}.json"
+    path = a.out / (f"bench_nodes_{a.width}" + (f"_uplink{a.uplink_mbps:g}" if a.uplink_mbps else "") + ".json")
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
 
     t = Table(title=f"save-to-commit, {state_bytes / MB:.1f} MB state (seconds)")

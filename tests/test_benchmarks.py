@@ -461,3 +461,121 @@ def test_isolate_runs_every_method_in_its_own_process_and_reports_its_peak_rss(t
     assert (out / f"bench_checkpoint_{N}_isolated.png").stat().st_size > 10_000
     assert "peak RSS" in proc.stdout and "over state" in proc.stdout
     assert not [p for p in out.iterdir() if p.name.startswith(".bench-")]
+
+
+# ---------------------------------------------------------------------------- benchmarks/bench_nodes.py (issue 30)
+
+NODES_BENCH = REPO / "benchmarks" / "bench_nodes.py"
+
+
+def _nodes_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_nodes", NODES_BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_nodes_paper_model_counts_bytes_requests_and_one_uplink():
+    """The model on paper: a node's bytes are its share, requests grow with the files (multipart above the
+    threshold), the per-node commit is the slowest node's upload, a rank-0 upload carries every byte."""
+    m = _nodes_module()
+    kw = dict(small=200_000, conn_bps=50e6, latency_s=0.02, disk_bps=1e9, uplink_bps=None, parallel=8,
+              threshold=64 << 20, part=16 << 20)
+    small = m.paper(nodes=64, ranks=8, state=512 * 10e6, **kw)  # 10 MB per rank: one PUT each
+    assert small["bytes_per_node"] == 8 * 10e6 and small["bytes_node0"] == 8 * 10e6 + 200_000
+    assert small["requests_per_save"] == 512 + 2 + 1 + 1  # shards, .metadata + companion, a listing, the marker
+    big = m.paper(nodes=64, ranks=8, state=512 * 100e6, **kw)  # 100 MB per rank: multipart of 16 MiB parts
+    assert big["requests_per_save"] == 512 * (2 + 6) + 2 + 1 + 1
+    # per file: its requests' round trips, then its bytes; a node's 8 files at once on its 8 connections
+    assert big["per_node"]["upload_s"] == pytest.approx(8 * 0.02 + 100e6 / 50e6)
+    assert big["rank0"][8]["upload_s"] == pytest.approx(64 * (8 * 0.02 + 100e6 / 50e6))
+    assert big["rank0"][1]["upload_s"] == pytest.approx(512 * (8 * 0.02 + 100e6 / 50e6))
+    assert big["rank0"][8]["bytes_through_one_uplink"] == 512 * 100e6 + 200_000
+    assert big["per_node"]["latency_s"] < big["rank0"][8]["latency_s"] / 30
+    capped = m.paper(nodes=64, ranks=8, state=512 * 100e6, **{**kw, "uplink_bps": 100e6})  # 8 connections share it
+    assert capped["per_node"]["upload_s"] == pytest.approx(8 * 0.02 + 8 * 100e6 / 100e6)
+
+
+def test_nodes_uplink_bounds_each_connection_and_the_node(tmp_path):
+    """The benchmark's store proxy holds a connection to its bandwidth and a node's connections to the uplink's."""
+    import socket
+    import threading
+
+    m = _nodes_module()
+    sink = socket.socket()
+    sink.bind(("127.0.0.1", 0))
+    sink.listen(8)
+    got = []
+
+    def serve():
+        while True:
+            try:
+                c, _ = sink.accept()
+            except OSError:
+                return
+
+            def drain(c=c):
+                n = 0
+                while piece := c.recv(1 << 16):
+                    n += len(piece)
+                got.append(n)
+                c.close()
+            threading.Thread(target=drain, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def push(proxy, conns, size):
+        def one():
+            with socket.create_connection(("127.0.0.1", proxy.port)) as s:
+                s.sendall(b"x" * size)
+        before = len(got)
+        ts = [threading.Thread(target=one) for _ in range(conns)]
+        t0 = time.monotonic()
+        for t in ts:
+            t.start()
+        while len(got) < before + conns and time.monotonic() - t0 < 30:  # until the sink has every byte
+            time.sleep(0.005)
+        for t in ts:
+            t.join()
+        assert got[before:] == [size] * conns
+        return time.monotonic() - t0
+
+    per_conn = m.Uplink(sink.getsockname()[1], conn_bps=4e6, uplink_bps=None, latency_s=0)
+    uplink = m.Uplink(sink.getsockname()[1], conn_bps=4e6, uplink_bps=4e6, latency_s=0)
+    try:
+        assert push(per_conn, 2, 1_000_000) >= 0.22  # 1 MB at 4 MB/s, two connections side by side
+        assert push(per_conn, 2, 1_000_000) < 0.45  # ... not one after the other
+        assert push(uplink, 2, 1_000_000) >= 0.45  # 2 MB through one 4 MB/s uplink
+        assert per_conn.sent == 4_000_000 and uplink.sent == 2_000_000
+    finally:
+        per_conn.close()
+        uplink.close()
+        sink.close()
+
+
+@pytest.mark.slow
+def test_nodes_bench_runs_end_to_end_at_a_tiny_size(tmp_path):
+    """2 nodes × 2 ranks on node-local folders, the one-process uploads and the single-node mirror, tiny."""
+    proc = run([sys.executable, str(NODES_BENCH), "--width", "256", "--saves", "1", "--conn-mbps", "20",
+                "--latency-ms", "5", "--out", str(tmp_path), "--dir", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench_nodes_256.json").read_text())
+    assert doc["schema"] == "ripresa-bench-nodes/1"
+    assert set(doc["methods"]) == {"nodes.s3", "nodes.file", "single.s3", "one.s3_8", "one.s3_1", "one.file_8",
+                                   "one.file_1"}
+    for k, v in doc["methods"].items():
+        assert len(v["samples"]) == 1 and 0 < v["min"] <= v["median"] <= v["max"], k
+    meas = doc["measured"]
+    state = 12 * (256 * 256 + 8 * 256 + 256 + 256 + 256 + 1)  # weights + AdamW's two moments, fp32
+    assert 0.95 * state < meas["state_bytes"] < 1.2 * state
+    assert set(meas["bytes_per_node"]) == {"0", "1"} and meas["bytes_per_node"]["1"] < meas["bytes_per_node"]["0"]
+    for k, b in meas["wire_bytes_per_node_per_save"].items():  # what went over each node's own link
+        assert b >= meas["bytes_per_node"][k], k
+    r = meas["requests_per_save"]
+    assert r["objects"] == 6 and r["marker"] == 1 and r["listings_seen"] >= 1  # 4 shards, .metadata, companion
+    assert meas["requests_by_node"] == {"0": 4, "1": 2}
+    assert doc["paper"]["nodes_64"]["nodes"] == 64 and doc["paper"]["nodes_64"]["requests_per_save"] > 512
+    assert not list(tmp_path.glob("bench-nodes-*")), "scratch left behind"
+    assert "on paper: 64 nodes x 8 ranks" in proc.stdout

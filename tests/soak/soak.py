@@ -77,7 +77,13 @@ KINDS = {
     "andrea": ["sigkill", "sigkill-start", "sigterm", "sigusr1+kill", "enospc"],
     "ddp": ["sigkill-group", "sigkill-rank", "sigkill-start", "sigterm", "sigusr1+kill", "sigusr1-start"],
     "s3": ["outage", "outage-close", "sigkill", "sigterm", "sigusr1+kill", "sigusr1-start"],
-    "nodes": ["node-kill", "node-lost", "outage", "sigterm"],
+    "nodes": ["node-kill", "node-lost", "outage", "sigterm", "node-kill-start"],
+}
+#: Kinds that find a known bug, drawn only when ``--kinds`` names them (a replay); docs/FAULTS.md, "The soak".
+KNOWN_FAILING = {
+    "node-kill-start": "a node SIGKILLed during its start (before its rank's Checkpointer exists) leaves its rank "
+                       "training on with the other node: plain torchrun's ranks are bound to their agent only by "
+                       "the Checkpointer, and a rank already re-parented is not stopped",
 }
 for _k in ("general", "andrea"):
     KINDS[_k].append("sigusr1-start")
@@ -1107,6 +1113,8 @@ class Lane:
 NODES_STEP_MS = 60.0
 #: Seconds after the first step of a start within which a node-kill, a SIGTERM or an outage lands.
 NODES_WINDOW_S = 3.0
+#: ``node-kill-start``: seconds after the launch within which the kill lands (a launch takes ~8-10 s on 2 cores).
+NODES_START_S = 12.0
 
 
 class NodeStart:
@@ -1301,6 +1309,9 @@ class NodesLane:
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir(parents=True)
         self.notes: list[str] = []
+        for k, why in KNOWN_FAILING.items():
+            if k not in args.kinds:
+                self.notes.append(f"{k} left out (known to fail, drawn only with --kinds {k}): {why}")
         if store is None:
             self.kinds.remove("outage")
             self.notes.append("outage left out: no S3 server (every lap on a file:// store)")
@@ -1317,6 +1328,8 @@ class NodesLane:
         self.named = 0  # survivors whose log names the lost node (NodeLost, exit 4, before their agent ended them)
         self.from_store = 0  # restarts after a node's folder was lost that resumed a generation (step > 0)
         self.node_lost_count = 0
+        self.hung = 0  # nodes that did not exit within HANG_S (their stacks are kept)
+        self.at_start = 0  # node kills that landed before the start's first step
         self.close_s: list[float] = []  # sigterm: seconds from SIGTERM to both launchers' exit
         self.outages: Counter[str] = Counter()
         self.last_kind: str | None = None
@@ -1383,7 +1396,8 @@ class NodesLane:
         store = NodeStore(url, self.store)
         hist = LapHistory(root / "node0" / "run", self.ref_losses)
         ids = IdsFollower(root, self.ref_ids)
-        kinds = [k for k in self.kinds if (not self.args.kinds or k in self.args.kinds)
+        failures = len(self.failures)
+        kinds = [k for k in self.kinds if (k in self.args.kinds if self.args.kinds else k not in KNOWN_FAILING)
                  and (k != "outage" or store.s3)]
         start = self.launch(root, url)
         ids.started(0)
@@ -1432,8 +1446,10 @@ class NodesLane:
         self.generations += hist.generations
         self.redone += ids.redone
         self.max_mirror_lines = max(self.max_mirror_lines, hist.mirror_lines)
-        if equal and not ids.lost and not ids.diverged:
+        if equal and not ids.lost and not ids.diverged and len(self.failures) == failures:
             shutil.rmtree(root, ignore_errors=True)
+        else:
+            self.keep(root, n, "failed")
 
     def keep(self, root: Path, n: int, why: str) -> None:
         """A failed lap's folder stays (build/soak/runs/nodes/lapNNNN: nodes' logs, histories); noted."""
@@ -1451,9 +1467,108 @@ class NodesLane:
             time.sleep(0.02)
         return False
 
+    @staticmethod
+    def ids_size(root: Path) -> int:
+        try:
+            return (root / "ids.0").stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def dump(self, root: Path, node: Any) -> Path:
+        """The Python stacks of a hung node's launcher and ranks (py-spy, when installed) and its log's tail."""
+        from ripresa.session.torchrun import children
+
+        out = root / f"hung-node{node.index}.{int(time.time())}.txt"
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        with open(out, "w") as f:
+            for pid in [node.proc.pid, *children(node.proc.pid)]:
+                f.write(f"==== pid {pid}\n")
+                f.flush()
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run([spy, "dump", "--pid", str(pid)], stdout=f, stderr=subprocess.STDOUT, timeout=60)
+            with contextlib.suppress(OSError):
+                f.write("==== log\n" + node.log.read_text(errors="replace")[-6000:])
+        self.hung += 1
+        return out
+
+    def orphaned(self, kind: str, ranks: list[int], moment: str, whose: str = "the killed node's") -> bool:
+        """``ranks`` still alive are orphans (a failure): SIGKILLed; True when there is none."""
+        ranks = [p for p in ranks if alive(p)]
+        for p in ranks:
+            self.orphans += 1
+            self.failures.append(f"{kind}: {whose} rank (pid {p}) outlived its launcher by 20 s ({moment})")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        return not ranks
+
+    def node_kill(self, kind: str, start: NodeStart, root: Path, store: NodeStore, hist: LapHistory) -> None:
+        """SIGKILL one node's launcher session; the other must exit non-zero within :data:`HANG_S`, its ranks
+        too (within 20 s); ``node-lost``: the killed node's folder is deleted as well."""
+        ok = True
+        victim = self.rng.randrange(2)
+        from ripresa.session.torchrun import children
+
+        ranks = children(start.nodes[victim].proc.pid)  # the killed node's ranks: they must die with it
+        others = children(start.nodes[1 - victim].proc.pid)
+        moment = (f"{time.monotonic() - start.t0:.1f} s after the launch, "
+                  + ("before the first step" if start.ids_offset == self.ids_size(root) else "training"))
+        node, other = start.nodes[victim], start.nodes[1 - victim]
+        node.kill()
+        t0 = time.monotonic()
+        start.interrupted = True
+        end = t0 + HANG_S
+        while other.proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.01)
+            if ranks and time.monotonic() > t0 + 20:  # the killed node's ranks outlived it: orphans
+                ok = self.orphaned(kind, ranks, moment) and ok
+                ranks = []
+        rc = other.proc.poll()
+        if rc is None:
+            ok = False
+            dump = self.dump(root, other)
+            self.failures.append(f"{kind}: node {1 - victim} hung (no exit within {HANG_S:.0f} s of node "
+                                 f"{victim}'s SIGKILL, {moment}); stacks: {dump}")
+            start.kill()
+        else:
+            self.exit_s.append(round(time.monotonic() - t0, 1))
+            self.survivor_rcs[rc] += 1
+            if rc == 0 and store.newest() != TOTAL["nodes"]:
+                ok = False
+                self.failures.append(f"{kind}: node {1 - victim} exited 0 after node {victim} was killed")
+        start.wait(60)
+        with contextlib.suppress(OSError):
+            self.named += "lost node" in other.log.read_text(errors="replace")
+        while ranks and time.monotonic() < t0 + 20:
+            ranks = [p for p in ranks if alive(p)]
+            time.sleep(0.05)
+        ok = self.orphaned(kind, ranks, moment) and ok
+        end = time.monotonic() + 20  # the survivor's ranks end with their agent
+        while others and time.monotonic() < end:
+            others = [p for p in others if alive(p)]
+            time.sleep(0.05)
+        ok = self.orphaned(kind, others, moment, "the surviving node's") and ok
+        if kind == "node-lost":
+            shutil.rmtree(root / f"node{victim}")
+            self.node_lost_count += 1
+            if victim == 0:
+                hist.poll()
+                hist.reset_file()
+        self.delivered[kind] += 1
+        self.survived[kind] += ok
+        self.last_kind = kind
+
     def interrupt(self, kind: str, start: NodeStart, root: Path, store: NodeStore, hist: LapHistory,
                   ids: IdsFollower) -> None:
         r = self.rng
+        if kind == "node-kill-start":
+            # during the start: the rank's import, rendezvous, the Checkpointer's start, the resume (a pull)
+            end = start.t0 + r.uniform(0, NODES_START_S)
+            while time.monotonic() < end and start.rcs() == [None, None] and start.ids_offset == ids.size():
+                time.sleep(0.01)
+            if start.rcs() == [None, None]:
+                self.at_start += start.ids_offset == ids.size()
+                self.node_kill(kind, start, root, store, hist)
+            return
         if not self.training(start, ids):
             if start.running():
                 self.failures.append(f"{kind}: no first step within 180 s of the start")
@@ -1465,47 +1580,9 @@ class NodesLane:
             return  # the lap ended (or a node failed: judged by the lap)
         ok = True
         if kind in ("node-kill", "node-lost"):
-            victim = r.randrange(2)
-            ranks = start.ranks()
-            node, other = start.nodes[victim], start.nodes[1 - victim]
-            node.kill()
-            t0 = time.monotonic()
-            start.interrupted = True
-            end = t0 + HANG_S
-            while other.proc.poll() is None and time.monotonic() < end:
-                time.sleep(0.01)
-            rc = other.proc.poll()
-            if rc is None:
-                ok = False
-                self.failures.append(f"{kind}: node {1 - victim} hung (no exit within {HANG_S:.0f} s of node "
-                                     f"{victim}'s SIGKILL)")
-                start.kill()
-            else:
-                self.exit_s.append(round(time.monotonic() - t0, 1))
-                self.survivor_rcs[rc] += 1
-                if rc == 0 and store.newest() != TOTAL["nodes"]:
-                    ok = False
-                    self.failures.append(f"{kind}: node {1 - victim} exited 0 after node {victim} was killed")
-            start.wait(60)
-            with contextlib.suppress(OSError):
-                self.named += "lost node" in other.log.read_text(errors="replace")
-            end = time.monotonic() + 20
-            while ranks and time.monotonic() < end:
-                ranks = [p for p in ranks if alive(p)]
-                time.sleep(0.05)
-            for p in ranks:
-                self.orphans += 1
-                ok = False
-                self.failures.append(f"{kind}: rank pid {p} outlived its node's end by 20 s")
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
-            if kind == "node-lost":
-                shutil.rmtree(root / f"node{victim}")
-                self.node_lost_count += 1
-                if victim == 0:
-                    hist.poll()
-                    hist.reset_file()
-        elif kind == "sigterm":
+            self.node_kill(kind, start, root, store, hist)
+            return
+        if kind == "sigterm":
             hist.poll()
             seen = len(hist.events)
             t0 = time.monotonic()
@@ -1565,7 +1642,7 @@ class NodesLane:
         if self.exit_s:
             self.notes.append(f"a node SIGKILLed: the other exited within {max(self.exit_s)} s at most "
                               f"(exits {dict(self.survivor_rcs)}); {self.named} of {len(self.exit_s)} "
-                              "survivors' logs name the lost node")
+                              f"survivors' logs name the lost node; {self.at_start} kill(s) before the first step")
         if self.node_lost_count:
             self.notes.append(f"node-lost: {self.node_lost_count} folder(s) deleted, the fresh node resumed from the store")
         if self.close_s:

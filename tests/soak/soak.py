@@ -2,6 +2,7 @@
 
     make soak                                                   # >= 1,000 interruptions, < 60 min on 2 cores
     python tests/soak/soak.py --seed 7 --interruptions 20 --lanes general,andrea   # a sample (make test runs one)
+    python tests/soak/soak.py --seed 5 --interruptions 3 --lanes nodes             # the two-node lane alone
 
 Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md, "The soak"):
 
@@ -13,6 +14,20 @@ Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md
 * ``ddp``: two ranks under ``python -m ripresa.torchrun`` (gloo, DDP, ``DistributedEpochSampler``);
 * ``s3``: one process, fp32 AdamW, ``format="andrea"``, mirrored to a real S3 server (moto, on
   127.0.0.1) through a fault proxy (tests/support/s3server.py) that the soak breaks.
+* ``nodes``: two "nodes" on this host (tests/support/nodes.py: a plain ``torchrun`` launcher each, in
+  its own session, one FSDP2 rank of tests/fixtures/fsdp_loop.py), each on a run folder of its own,
+  committed through the store (docs/DISTRIBUTED.md): odd laps a real S3 server of its own behind the
+  fault proxy, even laps a ``file://`` store. Kinds: ``node-kill`` (one node's launcher session
+  SIGKILLed while training: the other must exit non-zero within :data:`HANG_S`, no rank may outlive
+  its launcher by :data:`ORPHAN_S`; both restart), ``node-lost`` (the same, and the killed node's
+  folder deleted: the fresh node resumes from the store), ``outage`` (S3 laps: the store down 0.5-8 s
+  while training; no node exits, nothing committed goes), ``sigterm`` (both launchers: a stop
+  checkpoint at the last step, committed); ``node-kill-start`` (a kill within seconds of the rank's
+  spawn) is in :data:`KNOWN_FAILING`, drawn only when ``--kinds`` names it. "Lost": a start that
+  resumed an older step than the store's newest commit when it was launched (its first line in the
+  per-rank sample-id files), or a final generation whose ``.distcp`` objects in the store differ
+  from the uninterrupted two-node run's. ``make soak`` gives it :data:`NODES_INTERRUPTIONS`
+  (``--nodes-interruptions``): each costs a launch of both nodes (~10 s on 2 cores).
 
 Each single-process lane writes its run folder on its own small tmpfs (mounted
 here, as root). Interruptions, drawn at random (seeded) at random moments:
@@ -104,7 +119,7 @@ SHARDED_STAGING_BUDGET = 16 * 1024
 TOTAL = {"general": 1000, "andrea": 400, "ddp": 60, "s3": 300, "nodes": 60}
 EVERY = {"general": 10, "andrea": 10, "ddp": 5, "s3": 10, "nodes": 5}
 #: Interruptions of the nodes lane in a run of several lanes (each costs a launch of both nodes: ~10 s).
-NODES_INTERRUPTIONS = 20
+NODES_INTERRUPTIONS = 16
 TMPFS_BYTES = 8 << 20
 FINAL = "soak_final"  # the digest files a finished trainer writes: soak_final.rank{R}.json
 
@@ -1113,8 +1128,11 @@ class Lane:
 NODES_STEP_MS = 60.0
 #: Seconds after the first step of a start within which a node-kill, a SIGTERM or an outage lands.
 NODES_WINDOW_S = 3.0
-#: ``node-kill-start``: seconds after the launch within which the kill lands (a launch takes ~8-10 s on 2 cores).
-NODES_START_S = 12.0
+#: ``node-kill-start``: seconds after the victim's rank was spawned within which the kill lands (before the
+#: first step: import, the group's start, the resume take ~5-8 s on 2 cores).
+NODES_START_S = 5.0
+#: Seconds a node's rank may outlive its launcher (bound to it, the kernel ends it at once).
+ORPHAN_S = 5.0
 
 
 class NodeStart:
@@ -1496,16 +1514,17 @@ class NodesLane:
         ranks = [p for p in ranks if alive(p)]
         for p in ranks:
             self.orphans += 1
-            self.failures.append(f"{kind}: {whose} rank (pid {p}) outlived its launcher by 20 s ({moment})")
+            self.failures.append(f"{kind}: {whose} rank (pid {p}) outlived its launcher by {ORPHAN_S:.0f} s ({moment})")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
         return not ranks
 
-    def node_kill(self, kind: str, start: NodeStart, root: Path, store: NodeStore, hist: LapHistory) -> None:
+    def node_kill(self, kind: str, start: NodeStart, root: Path, store: NodeStore, hist: LapHistory,
+                  victim: int | None = None) -> None:
         """SIGKILL one node's launcher session; the other must exit non-zero within :data:`HANG_S`, its ranks
-        too (within 20 s); ``node-lost``: the killed node's folder is deleted as well."""
+        too (within :data:`ORPHAN_S`); ``node-lost``: the killed node's folder is deleted as well."""
         ok = True
-        victim = self.rng.randrange(2)
+        victim = self.rng.randrange(2) if victim is None else victim
         from ripresa.session.torchrun import children
 
         ranks = children(start.nodes[victim].proc.pid)  # the killed node's ranks: they must die with it
@@ -1519,7 +1538,7 @@ class NodesLane:
         end = t0 + HANG_S
         while other.proc.poll() is None and time.monotonic() < end:
             time.sleep(0.01)
-            if ranks and time.monotonic() > t0 + 20:  # the killed node's ranks outlived it: orphans
+            if ranks and time.monotonic() > t0 + ORPHAN_S:  # the killed node's ranks outlived it: orphans
                 ok = self.orphaned(kind, ranks, moment) and ok
                 ranks = []
         rc = other.proc.poll()
@@ -1538,11 +1557,11 @@ class NodesLane:
         start.wait(60)
         with contextlib.suppress(OSError):
             self.named += "lost node" in other.log.read_text(errors="replace")
-        while ranks and time.monotonic() < t0 + 20:
+        while ranks and time.monotonic() < t0 + ORPHAN_S:
             ranks = [p for p in ranks if alive(p)]
             time.sleep(0.05)
         ok = self.orphaned(kind, ranks, moment) and ok
-        end = time.monotonic() + 20  # the survivor's ranks end with their agent
+        end = time.monotonic() + ORPHAN_S  # the survivor's ranks end with their agent
         while others and time.monotonic() < end:
             others = [p for p in others if alive(p)]
             time.sleep(0.05)
@@ -1561,13 +1580,21 @@ class NodesLane:
                   ids: IdsFollower) -> None:
         r = self.rng
         if kind == "node-kill-start":
-            # during the start: the rank's import, rendezvous, the Checkpointer's start, the resume (a pull)
-            end = start.t0 + r.uniform(0, NODES_START_S)
+            # during the start, once the victim's rank runs: its import, the group's start, the Checkpointer's
+            # start, the resume (a pull from the store)
+            from ripresa.session.torchrun import children
+
+            victim = r.randrange(2)
+            end = start.t0 + 120
+            while not children(start.nodes[victim].proc.pid) and start.rcs() == [None, None] \
+                    and time.monotonic() < end:
+                time.sleep(0.01)
+            end = time.monotonic() + r.uniform(0, NODES_START_S)
             while time.monotonic() < end and start.rcs() == [None, None] and start.ids_offset == ids.size():
                 time.sleep(0.01)
             if start.rcs() == [None, None]:
                 self.at_start += start.ids_offset == ids.size()
-                self.node_kill(kind, start, root, store, hist)
+                self.node_kill(kind, start, root, store, hist, victim)
             return
         if not self.training(start, ids):
             if start.running():

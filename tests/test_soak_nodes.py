@@ -37,7 +37,7 @@ def test_nodes_lane_sample_survives_node_kills_a_lost_folder_and_ends_bitwise_eq
     assert rec["equal_laps"] == rec["laps"] >= 1 and nodes["failures"] == [] and nodes["orphans"] == 0, nodes
     assert len(nodes["delivered"]) >= 2, nodes
     assert nodes["exit_s"] and all(t < 90 for t in nodes["exit_s"]), nodes  # the survivor never hangs
-    assert set(nodes["survivor_exits"]) <= {1}, nodes  # its agent reports the failed rank (NodeLost, exit 4)
+    assert nodes["survivor_exits"] and "0" not in nodes["survivor_exits"], nodes  # its agent reports the failure
     assert "node-kill-start left out" in res.stdout  # the known-failing kind is named, not drawn
 
 

@@ -1133,6 +1133,8 @@ NODES_WINDOW_S = 3.0
 NODES_START_S = 5.0
 #: Seconds a node's rank may outlive its launcher (bound to it, the kernel ends it at once).
 ORPHAN_S = 5.0
+#: Starts of one lap before it is given up (a failure): a lap that never commits its last step.
+NODES_MAX_STARTS = 40
 
 
 class NodeStart:
@@ -1344,7 +1346,7 @@ class NodesLane:
         self.exit_s: list[float] = []  # node-kill/node-lost: seconds from the SIGKILL to the survivor's exit
         self.survivor_rcs: Counter[int] = Counter()
         self.named = 0  # survivors whose log names the lost node (NodeLost, exit 4, before their agent ended them)
-        self.from_store = 0  # restarts after a node's folder was lost that resumed a generation (step > 0)
+        self.failed_saves = 0  # checkpoint_failed events in rank 0's histories (a store outage: training goes on)
         self.node_lost_count = 0
         self.hung = 0  # nodes that did not exit within HANG_S (their stacks are kept)
         self.at_start = 0  # node kills that landed before the start's first step
@@ -1419,6 +1421,7 @@ class NodesLane:
                  and (k != "outage" or store.s3)]
         start = self.launch(root, url)
         ids.started(0)
+        starts = 1
         while True:
             hist.poll()
             ids.poll()
@@ -1429,11 +1432,14 @@ class NodesLane:
                     break
                 if not start.interrupted:
                     self.failures.append(f"lap {n}: the nodes exited {rcs} without being interrupted")
-                    self.keep(root, n, "exit")
+                if starts >= NODES_MAX_STARTS:
+                    self.failures.append(f"lap {n}: no final generation in the store after {starts} starts")
+                    break
                 bar = store.newest()
                 if self.sabotage == "lose" and bar > 0:  # (tests the soak itself) the newest commit is deleted
                     store.delete(f"step_{bar:06d}.dcp.sha256")
                 start = self.launch(root, url)
+                starts += 1
                 ids.started(bar)
                 continue
             left = self.budget - sum(self.delivered.values())
@@ -1462,6 +1468,7 @@ class NodesLane:
         if ids.diverged:
             self.failures.extend(f"lap {n}: {x}" for x in ids.diverged[:3])
         self.generations += hist.generations
+        self.failed_saves += sum(e.get("event") == "checkpoint_failed" for e in hist.events)
         self.redone += ids.redone
         self.max_mirror_lines = max(self.max_mirror_lines, hist.mirror_lines)
         if equal and not ids.lost and not ids.diverged and len(self.failures) == failures:
@@ -1675,7 +1682,7 @@ class NodesLane:
         if self.close_s:
             self.notes.append(f"SIGTERM to both launchers: exit within {max(self.close_s)} s at most")
         if self.outages:
-            self.notes.append(f"outages {dict(self.outages)}")
+            self.notes.append(f"outages {dict(self.outages)}; {self.failed_saves} save(s) failed, training went on")
         return {"delivered": dict(self.delivered), "survived": dict(self.survived),
                 "lost_by_kind": dict(self.lost_by_kind), "mirror_resumes": 0, "starts": dict(self.starts),
                 "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,
@@ -1683,7 +1690,7 @@ class NodesLane:
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
                 "wall_s": self.wall_s, "total_steps": TOTAL["nodes"], "every": EVERY["nodes"],
                 "sabotage": self.sabotage, "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s,
-                "orphans": self.orphans, "exit_s": self.exit_s, "survivor_exits": dict(self.survivor_rcs)}
+                "orphans": self.orphans, "hung": self.hung, "exit_s": self.exit_s, "survivor_exits": dict(self.survivor_rcs)}
 
 
 def newest_mirrored(mirror: Path | None) -> int:

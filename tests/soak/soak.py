@@ -1133,6 +1133,8 @@ NODES_WINDOW_S = 3.0
 NODES_START_S = 5.0
 #: Seconds a node's rank may outlive its launcher (bound to it, the kernel ends it at once).
 ORPHAN_S = 5.0
+#: A survivor slower than this to exit after its peer's SIGKILL is noted, its log kept (HANG_S is the failure).
+NODES_SLOW_EXIT_S = 10.0
 #: Starts of one lap before it is given up (a failure): a lap that never commits its last step.
 NODES_MAX_STARTS = 40
 
@@ -1344,6 +1346,7 @@ class NodesLane:
         self.generations = self.redone = self.laps = self.equal_laps = self.diverged = self.orphans = 0
         self.wall_s = 0.0
         self.exit_s: list[float] = []  # node-kill/node-lost: seconds from the SIGKILL to the survivor's exit
+        self.kills: list[dict[str, Any]] = []  # each kill: victim, moment, the survivor's exit and its seconds
         self.survivor_rcs: Counter[int] = Counter()
         self.named = 0  # survivors whose log names the lost node (NodeLost, exit 4, before their agent ended them)
         self.failed_saves = 0  # checkpoint_failed events in rank 0's histories (a store outage: training goes on)
@@ -1556,8 +1559,17 @@ class NodesLane:
                                  f"{victim}'s SIGKILL, {moment}); stacks: {dump}")
             start.kill()
         else:
-            self.exit_s.append(round(time.monotonic() - t0, 1))
+            took = round(time.monotonic() - t0, 1)
+            self.exit_s.append(took)
             self.survivor_rcs[rc] += 1
+            self.kills.append({"kind": kind, "victim": victim, "moment": moment, "exit": rc, "exit_s": took})
+            if took > NODES_SLOW_EXIT_S:  # slower than a lost node is named (~4-5 s): the survivor's log is kept
+                kept = Path(self.args.out) / "failed" / f"nodes-slow-exit-{len(self.kills)}.log"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):
+                    shutil.copy(other.log, kept)
+                self.notes.append(f"{kind}: node {1 - victim} exited {rc} {took} s after node {victim}'s SIGKILL "
+                                  f"({moment}); its log: {kept}")
             if rc == 0 and store.newest() != TOTAL["nodes"]:
                 ok = False
                 self.failures.append(f"{kind}: node {1 - victim} exited 0 after node {victim} was killed")
@@ -1690,7 +1702,7 @@ class NodesLane:
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
                 "wall_s": self.wall_s, "total_steps": TOTAL["nodes"], "every": EVERY["nodes"],
                 "sabotage": self.sabotage, "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s,
-                "orphans": self.orphans, "hung": self.hung, "exit_s": self.exit_s, "survivor_exits": dict(self.survivor_rcs)}
+                "orphans": self.orphans, "hung": self.hung, "exit_s": self.exit_s, "kills": self.kills, "survivor_exits": dict(self.survivor_rcs)}
 
 
 def newest_mirrored(mirror: Path | None) -> int:

@@ -1502,11 +1502,13 @@ class NodesLane:
         except FileNotFoundError:
             return 0
 
-    def dump(self, root: Path, node: Any) -> Path:
-        """The Python stacks of a hung node's launcher and ranks (py-spy, when installed) and its log's tail."""
+    def dump(self, root: Path, node: Any, where: Path | None = None, hung: bool = True) -> Path:
+        """The Python stacks of a hung (or slow) node's launcher and ranks (py-spy, when installed), its log's tail."""
         from ripresa.session.torchrun import children
 
-        out = root / f"hung-node{node.index}.{int(time.time())}.txt"
+        where = root if where is None else where
+        where.mkdir(parents=True, exist_ok=True)
+        out = where / f"{'hung' if hung else 'slow'}-node{node.index}.{int(time.time())}.txt"
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         with open(out, "w") as f:
             for pid in [node.proc.pid, *children(node.proc.pid)]:
@@ -1516,7 +1518,7 @@ class NodesLane:
                     subprocess.run([spy, "dump", "--pid", str(pid)], stdout=f, stderr=subprocess.STDOUT, timeout=60)
             with contextlib.suppress(OSError):
                 f.write("==== log\n" + node.log.read_text(errors="replace")[-6000:])
-        self.hung += 1
+        self.hung += hung
         return out
 
     def orphaned(self, kind: str, ranks: list[int], moment: str, whose: str = "the killed node's") -> bool:
@@ -1546,8 +1548,11 @@ class NodesLane:
         t0 = time.monotonic()
         start.interrupted = True
         end = t0 + HANG_S
+        stacks = None
         while other.proc.poll() is None and time.monotonic() < end:
             time.sleep(0.01)
+            if stacks is None and time.monotonic() > t0 + NODES_SLOW_EXIT_S:  # where a slow survivor waits
+                stacks = self.dump(root, other, Path(self.args.out) / "failed", hung=False)
             if ranks and time.monotonic() > t0 + ORPHAN_S:  # the killed node's ranks outlived it: orphans
                 ok = self.orphaned(kind, ranks, moment) and ok
                 ranks = []
@@ -1569,7 +1574,7 @@ class NodesLane:
                 with contextlib.suppress(OSError):
                     shutil.copy(other.log, kept)
                 self.notes.append(f"{kind}: node {1 - victim} exited {rc} {took} s after node {victim}'s SIGKILL "
-                                  f"({moment}); its log: {kept}")
+                                  f"({moment}); its log: {kept}; its stacks at {NODES_SLOW_EXIT_S:.0f} s: {stacks}")
             if rc == 0 and store.newest() != TOTAL["nodes"]:
                 ok = False
                 self.failures.append(f"{kind}: node {1 - victim} exited 0 after node {victim} was killed")

@@ -1346,6 +1346,7 @@ class NodesLane:
         self.generations = self.redone = self.laps = self.equal_laps = self.diverged = self.orphans = 0
         self.wall_s = 0.0
         self.exit_s: list[float] = []  # node-kill/node-lost: seconds from the SIGKILL to the survivor's exit
+        self.sequence: list[dict[str, Any]] = []  # every interruption delivered, in order (the JSON's "sequence")
         self.kills: list[dict[str, Any]] = []  # each kill: victim, moment, the survivor's exit and its seconds
         self.survivor_rcs: Counter[int] = Counter()
         self.named = 0  # survivors whose log names the lost node (NodeLost, exit 4, before their agent ended them)
@@ -1423,6 +1424,7 @@ class NodesLane:
         kinds = [k for k in self.kinds if (k in self.args.kinds if self.args.kinds else k not in KNOWN_FAILING)
                  and (k != "outage" or store.s3)]
         start = self.launch(root, url)
+        self.sequence.append({"lap": n, "store": "s3" if store.s3 else "file"})
         ids.started(0)
         starts = 1
         while True:
@@ -1442,6 +1444,7 @@ class NodesLane:
                 if self.sabotage == "lose" and bar > 0:  # (tests the soak itself) the newest commit is deleted
                     store.delete(f"step_{bar:06d}.dcp.sha256")
                 start = self.launch(root, url)
+                self.sequence.append({"start": starts, "resume_bar": bar})
                 starts += 1
                 ids.started(bar)
                 continue
@@ -1568,6 +1571,7 @@ class NodesLane:
             self.exit_s.append(took)
             self.survivor_rcs[rc] += 1
             self.kills.append({"kind": kind, "victim": victim, "moment": moment, "exit": rc, "exit_s": took})
+            self.sequence.append(self.kills[-1])
             if took > NODES_SLOW_EXIT_S:  # slower than a lost node is named (~4-5 s): the survivor's log is kept
                 kept = Path(self.args.out) / "failed" / f"nodes-slow-exit-{len(self.kills)}.log"
                 kept.parent.mkdir(parents=True, exist_ok=True)
@@ -1642,6 +1646,7 @@ class NodesLane:
                     os.kill(node.proc.pid, signal.SIGTERM)
             start.interrupted = True
             rcs = start.wait(HANG_S)
+            self.sequence.append({"kind": kind, "at": round(t0 - start.t0, 1), "exits": rcs})
             if None in rcs:
                 ok = False
                 self.failures.append(f"sigterm: hung (no exit within {HANG_S:.0f} s): exits {rcs}")
@@ -1666,8 +1671,11 @@ class NodesLane:
             how = r.choice(OUTAGES)
             self.store.break_(how)
             self.outages[how] += 1
+            lasts = r.uniform(0.5, 8.0)
+            self.sequence.append({"kind": kind, "how": how, "s": round(lasts, 1),
+                                  "at": round(time.monotonic() - start.t0, 1)})
             try:
-                time.sleep(r.uniform(0.5, 8.0))
+                time.sleep(lasts)
             finally:
                 self.store.mend(how)
             after = store.newest()
@@ -1707,7 +1715,7 @@ class NodesLane:
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
                 "wall_s": self.wall_s, "total_steps": TOTAL["nodes"], "every": EVERY["nodes"],
                 "sabotage": self.sabotage, "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s,
-                "orphans": self.orphans, "hung": self.hung, "exit_s": self.exit_s, "kills": self.kills, "survivor_exits": dict(self.survivor_rcs)}
+                "orphans": self.orphans, "hung": self.hung, "exit_s": self.exit_s, "kills": self.kills, "sequence": self.sequence, "survivor_exits": dict(self.survivor_rcs)}
 
 
 def newest_mirrored(mirror: Path | None) -> int:

@@ -41,6 +41,8 @@ test-faults: $(STAMP)
 # The soak (docs/FAULTS.md, "The soak"): >= 1,000 real interruptions of three real
 # training loops, each final state compared bitwise; prints the table and writes
 # build/soak/soak.json. Under 60 minutes on 2 cores; root mounts its small tmpfs.
+# Its nodes lane (two torchrun nodes on node-local folders, committed through S3)
+# takes 16 of the interruptions (--nodes-interruptions), ~4-8 minutes.
 soak: $(STAMP)
 	$(PY) tests/soak/soak.py $(if $(SEED),--seed $(SEED))
 

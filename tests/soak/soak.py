@@ -2,6 +2,7 @@
 
     make soak                                                   # >= 1,000 interruptions, < 60 min on 2 cores
     python tests/soak/soak.py --seed 7 --interruptions 20 --lanes general,andrea   # a sample (make test runs one)
+    python tests/soak/soak.py --seed 5 --interruptions 3 --lanes nodes             # the two-node lane alone
 
 Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md, "The soak"):
 
@@ -13,6 +14,20 @@ Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md
 * ``ddp``: two ranks under ``python -m ripresa.torchrun`` (gloo, DDP, ``DistributedEpochSampler``);
 * ``s3``: one process, fp32 AdamW, ``format="andrea"``, mirrored to a real S3 server (moto, on
   127.0.0.1) through a fault proxy (tests/support/s3server.py) that the soak breaks.
+* ``nodes``: two "nodes" on this host (tests/support/nodes.py: a plain ``torchrun`` launcher each, in
+  its own session, one FSDP2 rank of tests/fixtures/fsdp_loop.py), each on a run folder of its own,
+  committed through the store (docs/DISTRIBUTED.md): odd laps a real S3 server of its own behind the
+  fault proxy, even laps a ``file://`` store. Kinds: ``node-kill`` (one node's launcher session
+  SIGKILLed while training: the other must exit non-zero within :data:`HANG_S`, no rank may outlive
+  its launcher by :data:`ORPHAN_S`; both restart), ``node-lost`` (the same, and the killed node's
+  folder deleted: the fresh node resumes from the store), ``outage`` (S3 laps: the store down 0.5-8 s
+  while training; no node exits, nothing committed goes), ``sigterm`` (both launchers: a stop
+  checkpoint at the last step, committed); ``node-kill-start`` (a kill within seconds of the rank's
+  spawn) is in :data:`KNOWN_FAILING`, drawn only when ``--kinds`` names it. "Lost": a start that
+  resumed an older step than the store's newest commit when it was launched (its first line in the
+  per-rank sample-id files), or a final generation whose ``.distcp`` objects in the store differ
+  from the uninterrupted two-node run's. ``make soak`` gives it :data:`NODES_INTERRUPTIONS`
+  (``--nodes-interruptions``): each costs a launch of both nodes (~10 s on 2 cores).
 
 Each single-process lane writes its run folder on its own small tmpfs (mounted
 here, as root). Interruptions, drawn at random (seeded) at random moments:
@@ -70,13 +85,20 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
-LANES = ("general", "andrea", "ddp", "s3")
+LANES = ("general", "andrea", "ddp", "s3", "nodes")
 #: Interruption kinds of each lane (``lost-folder`` is added when the mirror exists).
 KINDS = {
     "general": ["sigkill", "sigkill-start", "sigterm", "sigusr1+kill", "enospc"],
     "andrea": ["sigkill", "sigkill-start", "sigterm", "sigusr1+kill", "enospc"],
     "ddp": ["sigkill-group", "sigkill-rank", "sigkill-start", "sigterm", "sigusr1+kill", "sigusr1-start"],
     "s3": ["outage", "outage-close", "sigkill", "sigterm", "sigusr1+kill", "sigusr1-start"],
+    "nodes": ["node-kill", "node-lost", "outage", "sigterm", "node-kill-start"],
+}
+#: Kinds that find a known bug, drawn only when ``--kinds`` names them (a replay); docs/FAULTS.md, "The soak".
+KNOWN_FAILING = {
+    "node-kill-start": "a node SIGKILLed during its start (before its rank's Checkpointer exists) leaves its rank "
+                       "training on with the other node: plain torchrun's ranks are bound to their agent only by "
+                       "the Checkpointer, and a rank already re-parented is not stopped",
 }
 for _k in ("general", "andrea"):
     KINDS[_k].append("sigusr1-start")
@@ -94,8 +116,10 @@ MIRROR_LINES_BASE, MIRROR_LINES_PER_OUTAGE = 20, 10
 #: reference one file, so a lap's final state is compared across the two layouts.
 SHARDED_STAGING_BUDGET = 16 * 1024
 #: Lap length and cadence (steps) of each lane.
-TOTAL = {"general": 1000, "andrea": 400, "ddp": 60, "s3": 300}
-EVERY = {"general": 10, "andrea": 10, "ddp": 5, "s3": 10}
+TOTAL = {"general": 1000, "andrea": 400, "ddp": 60, "s3": 300, "nodes": 60}
+EVERY = {"general": 10, "andrea": 10, "ddp": 5, "s3": 10, "nodes": 5}
+#: Interruptions of the nodes lane in a run of several lanes (each costs a launch of both nodes: ~10 s).
+NODES_INTERRUPTIONS = 16
 TMPFS_BYTES = 8 << 20
 FINAL = "soak_final"  # the digest files a finished trainer writes: soak_final.rank{R}.json
 
@@ -464,9 +488,9 @@ def ripresa_started(pid: int) -> bool:
 
 
 class Store:
-    """The s3 lane's store: moto on 127.0.0.1 behind the fault proxy; outages on demand."""
+    """The s3 lane's store (the nodes lane has its own): moto on 127.0.0.1 behind the fault proxy; outages on demand."""
 
-    def __init__(self) -> None:
+    def __init__(self, bucket: str = "soak") -> None:
         sys.path.insert(0, str(REPO / "tests"))
         import logging
 
@@ -476,7 +500,7 @@ class Store:
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
         self.moto = MotoServer().start()
         self.proxy = FaultProxy(self.moto.port)
-        self.bucket = "soak"
+        self.bucket = bucket
         boto3.client("s3", endpoint_url=self.moto.url, region_name="us-east-1", aws_access_key_id="testing",
                      aws_secret_access_key="testing").create_bucket(Bucket=self.bucket)
         self.lock = threading.Lock()
@@ -1098,6 +1122,602 @@ class Lane:
                 "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s, "orphans": self.orphans}
 
 
+# ====================================================================== the nodes lane
+#: The nodes lane: two "nodes" (one torchrun launcher each, 1 rank, FSDP2 on gloo) on node-local folders,
+#: committed through the store (docs/DISTRIBUTED.md); tests/fixtures/fsdp_loop.py, slowed to give a kill a window.
+NODES_STEP_MS = 60.0
+#: Seconds after the first step of a start within which a node-kill, a SIGTERM or an outage lands.
+NODES_WINDOW_S = 3.0
+#: ``node-kill-start``: seconds after the victim's rank was spawned within which the kill lands (before the
+#: first step: import, the group's start, the resume take ~5-8 s on 2 cores).
+NODES_START_S = 5.0
+#: Seconds a node's rank may outlive its launcher (bound to it, the kernel ends it at once).
+ORPHAN_S = 5.0
+#: A survivor slower than this to exit after its peer's SIGKILL is noted, its log kept (HANG_S is the failure).
+NODES_SLOW_EXIT_S = 10.0
+#: Starts of one lap before it is given up (a failure): a lap that never commits its last step.
+NODES_MAX_STARTS = 40
+
+
+class NodeStart:
+    """One start of a nodes-lane lap: both nodes' launchers (tests/support/nodes.py), started together."""
+
+    def __init__(self, nodes: list[Any], ids_offset: int) -> None:
+        self.nodes = nodes
+        self.ids_offset = ids_offset  # rank 0's sample-id file before this start: its first new line is its first step
+        self.interrupted = False
+        self.t0 = time.monotonic()
+
+    def rcs(self) -> list[int | None]:
+        return [n.proc.poll() for n in self.nodes]
+
+    def running(self) -> bool:
+        return any(rc is None for rc in self.rcs())
+
+    def wait(self, timeout: float) -> list[int | None]:
+        end = time.monotonic() + timeout
+        while self.running() and time.monotonic() < end:
+            time.sleep(0.02)
+        return self.rcs()
+
+    def ranks(self) -> list[int]:
+        from ripresa.session.torchrun import children
+
+        return [p for n in self.nodes if n.proc.poll() is None for p in children(n.proc.pid)]
+
+    def kill(self) -> None:
+        for n in self.nodes:
+            n.kill()
+        for n in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                n.proc.wait(timeout=60)
+
+
+class NodeStore:
+    """What the driver reads of a lap's store (never through the fault proxy): committed steps, markers, objects."""
+
+    def __init__(self, url: str, store: Store | None) -> None:
+        self.url = url
+        self.s3 = url.startswith("s3://")
+        if self.s3:
+            import boto3
+
+            assert store is not None
+            self.bucket, _, self.prefix = url[len("s3://"):].partition("/")
+            self.client = boto3.client("s3", endpoint_url=store.moto.url, region_name="us-east-1",
+                                       aws_access_key_id="testing", aws_secret_access_key="testing")
+        else:
+            self.path = Path(url[len("file://"):])
+
+    def keys(self) -> list[str]:
+        if not self.s3:
+            if not self.path.exists():
+                return []
+            return [str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file()]
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
+            out.extend(o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", []))
+        return out
+
+    def get(self, key: str) -> bytes | None:
+        if not self.s3:
+            p = self.path / key
+            return p.read_bytes() if p.is_file() else None
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def delete(self, key: str) -> None:
+        if not self.s3:
+            (self.path / key).unlink(missing_ok=True)
+        else:
+            self.client.delete_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")
+
+    def committed(self) -> list[int]:
+        """The steps of the generations the store holds committed (their marker), oldest first."""
+        out = []
+        for k in self.keys():
+            if "/" not in k and k.startswith("step_") and k.endswith(".dcp.sha256"):
+                with contextlib.suppress(ValueError):
+                    out.append(int(k[len("step_"):-len(".dcp.sha256")]))
+        return sorted(out)
+
+    def newest(self) -> int:
+        steps = self.committed()
+        return steps[-1] if steps else 0
+
+    def shards(self, step: int) -> tuple[dict[str, str] | None, str]:
+        """Generation ``step``'s ``.distcp`` files as the store holds them: name → sha256 of the object's bytes,
+        each checked against its marker line; (None, why) when the marker is absent or an object differs."""
+        marker = self.get(f"step_{step:06d}.dcp.sha256")
+        if marker is None:
+            return None, f"no marker of step {step} in the store"
+        out = {}
+        for line in marker.decode().splitlines():
+            sha, _, name = line.partition("  ")
+            if not name.endswith(".distcp"):
+                continue
+            data = self.get(name)
+            if data is None or hashlib.sha256(data).hexdigest() != sha:
+                return None, f"{name}: {'absent' if data is None else 'differs from its marker'}"
+            out[name.rsplit("/", 1)[-1]] = sha
+        if not out:
+            return None, f"the marker of step {step} names no .distcp file"
+        return out, ""
+
+
+class IdsFollower:
+    """Follows the lap's sample-id files (fsdp_loop.py ``--ids``: ``step epoch ids`` per line and rank): each
+    start's first step (the step it resumed, plus one) and every step's ids against the uninterrupted run's."""
+
+    def __init__(self, root: Path, ref: dict[int, dict[int, str]] | None) -> None:
+        self.paths = {r: root / f"ids.{r}" for r in (0, 1)}
+        self.offsets = {0: 0, 1: 0}
+        self.ref = ref
+        self.bar: int | None = None  # the newest committed step when the latest start was launched (to check)
+        self.max_step = 0
+        self.starts: list[int] = []
+        self.redone = 0
+        self.lost: list[str] = []
+        self.diverged: list[str] = []
+
+    def size(self) -> int:
+        try:
+            return self.paths[0].stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def started(self, bar: int) -> None:
+        self.poll()
+        self.bar = bar
+
+    def poll(self) -> bool:
+        """Read new lines; True when rank 0 took a step since the latest start."""
+        stepped = False
+        for r, path in self.paths.items():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[r])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind(b"\n") + 1
+            self.offsets[r] += end
+            for raw in data[:end].decode().splitlines():
+                step_s, _, rest = raw.partition(" ")
+                step = int(step_s)
+                if self.ref is not None and self.ref.get(r, {}).get(step) != rest:
+                    self.diverged.append(f"rank {r} step {step}: ids {rest!r}, uninterrupted "
+                                         f"{self.ref.get(r, {}).get(step)!r}")
+                if r != 0:
+                    continue
+                stepped = True
+                if self.bar is not None:  # the first step of a start: it resumed step - 1
+                    start = step - 1
+                    self.starts.append(start)
+                    self.redone += max(0, self.max_step - start)
+                    if start < self.bar:
+                        self.lost.append(f"resumed step {start} while step {self.bar} was committed in the store")
+                    self.bar = None
+                self.max_step = max(self.max_step, step)
+        return stepped
+
+    def read_all(self) -> dict[int, dict[int, str]]:
+        out: dict[int, dict[int, str]] = {}
+        for r, path in self.paths.items():
+            for raw in path.read_text().splitlines():
+                step_s, _, rest = raw.partition(" ")
+                out.setdefault(r, {})[int(step_s)] = rest
+        return out
+
+
+class NodesLane:
+    """Two nodes on node-local folders, committed through the store; nodes killed, lost, the store down, SIGTERM.
+
+    Odd laps use the S3 server through the fault proxy, even laps a ``file://`` store (no
+    ``outage`` there). Every start launches both nodes again (a fresh rendezvous, as an operator would).
+    """
+
+    name = "nodes"
+
+    def __init__(self, args: argparse.Namespace, budget: int, root: Path, env: dict[str, str],
+                 store: Store | None) -> None:
+        sys.path.insert(0, str(REPO / "tests"))
+        self.args, self.budget, self.env, self.store = args, budget, env, store
+        self.rng = random.Random(f"{args.seed}/nodes")
+        self.kinds = list(KINDS["nodes"])
+        self.root = root / "nodes"
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True)
+        self.notes: list[str] = []
+        for k, why in KNOWN_FAILING.items():
+            if k not in args.kinds:
+                self.notes.append(f"{k} left out (known to fail, drawn only with --kinds {k}): {why}")
+        if store is None:
+            self.kinds.remove("outage")
+            self.notes.append("outage left out: no S3 server (every lap on a file:// store)")
+        self.delivered: Counter[str] = Counter()
+        self.survived: Counter[str] = Counter()
+        self.lost_by_kind: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self.starts: Counter[str] = Counter()
+        self.lost: list[str] = []
+        self.generations = self.redone = self.laps = self.equal_laps = self.diverged = self.orphans = 0
+        self.wall_s = 0.0
+        self.exit_s: list[float] = []  # node-kill/node-lost: seconds from the SIGKILL to the survivor's exit
+        self.sequence: list[dict[str, Any]] = []  # every interruption delivered, in order (the JSON's "sequence")
+        self.kills: list[dict[str, Any]] = []  # each kill: victim, moment, the survivor's exit and its seconds
+        self.survivor_rcs: Counter[int] = Counter()
+        self.named = 0  # survivors whose log names the lost node (NodeLost, exit 4, before their agent ended them)
+        self.failed_saves = 0  # checkpoint_failed events in rank 0's histories (a store outage: training goes on)
+        self.node_lost_count = 0
+        self.hung = 0  # nodes that did not exit within HANG_S (their stacks are kept)
+        self.at_start = 0  # node kills that landed before the start's first step
+        self.close_s: list[float] = []  # sigterm: seconds from SIGTERM to both launchers' exit
+        self.outages: Counter[str] = Counter()
+        self.last_kind: str | None = None
+        self.lost_seen = 0
+        self.sabotage = args.sabotage.get("nodes")
+        self.max_mirror_lines = 0
+
+    # ------------------------------------------------------------ helpers
+    def url(self, lap: int, root: Path) -> str:
+        if self.store is not None and lap % 2 == 1:
+            return f"s3://{self.store.bucket}/{self.args.seed}/lap{lap:04d}"
+        return f"file://{root / 'store'}"
+
+    def launch(self, root: Path, url: str) -> NodeStart:
+        from support.nodes import FSDP_LOOP, launch
+
+        args = ["--mirror", url, "--sync", "--step-ms", str(NODES_STEP_MS), "--every", str(EVERY["nodes"]),
+                "--steps", str(TOTAL["nodes"]), "--ids", str(root / "ids")]
+        ids_offset = (root / "ids.0").stat().st_size if (root / "ids.0").exists() else 0
+        start = NodeStart(launch(root, 2, FSDP_LOOP, args, env=self.env), ids_offset)
+        self.starts["torchrun"] += 2
+        return start
+
+    def reference(self) -> None:
+        root = self.root / "reference"
+        root.mkdir()
+        url = f"file://{root / 'store'}"
+        start = self.launch(root, url)
+        rcs = start.wait(900)
+        if rcs != [0, 0]:
+            start.kill()
+            raise RuntimeError(f"nodes: the uninterrupted run exited {rcs}; see {root}/node*.log")
+        hist = LapHistory(root / "node0" / "run", None)
+        hist.poll()
+        self.ref_losses = hist.losses
+        self.ref_ids = IdsFollower(root, None).read_all()
+        final, why = NodeStore(url, None).shards(TOTAL["nodes"])
+        if final is None or len(self.ref_losses) != TOTAL["nodes"]:
+            raise RuntimeError(f"nodes: the uninterrupted run left no final generation in its store ({why})")
+        self.ref_final = final
+        shutil.rmtree(root)
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        self.reference()
+        lap = 0
+        while sum(self.delivered.values()) < self.budget:
+            lap += 1
+            self.lap(lap)
+        self.wall_s = round(time.monotonic() - t0, 1)
+
+    def blame(self, ids: IdsFollower) -> None:
+        new = len(ids.lost) - self.lost_seen
+        if new > 0 and self.last_kind is not None:
+            self.survived[self.last_kind] -= min(new, self.survived[self.last_kind])
+            self.lost_by_kind[self.last_kind] += new
+        self.lost_seen = len(ids.lost)
+
+    # ------------------------------------------------------------ a lap
+    def lap(self, n: int) -> None:
+        root = self.root / f"lap{n:04d}"
+        root.mkdir()
+        url = self.url(n, root)
+        store = NodeStore(url, self.store)
+        hist = LapHistory(root / "node0" / "run", self.ref_losses)
+        ids = IdsFollower(root, self.ref_ids)
+        failures = len(self.failures)
+        kinds = [k for k in self.kinds if (k in self.args.kinds if self.args.kinds else k not in KNOWN_FAILING)
+                 and (k != "outage" or store.s3)]
+        start = self.launch(root, url)
+        self.sequence.append({"lap": n, "store": "s3" if store.s3 else "file"})
+        ids.started(0)
+        starts = 1
+        while True:
+            hist.poll()
+            ids.poll()
+            self.blame(ids)
+            if not start.running():
+                rcs = start.rcs()
+                if store.newest() == TOTAL["nodes"]:
+                    break
+                if not start.interrupted:
+                    self.failures.append(f"lap {n}: the nodes exited {rcs} without being interrupted")
+                if starts >= NODES_MAX_STARTS:
+                    self.failures.append(f"lap {n}: no final generation in the store after {starts} starts")
+                    break
+                bar = store.newest()
+                if self.sabotage == "lose" and bar > 0:  # (tests the soak itself) the newest commit is deleted
+                    store.delete(f"step_{bar:06d}.dcp.sha256")
+                start = self.launch(root, url)
+                self.sequence.append({"start": starts, "resume_bar": bar})
+                starts += 1
+                ids.started(bar)
+                continue
+            left = self.budget - sum(self.delivered.values())
+            if left <= 0 or not kinds:  # the budget is spent: let this lap finish undisturbed
+                if None in start.wait(600):
+                    self.failures.append(f"lap {n}: the last start did not finish within 600 s")
+                    start.kill()
+                    start.interrupted = True
+                continue
+            kind = self.rng.choice(kinds)
+            self.interrupt(kind, start, root, store, hist, ids)
+        hist.poll()
+        ids.poll()
+        self.blame(ids)
+        self.laps += 1
+        final, why = store.shards(TOTAL["nodes"])
+        equal = final == self.ref_final
+        self.equal_laps += equal
+        if not equal:
+            self.lost.append(f"lap {n}: the final generation's shards differ from the uninterrupted run's "
+                             f"({why or 'other bytes'})")
+            self.keep(root, n, "differs")
+        self.lost.extend(f"lap {n}: {x}" for x in ids.lost)
+        self.lost_seen = 0
+        self.diverged += len(hist.diverged) + len(ids.diverged)
+        if ids.diverged:
+            self.failures.extend(f"lap {n}: {x}" for x in ids.diverged[:3])
+        self.generations += hist.generations
+        self.failed_saves += sum(e.get("event") == "checkpoint_failed" for e in hist.events)
+        self.redone += ids.redone
+        self.max_mirror_lines = max(self.max_mirror_lines, hist.mirror_lines)
+        if equal and not ids.lost and not ids.diverged and len(self.failures) == failures:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            self.keep(root, n, "failed")
+
+    def keep(self, root: Path, n: int, why: str) -> None:
+        """A failed lap's folder stays (build/soak/runs/nodes/lapNNNN: nodes' logs, histories); noted."""
+        self.notes.append(f"lap {n} ({why}) kept: {root}")
+
+    def training(self, start: NodeStart, ids: IdsFollower, timeout: float = 180) -> bool:
+        """Wait until this start has taken its first step (both nodes joined, resumed, handlers installed)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and start.running():
+            try:
+                if (start.ids_offset < (ids.paths[0].stat().st_size)) and start.rcs() == [None, None]:
+                    return True
+            except FileNotFoundError:
+                pass
+            time.sleep(0.02)
+        return False
+
+    @staticmethod
+    def ids_size(root: Path) -> int:
+        try:
+            return (root / "ids.0").stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def dump(self, root: Path, node: Any, where: Path | None = None, hung: bool = True) -> Path:
+        """The Python stacks of a hung (or slow) node's launcher and ranks (py-spy, when installed), its log's tail."""
+        from ripresa.session.torchrun import children
+
+        where = root if where is None else where
+        where.mkdir(parents=True, exist_ok=True)
+        out = where / f"{'hung' if hung else 'slow'}-node{node.index}.{int(time.time())}.txt"
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        with open(out, "w") as f:
+            for pid in [node.proc.pid, *children(node.proc.pid)]:
+                f.write(f"==== pid {pid}\n")
+                f.flush()
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run([spy, "dump", "--pid", str(pid)], stdout=f, stderr=subprocess.STDOUT, timeout=60)
+            with contextlib.suppress(OSError):
+                f.write("==== log\n" + node.log.read_text(errors="replace")[-6000:])
+        self.hung += hung
+        return out
+
+    def orphaned(self, kind: str, ranks: list[int], moment: str, whose: str = "the killed node's") -> bool:
+        """``ranks`` still alive are orphans (a failure): SIGKILLed; True when there is none."""
+        ranks = [p for p in ranks if alive(p)]
+        for p in ranks:
+            self.orphans += 1
+            self.failures.append(f"{kind}: {whose} rank (pid {p}) outlived its launcher by {ORPHAN_S:.0f} s ({moment})")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        return not ranks
+
+    def node_kill(self, kind: str, start: NodeStart, root: Path, store: NodeStore, hist: LapHistory,
+                  victim: int | None = None) -> None:
+        """SIGKILL one node's launcher session; the other must exit non-zero within :data:`HANG_S`, its ranks
+        too (within :data:`ORPHAN_S`); ``node-lost``: the killed node's folder is deleted as well."""
+        ok = True
+        victim = self.rng.randrange(2) if victim is None else victim
+        from ripresa.session.torchrun import children
+
+        ranks = children(start.nodes[victim].proc.pid)  # the killed node's ranks: they must die with it
+        others = children(start.nodes[1 - victim].proc.pid)
+        moment = (f"{time.monotonic() - start.t0:.1f} s after the launch, "
+                  + ("before the first step" if start.ids_offset == self.ids_size(root) else "training"))
+        node, other = start.nodes[victim], start.nodes[1 - victim]
+        node.kill()
+        t0 = time.monotonic()
+        start.interrupted = True
+        end = t0 + HANG_S
+        stacks = None
+        while other.proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.01)
+            if stacks is None and time.monotonic() > t0 + NODES_SLOW_EXIT_S:  # where a slow survivor waits
+                stacks = self.dump(root, other, Path(self.args.out) / "failed", hung=False)
+            if ranks and time.monotonic() > t0 + ORPHAN_S:  # the killed node's ranks outlived it: orphans
+                ok = self.orphaned(kind, ranks, moment) and ok
+                ranks = []
+        rc = other.proc.poll()
+        if rc is None:
+            ok = False
+            dump = self.dump(root, other)
+            self.failures.append(f"{kind}: node {1 - victim} hung (no exit within {HANG_S:.0f} s of node "
+                                 f"{victim}'s SIGKILL, {moment}); stacks: {dump}")
+            start.kill()
+        else:
+            took = round(time.monotonic() - t0, 1)
+            self.exit_s.append(took)
+            self.survivor_rcs[rc] += 1
+            self.kills.append({"kind": kind, "victim": victim, "moment": moment, "exit": rc, "exit_s": took})
+            self.sequence.append(self.kills[-1])
+            if took > NODES_SLOW_EXIT_S:  # slower than a lost node is named (~4-5 s): the survivor's log is kept
+                kept = Path(self.args.out) / "failed" / f"nodes-slow-exit-{len(self.kills)}.log"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):
+                    shutil.copy(other.log, kept)
+                self.notes.append(f"{kind}: node {1 - victim} exited {rc} {took} s after node {victim}'s SIGKILL "
+                                  f"({moment}); its log: {kept}; its stacks at {NODES_SLOW_EXIT_S:.0f} s: {stacks}")
+            if rc == 0 and store.newest() != TOTAL["nodes"]:
+                ok = False
+                self.failures.append(f"{kind}: node {1 - victim} exited 0 after node {victim} was killed")
+        start.wait(60)
+        with contextlib.suppress(OSError):
+            self.named += "lost node" in other.log.read_text(errors="replace")
+        while ranks and time.monotonic() < t0 + ORPHAN_S:
+            ranks = [p for p in ranks if alive(p)]
+            time.sleep(0.05)
+        ok = self.orphaned(kind, ranks, moment) and ok
+        end = time.monotonic() + ORPHAN_S  # the survivor's ranks end with their agent
+        while others and time.monotonic() < end:
+            others = [p for p in others if alive(p)]
+            time.sleep(0.05)
+        ok = self.orphaned(kind, others, moment, "the surviving node's") and ok
+        if kind == "node-lost":
+            shutil.rmtree(root / f"node{victim}")
+            self.node_lost_count += 1
+            if victim == 0:
+                hist.poll()
+                hist.reset_file()
+        self.delivered[kind] += 1
+        self.survived[kind] += ok
+        self.last_kind = kind
+
+    def interrupt(self, kind: str, start: NodeStart, root: Path, store: NodeStore, hist: LapHistory,
+                  ids: IdsFollower) -> None:
+        r = self.rng
+        if kind == "node-kill-start":
+            # during the start, once the victim's rank runs: its import, the group's start, the Checkpointer's
+            # start, the resume (a pull from the store)
+            from ripresa.session.torchrun import children
+
+            victim = r.randrange(2)
+            end = start.t0 + 120
+            while not children(start.nodes[victim].proc.pid) and start.rcs() == [None, None] \
+                    and time.monotonic() < end:
+                time.sleep(0.01)
+            end = time.monotonic() + r.uniform(0, NODES_START_S)
+            while time.monotonic() < end and start.rcs() == [None, None] and start.ids_offset == ids.size():
+                time.sleep(0.01)
+            if start.rcs() == [None, None]:
+                self.at_start += start.ids_offset == ids.size()
+                self.node_kill(kind, start, root, store, hist, victim)
+            return
+        if not self.training(start, ids):
+            if start.running():
+                self.failures.append(f"{kind}: no first step within 180 s of the start")
+                start.kill()
+                start.interrupted = True
+            return
+        time.sleep(r.uniform(0, NODES_WINDOW_S))
+        if start.rcs() != [None, None]:
+            return  # the lap ended (or a node failed: judged by the lap)
+        ok = True
+        if kind in ("node-kill", "node-lost"):
+            self.node_kill(kind, start, root, store, hist)
+            return
+        if kind == "sigterm":
+            hist.poll()
+            seen = len(hist.events)
+            t0 = time.monotonic()
+            for node in start.nodes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(node.proc.pid, signal.SIGTERM)
+            start.interrupted = True
+            rcs = start.wait(HANG_S)
+            self.sequence.append({"kind": kind, "at": round(t0 - start.t0, 1), "exits": rcs})
+            if None in rcs:
+                ok = False
+                self.failures.append(f"sigterm: hung (no exit within {HANG_S:.0f} s): exits {rcs}")
+                start.kill()
+            else:
+                self.close_s.append(round(time.monotonic() - t0, 1))
+                hist.poll()
+                mine = hist.events[seen:]
+                stops = [e["step"] for e in mine if e.get("event") == "signal" and e.get("action") == "stop"]
+                saved = [e["step"] for e in mine if e.get("event") == "checkpoint" and e.get("reason") == "stop"]
+                last = hist.last_step
+                newest = store.newest()
+                at_end = last == TOTAL["nodes"] == newest
+                if not at_end and (stops != [last] or saved != [last] or newest != last):
+                    ok = False
+                    self.failures.append(f"sigterm: exits {rcs}, stop signal at {stops}, stop checkpoint {saved}, "
+                                         f"last step {last}, newest in the store {newest}")
+                    self.keep(root, 0, "sigterm")
+        elif kind == "outage":
+            assert self.store is not None
+            before = store.newest()
+            how = r.choice(OUTAGES)
+            self.store.break_(how)
+            self.outages[how] += 1
+            lasts = r.uniform(0.5, 8.0)
+            self.sequence.append({"kind": kind, "how": how, "s": round(lasts, 1),
+                                  "at": round(time.monotonic() - start.t0, 1)})
+            try:
+                time.sleep(lasts)
+            finally:
+                self.store.mend(how)
+            after = store.newest()
+            shards, why = store.shards(after) if after else ({}, "")
+            if after < before or shards is None:
+                ok = False
+                self.failures.append(f"outage ({how}): the store's newest generation was {before}, now {after} "
+                                     f"{why}")
+            rcs = start.rcs()
+            if any(rc not in (None, 0) for rc in rcs):
+                ok = False
+                start.interrupted = True
+                self.failures.append(f"outage ({how}): the nodes exited {rcs}")
+                self.keep(root, 0, "outage")
+        self.delivered[kind] += 1
+        self.survived[kind] += ok
+        self.last_kind = kind
+
+    def close(self) -> None:
+        pass
+
+    def record(self) -> dict[str, Any]:
+        if self.exit_s:
+            self.notes.append(f"a node SIGKILLed: the other exited within {max(self.exit_s)} s at most "
+                              f"(exits {dict(self.survivor_rcs)}); {self.named} of {len(self.exit_s)} "
+                              f"survivors' logs name the lost node; {self.at_start} kill(s) before the first step")
+        if self.node_lost_count:
+            self.notes.append(f"node-lost: {self.node_lost_count} folder(s) deleted, the fresh node resumed from the store")
+        if self.close_s:
+            self.notes.append(f"SIGTERM to both launchers: exit within {max(self.close_s)} s at most")
+        if self.outages:
+            self.notes.append(f"outages {dict(self.outages)}; {self.failed_saves} save(s) failed, training went on")
+        return {"delivered": dict(self.delivered), "survived": dict(self.survived),
+                "lost_by_kind": dict(self.lost_by_kind), "mirror_resumes": 0, "starts": dict(self.starts),
+                "generations": self.generations, "redone_steps": self.redone, "laps": self.laps,
+                "equal_laps": self.equal_laps, "diverged_steps": self.diverged, "lost": len(self.lost),
+                "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
+                "wall_s": self.wall_s, "total_steps": TOTAL["nodes"], "every": EVERY["nodes"],
+                "sabotage": self.sabotage, "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s,
+                "orphans": self.orphans, "hung": self.hung, "exit_s": self.exit_s, "kills": self.kills, "sequence": self.sequence, "survivor_exits": dict(self.survivor_rcs)}
+
+
 def newest_mirrored(mirror: Path | None) -> int:
     """The newest step of a local-path mirror that verifies (its marker last; docs/MIRROR.md), or 0."""
     from ripresa.store.backend import latest_valid_any
@@ -1167,8 +1787,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="ripresa's soak: >= 1,000 interruptions, bitwise final states")
     ap.add_argument("--seed", type=int, default=None, help="seed of every random choice (default: drawn, printed)")
     ap.add_argument("--interruptions", type=int, default=1000, help="interruptions in total across the lanes")
-    ap.add_argument("--lanes", default=",".join(LANES), help="comma-separated: general, andrea, ddp, s3")
+    ap.add_argument("--lanes", default=",".join(LANES), help="comma-separated: general, andrea, ddp, s3, nodes")
     ap.add_argument("--ddp-share", type=float, default=0.08, help="share of the interruptions for the ddp lane")
+    ap.add_argument("--nodes-interruptions", type=int, default=NODES_INTERRUPTIONS,
+                    help="interruptions of the nodes lane when other lanes run too (taken from --interruptions)")
     ap.add_argument("--fresh-share", type=float, default=0.1, help="single-process starts in a fresh interpreter")
     ap.add_argument("--kinds", default="", help="comma-separated: only these interruption kinds (a replay)")
     ap.add_argument("--total", type=int, default=0, help="steps per lap of the single-process lanes (default: 1000, 400, 300)")
@@ -1200,6 +1822,8 @@ def main(argv: list[str] | None = None) -> int:
                + (f" --kinds {','.join(args.kinds)}" if args.kinds else "") + (f" --total {args.total}" if args.total else "")
                + (f" --fresh-share {args.fresh_share}" if args.fresh_share != 0.1 else "")
                + (f" --ddp-share {args.ddp_share}" if args.ddp_share != 0.08 else "")
+               + (f" --nodes-interruptions {args.nodes_interruptions}"
+                  if args.nodes_interruptions != NODES_INTERRUPTIONS else "")
                + (f" --sabotage {','.join(f'{k}={v}' for k, v in args.sabotage.items())}" if args.sabotage else ""))
     print(f"soak: seed {args.seed}; replay: {command}", flush=True)
     out = Path(args.out)
@@ -1212,10 +1836,20 @@ def main(argv: list[str] | None = None) -> int:
         env.update(store.env(), AWS_ENDPOINT_URL=store.proxy.url)  # the trainers reach the store through the proxy
         for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
             env.pop(k, None)
-    server = ForkServer(env)
-    budget = split_budget(args.interruptions, lanes, args.ddp_share)
+    others = [x for x in lanes if x != "nodes"]
+    nstore = Store("soak-nodes") if "nodes" in lanes else None  # its own server and proxy: its own outages
+    nenv = dict(env, **(nstore.env() if nstore else {}), AWS_ENDPOINT_URL=nstore.proxy.url if nstore else "")
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        nenv.pop(k, None)
+    server = ForkServer(env) if others else None
+    nodes_budget = (min(args.nodes_interruptions, args.interruptions) if others else args.interruptions
+                    ) if "nodes" in lanes else 0
+    budget = split_budget(args.interruptions - nodes_budget, others, args.ddp_share)
     mirror_ok = mirror_available()
-    objs = {name: Lane(name, args, budget[name], out / "runs", server, env, mirror_ok, store) for name in lanes}
+    objs: dict[str, Any] = {name: Lane(name, args, budget[name], out / "runs", server, env, mirror_ok, store)
+                            for name in others}
+    if "nodes" in lanes:
+        objs["nodes"] = NodesLane(args, nodes_budget, out / "runs", nenv, nstore)
     errors: dict[str, str] = {}
 
     def drive(lane: Lane) -> None:
@@ -1241,9 +1875,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for lane in objs.values():
             lane.close()
-        server.close()
-        if store is not None:
-            store.close()
+        if server is not None:
+            server.close()
+        for st in (store, nstore):
+            if st is not None:
+                st.close()
     lanes_rec = {name: lane.record() for name, lane in objs.items()}
     for name, err in errors.items():
         lanes_rec[name]["error"] = err

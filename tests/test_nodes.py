@@ -17,7 +17,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-
 from support.nodes import DIST_LOOP, FSDP_LOOP, launch, ok, run_nodes
 from support.ripresa_faults import fault_env
 
@@ -238,3 +237,37 @@ def test_two_nodes_on_the_s3_server(tmp_path, reference, s3):
     for name, data in reference.items():
         got = s3.client.get_object(Bucket=s3.bucket, Key=f"{s3.prefix}step_000012.dcp/{name}")["Body"].read()
         assert got == data, name
+
+
+@pytest.mark.slow
+def test_ripresa_verify_runs_a_two_launcher_script_with_its_own_launchers(tmp_path):
+    """``ripresa verify -- ./nodes.sh``: the script starts both nodes' torchrun; every rank is steered into the
+    verify folders (the run's own folders and store are never touched) and every check passes at tolerance 0."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from support.nodes import ENV
+
+    script = tmp_path / "nodes.sh"
+    port = f'$("{sys.executable}" -c "from support.nodes import free_port; print(free_port())")'
+    script.write_text(f"""#!/bin/sh
+P={port}
+for n in 0 1; do
+  "{sys.executable}" -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+    --rdzv-endpoint 127.0.0.1:$P --rdzv-id v -- "{FSDP_LOOP}" --run "{tmp_path}/n$n/run" \\
+    --mirror "{tmp_path}/store" "$@" &
+done
+wait
+""")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    out = tmp_path / "verify"
+    r = subprocess.run([sys.executable, "-m", "ripresa", "verify", "--output", str(out), "--steps", "6", "--cut", "3",
+                        "--tolerance", "0", "--json", "--", str(script), "--steps", "6", "--every", "3"],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **ENV, "PYTHONPATH": str(Path(__file__).parent)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "verification.json").read_text())
+    assert report["all_checks_passed"] is True
+    assert not (tmp_path / "n0").exists() and not (tmp_path / "store").exists()

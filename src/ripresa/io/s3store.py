@@ -112,7 +112,7 @@ class S3Store(GetBytes):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=timeout,
                         read_timeout=timeout, s3={"addressing_style": "path"} if endpoint else {},
-                        max_pool_connections=4)
+                        max_pool_connections=10)  # a node's part goes up 8 files at once (store/mirror/commit.py)
         try:
             self.client = session.client("s3", endpoint_url=endpoint, config=config,
                                          region_name=session.region_name or "us-east-1")

@@ -422,7 +422,10 @@ class NodePipeline(CollectivePipeline):
             if retain is not None:
                 retain(step)
         if d.is_main:
-            self.commit(b.check(step), reason, time.perf_counter() - t0)
+            total = sum(r.size for _, rs in every if rs for r in rs)  # every node's part (node 0's check sees its own)
+            gen = b.check(step)
+            self.commit(replace(gen, size=total + (gen.size or 0) - sum(r.size for r in (every[0][1] or ()))),
+                        reason, time.perf_counter() - t0)
             try:
                 ns.retain(b.names.parse, step)
             except (RipresaError, OSError) as exc:  # the generation stands; the next commit retries

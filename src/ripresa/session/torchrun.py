@@ -223,7 +223,11 @@ def bind_at_import() -> None:
     """
     raw = os.environ.pop(LAUNCHER_ENV, "")
     parsed = parse_identity(raw)
-    if parsed is None or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
+        return
+    if parsed is None:
+        if not raw:
+            _bind_elastic_rank()  # a rank of plain torchrun: die with its agent too
         return
     launcher, start = parsed
     forked_by_launcher = _death_signal() == LAUNCHER_DEATH_SIGNAL
@@ -315,6 +319,38 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
+def _agent_parent() -> bool:
+    """This process's parent is a torch elastic agent (its command line names torch.distributed.run or torchrun)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            cmd = f.read(4096)
+    except OSError:
+        return False
+    return b"torch.distributed.run" in cmd or b"torchrun" in cmd
+
+
+def _bind_elastic_rank() -> None:
+    """``import ripresa`` in a rank of plain ``torchrun`` (``TORCHELASTIC_RUN_ID`` set, no ripresa launcher):
+    SIGKILLed by the kernel when its agent dies. One whose agent died before (re-parented to init: torchrun's
+    ranks are its own children) prints one line and exits :data:`ORPHAN_EXIT` before it joins any group; a rank
+    started through a wrapper (another parent) is left alone (docs/DISTRIBUTED.md, "Losing a node")."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    if _agent_parent():
+        bind_to_agent()
+    elif os.getppid() == 1:
+        _orphan_agent_line()
+
+
+def _orphan_agent_line() -> None:
+    try:
+        os.write(2, b"ripresa: error: the torchrun agent that started this rank has ended: this rank stops before "
+                    b"it touches the run folder, exit 2; hint: start the node's torchrun again\n")
+    except OSError:
+        pass
+    os._exit(ORPHAN_EXIT)
+
+
 def bind_to_agent() -> bool:
     """A rank of a multi-node run under plain ``torchrun``: die with the agent that started it.
 
@@ -325,20 +361,21 @@ def bind_to_agent() -> bool:
     the parent's command line names ``torch.distributed.run`` or ``torchrun``); a parent already gone
     (re-parented before the call) stops the rank at once. True when bound (docs/DISTRIBUTED.md, "Losing a node").
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or _death_signal() == int(signal.SIGKILL):
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
+    if _death_signal() == int(signal.SIGKILL):  # bound at import (or by ripresa's launcher)
+        if os.getppid() == 1:
+            _orphan_agent_line()
+        return True
     parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/cmdline", "rb") as f:
-            cmd = f.read(4096)
-    except OSError:
-        return False
-    if b"torch.distributed.run" not in cmd and b"torchrun" not in cmd:
+    if not _agent_parent():
+        if parent == 1:  # re-parented: its agent has ended
+            _orphan_agent_line()
         return False
     try:
         _libc().prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return False
     if os.getppid() != parent:  # the agent ended before the binding took: this rank is an orphan already
-        os.kill(os.getpid(), signal.SIGKILL)
+        _orphan_agent_line()
     return True

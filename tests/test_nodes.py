@@ -271,3 +271,21 @@ wait
     report = json.loads((out / "verification.json").read_text())
     assert report["all_checks_passed"] is True
     assert not (tmp_path / "n0").exists() and not (tmp_path / "store").exists()
+
+
+@pytest.mark.slow
+def test_ripresa_train_shard_fsdp_on_two_nodes_and_a_lost_folder(tmp_path):
+    """``torchrun ... -m -- ripresa train --shard fsdp --mirror URL`` on two nodes; node 1's folder lost; the
+    same command again resumes from the store and goes on."""
+    store = tmp_path / "store"
+    args = ["--config", "tiny", "--every", "5", "--shard", "fsdp", "--mirror", str(store)]
+    first = run_nodes(tmp_path, 2, "-mripresa train", ["--steps", "10", *args])
+    ok(first)
+    check_store_generation(store, "step_000010.dcp")
+    assert sorted(p.name for p in (first[1].run / "step_000010.dcp").glob("*.distcp")) == ["__1_0.distcp"]
+    shutil.rmtree(first[1].run.parent)
+    again = run_nodes(tmp_path, 2, "-mripresa train", ["--steps", "15", *args])
+    ok(again)
+    check_store_generation(store, "step_000015.dcp")
+    pulled = events(first[0].run, "nodes_pulled")[-1]
+    assert pulled["step"] == 10 and pulled["nodes"]["1"]["objects"] >= 3

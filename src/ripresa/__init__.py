@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-if "RIPRESA_LAUNCHER_PID" in __import__("os").environ:  # a rank of python -m ripresa.torchrun (session/torchrun.py)
+_ENV = __import__("os").environ
+if "RIPRESA_LAUNCHER_PID" in _ENV or "TORCHELASTIC_RUN_ID" in _ENV:  # a rank of a launcher (session/torchrun.py)
     from .session.torchrun import bind_at_import as _bind
 
-    _bind()  # dies with its launcher from here on, before any rendezvous
+    _bind()  # dies with its launcher (ripresa's, or torchrun's agent) from here on, before any rendezvous
+del _ENV
 
 # Public names, imported on first use (PEP 562): `import ripresa.cli` and
 # `ripresa signal RUN stop` never import torch.

@@ -59,7 +59,8 @@ class Node:
 
 def launch(root: Path, nodes: int, script: Path, args: list[str], *, nproc: int = 1, env: dict | None = None,
            port: int | None = None, tag: str | None = None, first: int = 0) -> list[Node]:
-    """Start ``nodes`` launchers of ``script`` (its ``--run`` is each node's own folder), as users would."""
+    """Start ``nodes`` launchers of ``script`` (its ``--run`` is each node's own folder), as users would;
+    ``script`` ``"-mripresa train"`` runs a module (``torchrun ... -m -- ripresa train``)."""
     port = port or free_port()
     rdzv = tag or uuid.uuid4().hex[:8]
     out = []
@@ -67,9 +68,10 @@ def launch(root: Path, nodes: int, script: Path, args: list[str], *, nproc: int 
         run = root / f"node{k}" / "run"
         run.parent.mkdir(parents=True, exist_ok=True)
         log = root / f"node{k}.{rdzv}.log"
+        target = ["-m", "--", *str(script)[2:].split()] if str(script).startswith("-m") else ["--", str(script)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv, "--",
-               str(script), "--run", str(run), *map(str, args)]
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv, *target,
+               "--run", str(run), *map(str, args)]
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True,
                                     env={**os.environ, **ENV, **(env or {})}, start_new_session=True)

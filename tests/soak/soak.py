@@ -683,7 +683,20 @@ class Tmpfs:
         subprocess.run(["umount", "-l", str(self.where)], capture_output=True)
 
 
-class Lane:
+class Laps:
+    """What every lane does: its uninterrupted reference once, then laps until its interruptions are delivered."""
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        self.reference()
+        lap = 0
+        while sum(self.delivered.values()) < self.budget:
+            lap += 1
+            self.lap(lap)
+        self.wall_s = round(time.monotonic() - t0, 1)
+
+
+class Lane(Laps):
     def __init__(self, name: str, args: argparse.Namespace, budget: int, root: Path, server: ForkServer,
                  env: dict[str, str], mirror_ok: bool, store: Store | None = None) -> None:
         self.name, self.args, self.budget, self.server, self.env = name, args, budget, server, env
@@ -778,14 +791,6 @@ class Lane:
         shutil.rmtree(run)
 
     # ------------------------------------------------------------ a lap
-    def run(self) -> None:
-        t0 = time.monotonic()
-        self.reference()
-        lap = 0
-        while sum(self.delivered.values()) < self.budget:
-            lap += 1
-            self.lap(lap)
-        self.wall_s = round(time.monotonic() - t0, 1)
 
     def lap(self, n: int) -> None:
         run = self.lap_folder(n)
@@ -1312,7 +1317,7 @@ class IdsFollower:
         return out
 
 
-class NodesLane:
+class NodesLane(Laps):
     """Two nodes on node-local folders, committed through the store; nodes killed, lost, the store down, SIGTERM.
 
     Odd laps use the S3 server through the fault proxy, even laps a ``file://`` store (no
@@ -1396,14 +1401,6 @@ class NodesLane:
         self.ref_final = final
         shutil.rmtree(root)
 
-    def run(self) -> None:
-        t0 = time.monotonic()
-        self.reference()
-        lap = 0
-        while sum(self.delivered.values()) < self.budget:
-            lap += 1
-            self.lap(lap)
-        self.wall_s = round(time.monotonic() - t0, 1)
 
     def blame(self, ids: IdsFollower) -> None:
         new = len(ids.lost) - self.lost_seen

@@ -19,11 +19,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import console
 from ..console import install_script_hooks
 from ..core.numbers import checked_number
 from ..core.state import Progress, TrainingState
-from ..errors import BadInput, IntegrityError, RipresaError, SaveFailed
+from ..errors import BadInput, SaveFailed
 from ..io import auth
 from ..io.fsio import write_atomic
 from ..store.async_save import AsyncCheckpointWriter
@@ -36,10 +35,7 @@ from ..store.backend import (
 )
 from ..store.folder import DEFAULT_SHARD_THRESHOLD, SaveOptions
 from ..store.history import HISTORY_NAME, History
-from ..store.kinds import generation_files
 from ..store.mirror import Mirror, has_local_generation, open_mirror, pull_run, record_url
-from ..store.mirror.commit import newest_committed
-from ..store.mirror.plan import size_text
 from ..store.restore import rank_view, saved_record
 from ..store.retention import DEFAULT_RETENTION, RetentionPolicy
 from ..store.store import CheckpointStore, CheckpointWarning, Generation
@@ -61,20 +57,22 @@ from .nodes import (
     NodeLayout,
     NodePipeline,
     NodeStore,
-    is_collective_failure,
+    land_replica,
+    land_sharded,
     mark_node_local,
-    node_lost_error,
     once_node_local,
     one_node,
+    report_pulled,
 )
 from .nodes import detect as detect_nodes
+from .nodes import watch as watch_nodes
 from .resuming import OtherModeWarning, Resumer
 from .run_files import METRICS_NAME, GenerationMetrics, local_run_dir
 from .saving import CollectivePipeline, LocalPipeline, RankZeroPipeline, SaveHooks
 from .sharded_async import AsyncCollectivePipeline, ShardedWriter
 from .signals import SignalRequests, hold
 from .steer import DistSteeredRecorder, SteeredRecorder, steer_session
-from .torchrun import bind_to_agent, bind_to_launcher
+from .torchrun import bind_to_launcher
 
 __all__ = ["Checkpointer", "ForeignCheckpointWarning", "HyperparameterWarning", "OtherModeWarning", "rank_view", "METRICS_NAME", "local_run_dir"]
 
@@ -299,14 +297,12 @@ class Checkpointer:
                 self._open_backends()
                 self.history = NullHistory()  # type: ignore[assignment]
             if self.layout is not None:
-                bind_to_agent()  # a lost node's ranks die with its launcher; the survivors learn it at once
-                self.heartbeat = Heartbeat(self.layout, self.dist.rank)
-                console.TRANSLATORS.append(self._node_lost)
+                self.heartbeat = watch_nodes(self.layout, self.dist.rank)  # a lost node: NodeLost, exit 4
             if self.node_local:
                 if leader:
                     mark_node_local(self.run_dir, self.layout)
                 url = getattr(mirror, "url", None) or os.fspath(mirror)
-                self.node_store = NodeStore(url, self.layout, self.dist, event=self.history.event)
+                self.node_store = NodeStore(url, self.layout, event=self.history.event)
                 self.store.node_part = self.mode == "fsdp2"
                 self.store.fetch = self.node_store.fetch
             if asynchronous and self.mode == "fsdp2":
@@ -403,24 +399,26 @@ class Checkpointer:
         return self._resume(from_path, restore_rng)
 
     def _resume(self, from_path: str | Path | None, restore_rng: bool) -> int:
-        landed = False
-        if self.node_store is not None and from_path is None and not self._fresh:
+        landed, ns = False, self.node_store
+        if ns is not None and from_path is None and not self._fresh:
             # FSDP2: every node holds its part of the store's newest generation; DDP: every node a whole copy
-            from_path = self._land_from_store() if self.mode == "fsdp2" else self._land_replica()
+            assert self.dist is not None
+            from_path = (land_sharded(self.dist, ns, self.run_dir, self.backend) if self.mode == "fsdp2" else
+                         land_replica(self.dist, ns, self.run_dir, self.backends, self.store, self.history.event))
             landed = from_path is not None
             self.resumer.reroot = True
         if self.mirror is not None:
-            if self.node_store is not None:
-                pass  # generations come from the nodes' folders and the store above; the mirror keeps the run's files
-            elif from_path is None and not self._fresh and not has_local_generation(self.run_dir):  # a new machine
+            # node-local folders: generations come from the nodes and the store above; the mirror keeps the run's files
+            if ns is None and from_path is None and not self._fresh and not has_local_generation(self.run_dir):
                 pull_run(self.mirror.store, self.run_dir, self.store, kinds=[b.kind for b in self.backends],
                      event=self.history.event, spec=self.mirror.spec)
             self.mirror.start()
         before = script_values(self.state.optimizer, self.state.scheduler)  # the script's, before the restore
         gen, restored = self.resumer.take(from_path, restore_rng)
         if landed:
+            assert self.dist is not None and ns is not None
             from_path = None  # the newest committed generation, as a resume without a path would take it
-            self._report_pulled(gen)
+            report_pulled(self.dist, ns, gen, self.history.event)
         if gen is not None and restored is not None:
             self._hyperparameters(gen, before)
         if gen is None or restored is None:
@@ -430,108 +428,6 @@ class Checkpointer:
             self._write_config()
             return 0
         return self._resumed(gen, restored, from_path, restore_rng, world_size=1 if self.dist is None else self.dist.world_size)
-
-    def _land_from_store(self) -> Path | None:
-        """Node-local folders: rank 0 names the store's newest committed generation, every node's leader lands
-        its marker, companion and ``.metadata`` in its folder (docs/DISTRIBUTED.md, "Resuming on any nodes")."""
-        d, ns, layout = self.dist, self.node_store, self.layout
-        assert d is not None and ns is not None and layout is not None
-        choice, error = None, None
-        if d.is_main:
-            try:
-                choice = ns.newest(self.backend.names.parse)
-            except RipresaError as exc:
-                error = exc.message
-        choice, error = d.broadcast((choice, error))
-        if error is not None:
-            raise BadInput(f"rank 0 could not list the store: {error}", file=ns.url,
-                           hint="the store must be reachable to resume a run on node-local folders")
-        if choice is None:
-            return None
-        step, main, marker, sig, sizes = choice
-        failed = None
-        if layout.is_leader:
-            try:
-                hashes = {k.split("/", 1)[1]: sha for sha, k in generation_files(main, marker, where=f"{ns.url}/{main}.sha256")}
-                ns.land(self.run_dir, main, marker, sig, hashes, sizes, always=self.backend.part_common)
-            except (RipresaError, OSError) as exc:
-                failed = f"node {layout.node}: {getattr(exc, 'message', None) or exc}"
-        errors = [e for e in self.dist.all_gather(failed) if e]
-        if errors:
-            raise IntegrityError(f"the store's generation {main} could not be landed on every node",
-                                 file=ns.url, found="; ".join(errors)[:600],
-                                 hint="an older generation is not tried on its own: check the store with ripresa inspect URL")
-        return self.run_dir / main
-
-    def _node_lost(self, exc: BaseException) -> BaseException | None:
-        """A failed collective of a multi-node run as :class:`~ripresa.errors.NodeLost` (None: another failure)."""
-        if self.layout is None or self.dist is None or not is_collective_failure(exc):
-            return None
-        return node_lost_error(self.layout, self.heartbeat, self.dist.rank, exc)
-
-    def _land_replica(self) -> Path | None:
-        """DDP on node-local folders: the newest step every node holds or the store holds committed; a node
-        without it pulls it whole from the store (docs/DISTRIBUTED.md, "Resuming on any nodes")."""
-        d, ns, layout = self.dist, self.node_store, self.layout
-        assert d is not None and ns is not None and layout is not None
-        local: dict[int, str] = {}
-        if layout.is_leader:
-            for b in self.backends:
-                for g in b.generations():
-                    if g.valid:
-                        local.setdefault(g.step, g.path.name)
-        every = d.all_gather(sorted(local) if layout.is_leader else None)
-        held, error = None, None
-        if d.is_main:
-            try:
-                listing = ns.listing()
-                held = sorted({step for b in self.backends for step, _ in newest_committed(listing, b.names.parse)})
-            except RipresaError as exc:
-                error = exc.message
-        held, error = d.broadcast((held, error))
-        if error is not None:
-            raise BadInput(f"rank 0 could not list the store: {error}", file=ns.url,
-                           hint="the store must be reachable to resume a run on node-local folders")
-        steps = [set(x) for x in every if x is not None]
-        candidates = set(held or ()) | (set.intersection(*steps) if steps else set())
-        if not candidates:
-            return None
-        step = max(candidates)
-        failed = None
-        if layout.is_leader and step not in local:
-            try:
-                gen = pull_run(ns.remote, self.run_dir, self.store, step=step, kinds=[b.kind for b in self.backends],
-                               event=self.history.event)
-                if gen is None:
-                    raise IntegrityError(f"the store holds no verified generation of step {step}", file=ns.url)
-                local[step] = gen.path.name
-                ns.pulled_bytes += gen.size or 0
-                ns.pulled_objects += len(gen.files)
-            except (RipresaError, OSError) as exc:
-                failed = f"node {layout.node}: {getattr(exc, 'message', None) or exc}"
-        errors = [e for e in d.all_gather(failed) if e]
-        if errors:
-            raise IntegrityError(f"step {step} could not be landed on every node", file=ns.url,
-                                 found="; ".join(errors)[:600], hint="check the store with ripresa inspect URL")
-        return self.run_dir / d.broadcast(local.get(step))
-
-    def _report_pulled(self, gen: Generation | None) -> None:
-        """Every rank's pulled bytes, summed per node: one history event and one line on rank 0."""
-        assert self.dist is not None and self.node_store is not None and self.layout is not None
-        mine = (self.layout.node, self.node_store.pulled_bytes, self.node_store.pulled_objects)
-        per_node: dict[int, list[int]] = {}
-        for node, n, k in self.dist.all_gather(mine):
-            acc = per_node.setdefault(node, [0, 0])
-            acc[0] += n
-            acc[1] += k
-        if gen is None:
-            return
-        nodes = {str(i): {"bytes": v[0], "objects": v[1]} for i, v in sorted(per_node.items())}
-        self.history.event("nodes_pulled", step=gen.step, file=gen.path.name, nodes=nodes)
-        if self.dist.is_main:
-            text = ", ".join(f"node {i} pulled {size_text(v[0])} ({v[1]} objects)" for i, v in sorted(per_node.items()))
-            sys.stderr.write(console.one_line(f"ripresa: resumed {gen.path.name} from the store: {text}") + "\n")
-            sys.stderr.flush()
 
     def _hyperparameters(self, gen: Generation, before: Any) -> None:
         """The script's optimizer hyper-parameters against the restored ones: which side wins, never silently."""

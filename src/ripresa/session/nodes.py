@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,13 +34,15 @@ from typing import Any
 
 from ..errors import BadInput, IntegrityError, NodeLost, RipresaError, SaveFailed
 from ..formats.generation import Generation
+from ..io import auth
 from ..io.objstore import open_store
 from ..io.safe_read import read_small
 from ..store.mirror import commit as store_commit
 from .distributed import DistContext, fault_point
 from .saving import CollectivePipeline
 
-__all__ = ["Heartbeat", "NodeLayout", "NodePipeline", "NodeStore", "detect", "lost_nodes", "node_key"]
+__all__ = ["Heartbeat", "NodeLayout", "NodePipeline", "NodeStore", "detect", "land_replica", "land_sharded", "lost_nodes",
+           "node_key", "report_pulled", "watch"]
 
 #: Environment variables that name a node, first found wins (torchrun, Slurm, Kubernetes-style launchers).
 NODE_VARIABLES = ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK", "RIPRESA_NODE")
@@ -251,9 +254,9 @@ def is_collective_failure(exc: BaseException) -> bool:
 class NodeStore:
     """This rank's handle on the store of a node-local run: uploads of its node's part, fetches, the commit."""
 
-    def __init__(self, url: str, layout: NodeLayout, d: DistContext, *, event: Callable[..., None] | None = None,
+    def __init__(self, url: str, layout: NodeLayout, *, event: Callable[..., None] | None = None,
                  keep: Any = None) -> None:
-        self.layout, self.dist = layout, d
+        self.layout = layout
         self.remote = open_store(url)
         self.url = url
         self.event = event
@@ -270,10 +273,14 @@ class NodeStore:
         """Land ``folder/name`` from the store (verified); counted in :attr:`pulled_bytes`."""
         if size is None:
             raise IntegrityError("a file to fetch has no committed size", file=folder / name)
-        n = store_commit.fetch_object(self.remote, f"{folder.name}/{name}", folder / name, sha256=sha256, size=size)
+        self.count(store_commit.fetch_object(self.remote, f"{folder.name}/{name}", folder / name, sha256=sha256,
+                                             size=size), 1)
+
+    def count(self, n: int, objects: int) -> None:
+        """``n`` bytes in ``objects`` objects pulled from the store by this rank."""
         with self._lock:
             self.pulled_bytes += n
-            self.pulled_objects += 1
+            self.pulled_objects += objects
 
     def newest(self, accept: Callable[[str], int | None]) -> tuple[int, str, bytes, bytes | None, dict[str, int]] | None:
         """Rank 0: the newest generation the store holds committed: (step, main, marker, signature or None,
@@ -282,7 +289,7 @@ class NodeStore:
         for step, main in store_commit.newest_committed(listing, accept):
             marker = store_commit.read_marker(self.remote, main + ".sha256", MAX_MARKER)
             sig_key = main + ".hmac"
-            sig = store_commit.read_marker(self.remote, sig_key, 4096) if sig_key in listing else None
+            sig = store_commit.read_marker(self.remote, sig_key, auth.MAX_SIGNATURE) if sig_key in listing else None
             sizes = {k[len(main) + 1:]: n for k, n in listing.items() if k.startswith(main + "/")}
             return step, main, marker, sig, sizes
         return None
@@ -356,11 +363,8 @@ class NodePipeline(CollectivePipeline):
     def __init__(self, *args: Any, nodes: NodeStore, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.nodes = nodes
-        self.main = self.dist.is_main
 
     def write(self, step: int, reason: str, must_succeed: bool, extra: dict[str, Any] | None, t0: float) -> bool:
-        import torch.distributed as dist
-
         d, ns, b = self.dist, self.nodes, self.backend
         leader = ns.layout.is_leader
         if leader:
@@ -374,6 +378,7 @@ class NodePipeline(CollectivePipeline):
         fault_point("after_shards", step, d.rank)
         d.barrier()  # every rank of every node has written its shards
         receipts: list[store_commit.Receipt] | None = None
+        folder: Path | None = None  # this node's partial folder (its leader's)
         if leader and error is None:
             try:
                 folder, names = b.part_files(step)
@@ -381,17 +386,15 @@ class NodePipeline(CollectivePipeline):
                 fault_point("node_uploaded", step, d.rank)
             except (RipresaError, OSError) as exc:
                 error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-        every: list[Any] = [None] * d.world_size
-        dist.all_gather_object(every, (error, receipts))
+        every = d.all_gather((error, receipts))
         errors = [e for e, _ in every if e]
         marker: bytes | None = None
         sig: bytes | None = None
         common: dict[str, bytes] = {}
         error = "; ".join(errors)[:600] or None
-        if d.is_main and error is None:
+        if d.is_main and error is None and folder is not None:
             try:
-                marker, sig = self._commit_in_store(step, extra, [r for _, rs in every if rs for r in rs])
-                folder, _ = b.part_files(step)
+                marker, sig = self._commit_in_store(step, folder, extra, [r for _, rs in every if rs for r in rs])
                 common = {n: read_small(folder / n, "node part file", MAX_COMMON, error=IntegrityError)
                           for n in b.part_common}
             except (RipresaError, OSError) as exc:
@@ -401,10 +404,9 @@ class NodePipeline(CollectivePipeline):
         error, marker, sig, common = d.broadcast((error, marker, sig, common))
         if error is None and leader:
             try:
-                if not d.is_main:
+                if not d.is_main and folder is not None:
                     from ..io.fsio import write_atomic
 
-                    folder, _ = b.part_files(step)
                     for n, data in common.items():
                         write_atomic(folder / n, [data])
                 b.land_part(step, marker, sig)
@@ -432,18 +434,14 @@ class NodePipeline(CollectivePipeline):
                 ns.event and ns.event("store_retention_failed", step=step, error=str(exc)[:300])
         return True
 
-    def _commit_in_store(self, step: int, extra: dict[str, Any] | None,
+    def _commit_in_store(self, step: int, folder: Path, extra: dict[str, Any] | None,
                          receipts: list[store_commit.Receipt]) -> tuple[bytes, bytes | None]:
         """Rank 0: the companion (every node's files), its upload, the signature and the marker, last."""
-        from ..io.hashing import sha256_file
-
         b, ns = self.backend, self.nodes
         sizes = {r.key.split("/", 1)[1]: r.size for r in receipts}
         name = b.seal_part(step, self.state, self.progress(), extra, world_size=self.dist.world_size, sizes=sizes)
-        folder, _ = b.part_files(step)
         comp = store_commit.upload_part(ns.remote, folder, b.names.name(step), [name], event=ns.event)
         hashes = {r.key.split("/", 1)[1]: r.sha256 for r in [*receipts, *comp]}
-        assert hashes[name] == sha256_file(folder / name).sha256
         marker_name, marker, sig = b.marker_of(step, hashes)
         store_commit.commit_marker(ns.remote, marker_name, marker, [*receipts, *comp], signature=sig, event=ns.event)
         return marker, None if sig is None else sig[1]
@@ -455,3 +453,126 @@ def reroot(gen: Generation, run_dir: Path) -> Generation:
     comp = path / gen.companion.name if gen.companion.parent == gen.path else Path(run_dir) / gen.companion.name
     return replace(gen, path=path, companion=comp, marker=Path(run_dir) / gen.marker.name)
 
+
+
+# ---------------------------------------------------------------------------- the resume (every rank calls these)
+
+
+def _rank0_decides(d: DistContext, fn: Callable[[], Any], url: str) -> Any:
+    """``fn()`` on rank 0 (a look at the store), its value on every rank; a failure there is raised on every rank."""
+    value, error = None, None
+    if d.is_main:
+        try:
+            value = fn()
+        except RipresaError as exc:
+            error = exc.message
+    value, error = d.broadcast((value, error))
+    if error is not None:
+        raise BadInput(f"rank 0 could not list the store: {error}", file=url,
+                       hint="the store must be reachable to resume a run on node-local folders")
+    return value
+
+
+def _every_leader(d: DistContext, layout: NodeLayout, fn: Callable[[], None], what: str, url: str) -> None:
+    """``fn()`` on every node's leader; a failure on any node is raised on every rank."""
+    failed = None
+    if layout.is_leader:
+        try:
+            fn()
+        except (RipresaError, OSError) as exc:
+            failed = f"node {layout.node}: {getattr(exc, 'message', None) or exc}"
+    errors = [e for e in d.all_gather(failed) if e]
+    if errors:
+        raise IntegrityError(f"{what} could not be landed on every node", file=url, found="; ".join(errors)[:600],
+                             hint="check the store with ripresa inspect URL")
+
+
+def land_sharded(d: DistContext, ns: NodeStore, run_dir: Path, backend: Any) -> Path | None:
+    """A sharded kind: rank 0 names the store's newest committed generation, every node's leader lands its
+    marker, companion and ``.metadata`` as its part; the generation's path in this node's folder (None: none)."""
+    from ..store.kinds import generation_files
+
+    choice = _rank0_decides(d, lambda: ns.newest(backend.names.parse), ns.url)
+    if choice is None:
+        return None
+    step, main, marker, sig, sizes = choice
+
+    def land() -> None:
+        files = generation_files(main, marker, where=f"{ns.url}/{main}.sha256")
+        ns.land(run_dir, main, marker, sig, {k.split("/", 1)[1]: sha for sha, k in files}, sizes,
+                always=backend.part_common)
+
+    _every_leader(d, ns.layout, land, f"the store's generation {main}", ns.url)
+    return run_dir / main
+
+
+def land_replica(d: DistContext, ns: NodeStore, run_dir: Path, backends: list[Any], store: Any,
+                 event: Callable[..., None]) -> Path | None:
+    """A replicated (DDP) run: the newest step every node holds or the store holds committed; a node without
+    it pulls it whole from the store. The generation's path in this node's folder (None: none)."""
+    from ..store.mirror import pull_run
+
+    layout = ns.layout
+    local: dict[int, str] = {}
+    if layout.is_leader:
+        for b in backends:
+            for g in b.generations():
+                if g.valid:
+                    local.setdefault(g.step, g.path.name)
+    every = d.all_gather(sorted(local) if layout.is_leader else None)
+    held = _rank0_decides(d, lambda: sorted({step for b in backends
+                                             for step, _ in store_commit.newest_committed(ns.listing(), b.names.parse)}),
+                          ns.url)
+    steps = [set(x) for x in every if x is not None]
+    candidates = set(held) | (set.intersection(*steps) if steps else set())
+    if not candidates:
+        return None
+    step = max(candidates)
+
+    def pull() -> None:
+        if step in local:
+            return
+        gen = pull_run(ns.remote, run_dir, store, step=step, kinds=[b.kind for b in backends], event=event)
+        if gen is None:
+            raise IntegrityError(f"the store holds no verified generation of step {step}", file=ns.url)
+        local[step] = gen.path.name
+        ns.count(gen.size or 0, len(gen.files))
+
+    _every_leader(d, layout, pull, f"step {step}", ns.url)
+    return run_dir / d.broadcast(local.get(step))
+
+
+def report_pulled(d: DistContext, ns: NodeStore, gen: Generation | None, event: Callable[..., None]) -> None:
+    """Every rank's pulled bytes, summed per node: one ``nodes_pulled`` history event and one line on rank 0."""
+    from .. import console
+    from ..store.mirror.plan import size_text
+
+    per_node: dict[int, list[int]] = {}
+    for node, n, k in d.all_gather((ns.layout.node, ns.pulled_bytes, ns.pulled_objects)):
+        acc = per_node.setdefault(node, [0, 0])
+        acc[0] += n
+        acc[1] += k
+    if gen is None:
+        return
+    event("nodes_pulled", step=gen.step, file=gen.path.name,
+          nodes={str(i): {"bytes": v[0], "objects": v[1]} for i, v in sorted(per_node.items())})
+    if d.is_main:
+        text = ", ".join(f"node {i} pulled {size_text(v[0])} ({v[1]} objects)" for i, v in sorted(per_node.items()))
+        sys.stderr.write(console.one_line(f"ripresa: resumed {gen.path.name} from the store: {text}") + "\n")
+        sys.stderr.flush()
+
+
+def watch(layout: NodeLayout, rank: int) -> Heartbeat:
+    """A rank of a multi-node run: bound to its launcher, beating, and a failed collective read as
+    :class:`~ripresa.errors.NodeLost` (docs/DISTRIBUTED.md, "Losing a node")."""
+    from .. import console
+    from .torchrun import bind_to_agent
+
+    bind_to_agent()  # a lost node's ranks die with its launcher; the survivors learn it at once
+    beat = Heartbeat(layout, rank)
+
+    def translate(exc: BaseException) -> BaseException | None:
+        return node_lost_error(layout, beat, rank, exc) if is_collective_failure(exc) else None
+
+    console.TRANSLATORS.append(translate)
+    return beat

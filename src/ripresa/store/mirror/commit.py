@@ -18,17 +18,14 @@ says which files are the node's part and how the marker reads.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ...errors import IntegrityError
 from ...io.hashing import sha256_file
 from ...io.objstore_base import ObjectStore
-from ...io.safe_read import read_small
 from .layout import MirrorSpec
 from .pull import fetch_staged, retrying
 
@@ -113,13 +110,6 @@ def read_marker(remote: ObjectStore, key: str, limit: int) -> bytes:
     return retrying(lambda: remote.get_bytes(key, limit=limit), None, key, _SPEC)
 
 
-def read_local_small(path: Path, what: str, limit: int) -> bytes | None:
-    """A small local file, or None when it is absent (a node that never held it)."""
-    if not os.path.lexists(path):
-        return None
-    return read_small(path, what, limit, error=IntegrityError)
-
-
 def newest_committed(listing: Mapping[str, int], accept: Callable[[str], int | None]) -> list[tuple[int, str]]:
     """The committed generations of a listing, newest first: ``(step, main)`` for each marker ``main.sha256``
     whose ``main`` ``accept`` gives a step (the kind's name format)."""
@@ -132,7 +122,3 @@ def newest_committed(listing: Mapping[str, int], accept: Callable[[str], int | N
                 out.append((step, main))
     return sorted(out, reverse=True)
 
-
-def describe(receipts: Iterable[Receipt]) -> dict[str, Any]:
-    rs = list(receipts)
-    return {"objects": len(rs), "bytes": sum(r.size for r in rs)}

@@ -108,7 +108,8 @@ HELPER = """
 import os, sys, time
 from pathlib import Path
 mark = Path(sys.argv[1])
-(mark / "helper.pid").write_text(str(os.getpid()))
+(mark / "helper.pid.tmp").write_text(str(os.getpid()))
+os.replace(mark / "helper.pid.tmp", mark / "helper.pid")  # whole or absent: the test reads it as soon as it exists
 while not (mark / "go").exists():  # until its rank and the launcher are gone
     time.sleep(0.02)
 import ripresa

@@ -52,6 +52,7 @@ from .deadline import Deadline
 from .distributed import WORLD_CHANGE_NOTE, DistContext, NullHistory
 from .hyperparams import SIDES, HyperparameterWarning, reconcile, script_values
 from .hyperparams import message as hyperparameter_message
+from .memory import MemorySession, MemoryTierWarning
 from .nodes import (
     Heartbeat,
     NodeLayout,
@@ -156,6 +157,15 @@ class Checkpointer:
             :class:`~ripresa.session.closing.CloseResult`; :attr:`upload_pending`
             (docs/MIRROR.md, "The close").
 
+        memory_every: keep a complete generation of every ``memory_every``-th
+            step in shared memory (``/dev/shm``; 0, the default: off): copied
+            while the next step runs, the optimizer's step waiting only for an
+            unfinished copy; a SIGKILLed run started again resumes from it when
+            it is newer than the newest disk generation (at most one step
+            redone at ``memory_every=1``); removed at a normal end; never
+            trusted across a reboot, another user or another run. Single-process
+            sessions (docs/TIERS.md).
+
         shard_threshold, shards, staging_budget: how a general generation is
             laid out and staged (:class:`~ripresa.store.folder.SaveOptions`):
             tensors of ``shard_threshold`` bytes or more (default 2 GiB; None:
@@ -203,6 +213,7 @@ class Checkpointer:
         shards: int | None = None,
         staging_budget: int | None = None,
         final_upload_timeout: float | str | None = None,
+        memory_every: int = 0,
     ) -> None:
         install_script_hooks()  # a ripresa error that ends the script: one paragraph and its exit code (docs/API.md)
         if handle_signals:
@@ -219,6 +230,8 @@ class Checkpointer:
         state.check_stateful()  # data or objects swapped in after the TrainingState was built: refused here, before any lock
         if not auto and (mtbf is not None or max_redo is not None):
             raise ValueError("mtbf and max_redo apply to every='auto' only")
+        if not isinstance(memory_every, int) or isinstance(memory_every, bool) or memory_every < 0:
+            raise ValueError(f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}")
         if hyperparameters not in SIDES:
             raise ValueError(f"hyperparameters must be one of {SIDES}, got {hyperparameters!r}")
         self.hyperparameters = hyperparameters
@@ -358,6 +371,15 @@ class Checkpointer:
         if self.steering is not None:
             self.history.event("verify_steered", path=self.steering.path, stop_at=self.steering.stop_at,
                                restore_rng=self.steering.restore_rng)
+        #: The memory tier (``memory_every``; docs/TIERS.md), or None.
+        self.memory: MemorySession | None = None
+        if memory_every and self.dist is not None:
+            why = "the memory tier is built for single-process sessions; this one is distributed"
+            self.history.event("memory_tier_off", reason=why)
+            if self.dist.is_main:
+                warnings.warn(f"{why}: it is off, the disk tier goes on (docs/TIERS.md)", MemoryTierWarning, stacklevel=2)
+        elif memory_every:
+            self.memory = MemorySession(memory_every, self.run_dir, state, self.history.event)
 
     def _open_backends(self) -> None:
         """The storage backends of this run mode (docs/ARCHITECTURE.md): the first writes, all are resumed."""
@@ -407,6 +429,11 @@ class Checkpointer:
                          land_replica(self.dist, ns, self.run_dir, self.backends, self.store, self.history.event))
             landed = from_path is not None
             self.resumer.reroot = True
+        if self.memory is not None:
+            if from_path is not None or self._fresh:
+                self.memory.forget()  # another past than the memory generations'
+            else:
+                self.resumer.promoted = self.memory.resume(self._newest_on_disk(), self.store.hmac_key)
         if self.mirror is not None:
             # node-local folders: generations come from the nodes and the store above; the mirror keeps the run's files
             if ns is None and from_path is None and not self._fresh and not has_local_generation(self.run_dir):
@@ -428,6 +455,18 @@ class Checkpointer:
             self._write_config()
             return 0
         return self._resumed(gen, restored, from_path, restore_rng, world_size=1 if self.dist is None else self.dist.world_size)
+
+    def _newest_on_disk(self) -> int | None:
+        """The step of the newest generation of the folder that passes its (cheap) check, of any kind resumed."""
+        best: int | None = None
+        for b in self.backends:
+            for s in sorted(b.steps_on_disk(), reverse=True):
+                if best is not None and s <= best:
+                    break
+                if b.check(s).valid:
+                    best = s
+                    break
+        return best
 
     def _hyperparameters(self, gen: Generation, before: Any) -> None:
         """The script's optimizer hyper-parameters against the restored ones: which side wins, never silently."""
@@ -562,6 +601,8 @@ class Checkpointer:
                     self.cadence.every = self.dist.broadcast(self.cadence.proposed)
         elif self.cadence is not None:
             self._cadence_event(step, force=False)
+        if self.memory is not None and not stop and self.memory.due(step):
+            self.memory.capture(step, self.progress)  # copied while the next step runs (docs/TIERS.md)
         if stop:
             self.pipeline.finish()
             if self._recorder is not None:
@@ -693,7 +734,11 @@ class Checkpointer:
             if self.mirror is not None:
                 result = self._close_mirror(self.mirror)
             self.pipeline.close()  # FSDP2, asynchronous: its gloo save group ends now, not at interpreter exit
+            if self.memory is not None:  # the disk holds the last step: the memory generations go
+                self.memory.close(normal=True)
         finally:
+            if self.memory is not None:
+                self.memory.close(normal=False)
             try:
                 self.history.sync()
             except OSError:
@@ -755,6 +800,8 @@ class Checkpointer:
             self.pipeline.drain()
         except Exception:
             pass
+        if self.memory is not None:
+            self.memory.close(normal=False)  # kept: the next start resumes from them when they are the newest
         self._release()
 
     def _release(self) -> None:

@@ -46,6 +46,9 @@ class Resumer:
         self._skipped_committed: list[str] = []  # committed generations that failed a check (not uncommitted leftovers)
         #: Node-local folders (docs/DISTRIBUTED.md): rank 0's choice names its own folder; each rank reads its node's.
         self.reroot = False
+        #: The step of a memory generation this session promoted into the folder (a general one, whatever the
+        #: session writes: its resume is announced as a ``memory_resume`` event, not as another format's).
+        self.promoted: int | None = None
 
     def take(self, from_path: str | Path | None, restore_rng: bool) -> tuple[Generation | None, Any]:
         """Choose the generation and restore it into the live state: ``(generation, Restored)``, or ``(None, None)``."""
@@ -152,7 +155,7 @@ class Resumer:
                     if os.path.lexists(g.marker):
                         self._skipped_committed.append(msg)
                     continue
-                if b.kind not in getattr(writer, "writes", (writer.kind,)):  # the general kind writes .shards too
+                if b.kind not in getattr(writer, "writes", (writer.kind,)) and step != self.promoted:  # general writes .shards too
                     msg = self._other_kind_message(g, b, writer)
                     warnings.warn(msg, OtherModeWarning, stacklevel=4)
                     self.history.event("other_mode_generation", step=step, kind=b.kind, reason=msg)

@@ -721,6 +721,8 @@ class Checkpointer:
         ``exit_code`` (0, or 3 pending) and ``raise_if_pending()``
         (:class:`~ripresa.errors.UploadPending`) (docs/MIRROR.md, "The close").
         """
+        if self.close_result is not None:
+            return self.close_result  # closed already (a close() inside a with block): nothing more to do
         final = self.save_on_close if final_save is None else bool(final_save)
         result: CloseResult | None = None
         try:

@@ -443,8 +443,8 @@ def newest(run_dir: str | Path, *, above: int | None) -> tuple[Found | None, lis
     try:
         if not _owned_folder(root(), create=False) or not _owned_folder(folder, create=False):
             return None, notes
-    except MemoryUnusable as exc:
-        return None, [f"{exc.message}: {folder}"]
+    except MemoryUnusable:  # another user's folder: not read (the session said so once, turning the tier off)
+        return None, notes
     token = run_token(Path(run_dir), create=False)
     candidates: list[tuple[int, int, dict[str, Any]]] = []
     for i in range(SLOTS):

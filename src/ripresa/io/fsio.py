@@ -209,6 +209,10 @@ class StagedFile:
         self.size += total
         return total
 
+    def settle(self) -> None:
+        """Wait until every byte written so far is hashed: a ``stable`` piece may change after this returns."""
+        self._drain_hashes()
+
     def _drain_hashes(self, *, ignore_errors: bool = False) -> None:
         """Wait for every queued hash update of this file (in order)."""
         while self._pending:

@@ -71,7 +71,11 @@ class TensorFileWriter:
             self._live_done.set()
 
     def _after(self, i: int) -> None:
-        if i + 1 >= self.live:
+        if i + 1 >= self.live and not self._live_done.is_set():
+            # The live tensors are hashed too before the loop may change them: a hash lagging behind the write
+            # (``stable`` pieces) would otherwise read the next step's values (a committed file, a wrong sha256).
+            assert self.file is not None
+            self.file.settle()
             self._live_done.set()
 
     def wait_live(self) -> None:

@@ -164,6 +164,28 @@ def test_a_mixed_precision_run_killed_and_restarted_ends_bitwise_equal(tmp_path,
         assert steps_ref[16]["tracker"] > 0 and steps_ref[16]["scale"] < 2.0**20
 
 
+# ---------------------------------------------------------------------- the memory tier (docs/TIERS.md)
+@pytest.mark.parametrize("amp", ["fp32", "fp16"])
+def test_the_memory_tier_copies_device_state_on_a_side_stream_and_a_killed_run_resumes_from_it(tmp_path, amp):
+    """Pinned device-to-host copies on a side stream, overlapping the next step; a SIGKILL between disk
+    generations; the restart resumes from the memory generation (at most one step redone) and ends bitwise."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    common = ["--steps", "16", "--every", "6", "--memory-every", "1", "--amp", amp, "--format", "general"]
+    _loop(ref, *common)
+    kill_at = random.randint(7, 11)
+    argv = [sys.executable, "-B", str(LOOP), "--run", str(run), "--device", DEVICE, *common]
+    res = subprocess.run([*argv, "--sync", "--kill-at", str(kill_at)], capture_output=True, text=True, timeout=600,
+                         env=_env())
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=_env())
+    assert res.returncode == 0, res.stderr[-4000:]
+    events = [json.loads(line) for line in (run / ".loss.jsonl").read_text().splitlines() if '"memory_resume"' in line]
+    assert len(events) == 1 and events[0]["newest_disk"] == 6 and kill_at - 1 <= events[0]["step"] <= kill_at, events
+    a, b = _final(ref), _final(run)
+    assert b["state"] == a["state"] and b["rng"] == a["rng"]
+    assert _steps(run) == _steps(ref)
+
+
 # ---------------------------------------------------------------------- ripresa verify, steered
 def test_a_steered_verify_on_the_device_passes_at_tolerance_zero(tmp_path):
     out = tmp_path / "v"

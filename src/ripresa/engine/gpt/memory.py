@@ -5,9 +5,9 @@ two moments (float32: the engine keeps float32 weights under autocast), the
 activations autograd keeps for the backward pass (:func:`activation_bytes`, term
 by term from :mod:`.model`), the backward's largest working tensors, and the
 host copies a checkpoint makes: the staging copy of a background save, and
-one more state copy for a memory tier in ``/dev/shm`` (the upcoming
-``memory_every``, not a flag of this version: sized, labelled, left out of the
-verdict). Set against the device's free memory (``torch.cuda.mem_get_info``),
+two slots of the state for the memory tier in ``/dev/shm`` (``--memory-every``,
+docs/TIERS.md: sized, labelled, left out of the verdict, since the tier is
+optional and turns itself off when it does not fit). Set against the device's free memory (``torch.cuda.mem_get_info``),
 the host's (``/proc/meminfo``) and ``/dev/shm`` (``statvfs``); the verdict and
 its thresholds: docs/CADENCE.md, "Memory for a step".
 """
@@ -159,8 +159,10 @@ def size_step(cfg: dict[str, Any], *, precision: str, device: str,
                   "block_size": m.block_size, "vocab_size": m.vocab_size, "dropout": m.dropout},
         "batch_size": batch, "precision": precision, "device": device,
         "need": need, "places": places, "available": have, "verdicts": verdicts, "verdict": overall, "change": fix,
-        "memory_tier": {"need": need["state"], "where": "/dev/shm", "verdict": _verdict(need["state"], have.get("shm")),
-                        "note": "the upcoming memory_every (not a flag of this version): one more state copy"},
+        "memory_tier": {"need": 2 * need["state"], "where": "/dev/shm",
+                        "verdict": _verdict(2 * need["state"], have.get("shm")),
+                        "note": "--memory-every K (docs/TIERS.md): two slots of the state (one generation, one in "
+                                "flight); when they do not fit, the tier turns itself off and the disk tier goes on"},
     }
 
 
@@ -211,8 +213,8 @@ def render_memory(report: dict[str, Any]) -> str:
         lines.append(f"  {place}: needs {_gib(n)} {free}: {r['verdicts'][place]}")
     tier = r["memory_tier"]
     shm = r["available"].get("shm")
-    lines += ["  memory tier (the upcoming memory_every; not a flag yet): one more",
-              f"    state copy, {_gib(tier['need'])} in /dev/shm "
+    lines += ["  memory tier (--memory-every, docs/TIERS.md): two slots of the",
+              f"    state, {_gib(tier['need'])} in /dev/shm "
               f"({_gib(shm['available']) + ' free' if shm else 'none here'}): {tier['verdict']}"]
     lines.append(f"verdict: {r['verdict']}")
     if r.get("change"):

@@ -311,7 +311,13 @@ def test_too_little_shared_memory_is_refused_before_the_first_capture(tmp_path):
         vfs = os.statvfs(tier.folder)
         with pytest.raises(mem.MemoryUnusable, match="too little shared memory") as exc:
             tier.check_room(vfs.f_bavail * vfs.f_frsize // 2)  # two slots of half the free space, and a margin
-        assert "disk tier goes on" in str(exc.value)
+        assert "disk tier goes on" in str(exc.value) and "other run folder" not in str(exc.value)
+        stale = mem.tier_folder(tmp_path / "gone")  # a run killed and never started again
+        stale.mkdir(mode=0o700)
+        (stale / "slot0.safetensors").write_bytes(b"x" * 4096)
+        with pytest.raises(mem.MemoryUnusable) as exc:
+            tier.check_room(vfs.f_bavail * vfs.f_frsize // 2)
+        assert "of 1 other run folder(s)" in str(exc.value), str(exc.value)
         tier.check_room(1024)
         tier.close(remove=True)
     finally:

@@ -252,11 +252,33 @@ class MemoryTier:
         free = vfs.f_bavail * vfs.f_frsize + sum(s.size for s in self.slots)
         need = SLOTS * size + MARGIN
         if free < need:
+            stale = self.others()
+            held = (f"; {sum(stale.values()) / 2**20:.0f} MiB of it hold memory generations of {len(stale)} other "
+                    f"run folder(s) in {root()} (runs killed and not started again: remove those you will not "
+                    "resume)") if stale else ""
             raise MemoryUnusable("too little shared memory for the memory tier", file=self.folder,
                                  expected=f"{need / 2**20:.0f} MiB free (two slots of {size / 2**20:.0f} MiB and a margin)",
                                  found=f"{free / 2**20:.0f} MiB",
                                  hint="enlarge /dev/shm (mount -o remount,size=...) or set RIPRESA_MEMORY_DIR; "
-                                      "the disk tier goes on")
+                                      f"the disk tier goes on{held}")
+
+    def others(self) -> dict[str, int]:
+        """Bytes held by the memory folders of other run folders of this user (name -> bytes)."""
+        out: dict[str, int] = {}
+        try:
+            entries = list(os.scandir(root()))
+        except OSError:
+            return out
+        for e in entries:
+            if e.name == self.folder.name or not e.is_dir(follow_symlinks=False):
+                continue
+            total = 0
+            with contextlib.suppress(OSError):
+                for f in os.scandir(e.path):
+                    if f.is_file(follow_symlinks=False):
+                        total += f.stat(follow_symlinks=False).st_size
+            out[e.name] = total
+        return out
 
     # ---------------------------------------------------------------- capture
     def capture(self, step: int, tensors: dict[str, torch.Tensor], encoded: Any, aliases: dict[str, str],

@@ -363,3 +363,18 @@ def test_a_run_killed_from_outside_at_a_random_moment_redoes_at_most_one_step(re
     _loop(run)
     assert _events(run, "resume")[-1]["from_step"] >= last - 1
     assert _final(run)["state"] == _final(reference)["state"]
+
+
+def test_inspect_shows_the_memory_generation_a_start_would_resume_from(killed, tmp_path, capsys):
+    from ripresa.cli import main
+
+    run = _copy_killed(killed, tmp_path / "run")
+    assert main(["inspect", str(run), "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["run"]["memory"]
+    steps = [m["step"] for m in memory["generations"] if m["usable"]]
+    assert steps and max(steps) >= killed[1] - 1 and memory["folder"] == str(mem.tier_folder(run))
+    _tamper(run, "reboot")
+    assert main(["inspect", str(run)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "not usable" in out and "reboot" in out, out
+    mem.discard(run)

@@ -49,7 +49,7 @@ from ..io.liveness import boot_id
 from ..io.safe_read import read_small
 from .general import general_name, save_general
 
-__all__ = ["MEMORY_ENV", "MemoryTier", "MemoryUnusable", "Found", "newest", "promote", "discard", "tier_folder"]
+__all__ = ["MEMORY_ENV", "MemoryTier", "MemoryUnusable", "Found", "newest", "peek", "promote", "discard", "tier_folder"]
 
 #: Moves the memory tier's root (default ``/dev/shm``): a tmpfs the OS keeps across a process's death.
 MEMORY_ENV = "RIPRESA_MEMORY_DIR"
@@ -493,6 +493,34 @@ def newest(run_dir: str | Path, *, above: int | None) -> tuple[Found | None, lis
             continue
         return found, notes
     return None, notes
+
+
+def peek(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The memory generations of ``run_dir`` by their markers alone (no slot read, no hash): for ``ripresa
+    inspect``. Each: step, slot, bytes, written (unix time), and ``usable`` or the reason it is not."""
+    folder = tier_folder(run_dir)
+    try:
+        if not _owned_folder(root(), create=False) or not _owned_folder(folder, create=False):
+            return []
+    except MemoryUnusable as exc:
+        return [{"step": None, "slot": None, "bytes": None, "written": None, "usable": False, "reason": exc.message}]
+    token = run_token(Path(run_dir), create=False)
+    out = []
+    for i in range(SLOTS):
+        mk = folder / f"slot{i}.marker"
+        if not os.path.lexists(mk):
+            continue
+        try:
+            doc = _marker(mk)
+        except RipresaError as exc:
+            out.append({"step": None, "slot": i, "bytes": None, "written": None, "usable": False, "reason": exc.message})
+            continue
+        why = _trusted(doc, token)
+        written = doc.get("time")
+        out.append({"step": doc["step"], "slot": i, "bytes": doc["tensors"]["size"] + doc["companion"]["size"],
+                    "written": written if isinstance(written, int | float) else None, "usable": why is None,
+                    "reason": why})
+    return sorted(out, key=lambda r: -1 if r["step"] is None else r["step"])
 
 
 def _read_slot(folder: Path, i: int, doc: dict[str, Any]) -> Found:

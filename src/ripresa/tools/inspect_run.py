@@ -15,6 +15,7 @@ from ..console import capped, capped_rows, more_line
 from ..errors import RipresaError
 from ..io.fsio import temp_name_pid
 from ..io.lock import pid_alive
+from ..store.memory import peek, tier_folder
 from .inspect_bin import scan_bin
 from .inspect_pt import inspect_pt
 from .report import (
@@ -111,6 +112,7 @@ def inspect_run(p: Path, given: str | Path, *, check_finite: bool, deep: bool) -
         "lock": lock,
         "temporaries": temps,
         "finite": finite,
+        "memory": {"folder": str(tier_folder(p)), "generations": peek(p)},
     }
 
     if not gens:
@@ -205,6 +207,14 @@ def render_run(r: dict[str, Any], console: Any) -> None:
         console.print(f"LOCK held by a live writer: [bold]{escape(who)}[/]" + (f" ({escape(lock['error'])})" if lock["error"] else ""))
     else:
         console.print("LOCK: no live writer")
+    for m in r.get("memory", {}).get("generations", []):
+        where = f"memory tier: step {m['step']} in {escape(r['memory']['folder'])}"
+        if not m["usable"]:
+            console.print(f"{where}: [red]not usable[/] ({escape(str(m['reason']))})")
+        elif r["resume_step"] is None or m["step"] > r["resume_step"]:
+            console.print(f"{where}: [bold]newer than the disk[/]: the same command (memory_every on) resumes from it")
+        else:
+            console.print(f"{where}: not newer than the disk's generation {r['resume_step']}")
     if r["temporaries"]:
         tt = Table(title="temporary files")
         for col in ("name", "size", "writer pid", "writer"):

@@ -54,9 +54,10 @@ here, as root). Interruptions, drawn at random (seeded) at random moments:
 Every trainer must end within :data:`HANG_S` seconds after SIGTERM (else "hung"); the ``s3``
 lane reports the most history lines of mirror events in one lap.
 
-Steps redone per interruption: for each interruption that ended a trainer, the last step line in
-the lap's history when it landed minus the step the next start resumed from (its ``soak_start``
-line), per kind (mean, max). ``--memory-every K`` turns the memory tier on
+Steps redone per interruption: for each interruption that ended a trainer, the last step the killed
+trainer completed (its last step line; the step it resumed from when it completed none) minus the step
+the next start resumed from (its ``soak_start`` line), per kind (mean, max); a trainer killed before its
+``soak_start`` line did no work of its own (0; a loss it causes shows at the earlier interruption's). ``--memory-every K`` turns the memory tier on
 (``Checkpointer(memory_every=K)``, a generation in ``/dev/shm`` every K steps) in the lanes of
 :data:`MEMORY_LANES` (single-process: the tier is off in distributed sessions); then a kind of
 :data:`MEMORY_KINDS` (a SIGKILL that leaves the run folder) redoing more than K steps is a failure.
@@ -588,12 +589,16 @@ class LapHistory:
         self.mirror_resumes = 0  # starts after a lost folder that resumed a pulled generation (step > 0)
         self.mirror_lines = 0  # history lines of the mirror's failure events (OUTAGE_EVENTS)
         self.start_tokens: set[str] = set()  # the start tokens of the soak_start lines read
-        #: interruptions that ended a trainer, not yet measured: (kind, the last step line when it landed)
-        self.pending: list[tuple[str, int]] = []
+        #: interruptions that ended a trainer, not yet measured: (kind, the killed trainer's start token)
+        self.pending: list[tuple[str, str]] = []
+        #: the trainer whose lines are read now (its start token) and its progress: its last step line, or the
+        #: step it resumed from while it has completed none
+        self.current_token: str | None = None
+        self.current_ref = 0
         #: steps redone per interruption, by kind: that last step minus the step the next start resumed
         self.redone_by_kind: dict[str, list[int]] = {}
         self.memory_resumes: list[dict[str, Any]] = []  # memory_resume events (step, newest_disk)
-        self.memory_skipped = 0  # memory_generation_skipped / memory_tier_off events
+        self.memory_skipped: list[str] = []  # memory_generation_skipped / memory_tier_off events (why)
 
     def reset_file(self) -> None:
         """The run folder was lost: a new history begins (what was committed stays the bar)."""
@@ -630,6 +635,7 @@ class LapHistory:
             step = rec["step"]
             self.max_step = max(self.max_step, step)
             self.last_step = step
+            self.current_ref = step
             self.losses[step] = rec.get("loss")
             if self.ref is not None and self.ref.get(step) != rec.get("loss"):
                 self.diverged.append(step)
@@ -648,15 +654,19 @@ class LapHistory:
                 self.from_mirror = False
             self.starts.append(start)
             self.redone += max(0, self.max_step - start)
-            for kind, last in self.pending:  # every interruption since the previous start: measured at this one
-                self.redone_by_kind.setdefault(kind, []).append(max(0, last - start))
+            for kind, token in self.pending:  # every interruption since the previous start: measured at this one
+                # a trainer killed before its start line had done nothing of its own: nothing of its is redone
+                # (a loss it caused shows at the start after an earlier interruption's trainer)
+                ref = self.current_ref if token == self.current_token else start
+                self.redone_by_kind.setdefault(kind, []).append(max(0, ref - start))
             self.pending.clear()
+            self.current_token, self.current_ref = rec.get("token"), start
+            if start < self.committed:
+                self.lost.append(f"resumed step {start} while step {self.committed} was committed")
         elif ev == "memory_resume":
             self.memory_resumes.append({"step": rec.get("step"), "newest_disk": rec.get("newest_disk")})
         elif ev in ("memory_generation_skipped", "memory_tier_off"):
-            self.memory_skipped += 1
-            if start < self.committed:
-                self.lost.append(f"resumed step {start} while step {self.committed} was committed")
+            self.memory_skipped.append(f"{ev}: {str(rec.get('reason'))[:160]}")
 
     def wait_for(self, pred, trainer: Trainer, timeout: float) -> dict[str, Any] | None:
         """Poll until an event line satisfies ``pred`` (returned), the trainer exits or the time is up (None)."""
@@ -771,7 +781,7 @@ class Lane(Laps):
             self.notes.append("memory tier off: a distributed session (it is built for single-process sessions)")
         self.redone_by_kind: dict[str, list[int]] = {}
         self.memory_resumes: list[dict[str, Any]] = []
-        self.memory_skipped = 0
+        self.memory_skipped: list[str] = []
 
     # ------------------------------------------------------------ helpers
     def cfg(self, run: Path, sabotage: bool) -> dict[str, Any]:
@@ -888,7 +898,7 @@ class Lane(Laps):
                                      f"{bound} step(s) (bound {bound}; {len(over)} of {len(values)})")
                 self.keep(run, f"lap{n}-redone")
         self.memory_resumes.extend(hist.memory_resumes)
-        self.memory_skipped += hist.memory_skipped
+        self.memory_skipped.extend(f"lap {n}: {x}" for x in hist.memory_skipped)
         self.diverged += len(hist.diverged)
         self.discard_memory(run)  # the lap's last trainer removed it at its normal end; a lap cut short did not
         shutil.rmtree(run, ignore_errors=True)
@@ -1061,7 +1071,7 @@ class Lane(Laps):
         if self.finals(run) is not None:  # it had finished its lap before the interruption landed: judged above
             trainer.ended_by_late_signal = True
             return trainer
-        hist.pending.append((kind, hist.last_step))  # measured at the next start's soak_start line
+        hist.pending.append((kind, trainer.token))  # measured at the next start's soak_start line
         return self.start(run)
 
     def usr1_at_start(self, trainer: Trainer, hist: LapHistory) -> tuple[bool, bool]:
@@ -1177,6 +1187,10 @@ class Lane(Laps):
                               f"{max(self.close_s) if self.close_s else '-'} s at most ({len(self.close_s)} closes)")
         if self.orphans:
             self.notes.append(f"{self.orphans} rank(s) outlived their killed launcher (SIGKILLed by the soak)")
+        if self.memory_every:
+            self.notes.append(f"memory tier every {self.memory_every} step(s): {len(self.memory_resumes)} start(s) "
+                              f"resumed from it; {len(self.memory_skipped)} memory generation(s) not used or tier off"
+                              + (f" (first: {self.memory_skipped[0]})" if self.memory_skipped else ""))
         if self.rankless:
             self.notes.append(f"sigkill-rank sent nothing {self.rankless} time(s): the ranks had ended (not counted)")
         return {"delivered": dict(self.delivered), "survived": dict(self.survived),
@@ -1188,7 +1202,7 @@ class Lane(Laps):
                 "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s, "orphans": self.orphans,
                 "memory_every": self.memory_every, "redone_by_kind": self.redone_by_kind,
                 "redone_per_interruption": redone_summary(self.redone_by_kind),
-                "memory_resumes": len(self.memory_resumes), "memory_skipped": self.memory_skipped}
+                "memory_resumes": len(self.memory_resumes), "memory_skipped": self.memory_skipped[:20]}
 
 
 # ====================================================================== the nodes lane

@@ -60,7 +60,8 @@ the next start resumed from (its ``soak_start`` line), per kind (mean, max); a t
 ``soak_start`` line did no work of its own (0; a loss it causes shows at the earlier interruption's). ``--memory-every K`` turns the memory tier on
 (``Checkpointer(memory_every=K)``, a generation in ``/dev/shm`` every K steps) in the lanes of
 :data:`MEMORY_LANES` (single-process: the tier is off in distributed sessions); then a kind of
-:data:`MEMORY_KINDS` (a SIGKILL that leaves the run folder) redoing more than K steps is a failure.
+:data:`MEMORY_KINDS` (a SIGKILL that leaves the run folder) redoing more than 2K-1 steps is a failure
+(the capture of the last multiple of K may still be in flight; at K=1: at most one step).
 
 Trainers are real processes in their own session: forked from a server that
 imported torch once (one start in ten a fresh interpreter; every torchrun
@@ -133,7 +134,7 @@ TMPFS_BYTES = 8 << 20
 #: Lanes where ``--memory-every`` turns the memory tier on: single-process sessions (the tier is off in
 #: distributed ones; docs/FAULTS.md, "The soak").
 MEMORY_LANES = ("general", "andrea", "s3")
-#: Kinds whose steps redone the memory tier bounds (``--memory-every K``: at most K): a SIGKILL of a trainer
+#: Kinds whose steps redone the memory tier bounds (``--memory-every K``: at most 2K-1): a SIGKILL of a trainer
 #: whose run folder stays. ``lost-folder`` loses the run folder (its token too: the memory generation belongs
 #: to the lost run) and is measured, not bounded; ``sigterm`` saves its last step (0 redone).
 MEMORY_KINDS = ("sigkill", "sigkill-start", "sigusr1+kill")
@@ -891,11 +892,11 @@ class Lane(Laps):
         self.redone += hist.redone
         for kind, values in hist.redone_by_kind.items():
             self.redone_by_kind.setdefault(kind, []).extend(values)
-            bound = self.memory_every
-            over = [v for v in values if v > bound] if bound and kind in MEMORY_KINDS else []
+            bound = 2 * self.memory_every - 1  # the capture of the last multiple of K may be in flight
+            over = [v for v in values if v > bound] if self.memory_every and kind in MEMORY_KINDS else []
             if over:
                 self.failures.append(f"lap {n}: {kind} redid {max(over)} steps with the memory tier every "
-                                     f"{bound} step(s) (bound {bound}; {len(over)} of {len(values)})")
+                                     f"{self.memory_every} step(s) (bound {bound}; {len(over)} of {len(values)})")
                 self.keep(run, f"lap{n}-redone")
         self.memory_resumes.extend(hist.memory_resumes)
         self.memory_skipped.extend(f"lap {n}: {x}" for x in hist.memory_skipped)
@@ -1887,7 +1888,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sabotage", default="", help="LANE=lose|rng,...: break a lane on purpose (the soak must fail)")
     ap.add_argument("--memory-every", type=int, default=0, metavar="K",
                     help="the memory tier every K steps in the single-process lanes (0: off); a SIGKILL kind "
-                         "redoing more than K steps fails (docs/FAULTS.md, \"The soak\")")
+                         "redoing more than 2K-1 steps fails (docs/FAULTS.md, \"The soak\")")
     ap.add_argument("--out", default=str(REPO / "build" / "soak"), help="folder of soak.json and the run folders")
     ap.add_argument("--progress-every", type=float, default=60.0, help="seconds between progress lines")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

@@ -3,6 +3,7 @@
     make soak                                                   # >= 1,000 interruptions, < 60 min on 2 cores
     python tests/soak/soak.py --seed 7 --interruptions 20 --lanes general,andrea   # a sample (make test runs one)
     python tests/soak/soak.py --seed 5 --interruptions 3 --lanes nodes             # the two-node lane alone
+    python tests/soak/soak.py --seed 41 --interruptions 16 --lanes andrea --memory-every 1   # the memory tier on
 
 Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md, "The soak"):
 
@@ -52,6 +53,15 @@ here, as root). Interruptions, drawn at random (seeded) at random moments:
 
 Every trainer must end within :data:`HANG_S` seconds after SIGTERM (else "hung"); the ``s3``
 lane reports the most history lines of mirror events in one lap.
+
+Steps redone per interruption: for each interruption that ended a trainer, the last step the killed
+trainer completed (its last step line; the step it resumed from when it completed none) minus the step
+the next start resumed from (its ``soak_start`` line), per kind (mean, max); a trainer killed before its
+``soak_start`` line did no work of its own (0; a loss it causes shows at the earlier interruption's). ``--memory-every K`` turns the memory tier on
+(``Checkpointer(memory_every=K)``, a generation in ``/dev/shm`` every K steps) in the lanes of
+:data:`MEMORY_LANES` (single-process: the tier is off in distributed sessions); then a kind of
+:data:`MEMORY_KINDS` (a SIGKILL that leaves the run folder) redoing more than 2K-1 steps is a failure
+(the capture of the last multiple of K may still be in flight; at K=1: at most one step).
 
 Trainers are real processes in their own session: forked from a server that
 imported torch once (one start in ten a fresh interpreter; every torchrun
@@ -121,6 +131,13 @@ EVERY = {"general": 10, "andrea": 10, "ddp": 5, "s3": 10, "nodes": 5}
 #: Interruptions of the nodes lane in a run of several lanes (each costs a launch of both nodes: ~10 s).
 NODES_INTERRUPTIONS = 16
 TMPFS_BYTES = 8 << 20
+#: Lanes where ``--memory-every`` turns the memory tier on: single-process sessions (the tier is off in
+#: distributed ones; docs/FAULTS.md, "The soak").
+MEMORY_LANES = ("general", "andrea", "s3")
+#: Kinds whose steps redone the memory tier bounds (``--memory-every K``: at most 2K-1): a SIGKILL of a trainer
+#: whose run folder stays. ``lost-folder`` loses the run folder (its token too: the memory generation belongs
+#: to the lost run) and is measured, not bounded; ``sigterm`` saves its last step (0 redone).
+MEMORY_KINDS = ("sigkill", "sigkill-start", "sigusr1+kill")
 FINAL = "soak_final"  # the digest files a finished trainer writes: soak_final.rank{R}.json
 
 
@@ -166,6 +183,8 @@ def _checkpointer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         kw["mirror"] = MirrorSpec(**cfg["mirror"])
     elif cfg.get("mirror"):
         kw["mirror"] = cfg["mirror"]
+    if cfg.get("memory_every"):  # --memory-every: the memory tier (single-process lanes)
+        kw["memory_every"] = cfg["memory_every"]
     return kw
 
 
@@ -571,6 +590,16 @@ class LapHistory:
         self.mirror_resumes = 0  # starts after a lost folder that resumed a pulled generation (step > 0)
         self.mirror_lines = 0  # history lines of the mirror's failure events (OUTAGE_EVENTS)
         self.start_tokens: set[str] = set()  # the start tokens of the soak_start lines read
+        #: interruptions that ended a trainer, not yet measured: (kind, the killed trainer's start token)
+        self.pending: list[tuple[str, str]] = []
+        #: the trainer whose lines are read now (its start token) and its progress: its last step line, or the
+        #: step it resumed from while it has completed none
+        self.current_token: str | None = None
+        self.current_ref = 0
+        #: steps redone per interruption, by kind: that last step minus the step the next start resumed
+        self.redone_by_kind: dict[str, list[int]] = {}
+        self.memory_resumes: list[dict[str, Any]] = []  # memory_resume events (step, newest_disk)
+        self.memory_skipped: list[str] = []  # memory_generation_skipped / memory_tier_off events (why)
 
     def reset_file(self) -> None:
         """The run folder was lost: a new history begins (what was committed stays the bar)."""
@@ -607,6 +636,7 @@ class LapHistory:
             step = rec["step"]
             self.max_step = max(self.max_step, step)
             self.last_step = step
+            self.current_ref = step
             self.losses[step] = rec.get("loss")
             if self.ref is not None and self.ref.get(step) != rec.get("loss"):
                 self.diverged.append(step)
@@ -625,8 +655,19 @@ class LapHistory:
                 self.from_mirror = False
             self.starts.append(start)
             self.redone += max(0, self.max_step - start)
+            for kind, token in self.pending:  # every interruption since the previous start: measured at this one
+                # a trainer killed before its start line had done nothing of its own: nothing of its is redone
+                # (a loss it caused shows at the start after an earlier interruption's trainer)
+                ref = self.current_ref if token == self.current_token else start
+                self.redone_by_kind.setdefault(kind, []).append(max(0, ref - start))
+            self.pending.clear()
+            self.current_token, self.current_ref = rec.get("token"), start
             if start < self.committed:
                 self.lost.append(f"resumed step {start} while step {self.committed} was committed")
+        elif ev == "memory_resume":
+            self.memory_resumes.append({"step": rec.get("step"), "newest_disk": rec.get("newest_disk")})
+        elif ev in ("memory_generation_skipped", "memory_tier_off"):
+            self.memory_skipped.append(f"{ev}: {str(rec.get('reason'))[:160]}")
 
     def wait_for(self, pred, trainer: Trainer, timeout: float) -> dict[str, Any] | None:
         """Poll until an event line satisfies ``pred`` (returned), the trainer exits or the time is up (None)."""
@@ -735,6 +776,13 @@ class Lane(Laps):
         self.diverged = 0
         self.lost: list[str] = []
         self.sabotage = args.sabotage.get(name)
+        #: the memory tier's cadence in this lane (0: off; distributed lanes keep it off)
+        self.memory_every = args.memory_every if name in MEMORY_LANES else 0
+        if args.memory_every and not self.memory_every:
+            self.notes.append("memory tier off: a distributed session (it is built for single-process sessions)")
+        self.redone_by_kind: dict[str, list[int]] = {}
+        self.memory_resumes: list[dict[str, Any]] = []
+        self.memory_skipped: list[str] = []
 
     # ------------------------------------------------------------ helpers
     def cfg(self, run: Path, sabotage: bool) -> dict[str, Any]:
@@ -752,6 +800,8 @@ class Lane(Laps):
             cfg["mirror"] = str(self.mirror)
         if sabotage and self.sabotage == "rng":
             cfg["sabotage"] = "rng"
+        if self.memory_every:
+            cfg["memory_every"] = self.memory_every
         cfg["token"] = os.urandom(6).hex()  # not from self.rng: the seeded choices stay as they were
         return cfg
 
@@ -778,6 +828,7 @@ class Lane(Laps):
     # ------------------------------------------------------------ the reference
     def reference(self) -> None:
         run = self.root / "reference" if self.tmpfs is None else self.lap_folder(0)
+        self.discard_memory(run)
         t = self.start(run, sabotage=False)
         rc = t.wait(900)
         if rc != 0:
@@ -788,6 +839,7 @@ class Lane(Laps):
         self.ref_final = self.finals(run)
         if self.ref_final is None or len(self.ref_losses) != TOTAL[self.name]:
             raise RuntimeError(f"{self.name}: the uninterrupted run left no final state")
+        self.discard_memory(run)
         shutil.rmtree(run)
 
     # ------------------------------------------------------------ a lap
@@ -797,6 +849,7 @@ class Lane(Laps):
         if self.name != "ddp" and "lost-folder" in self.kinds:
             self.mirror = self.root / f"mirror{n:04d}"
         hist = LapHistory(run, self.ref_losses)
+        self.discard_memory(run)  # a former soak's lap of this path (its token differs: it would only be skipped)
         trainer = self.start(run)
         while True:
             left = self.budget - sum(self.delivered.values())
@@ -837,7 +890,18 @@ class Lane(Laps):
                                  f"{self.lap_outages} outage(s) (bound {bound})")
         self.lap_outages = 0
         self.redone += hist.redone
+        for kind, values in hist.redone_by_kind.items():
+            self.redone_by_kind.setdefault(kind, []).extend(values)
+            bound = 2 * self.memory_every - 1  # the capture of the last multiple of K may be in flight
+            over = [v for v in values if v > bound] if self.memory_every and kind in MEMORY_KINDS else []
+            if over:
+                self.failures.append(f"lap {n}: {kind} redid {max(over)} steps with the memory tier every "
+                                     f"{self.memory_every} step(s) (bound {bound}; {len(over)} of {len(values)})")
+                self.keep(run, f"lap{n}-redone")
+        self.memory_resumes.extend(hist.memory_resumes)
+        self.memory_skipped.extend(f"lap {n}: {x}" for x in hist.memory_skipped)
         self.diverged += len(hist.diverged)
+        self.discard_memory(run)  # the lap's last trainer removed it at its normal end; a lap cut short did not
         shutil.rmtree(run, ignore_errors=True)
         if self.mirror is not None:
             shutil.rmtree(self.mirror, ignore_errors=True)
@@ -1008,6 +1072,7 @@ class Lane(Laps):
         if self.finals(run) is not None:  # it had finished its lap before the interruption landed: judged above
             trainer.ended_by_late_signal = True
             return trainer
+        hist.pending.append((kind, trainer.token))  # measured at the next start's soak_start line
         return self.start(run)
 
     def usr1_at_start(self, trainer: Trainer, hist: LapHistory) -> tuple[bool, bool]:
@@ -1102,6 +1167,13 @@ class Lane(Laps):
             else:
                 p.unlink()
 
+    def discard_memory(self, run: Path) -> None:
+        """Remove the memory tier's generations of ``run`` (in ``/dev/shm``, outside the run folder)."""
+        if self.memory_every:
+            from ripresa.store.memory import discard
+
+            discard(run)
+
     def close(self) -> None:
         if self.tmpfs is not None:
             self.tmpfs.close()
@@ -1116,6 +1188,10 @@ class Lane(Laps):
                               f"{max(self.close_s) if self.close_s else '-'} s at most ({len(self.close_s)} closes)")
         if self.orphans:
             self.notes.append(f"{self.orphans} rank(s) outlived their killed launcher (SIGKILLed by the soak)")
+        if self.memory_every:
+            self.notes.append(f"memory tier every {self.memory_every} step(s): {len(self.memory_resumes)} start(s) "
+                              f"resumed from it; {len(self.memory_skipped)} memory generation(s) not used or tier off"
+                              + (f" (first: {self.memory_skipped[0]})" if self.memory_skipped else ""))
         if self.rankless:
             self.notes.append(f"sigkill-rank sent nothing {self.rankless} time(s): the ranks had ended (not counted)")
         return {"delivered": dict(self.delivered), "survived": dict(self.survived),
@@ -1124,7 +1200,10 @@ class Lane(Laps):
                 "equal_laps": self.equal_laps, "diverged_steps": self.diverged, "lost": len(self.lost),
                 "lost_detail": self.lost[:20], "failures": self.failures[:20], "notes": self.notes,
                 "wall_s": self.wall_s, "total_steps": TOTAL[self.name], "every": EVERY[self.name], "sabotage": self.sabotage,
-                "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s, "orphans": self.orphans}
+                "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s, "orphans": self.orphans,
+                "memory_every": self.memory_every, "redone_by_kind": self.redone_by_kind,
+                "redone_per_interruption": redone_summary(self.redone_by_kind),
+                "memory_resumes": len(self.memory_resumes), "memory_skipped": self.memory_skipped[:20]}
 
 
 # ====================================================================== the nodes lane
@@ -1733,6 +1812,11 @@ def mirror_available() -> bool:
     return "mirror" in inspect.signature(Checkpointer).parameters
 
 
+def redone_summary(by_kind: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
+    """Steps redone per interruption, per kind: count, mean, max."""
+    return {k: {"n": len(v), "mean": round(sum(v) / len(v), 2), "max": max(v)} for k, v in sorted(by_kind.items()) if v}
+
+
 def split_budget(total: int, lanes: list[str], ddp_share: float) -> dict[str, int]:
     out: dict[str, int] = {}
     single = [x for x in lanes if x != "ddp"]
@@ -1773,6 +1857,15 @@ def report(result: dict[str, Any]) -> None:
     summary.add_row("all", "", str(result["generations"]), str(result["redone_steps"]),
                     f"{result['equal_laps']}/{result['laps']}", str(result["diverged_steps"]), str(result["lost"]))
     console.print(summary)
+    tier = f"memory tier every {result['memory_every']} step(s)" if result.get("memory_every") else "memory tier off"
+    redone = Table(title=f"steps redone per interruption ({tier})")
+    for col in ("lane", "kind", "restarts", "mean", "max"):
+        redone.add_column(col, justify="left" if col in ("lane", "kind") else "right")
+    for lane, rec in result["lanes"].items():
+        for kind, s in rec.get("redone_per_interruption", {}).items():
+            redone.add_row(lane, kind, str(s["n"]), f"{s['mean']:.2f}", str(s["max"]))
+    if result.get("redone_per_interruption"):
+        console.print(redone)
     for lane, rec in result["lanes"].items():
         for line in rec["notes"] + rec["failures"] + rec["lost_detail"]:
             console.print(f"  {lane}: {line}", markup=False)
@@ -1793,6 +1886,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total", type=int, default=0, help="steps per lap of the single-process lanes (default: 1000, 400, 300)")
     ap.add_argument("--tmpfs-bytes", type=int, default=TMPFS_BYTES)
     ap.add_argument("--sabotage", default="", help="LANE=lose|rng,...: break a lane on purpose (the soak must fail)")
+    ap.add_argument("--memory-every", type=int, default=0, metavar="K",
+                    help="the memory tier every K steps in the single-process lanes (0: off); a SIGKILL kind "
+                         "redoing more than 2K-1 steps fails (docs/FAULTS.md, \"The soak\")")
     ap.add_argument("--out", default=str(REPO / "build" / "soak"), help="folder of soak.json and the run folders")
     ap.add_argument("--progress-every", type=float, default=60.0, help="seconds between progress lines")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -1812,6 +1908,8 @@ def main(argv: list[str] | None = None) -> int:
     if not lanes or any(x not in LANES for x in lanes):
         ap.error(f"--lanes takes {', '.join(LANES)}")
     args.kinds = [x for x in args.kinds.split(",") if x]
+    if args.memory_every < 0:
+        ap.error("--memory-every takes K >= 0 (0: the memory tier off)")
     if args.total:
         TOTAL.update(general=args.total, andrea=args.total, s3=args.total)
     args.sabotage = dict(x.split("=", 1) for x in args.sabotage.split(",") if x)
@@ -1821,7 +1919,8 @@ def main(argv: list[str] | None = None) -> int:
                + (f" --ddp-share {args.ddp_share}" if args.ddp_share != 0.08 else "")
                + (f" --nodes-interruptions {args.nodes_interruptions}"
                   if args.nodes_interruptions != NODES_INTERRUPTIONS else "")
-               + (f" --sabotage {','.join(f'{k}={v}' for k, v in args.sabotage.items())}" if args.sabotage else ""))
+               + (f" --sabotage {','.join(f'{k}={v}' for k, v in args.sabotage.items())}" if args.sabotage else "")
+               + (f" --memory-every {args.memory_every}" if args.memory_every else ""))
     print(f"soak: seed {args.seed}; replay: {command}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1847,6 +1946,8 @@ def main(argv: list[str] | None = None) -> int:
                             for name in others}
     if "nodes" in lanes:
         objs["nodes"] = NodesLane(args, nodes_budget, out / "runs", nenv, nstore)
+        if args.memory_every:
+            objs["nodes"].notes.append("memory tier off: a distributed session (it is built for single-process sessions)")
     errors: dict[str, str] = {}
 
     def drive(lane: Lane) -> None:
@@ -1888,6 +1989,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     for key in ("generations", "redone_steps", "laps", "equal_laps", "diverged_steps", "lost"):
         result[key] = sum(r[key] for r in lanes_rec.values())
+    result["memory_every"] = args.memory_every
+    by_kind: dict[str, list[int]] = {}
+    for r in lanes_rec.values():
+        for kind, values in r.get("redone_by_kind", {}).items():
+            by_kind.setdefault(kind, []).extend(values)
+    result["redone_per_interruption"] = redone_summary(by_kind)
     result["failures"] = sum(len(r["failures"]) for r in lanes_rec.values())
     result["ok"] = (not errors and result["lost"] == 0 and result["diverged_steps"] == 0 and result["failures"] == 0
                     and result["survived"] == result["delivered"] and result["equal_laps"] == result["laps"] > 0)

@@ -556,6 +556,8 @@ class Checkpointer:
             p.samples_seen += int(metrics["samples"])
         if "epoch" in metrics:
             p.epoch = int(metrics["epoch"])
+        if self.memory is not None:  # the previous capture committed before this step's line (docs/TIERS.md)
+            self.memory.before_record(step)
         self.history.step(step, **metrics)
         if self._metrics.names:
             self._metrics.note(metrics)

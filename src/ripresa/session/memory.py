@@ -47,6 +47,7 @@ class MemorySession:
         #: the rest), and at the optimizer's step (the copy not finished).
         self.capture_stalls: list[float] = []
         self.step_waits: list[float] = []
+        self._settled_s = 0.0  # waited in before_record() for the capture in flight: part of the next capture's stall
         try:
             self.tier = MemoryTier(self.run_dir)
         except (MemoryUnusable, OSError) as exc:
@@ -79,6 +80,23 @@ class MemorySession:
     def due(self, step: int) -> bool:
         return self.tier is not None and self.every > 0 and step % self.every == 0
 
+    def before_record(self, step: int) -> None:
+        """Before step ``step``'s history line, when ``step`` is due for a capture: the capture in flight committed.
+
+        The wait the capture of ``step`` makes anyway (one in flight at most), made before the line: a SIGKILL
+        after the line of step N finds the capture of N-1 committed (at most one step redone at
+        ``memory_every=1``), not N-2 with the hash of N-1 still running (docs/TIERS.md)."""
+        tier = self.tier
+        if tier is None or tier.job is None or not self.due(step):
+            return
+        t0 = time.perf_counter()
+        try:
+            tier.settle()
+        except (MemoryUnusable, OSError) as exc:
+            self._turn_off(exc)
+            return
+        self._settled_s += time.perf_counter() - t0
+
     def capture(self, step: int, progress: Progress) -> None:
         """Hand step ``step`` to the tier: copies of the rest now, the parameters and moments on its thread."""
         tier = self.tier
@@ -108,7 +126,8 @@ class MemorySession:
             self._turn_off(exc)
             return
         self.captures += 1
-        self.capture_stalls.append(time.perf_counter() - t0)
+        self.capture_stalls.append(time.perf_counter() - t0 + self._settled_s)
+        self._settled_s = 0.0
         if self._hook is None and self.state.optimizer is not None:
             self._hook = self.state.optimizer.register_step_pre_hook(self._before_optimizer_step)
         if self.state.optimizer is None:

@@ -295,10 +295,10 @@ class MemoryArm:
         self.thread: dict[int, tuple[float, float, bool]] = {}
         self.slot_bytes = 0
 
-    def note_thread(self, overlapped: bool) -> None:
-        """The tier's copy and hash seconds of its newest committed capture."""
+    def note_thread(self, steps: list[int], overlapped: bool) -> None:
+        """The tier's copy and hash seconds of its newest committed capture, when it is one of ``steps``."""
         t = self.tier
-        if t.newest_step is not None and t.newest_step not in self.thread:
+        if t.newest_step in steps and t.newest_step not in self.thread:
             self.thread[t.newest_step] = (t.last_copy_s, t.last_hash_s, overlapped)
             slot = t.slots[t.newest_slot] if t.newest_slot is not None else None
             self.slot_bytes = slot.size if slot is not None else self.slot_bytes
@@ -313,10 +313,10 @@ class MemoryArm:
                 rec["capture_stall_s"].append(sum(mem.capture_stalls[nc:]))
                 rec["step_wait_s"].append(sum(mem.step_waits[nw:]))
                 rec["settle_wait_s"].append(sum(self.settles[ns:]))
-            self.note_thread(overlapped=True)
+            self.note_thread(steps, overlapped=True)
         self.tier.settle()  # the last capture: copied and hashed while the loop waits (it runs alone)
         self.settles.pop()
-        self.note_thread(overlapped=False)
+        self.note_thread(steps, overlapped=False)
         self.end_block()
 
     def end_block(self) -> None:
@@ -496,7 +496,7 @@ def summarize(a: argparse.Namespace, config: str, loop: Loop, live_bytes: int, f
               load0: tuple[float, float, float], t_start: float) -> dict[str, Any]:
     assert floors is not None
     fl = {k: stats(v) for k, v in floors.samples.items()}
-    m, off, dk = rec["memory"], rec["off"], rec["disk"]
+    m = rec["memory"]
     visible = [c + w for c, w in zip(m["capture_stall_s"], m["step_wait_s"], strict=True)]
     over = [c for c, _, o in mem.thread.values() if o]
     alone = [c for c, _, o in mem.thread.values() if not o]

@@ -131,6 +131,20 @@ class CpuShare:
         total, busy, own = (b - a for a, b in zip(self.t0, t1, strict=True))
         return max(0.0, (busy - own) / total)
 
+    def wait_quiet(self, timeout: float, share: float) -> tuple[float, float | None]:
+        """Wait (up to ``timeout`` s) for a 0.5 s window in which other processes use less than ``share`` of the
+        CPU; (seconds waited, their share in the last window)."""
+        t0 = time.perf_counter()
+        if timeout <= 0:
+            return 0.0, None
+        while True:
+            self.start()
+            time.sleep(0.5)
+            got = self.stop()
+            waited = time.perf_counter() - t0
+            if got is None or got < share or waited >= timeout:
+                return waited, got
+
 
 def machine() -> dict[str, Any]:
     cpu = "?"
@@ -405,6 +419,7 @@ def run(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     floors: Floors | None = None
     rec = {"off": new_record(), "memory": new_record(), "disk": new_record()}
     others: dict[str, list[float]] = {"off": [], "memory": [], "disk": []}
+    pairs: list[dict[str, Any]] = []
     share = CpuShare()
     total = 2 + 2 * a.pairs + 1
     try:
@@ -446,21 +461,28 @@ def run(a: argparse.Namespace, console: Any) -> dict[str, Any]:
 
             for p in range(a.pairs):
                 floors.sample(p % 2 == 1, a.floor_copies)
+                pair: dict[str, Any] = {"order": []}
                 for arm in (("off", "memory") if p % 2 == 0 else ("memory", "off")):
                     note(f"pair {p + 1}/{a.pairs}: {arm}, {a.block_steps} steps")
+                    waited, _ = share.wait_quiet(a.quiet_timeout, a.quiet_share)
                     share.start()
+                    r = new_record()
                     if arm == "off":
-                        r = new_record()
                         for i, s in enumerate(steps(a.block_steps)):
                             loop.step(off_ck, s, r if i > 0 else None)
-                        for k in ("iter_s", "fwd_bwd_s", "opt_s", "step_done_s"):
-                            rec["off"][k].extend(r[k])
                     else:
-                        mem.block(loop, steps(a.block_steps), rec["memory"])
+                        mem.block(loop, steps(a.block_steps), r)
+                    for k, v in r.items():
+                        rec[arm][k].extend(v)
                     o = share.stop()
                     if o is not None:
                         others[arm].append(o)
+                    pair["order"].append(arm)
+                    pair[arm] = {"iter_s": statistics.median(r["iter_s"]), "fwd_bwd_s": statistics.median(r["fwd_bwd_s"]),
+                                 "others_cpu_share": o, "quiet_wait_s": round(waited, 3)}
                     prog.advance(task)
+                pair["overhead_pct"] = 100 * (pair["memory"]["iter_s"] / pair["off"]["iter_s"] - 1)
+                pairs.append(pair)
 
             disk_out: dict[str, list[float]] = {}
             disk_writes: list[float] = []
@@ -468,6 +490,7 @@ def run(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                 note(f"disk: Checkpointer(every=1, asynchronous=True), {a.disk_steps} steps")
                 disk = DiskArm(scratch / "disk", state)
                 arms.append(disk)
+                share.wait_quiet(a.quiet_timeout, a.quiet_share)
                 share.start()
                 disk_out = disk.block(loop, steps(a.disk_steps), rec["disk"])
                 o = share.stop()
@@ -486,8 +509,15 @@ def run(a: argparse.Namespace, console: Any) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
 
     live_bytes = sum(t.numel() * t.element_size() for t in loop.live())
-    return summarize(a, config, loop, live_bytes, floors, rec, mem, first_captures, disk_out, disk_writes, others,
-                     load0, t_start)
+    doc = summarize(a, config, loop, live_bytes, floors, rec, mem, first_captures, disk_out, disk_writes, others,
+                    load0, t_start)
+    doc["pairs_detail"] = pairs
+    doc["ratios"]["step_overhead_pct_per_pair"] = {
+        "median": statistics.median(p["overhead_pct"] for p in pairs),
+        "min": min(p["overhead_pct"] for p in pairs),
+        "quietest": min(pairs, key=lambda p: max(p["off"]["others_cpu_share"] or 0,
+                                                 p["memory"]["others_cpu_share"] or 0))["overhead_pct"]}
+    return doc
 
 
 def summarize(a: argparse.Namespace, config: str, loop: Loop, live_bytes: int, floors: Floors | None,
@@ -577,7 +607,8 @@ def summarize(a: argparse.Namespace, config: str, loop: Loop, live_bytes: int, f
         "command": "benchmarks/bench_memory.py " + " ".join(sys.argv[1:]),
         "size": a.size, "config": config, "params": sum(p.numel() for p in loop.model.parameters()),
         "live_bytes": live_bytes, "batch": loop.batch, "seq": loop.seq, "pairs": a.pairs,
-        "block_steps": a.block_steps, "disk_steps": a.disk_steps, "floor_copies": a.floor_copies, "memory_every": 1,
+        "block_steps": a.block_steps, "disk_steps": a.disk_steps, "floor_copies": a.floor_copies,
+        "quiet_timeout": a.quiet_timeout, "quiet_share": a.quiet_share, "memory_every": 1,
         "floors": fl, "steps": steps_, "memory": memory, "disk": disk, "ratios": ratios, "goals_met": goals,
         "hash_keeps_up": keeps_up,
         "others_cpu_share": {arm: stats(v) for arm, v in others.items()},
@@ -641,6 +672,7 @@ def report(doc: dict[str, Any], console: Any) -> None:
     for key, label in (("visible_stall_over_memcpy", "visible stall / memcpy"),
                        ("visible_stall_over_memcpy_shm", "visible stall / memcpy to shm"),
                        ("step_overhead_pct", "step-time overhead %"),
+                       ("step_overhead_pct_per_pair", "overhead % per pair (median/min)"),
                        ("fwd_bwd_slowdown_pct", "fwd+bwd slowdown % (contention)"),
                        ("copy_overlapped_over_alone", "tier copy overlapped / alone"),
                        ("copy_alone_over_memcpy_shm", "tier copy alone / memcpy to shm"),
@@ -657,6 +689,10 @@ def report(doc: dict[str, Any], console: Any) -> None:
         g.add_row(label, f2(v["median"]), f2(v["min"]), goal)
     console.print(g)
     o = doc["others_cpu_share"]
+    for i, p in enumerate(doc["pairs_detail"]):
+        console.print(f"pair {i + 1}: step off {p['off']['iter_s']:.3f} s, memory {p['memory']['iter_s']:.3f} s: "
+                      f"{p['overhead_pct']:+.1f} % (others' CPU {f2(p['off']['others_cpu_share'])} / "
+                      f"{f2(p['memory']['others_cpu_share'])})")
     console.print(f"hash keeps up at memory_every=1: {'yes' if doc['hash_keeps_up'] else 'no'} "
                   f"(a capture waited a median {f3(mem['settle_wait_s']['median'])} s for the last hash)")
     console.print("other processes' CPU share during the blocks (median): "
@@ -679,6 +715,10 @@ def main() -> int:
                     help="steps of the asynchronous disk save at every=1 (the first is not counted; 0: skip)")
     ap.add_argument("--floor-copies", type=int, default=3,
                     help="samples of each memcpy floor per pair (and after the blocks); sha256 once each time")
+    ap.add_argument("--quiet-timeout", type=float, default=30.0,
+                    help="before each block, wait up to S seconds for other processes to leave the CPU (0: never)")
+    ap.add_argument("--quiet-share", type=float, default=0.10,
+                    help="the share of the CPU other processes may use for a block to start")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder for the run folders (default: --out)")
     a = ap.parse_args()

@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
     out, shm = tmp / "out", tmp / "shm"
     shm.mkdir()
     proc = run([sys.executable, str(BENCH), "--size", "tiny", "--pairs", "1", "--block-steps", "3",
-                "--disk-steps", "3", "--floor-copies", "1", "--out", str(out)],
+                "--disk-steps", "3", "--floor-copies", "1", "--quiet-timeout", "0", "--out", str(out)],
                env={"RIPRESA_MEMORY_DIR": str(shm)}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, shm, proc, json.loads((out / "bench_memory_tiny.json").read_text())
@@ -70,6 +70,9 @@ def test_every_measured_quantity_is_there_and_positive(tiny):
         assert set(doc["goals_met"][key]) == {"median", "min"}
         assert all(isinstance(v, bool) for v in doc["goals_met"][key].values())
     assert isinstance(doc["hash_keeps_up"], bool)
+    (pair,) = doc["pairs_detail"]  # one pair: off, then memory
+    assert pair["order"] == ["off", "memory"] and pair["memory"]["quiet_wait_s"] == 0.0  # --quiet-timeout 0
+    assert pair["overhead_pct"] == pytest.approx(100 * (pair["memory"]["iter_s"] / pair["off"]["iter_s"] - 1))
     assert doc["machine"]["torch_threads"] >= 1 and doc["machine"]["wall_s"] > 0
 
 

@@ -461,25 +461,36 @@ def run(a: argparse.Namespace, console: Any) -> dict[str, Any]:
 
             for p in range(a.pairs):
                 floors.sample(p % 2 == 1, a.floor_copies)
-                pair: dict[str, Any] = {"order": []}
+                pair: dict[str, Any] = {"order": [], "discarded": []}
                 for arm in (("off", "memory") if p % 2 == 0 else ("memory", "off")):
-                    note(f"pair {p + 1}/{a.pairs}: {arm}, {a.block_steps} steps")
-                    waited, _ = share.wait_quiet(a.quiet_timeout, a.quiet_share)
-                    share.start()
-                    r = new_record()
-                    if arm == "off":
-                        for i, s in enumerate(steps(a.block_steps)):
-                            loop.step(off_ck, s, r if i > 0 else None)
-                    else:
-                        mem.block(loop, steps(a.block_steps), r)
+                    o: float | None = None
+                    for attempt in range(a.retries + 1):
+                        note(f"pair {p + 1}/{a.pairs}: {arm}, {a.block_steps} steps"
+                             + (f" (again: others took {o or 0:.0%} of the CPU)" if attempt else ""))
+                        waited, _ = share.wait_quiet(a.quiet_timeout, a.quiet_share)
+                        share.start()
+                        r = new_record()
+                        block = steps(a.block_steps)
+                        if arm == "off":
+                            for i, s in enumerate(block):
+                                loop.step(off_ck, s, r if i > 0 else None)
+                        else:
+                            mem.block(loop, block, r)
+                        o = share.stop()
+                        summary = {"iter_s": statistics.median(r["iter_s"]),
+                                   "fwd_bwd_s": statistics.median(r["fwd_bwd_s"]), "others_cpu_share": o,
+                                   "quiet_wait_s": round(waited, 3), "attempt": attempt}
+                        if o is None or o < a.quiet_share or attempt == a.retries:
+                            break
+                        pair["discarded"].append({"arm": arm, **summary})  # disturbed: measured again
+                        for st_ in block:
+                            mem.thread.pop(st_, None)
                     for k, v in r.items():
                         rec[arm][k].extend(v)
-                    o = share.stop()
                     if o is not None:
                         others[arm].append(o)
                     pair["order"].append(arm)
-                    pair[arm] = {"iter_s": statistics.median(r["iter_s"]), "fwd_bwd_s": statistics.median(r["fwd_bwd_s"]),
-                                 "others_cpu_share": o, "quiet_wait_s": round(waited, 3)}
+                    pair[arm] = {**summary, "disturbed": o is not None and o >= a.quiet_share}
                     prog.advance(task)
                 pair["overhead_pct"] = 100 * (pair["memory"]["iter_s"] / pair["off"]["iter_s"] - 1)
                 pairs.append(pair)
@@ -608,7 +619,7 @@ def summarize(a: argparse.Namespace, config: str, loop: Loop, live_bytes: int, f
         "size": a.size, "config": config, "params": sum(p.numel() for p in loop.model.parameters()),
         "live_bytes": live_bytes, "batch": loop.batch, "seq": loop.seq, "pairs": a.pairs,
         "block_steps": a.block_steps, "disk_steps": a.disk_steps, "floor_copies": a.floor_copies,
-        "quiet_timeout": a.quiet_timeout, "quiet_share": a.quiet_share, "memory_every": 1,
+        "quiet_timeout": a.quiet_timeout, "quiet_share": a.quiet_share, "retries": a.retries, "memory_every": 1,
         "floors": fl, "steps": steps_, "memory": memory, "disk": disk, "ratios": ratios, "goals_met": goals,
         "hash_keeps_up": keeps_up,
         "others_cpu_share": {arm: stats(v) for arm, v in others.items()},
@@ -719,11 +730,14 @@ def main() -> int:
                     help="before each block, wait up to S seconds for other processes to leave the CPU (0: never)")
     ap.add_argument("--quiet-share", type=float, default=0.10,
                     help="the share of the CPU other processes may use for a block to start")
+    ap.add_argument("--retries", type=int, default=2,
+                    help="redo a block during which other processes took >= --quiet-share of the CPU, at most R "
+                         "times (0: keep every block); the discarded blocks stay in the JSON")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder for the run folders (default: --out)")
     a = ap.parse_args()
     if a.block_steps < 2 or a.pairs < 1 or a.batch < 1 or a.seq < 1 or a.threads < 1 or a.disk_steps < 0 \
-            or a.floor_copies < 1:
+            or a.floor_copies < 1 or a.retries < 0:
         ap.error("need --block-steps >= 2, --pairs >= 1, --batch/--seq/--threads/--floor-copies >= 1, "
                  "--disk-steps >= 0")
 

@@ -24,7 +24,8 @@ def tiny(tmp_path_factory):
     out, shm = tmp / "out", tmp / "shm"
     shm.mkdir()
     proc = run([sys.executable, str(BENCH), "--size", "tiny", "--pairs", "1", "--block-steps", "3",
-                "--disk-steps", "3", "--floor-copies", "1", "--quiet-timeout", "0", "--out", str(out)],
+                "--disk-steps", "3", "--floor-copies", "1", "--quiet-timeout", "0", "--retries", "0",
+                "--out", str(out)],
                env={"RIPRESA_MEMORY_DIR": str(shm)}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, shm, proc, json.loads((out / "bench_memory_tiny.json").read_text())
@@ -72,6 +73,7 @@ def test_every_measured_quantity_is_there_and_positive(tiny):
     assert isinstance(doc["hash_keeps_up"], bool)
     (pair,) = doc["pairs_detail"]  # one pair: off, then memory
     assert pair["order"] == ["off", "memory"] and pair["memory"]["quiet_wait_s"] == 0.0  # --quiet-timeout 0
+    assert pair["discarded"] == [] and isinstance(pair["off"]["disturbed"], bool)  # --retries 0: every block kept
     assert pair["overhead_pct"] == pytest.approx(100 * (pair["memory"]["iter_s"] / pair["off"]["iter_s"] - 1))
     assert doc["machine"]["torch_threads"] >= 1 and doc["machine"]["wall_s"] > 0
 

@@ -726,11 +726,11 @@ def main() -> int:
                     help="steps of the asynchronous disk save at every=1 (the first is not counted; 0: skip)")
     ap.add_argument("--floor-copies", type=int, default=3,
                     help="samples of each memcpy floor per pair (and after the blocks); sha256 once each time")
-    ap.add_argument("--quiet-timeout", type=float, default=30.0,
+    ap.add_argument("--quiet-timeout", type=float, default=20.0,
                     help="before each block, wait up to S seconds for other processes to leave the CPU (0: never)")
     ap.add_argument("--quiet-share", type=float, default=0.10,
                     help="the share of the CPU other processes may use for a block to start")
-    ap.add_argument("--retries", type=int, default=2,
+    ap.add_argument("--retries", type=int, default=1,
                     help="redo a block during which other processes took >= --quiet-share of the CPU, at most R "
                          "times (0: keep every block); the discarded blocks stay in the JSON")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")

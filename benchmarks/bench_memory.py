@@ -39,7 +39,15 @@ One process, the engine's GPT (``--size``: ``tiny``, ``12m``, ``120m``) with
   previous save's write (the disk does not keep up at every=1) and the staged
   copy itself.
 
-Prints a table and writes ``benchmarks/results/bench_memory_<size>.json``.
+Before each block the benchmark waits (``--quiet-timeout``) for a moment
+when other processes use less than ``--quiet-share`` of the CPU, records
+the share they took during the block, and measures a disturbed block again
+(``--retries``; the discarded blocks stay in the JSON). Besides the medians
+over all counted steps it gives each pair's own overhead (its memory block
+against its off block).
+
+Prints a table and writes ``benchmarks/results/bench_memory_<size>.json``
+(``_threads<N>`` added with another ``--threads``).
 benchmarks/README.md, "Memory tier"; the tier: docs/TIERS.md.
 """
 
@@ -80,6 +88,7 @@ from ripresa.store.memory import MEMORY_ENV  # noqa: E402
 SCHEMA = "ripresa-bench-memory/1"
 SIZES = {"tiny": "tiny", "12m": "andrea-12m", "120m": "andrea-120m"}
 GB = 1e9
+DEFAULT_THREADS = torch.get_num_threads()
 #: The issue's goals (issue 31, item 2).
 GOAL_STALL_OVER_MEMCPY = 0.1
 GOAL_OVERHEAD_PCT = 1.0
@@ -719,7 +728,9 @@ def main() -> int:
                     help="the engine's GPT: tiny, 12m (andrea-12m) or 120m (andrea-120m: 1.46 GB of weights+m+v)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step")
     ap.add_argument("--seq", type=int, default=128, help="bytes per sequence (at most the config's block size)")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of the loop")
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                    help="torch threads of the loop (default: torch's, one per core); another number adds "
+                         "_threads<N> to the JSON's name")
     ap.add_argument("--pairs", type=int, default=4, help="pairs of blocks (off, memory), alternating their order")
     ap.add_argument("--block-steps", type=int, default=8, help="steps per block (the first is not counted)")
     ap.add_argument("--disk-steps", type=int, default=6,
@@ -749,7 +760,8 @@ def main() -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         doc = run(a, console)
-    path = a.out / f"bench_memory_{a.size}.json"
+    threads = "" if a.threads == DEFAULT_THREADS else f"_threads{a.threads}"
+    path = a.out / f"bench_memory_{a.size}{threads}.json"
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     report(doc, console)
     console.print(f"wrote {path} ({doc['machine']['wall_s']:.0f} s)")

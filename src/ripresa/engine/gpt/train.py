@@ -92,6 +92,7 @@ class TrainArgs:
     max_redo: str | None = None  # --every auto: at most N steps or a duration of work lost
     deadline: float | None = None  # POSIX time: stop, save, upload and export before it
     final_upload_timeout: float | None = None  # --mirror: a normal end's wait for the store (None: 900 s)
+    memory_every: int = 0  # the memory tier's cadence in steps (0: off; docs/TIERS.md)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -564,6 +565,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         # the ANDREA .bin whenever the state fits it (docs/FORMAT.md, "Which format a session writes"); FSDP2: .dcp
         format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",
         hyperparameters="loop",  # apply_hyperparameters() sets the config's values after the resume
+        memory_every=args.memory_every,  # a generation in /dev/shm every K steps (docs/TIERS.md)
     )
     try:
         for note in notes:
@@ -606,6 +608,8 @@ def _run(args: TrainArgs, device: torch.device) -> int:
             ckpt.close()
             return 0
         if start:  # every resume says so, with the generation it started from
+            if ckpt.resumed_from_memory and origin is not None:  # promoted from /dev/shm (docs/TIERS.md)
+                where_from = f"the memory tier ({origin.path.name})"
             say(f"resumed {run_dir} at step {start} from {where_from}")
         floor_warning = lr_floor_warning(t, start)
         if floor_warning is not None and rank == 0:  # once per start, on the console and in the history
@@ -656,7 +660,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
 #: The ``ripresa train`` options recorded in the ``launch`` history event and replayed by ``pivot --restart``.
 LAUNCH_OPTIONS = ("config", "sets", "sources", "steps", "every", "device", "audit", "asynchronous", "quiet", "threads",
                   "allow_version_change", "allow_code_change", "allow_data_change", "shard", "mirror", "mtbf",
-                  "max_redo", "deadline")
+                  "max_redo", "deadline", "memory_every")
 
 
 def launch_record(args: TrainArgs, world: int, local_world: int) -> dict[str, Any]:

@@ -132,11 +132,11 @@ def test_ripresa_train_sidecar_of_a_promoted_generation_is_its_step(tmp_path, sh
     same = _train(run, 24, True)
     _finish(_start([sys.executable, str(HARNESS), "-m", "ripresa", "train", *same], tmp_path, "first",
                    _env(shm, RIPRESA_TEST_KILL_AFTER_STEP="15")), tmp_path, "first", expect=-9)
-    step = _memory_resumed(run, 15)
     # started again, and killed again before the next disk generation (20)
     _finish(_start([sys.executable, str(HARNESS), "-m", "ripresa", "train", *same], tmp_path, "second",
-                   _env(shm, RIPRESA_TEST_KILL_AFTER_STEP=str(step + 1))), tmp_path, "second", expect=-9)
-    assert "from the memory tier" in _out(tmp_path, "second")
+                   _env(shm, RIPRESA_TEST_KILL_AFTER_STEP="17")), tmp_path, "second", expect=-9)
+    step = _memory_resumed(run, 15)
+    assert f"at step {step} from the memory tier" in _out(tmp_path, "second")
     bandit = json.loads((run / ".state.json").read_text())
     assert sum(s["pulls"] for s in bandit["stats"].values()) == step  # one pull a step
 

@@ -4,7 +4,7 @@ Each case: a run with disk generations every 10 steps and a memory generation ev
 SIGKILLed (a real SIGKILL) at a step between two disk generations; the same command started
 again resumes from the memory tier (history ``memory_resume``, newer than the newest disk
 generation, at most one step redone) and ends bitwise equal to an uninterrupted run that had
-no memory tier at all. The killed run copies its captures late on purpose
+no memory tier at all. The killed run copies its last captures a second late on purpose
 (``RIPRESA_TEST_COPY_DELAY``, tests/support/memory_harness.py): the next optimizer step must
 wait for the copy — under Lightning's and the Trainer's optimizer wrappers too — or the
 memory generation would hold the next step's weights and the resume would not be bitwise.
@@ -35,7 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "support" / "memory_harness.py"
 FAST = ["--config", "tiny", "--quiet", "--set", "train.batch_size=4", "--threads", "1", "--no-audit"]
 DISK_EVERY = 10
-DELAY = "0.2"  # seconds the killed run's tier waits before each copy (the optimizer's step waits for it)
+#: Seconds the killed run's tier waits before each copy of the last steps before the kill: the next optimizer
+#: step waits for it, or changes the weights first (a step of these models takes milliseconds).
+DELAY = "1.0"
+
+
+def _delayed(kill: int) -> dict[str, str]:
+    return {"RIPRESA_TEST_COPY_DELAY": DELAY, "RIPRESA_TEST_COPY_DELAY_FROM": str(kill - 2)}
 TIMEOUT = 600  # a hang guard only (the machine may be shared)
 
 
@@ -100,7 +106,7 @@ def _engine_killed_and_resumed(tmp: Path, shm: Path, steps: int, kill: int) -> t
     reference = _start([sys.executable, "-m", "ripresa", "train", *_train(ref, steps, False)], tmp, "ref", _env(shm))
     same = _train(run, steps, True)  # the command, run twice
     killed = _start([sys.executable, str(HARNESS), "-m", "ripresa", "train", *same], tmp, "killed",
-                    _env(shm, RIPRESA_TEST_KILL_AFTER_STEP=str(kill), RIPRESA_TEST_COPY_DELAY=DELAY))
+                    _env(shm, RIPRESA_TEST_KILL_AFTER_STEP=str(kill), **_delayed(kill)))
     _finish(killed, tmp, "killed", expect=-9)
     assert any(tier_folder(run).glob("slot*.marker")), "the killed run left no memory generation"
     _finish(reference, tmp, "ref")
@@ -110,7 +116,9 @@ def _engine_killed_and_resumed(tmp: Path, shm: Path, steps: int, kill: int) -> t
 
 def test_ripresa_train_sigkilled_between_disk_generations_resumes_from_memory_bitwise(tmp_path, shm):
     steps = 24
-    kill = random.randrange(DISK_EVERY + 1, 2 * DISK_EVERY)  # a random step between the disk generations 10 and 20
+    # a random step between the disk generations 10 and 20, whose step before (the newest memory generation when
+    # the kill lands while the kill step's copy is in flight) is newer than 10 (RIPRESA_TEST_KILL_STEP: replay one)
+    kill = int(os.environ.get("RIPRESA_TEST_KILL_STEP") or random.randrange(DISK_EVERY + 2, 2 * DISK_EVERY))
     ref, run, step, out = _engine_killed_and_resumed(tmp_path, shm, steps, kill)
     assert f"at step {step} from the memory tier (step_{step:06d}.safetensors)" in out, (kill, out)
     a, b = read_bin(ref / f"step_{steps:06d}.bin"), read_bin(run / f"step_{steps:06d}.bin")
@@ -155,7 +163,7 @@ def _example_killed_and_resumed(tmp: Path, shm: Path, script: Path, steps: int, 
     reference = _start([sys.executable, *cmd("ref", False)], tmp, "ref", _env(shm))
     same = cmd("mem", True)
     _finish(_start([sys.executable, str(HARNESS), *same], tmp, "killed",
-                   _env(shm, RIPRESA_EXAMPLE_KILL_AFTER=str(kill), RIPRESA_TEST_COPY_DELAY=DELAY)),
+                   _env(shm, RIPRESA_EXAMPLE_KILL_AFTER=str(kill), **_delayed(kill))),
             tmp, "killed", expect=-9)
     run = tmp / "mem-run"
     assert any(tier_folder(run).glob("slot*.marker")), "the killed run left no memory generation"

@@ -6,7 +6,8 @@
 * ``RIPRESA_TEST_KILL_AFTER_STEP=K``: a real SIGKILL of this process right after
   ``Checkpointer.step_done(K)`` returned (step K's capture handed to the tier's
   thread, perhaps not yet copied or hashed: the worst moment for the tier).
-* ``RIPRESA_TEST_COPY_DELAY=S``: the tier's thread sleeps S seconds before it
+* ``RIPRESA_TEST_COPY_DELAY=S`` (with ``RIPRESA_TEST_COPY_DELAY_FROM=N``: the
+  captures of step N on only): the tier's thread sleeps S seconds before it
   copies a capture. The loop's next optimizer step must wait for the copy (the
   optimizer's step pre-hook): without that wait the slot would hold the next
   step's parameters beside this step's counters, and a resume from it would
@@ -43,11 +44,13 @@ if _kill:
 
 if _delay:
     _seconds = float(_delay)
+    _from = int(os.environ.get("RIPRESA_TEST_COPY_DELAY_FROM") or 0)
     _run = MemoryTier._run
 
-    def slow_run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        time.sleep(_seconds)
-        return _run(self, *args, **kwargs)
+    def slow_run(self, job, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if job.step >= _from:
+            time.sleep(_seconds)
+        return _run(self, job, *args, **kwargs)
 
     MemoryTier._run = slow_run  # type: ignore[method-assign]
 

@@ -190,3 +190,23 @@ def test_lightning_exact_resume_memory_every(tmp_path, shm):
 def test_hf_trainer_exact_resume_memory_every(tmp_path, shm):
     pytest.importorskip("transformers")
     _example_killed_and_resumed(tmp_path, shm, ROOT / "examples" / "hf_trainer" / "train.py", 30, 17)
+
+
+def test_memory_every_is_checked_and_replayed_by_pivot_restart(tmp_path, capsys):
+    """``--memory-every -1`` is bad input (exit 2, nothing created); a recorded ``memory_every`` is replayed by
+    ``pivot --restart`` (0, the default, is not); ExactResume refuses a bad ``memory_every`` at construction."""
+    from ripresa.cli import main
+    from ripresa.engine.pivot import restart_command
+
+    run = tmp_path / "run"
+    assert main(["train", "--run", str(run), *FAST, "--memory-every", "-1"]) == 2
+    assert "--memory-every must be >= 0" in capsys.readouterr().err and not run.exists()
+    launch = {"command": "ripresa train", "options": {"steps": 20, "memory_every": 2}, "world_size": 1}
+    assert restart_command(run, launch, None)[-2:] == ["--steps=20", "--memory-every=2"]
+    launch["options"]["memory_every"] = 0
+    assert restart_command(run, launch, None)[-1] == "--steps=20"
+    for module in ("lightning", "transformers"):
+        pytest.importorskip(module)
+        integration = __import__(f"ripresa.integrations.{module}", fromlist=["ExactResume"])
+        with pytest.raises(ValueError, match="memory_every must be an int >= 0"):
+            integration.ExactResume(tmp_path / module, every=10, memory_every=-1)

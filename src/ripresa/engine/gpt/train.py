@@ -597,7 +597,9 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         else:
             goal = start + args.steps if args.output is not None else args.steps
         origin = ckpt.resumed_from
-        where_from = origin.path if origin is not None else args.resume
+        where_from: Any = origin.path if origin is not None else args.resume
+        if ckpt.resumed_from_memory and origin is not None:  # promoted from /dev/shm (docs/TIERS.md)
+            where_from = f"the memory tier ({origin.path.name})"
         if start >= goal and args.output is None:  # one line: where the run is, and how to go on
             import shlex
 
@@ -608,8 +610,6 @@ def _run(args: TrainArgs, device: torch.device) -> int:
             ckpt.close()
             return 0
         if start:  # every resume says so, with the generation it started from
-            if ckpt.resumed_from_memory and origin is not None:  # promoted from /dev/shm (docs/TIERS.md)
-                where_from = f"the memory tier ({origin.path.name})"
             say(f"resumed {run_dir} at step {start} from {where_from}")
         floor_warning = lr_floor_warning(t, start)
         if floor_warning is not None and rank == 0:  # once per start, on the console and in the history

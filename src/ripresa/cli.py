@@ -211,6 +211,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "--output: the steps of this process")
     p.add_argument("--every", type=_every, help="checkpoint cadence in steps (default 100; 0 = signals only), or auto: "
                    "chosen from the measured step time and save cost (Young–Daly, docs/CADENCE.md)")
+    p.add_argument("--memory-every", type=int, default=0, metavar="K",
+                   help="also keep a complete generation of every K-th step in shared memory (/dev/shm), copied while "
+                   "the next step runs: after a crash of the process the same command loses at most K steps "
+                   "(default 0: off; single process only; docs/TIERS.md)")
     p.add_argument("--mtbf", help="--every auto: mean time between failures, e.g. 6h, 24h (default), 7d")
     p.add_argument("--max-redo", help="--every auto: at most this much work lost: N steps or a duration such as 30m")
     p.add_argument("--deadline", help="stop, save, upload and export (RUN/exports/) before this time: "
@@ -271,6 +275,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise BadInput("--steps must be >= 0", found=args.steps)
     if args.every is not None and args.every != "auto" and args.every < 0:
         raise BadInput("--every must be >= 0", expected="--every >= 0 (0: checkpoint on signals only)", found=args.every)
+    if args.memory_every < 0:
+        raise BadInput("--memory-every must be >= 0", expected="--memory-every >= 0 (0: no memory tier)",
+                       found=args.memory_every, hint="docs/TIERS.md")
     if args.every != "auto" and (args.mtbf is not None or args.max_redo is not None):
         raise BadInput("--mtbf and --max-redo need --every auto", hint="add --every auto (docs/CADENCE.md)")
     if args.mtbf is not None:
@@ -295,7 +302,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
         allow_config_change=args.allow_config_change,
         shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,
-        final_upload_timeout=final_upload,
+        final_upload_timeout=final_upload, memory_every=args.memory_every,
     ))
 
 

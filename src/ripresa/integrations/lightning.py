@@ -169,6 +169,12 @@ class ExactResume(Callback):
             ``KeepBest(monitor, k=save_top_k, mode=mode)``; a ``retention=`` given
             as well is kept too (``retention | KeepBest(...)``). Without
             ``monitor`` the ``Checkpointer``'s retention applies (docs/RETENTION.md).
+        memory_every: also keep a complete generation of every ``memory_every``-th
+            optimizer step in shared memory (``/dev/shm``; 0, the default: off):
+            a SIGKILLed fit started again resumes from it when it is newer than
+            the newest disk generation, so at most ``memory_every`` steps are
+            lost. The copy runs on a thread; the next optimizer step waits for
+            it (docs/INTEGRATIONS_lightning.md, "The memory tier"; docs/TIERS.md).
         **checkpointer: other :class:`~ripresa.Checkpointer` options
             (``retention``, ``mirror``, ``deadline``, ``asynchronous``, ``mtbf``,
             ``max_redo``, ``allow_*_change``, ``save_on_close``, ``format``...).
@@ -184,9 +190,12 @@ class ExactResume(Callback):
 
     def __init__(self, run_dir: str | Path, every: int | str = 100, *, handle_signals: bool = True,
                  exact_loader: bool = True, seed: int | None = None, monitor: str | None = None,
-                 mode: str = "min", save_top_k: int = 1, **checkpointer: Any) -> None:
+                 mode: str = "min", save_top_k: int = 1, memory_every: int = 0, **checkpointer: Any) -> None:
         if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise ValueError(f"every must be an int >= 0 or 'auto', got {every!r}")
+        if not isinstance(memory_every, int) or isinstance(memory_every, bool) or memory_every < 0:
+            raise ValueError(f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}")
+        checkpointer["memory_every"] = memory_every
         self.monitor = monitor
         if monitor is not None:
             checkpointer["retention"] = _metric_retention(monitor, mode, save_top_k, checkpointer.get("retention"))

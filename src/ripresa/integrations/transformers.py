@@ -138,6 +138,13 @@ class ExactResume(TrainerCallback):
             default retention keeps them (``KeepLast(3)``); the newest generation is
             always kept for resume. A ``retention=`` given as well is kept too
             (docs/INTEGRATIONS_transformers.md, docs/RETENTION.md).
+        memory_every: also keep a complete generation of every ``memory_every``-th
+            optimizer step in shared memory (``/dev/shm``; 0, the default: off):
+            a SIGKILLed ``train()`` started again resumes from it when it is newer
+            than the newest disk generation, so at most ``memory_every`` steps are
+            lost. The copy runs on a thread while the next step's forward and
+            backward run; its optimizer step waits for it
+            (docs/INTEGRATIONS_transformers.md, "The memory tier"; docs/TIERS.md).
         **checkpointer_kwargs: passed to :class:`~ripresa.Checkpointer` (``retention``,
             ``mirror``, ``deadline``, ``asynchronous``, ...).
 
@@ -156,8 +163,11 @@ class ExactResume(TrainerCallback):
 
     def __init__(self, run_dir: str | Path, every: int | str = 100, *, seed: int | None = None,
                  exact_loader: bool = True, metric_for_best_model: str | None = None,
-                 greater_is_better: bool | None = None, save_total_limit: int | None = None,
+                 greater_is_better: bool | None = None, save_total_limit: int | None = None, memory_every: int = 0,
                  **checkpointer_kwargs: Any) -> None:
+        if not isinstance(memory_every, int) or isinstance(memory_every, bool) or memory_every < 0:
+            raise ValueError(f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}")
+        checkpointer_kwargs["memory_every"] = memory_every
         self.run_dir, self.every, self.seed = run_dir, every, seed
         self.metric_for_best_model, self.greater_is_better = metric_for_best_model, greater_is_better
         self.save_total_limit = save_total_limit

@@ -359,6 +359,8 @@ class Checkpointer:
         self.failed_saves = 0
         self.last_saved_step: int | None = None
         self.resumed_from: Generation | None = None
+        #: True when ``resume()`` restored a generation of the memory tier (promoted into the folder; docs/TIERS.md).
+        self.resumed_from_memory = False
         self.save_stalls: list[float] = []  # seconds the loop was blocked by each save
         self.pipeline = self._pipeline(shards)
         if self.cadence is not None:
@@ -448,6 +450,9 @@ class Checkpointer:
             report_pulled(self.dist, ns, gen, self.history.event)
         if gen is not None and restored is not None:
             self._hyperparameters(gen, before)
+            self.resumed_from_memory = self.resumer.promoted is not None and gen.step == self.resumer.promoted
+            if self.resumed_from_memory:
+                self._write_sidecars()  # a promoted generation has its sidecars too (not the older disk step's)
         if gen is None or restored is None:
             world = {} if self.dist is None else {"world_size": self.dist.world_size}
             self.history.event("start", step=0, rng_restored=restore_rng, **world)

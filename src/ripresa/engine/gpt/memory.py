@@ -5,9 +5,8 @@ two moments (float32: the engine keeps float32 weights under autocast), the
 activations autograd keeps for the backward pass (:func:`activation_bytes`, term
 by term from :mod:`.model`), the backward's largest working tensors, and the
 host copies a checkpoint makes: the staging copy of a background save, and
-two slots of the state for the memory tier in ``/dev/shm`` (``--memory-every``,
-docs/TIERS.md: sized, labelled, left out of the verdict, since the tier is
-optional and turns itself off when it does not fit). Set against the device's free memory (``torch.cuda.mem_get_info``),
+the memory tier's two slots in ``/dev/shm`` (``ripresa train --memory-every K``,
+off by default: sized, labelled, left out of the verdict; docs/TIERS.md). Set against the device's free memory (``torch.cuda.mem_get_info``),
 the host's (``/proc/meminfo``) and ``/dev/shm`` (``statvfs``); the verdict and
 its thresholds: docs/CADENCE.md, "Memory for a step".
 """
@@ -18,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...store.memory import MARGIN, SLOTS
 from .model import GPTConfig
 
 #: Bytes of one activation element by precision (autocast's matmul outputs; LayerNorm, softmax and the loss
@@ -142,6 +142,7 @@ def size_step(cfg: dict[str, Any], *, precision: str, device: str,
         "device": device_memory(device), "host": host_memory(), "shm": shm_memory()}
     step = need["parameters"] + need["gradients"] + need["optimizer"] + need["activations"] + need["working"]
     staging = need["state"]  # a background save's host copy of the state (--sync: none)
+    tier = SLOTS * need["state"] + MARGIN  # --memory-every: what the tier checks /dev/shm for (store/memory.py)
     if device == "cuda":
         places = {"device": step, "host": staging}
     else:
@@ -159,10 +160,9 @@ def size_step(cfg: dict[str, Any], *, precision: str, device: str,
                   "block_size": m.block_size, "vocab_size": m.vocab_size, "dropout": m.dropout},
         "batch_size": batch, "precision": precision, "device": device,
         "need": need, "places": places, "available": have, "verdicts": verdicts, "verdict": overall, "change": fix,
-        "memory_tier": {"need": 2 * need["state"], "where": "/dev/shm",
-                        "verdict": _verdict(2 * need["state"], have.get("shm")),
-                        "note": "--memory-every K (docs/TIERS.md): two slots of the state (one generation, one in "
-                                "flight); when they do not fit, the tier turns itself off and the disk tier goes on"},
+        "memory_tier": {"need": tier, "where": "/dev/shm", "verdict": _verdict(tier, have.get("shm")),
+                        "note": f"--memory-every K (off by default): {SLOTS} state copies (one generation, one in "
+                                "flight) and a margin, checked again before its first capture (docs/TIERS.md)"},
     }
 
 
@@ -213,8 +213,8 @@ def render_memory(report: dict[str, Any]) -> str:
         lines.append(f"  {place}: needs {_gib(n)} {free}: {r['verdicts'][place]}")
     tier = r["memory_tier"]
     shm = r["available"].get("shm")
-    lines += ["  memory tier (--memory-every, docs/TIERS.md): two slots of the",
-              f"    state, {_gib(tier['need'])} in /dev/shm "
+    lines += [f"  memory tier (--memory-every K, off by default): {SLOTS} state copies,",
+              f"    {_gib(tier['need'])} in /dev/shm "
               f"({_gib(shm['available']) + ' free' if shm else 'none here'}): {tier['verdict']}"]
     lines.append(f"verdict: {r['verdict']}")
     if r.get("change"):

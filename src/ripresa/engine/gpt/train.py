@@ -92,6 +92,7 @@ class TrainArgs:
     max_redo: str | None = None  # --every auto: at most N steps or a duration of work lost
     deadline: float | None = None  # POSIX time: stop, save, upload and export before it
     final_upload_timeout: float | None = None  # --mirror: a normal end's wait for the store (None: 900 s)
+    memory_every: int = 0  # the memory tier's cadence in steps (0: off; docs/TIERS.md)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -564,6 +565,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         # the ANDREA .bin whenever the state fits it (docs/FORMAT.md, "Which format a session writes"); FSDP2: .dcp
         format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",
         hyperparameters="loop",  # apply_hyperparameters() sets the config's values after the resume
+        memory_every=args.memory_every,  # a generation in /dev/shm every K steps (docs/TIERS.md)
     )
     try:
         for note in notes:
@@ -595,7 +597,9 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         else:
             goal = start + args.steps if args.output is not None else args.steps
         origin = ckpt.resumed_from
-        where_from = origin.path if origin is not None else args.resume
+        where_from: Any = origin.path if origin is not None else args.resume
+        if ckpt.resumed_from_memory and origin is not None:  # promoted from /dev/shm (docs/TIERS.md)
+            where_from = f"the memory tier ({origin.path.name})"
         if start >= goal and args.output is None:  # one line: where the run is, and how to go on
             import shlex
 
@@ -656,7 +660,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
 #: The ``ripresa train`` options recorded in the ``launch`` history event and replayed by ``pivot --restart``.
 LAUNCH_OPTIONS = ("config", "sets", "sources", "steps", "every", "device", "audit", "asynchronous", "quiet", "threads",
                   "allow_version_change", "allow_code_change", "allow_data_change", "shard", "mirror", "mtbf",
-                  "max_redo", "deadline")
+                  "max_redo", "deadline", "memory_every")
 
 
 def launch_record(args: TrainArgs, world: int, local_world: int) -> dict[str, Any]:

@@ -42,7 +42,6 @@ class MemorySession:
         self.off: str | None = None
         self._hook: Any = None
         self.captures = 0
-        self.skipped = 0  # due captures skipped because the previous one was still being hashed
         #: Seconds the loop waited per capture: at the capture (the previous one still hashing; the copies of
         #: the rest), and at the optimizer's step (the copy not finished).
         self.capture_stalls: list[float] = []
@@ -101,14 +100,6 @@ class MemorySession:
         """Hand step ``step`` to the tier: copies of the rest now, the parameters and moments on its thread."""
         tier = self.tier
         assert tier is not None
-        job = tier.job
-        if job is not None and not job.done.is_set():
-            # The previous capture is still hashing (a step shorter than hashing the state): skipped, never waited
-            # for, so the loop never slows down; the memory generation is then a few steps older (docs/TIERS.md).
-            if not self.skipped:
-                self.event("memory_capture_skipped", step=step, reason="the previous capture is still being hashed")
-            self.skipped += 1
-            return
         t0 = time.perf_counter()
         try:
             tensors, encoded, aliases = capture_tensors(self.state, progress, None, to_cpu=False, plain_model_keys=False)
@@ -163,7 +154,7 @@ class MemorySession:
         if self.tier is not None:
             if self.captures:
                 stalls = sorted(self.capture_stalls)
-                self.event("memory_tier", captures=self.captures, skipped=self.skipped,
+                self.event("memory_tier", captures=self.captures,
                            stall_median=round(stalls[len(stalls) // 2], 6),
                            optimizer_wait_max=round(max(self.step_waits, default=0.0), 6),
                            copy_s=round(self.tier.last_copy_s, 6), hash_s=round(self.tier.last_hash_s, 6))

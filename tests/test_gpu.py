@@ -172,7 +172,7 @@ def test_the_memory_tier_copies_device_state_on_a_side_stream_and_a_killed_run_r
     ref, run = tmp_path / "ref", tmp_path / "run"
     common = ["--steps", "16", "--every", "6", "--memory-every", "1", "--amp", amp, "--format", "general"]
     _loop(ref, *common)
-    kill_at = random.randint(7, 11)
+    kill_at = random.randint(8, 11)  # at 7 memory may hold only 6, the disk step too
     argv = [sys.executable, "-B", str(LOOP), "--run", str(run), "--device", DEVICE, *common]
     res = subprocess.run([*argv, "--sync", "--kill-at", str(kill_at)], capture_output=True, text=True, timeout=600,
                          env=_env())

@@ -457,18 +457,14 @@ def _trusted(doc: dict[str, Any], token: str | None) -> str | None:
     return None
 
 
-def newest(run_dir: str | Path, *, above: int | None) -> tuple[Found | None, list[str]]:
-    """The newest trusted, intact memory generation of ``run_dir`` newer than step ``above``; and why others were
-    not used (one line each). Reads nothing of another user's folder; never raises for a damaged slot."""
-    notes: list[str] = []
+def _markers(run_dir: str | Path) -> tuple[Path, list[tuple[int, dict[str, Any] | None, str | None]]] | None:
+    """The tier's folder of ``run_dir`` and each present slot's (index, marker or None, why it is not usable);
+    None when the folder is absent. Raises :class:`MemoryUnusable` for a folder of another user."""
     folder = tier_folder(run_dir)
-    try:
-        if not _owned_folder(root(), create=False) or not _owned_folder(folder, create=False):
-            return None, notes
-    except MemoryUnusable:  # another user's folder: not read (the session said so once, turning the tier off)
-        return None, notes
+    if not _owned_folder(root(), create=False) or not _owned_folder(folder, create=False):
+        return None
     token = run_token(Path(run_dir), create=False)
-    candidates: list[tuple[int, int, dict[str, Any]]] = []
+    out: list[tuple[int, dict[str, Any] | None, str | None]] = []
     for i in range(SLOTS):
         mk = folder / f"slot{i}.marker"
         if not os.path.lexists(mk):
@@ -476,13 +472,31 @@ def newest(run_dir: str | Path, *, above: int | None) -> tuple[Found | None, lis
         try:
             doc = _marker(mk)
         except RipresaError as exc:
-            notes.append(f"memory slot {i} not used: {exc.message}")
+            out.append((i, None, exc.message))
             continue
-        why = _trusted(doc, token)
-        if why is not None:
+        out.append((i, doc, _trusted(doc, token)))
+    return folder, out
+
+
+def newest(run_dir: str | Path, *, above: int | None) -> tuple[Found | None, list[str]]:
+    """The newest trusted, intact memory generation of ``run_dir`` newer than step ``above``; and why others were
+    not used (one line each). Reads nothing of another user's folder; never raises for a damaged slot."""
+    notes: list[str] = []
+    try:
+        seen = _markers(run_dir)
+    except MemoryUnusable:  # another user's folder: not read (the session said so once, turning the tier off)
+        return None, notes
+    if seen is None:
+        return None, notes
+    folder, slots = seen
+    candidates: list[tuple[int, int, dict[str, Any]]] = []
+    for i, doc, why in slots:
+        if doc is None:
+            notes.append(f"memory slot {i} not used: {why}")
+        elif why is not None:
             notes.append(f"memory generation of step {doc['step']} not used: {why}")
-            continue
-        candidates.append((doc["step"], i, doc))
+        else:
+            candidates.append((doc["step"], i, doc))
     for step, i, doc in sorted(candidates, key=lambda c: c[0], reverse=True):
         if above is not None and step <= above:
             break
@@ -498,24 +512,15 @@ def newest(run_dir: str | Path, *, above: int | None) -> tuple[Found | None, lis
 def peek(run_dir: str | Path) -> list[dict[str, Any]]:
     """The memory generations of ``run_dir`` by their markers alone (no slot read, no hash): for ``ripresa
     inspect``. Each: step, slot, bytes, written (unix time), and ``usable`` or the reason it is not."""
-    folder = tier_folder(run_dir)
     try:
-        if not _owned_folder(root(), create=False) or not _owned_folder(folder, create=False):
-            return []
+        seen = _markers(run_dir)
     except MemoryUnusable as exc:
         return [{"step": None, "slot": None, "bytes": None, "written": None, "usable": False, "reason": exc.message}]
-    token = run_token(Path(run_dir), create=False)
     out = []
-    for i in range(SLOTS):
-        mk = folder / f"slot{i}.marker"
-        if not os.path.lexists(mk):
+    for i, doc, why in (seen[1] if seen is not None else []):
+        if doc is None:
+            out.append({"step": None, "slot": i, "bytes": None, "written": None, "usable": False, "reason": why})
             continue
-        try:
-            doc = _marker(mk)
-        except RipresaError as exc:
-            out.append({"step": None, "slot": i, "bytes": None, "written": None, "usable": False, "reason": exc.message})
-            continue
-        why = _trusted(doc, token)
         written = doc.get("time")
         out.append({"step": doc["step"], "slot": i, "bytes": doc["tensors"]["size"] + doc["companion"]["size"],
                     "written": written if isinstance(written, int | float) else None, "usable": why is None,

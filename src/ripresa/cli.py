@@ -62,13 +62,21 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
         "records the trajectory itself: the script's own run folder is never touched. With --contract, a trainer "
         "that follows the contract --steps/--output/--resume/--omit-rng-restore and writes summary.json is run with "
         "those options (docs/VERIFY.md). Without a command after --, the 33-parameter reference exercise is verified "
-        "(a contract trainer).",
-        usage="ripresa verify --output DIR [--steps N] [--cut K] [--tolerance T] [--contract | --steer] [-- python train.py ARGS...]",
+        "(a contract trainer). With --world-sizes 2,1,4 the command runs under torchrun (gloo), the whole run on the "
+        "first world size and resumed segment by segment on the others, and is compared at tolerance 0 with the "
+        "uninterrupted run; the negative control is the same change without the world-size-invariant mode "
+        "(docs/VERIFY.md, \"Across world sizes\").",
+        usage="ripresa verify --output DIR [--steps N] [--cut K | --world-sizes W1,W2,...] [--tolerance T] "
+              "[--contract | --steer] [-- python train.py ARGS...]",
     )
     p.add_argument("--output", type=Path, required=True, help="new folder for the four runs and verification.json")
     p.add_argument("--steps", type=int, default=10, help="total updates N (default 10)")
-    p.add_argument("--cut", type=int, default=5, help="updates before the interruption K (default 5)")
-    p.add_argument("--tolerance", type=float, default=1e-12, help="absolute tolerance (default 1e-12)")
+    p.add_argument("--cut", type=int, default=None, help="updates before the interruption K (default 5)")
+    p.add_argument("--world-sizes", default=None, metavar="W1,W2,...",
+                   help="resume across these rank counts under torchrun, cuts evenly spaced (docs/VERIFY.md, "
+                        "\"Across world sizes\"; tolerance 0 by default)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="absolute tolerance (default 1e-12; 0 with --world-sizes)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--json", action="store_true", help="print verification.json instead of tables")
     how = p.add_mutually_exclusive_group()
@@ -81,16 +89,40 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .verify.verify import reference_exercise_command, render_verdict, verify_resume
 
+    if args.world_sizes is not None:
+        return _cmd_verify_world(args)
     command = args.trainer or reference_exercise_command()
     mode = args.mode or ("steer" if args.trainer else "contract")  # the reference exercise is a contract trainer
-    verdict = verify_resume(command, output=args.output, steps=args.steps, cut=args.cut, atol=args.tolerance, rtol=args.rtol,
-                             mode=mode)
+    verdict = verify_resume(command, output=args.output, steps=args.steps, cut=5 if args.cut is None else args.cut,
+                            atol=1e-12 if args.tolerance is None else args.tolerance, rtol=args.rtol, mode=mode)
+    return _verify_done(args, verdict, render_verdict)
+
+
+def _cmd_verify_world(args: argparse.Namespace) -> int:
+    """``ripresa verify --world-sizes ...`` (verify/world.py): steered only, a command required, evenly spaced cuts."""
+    from .verify.world import render_world_verdict, verify_world
+
+    if args.mode == "contract":
+        raise BadInput("--world-sizes steers the script's Checkpointer: --contract does not apply",
+                       hint="drop --contract (docs/VERIFY.md, \"Across world sizes\")")
+    if args.cut is not None:
+        raise BadInput("--world-sizes cuts the run evenly: --cut does not apply", found=f"--cut {args.cut}",
+                       hint="choose --steps; segment k ends at step k·steps/n (docs/VERIFY.md, \"Across world sizes\")")
+    if not args.trainer:
+        raise BadInput("--world-sizes needs the trainer command", expected="ripresa verify --world-sizes 2,1,4 ... -- python train.py",
+                       found="no command after --")
+    verdict = verify_world(args.trainer, output=args.output, world_sizes=args.world_sizes, steps=args.steps,
+                           atol=0.0 if args.tolerance is None else args.tolerance, rtol=args.rtol)
+    return _verify_done(args, verdict, render_world_verdict)
+
+
+def _verify_done(args: argparse.Namespace, verdict: Any, render: Callable[[Any], None]) -> int:
     if args.json:
         import json
 
         print(json.dumps(verdict.report, indent=2, default=str))
     else:
-        render_verdict(verdict)
+        render(verdict)
         print(f"report: {args.output / 'verification.json'}")
     return verdict.exit_code
 

@@ -3,7 +3,9 @@ that uses the Checkpointer, with no extra code").
 
 ``ripresa verify`` runs an unchanged script four times and steers its ``Checkpointer`` through
 one environment variable, :data:`ENV`, a JSON document of schema :data:`SCHEMA` (the run folder
-to use, the step to stop at, whether to restore the random streams); the steered session records
+to use, the step to stop at, whether to restore the random streams, whether a
+``world_size_invariant`` Checkpointer keeps its fixed-tree reduction: docs/VERIFY.md, "Across world
+sizes"); the steered session records
 the trajectory itself (:class:`SteeredRecorder`, :class:`DistSteeredRecorder`). A malformed
 document is refused, never half-read; the first ``Checkpointer`` built takes the variable out of
 the environment, and every later one of the process is steered too (:func:`steer_session`), each into
@@ -28,7 +30,7 @@ from .trajectory import Trajectory, to_json_tree
 ENV = "RIPRESA_VERIFY"
 #: The schema of its JSON value.
 SCHEMA = "ripresa.verify.steer/1"
-_KEYS = {"schema", "path", "run_dir", "output", "stop_at", "restore_rng", "verifier"}
+_KEYS = {"schema", "path", "run_dir", "output", "stop_at", "restore_rng", "invariant", "verifier"}
 #: How many parents up a steered process may be from its ``ripresa verify`` (a shell, a launcher, a rank...).
 _MAX_DEPTH = 64
 
@@ -44,13 +46,18 @@ class Steering:
     restore_rng: bool = True
     #: Whether this session records the trajectory and stops at ``stop_at`` (the process's first session only).
     records: bool = True
+    #: Whether a ``Checkpointer(world_size_invariant=G)`` keeps its fixed-tree reduction (True) or reduces the
+    #: ordinary way, an all-reduce whose order follows the rank count (False: the negative control of a
+    #: verification across world sizes, docs/VERIFY.md, "Across world sizes"). A script without the mode ignores it.
+    invariant: bool = True
 
     def to_env(self) -> dict[str, str]:
         """The environment entry that steers a process this way, bound to this process (the verifier)."""
         from .torchrun import launcher_value
 
         doc = {"schema": SCHEMA, "path": self.path, "run_dir": str(self.run_dir), "output": str(self.output),
-               "stop_at": self.stop_at, "restore_rng": self.restore_rng, "verifier": launcher_value()}
+               "stop_at": self.stop_at, "restore_rng": self.restore_rng, "invariant": self.invariant,
+               "verifier": launcher_value()}
         return {ENV: json.dumps(doc)}
 
     @classmethod
@@ -67,13 +74,14 @@ class Steering:
         ok = (isinstance(doc["path"], str) and isinstance(doc["run_dir"], str) and doc["run_dir"]
               and isinstance(doc["output"], str) and doc["output"]
               and type(doc["stop_at"]) is int and 0 < doc["stop_at"] < 2**63 and type(doc["restore_rng"]) is bool
-              and isinstance(doc["verifier"], str))
+              and type(doc["invariant"]) is bool and isinstance(doc["verifier"], str))
         if not ok:
             raise BadInput(f"the environment variable {ENV} has a field of the wrong type", found=raw[:200],
                            expected="path, run_dir, output, verifier: text; stop_at: an int > 0; "
-                                    "restore_rng: true or false")
+                                    "restore_rng, invariant: true or false")
         _check_verifier(doc["verifier"])
-        return cls(doc["path"], Path(doc["run_dir"]), Path(doc["output"]), doc["stop_at"], doc["restore_rng"])
+        return cls(doc["path"], Path(doc["run_dir"]), Path(doc["output"]), doc["stop_at"], doc["restore_rng"],
+                   invariant=doc["invariant"])
 
     @classmethod
     def take_from_env(cls) -> Steering | None:
@@ -142,7 +150,7 @@ def steer_session() -> Steering | None:
         return None
     _TAKEN["sessions"] += 1
     folder = base.output / f"session-{_TAKEN['sessions']}"
-    return Steering(base.path, folder, folder, base.stop_at, base.restore_rng, records=False)
+    return Steering(base.path, folder, folder, base.stop_at, base.restore_rng, records=False, invariant=base.invariant)
 
 
 def forget() -> None:

@@ -85,7 +85,7 @@ def log_tail(path: Path, n: int = 15, window: int = 64 * 1024) -> str:
     return "\n".join(raw.decode(errors="replace").splitlines()[-n:])
 
 
-def _wave(runs: dict[str, PathRun], names: Sequence[str], progress_cb) -> None:
+def run_wave(runs: dict[str, PathRun], names: Sequence[str], progress_cb) -> None:
     """Run ``names`` at the same time (2 cores), each a fresh process; record exit codes and times."""
     procs = {name: _launch(runs[name]) for name in names}
     for name, proc in procs.items():
@@ -136,23 +136,25 @@ def _contract_resumed(command: Sequence[str], steps: int, cut: int, output: Path
     }
 
 
-def _steered(name: str, command: Sequence[str], output: Path, stop_at: int, restore_rng: bool = True) -> PathRun:
-    """One steered path: the command unchanged; its Checkpointer uses ``output/NAME/run`` and stops at ``stop_at``."""
+def steered_path(name: str, command: Sequence[str], output: Path, stop_at: int, restore_rng: bool = True,
+             invariant: bool = True) -> PathRun:
+    """One steered path: the command unchanged; its Checkpointer uses ``output/NAME/run`` and stops at ``stop_at``
+    (``invariant=False``: a ``world_size_invariant`` Checkpointer reduces the ordinary way, docs/VERIFY.md)."""
     folder = output / name
     folder.mkdir()
-    steer = Steering(name, folder / "run", folder, stop_at, restore_rng)
+    steer = Steering(name, folder / "run", folder, stop_at, restore_rng, invariant=invariant)
     return PathRun(name, list(command), folder, output / f"{name}.log", env=steer.to_env())
 
 
 def _steered_reference(command: Sequence[str], steps: int, cut: int, output: Path) -> dict[str, PathRun]:
-    return {"continuous": _steered("continuous", command, output, steps),
-            "interrupted": _steered("interrupted", command, output, cut)}
+    return {"continuous": steered_path("continuous", command, output, steps),
+            "interrupted": steered_path("interrupted", command, output, cut)}
 
 
 def _steered_resumed(command: Sequence[str], steps: int, cut: int, output: Path) -> dict[str, PathRun]:
     """The resumed paths: each gets a copy of the interrupted path's run folder, and the script's own resume() finds step K."""
-    runs = {"resume": _steered("resume", command, output, steps),
-            "resume-without-rng": _steered("resume-without-rng", command, output, steps, restore_rng=False)}
+    runs = {"resume": steered_path("resume", command, output, steps),
+            "resume-without-rng": steered_path("resume-without-rng", command, output, steps, restore_rng=False)}
     for r in runs.values():
         shutil.copytree(output / "interrupted" / "run", r.output / "run", symlinks=True)
     return runs
@@ -195,12 +197,12 @@ def run_paths(command: Sequence[str], *, steps: int, cut: int, output: Path, pro
         raise BadInput("unknown verification mode", expected=" | ".join(MODES), found=mode)
     steered = mode == "steer"
     runs = (_steered_reference if steered else _contract_reference)(command, steps, cut, output)
-    _wave(runs, REFERENCE, progress_cb)
+    run_wave(runs, REFERENCE, progress_cb)
     _check_wave(runs, REFERENCE)
     if steered:
         _check_steered_reference(runs, steps, cut)
     runs.update((_steered_resumed if steered else _contract_resumed)(command, steps, cut, output))
-    _wave(runs, RESUMED, progress_cb)
+    run_wave(runs, RESUMED, progress_cb)
     _check_wave(runs, RESUMED)
     return PathRuns(runs, "steered" if steered else "contract")
 

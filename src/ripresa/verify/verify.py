@@ -108,7 +108,8 @@ class PathComparison:
         return all(c.passed for c in self.checks.values())
 
 
-def _check(checks: dict[str, CheckResult], name: str) -> CheckResult:
+def check_named(checks: dict[str, CheckResult], name: str) -> CheckResult:
+    """The check ``name`` of ``checks``, added empty the first time."""
     if name not in checks:
         checks[name] = CheckResult(name)
     return checks[name]
@@ -123,7 +124,7 @@ def compare_resumed(
 
     def note(check: str, where: str, cmp: Comparison) -> None:
         nonlocal first
-        _check(checks, check).add(where, cmp)
+        check_named(checks, check).add(where, cmp)
         if first is None and cmp.differences:
             first = f"{check} {where}: {cmp.differences[0].describe()}"
 

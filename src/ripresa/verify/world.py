@@ -332,8 +332,8 @@ def render_world_verdict(verdict: Verdict, console=None) -> None:
     table = Table(title=f"resume across world sizes {sizes} — {r['steps']} steps, cuts at {joined(map(str, r['cuts']))}, "
                         f"tolerance abs {tol:g} rel {r['tolerance']['relative']:g}")
     table.add_column("comparison with the continuous run", overflow="fold")
-    table.add_column("with the mode", justify="right", no_wrap=True)
-    table.add_column("without the mode", justify="right", no_wrap=True)
+    table.add_column("resumed", justify="right", no_wrap=True)
+    table.add_column("resumed, steered without the mode", justify="right", no_wrap=True)
     pos, neg = t["resume"], t["negative"]
     table.add_row("max weight gap", _fmt(pos["max_weight_gap"]), _fmt(neg["max_weight_gap"]))
     table.add_row("max optimizer-state gap", _fmt(pos["max_optimizer_gap"]), _fmt(neg["max_optimizer_gap"]))
@@ -347,9 +347,9 @@ def render_world_verdict(verdict: Verdict, console=None) -> None:
                   "and at the end")
     console.print(f"not compared (one per rank, as many as ranks): {joined(r['not_compared'].values())}")
     if not pos["agrees"]:
-        console.print(f"[red]first divergence with the mode:[/] {r['first_divergence']['resume']}")
+        console.print(f"[red]first divergence of the resumed run:[/] {r['first_divergence']['resume']}")
     if neg["first_divergence"]:
-        console.print(f"first divergence without the mode: {r['first_divergence']['negative']}")
+        console.print(f"first divergence without the mode (the negative control): {r['first_divergence']['negative']}")
     if not r["negative_identical_before_first_change"]:
         console.print("[red]without the mode the run already differs before the first change:[/] "
                       f"{r['negative_before_first_change']['first_problem']}")

@@ -175,6 +175,18 @@ class Checkpointer:
             trusted across a reboot, another user or another run. Single-process
             sessions (docs/TIERS.md).
 
+        world_size_invariant: 0 (the default: off), or ``G``, the number of
+            micro-batches of every step (a multiple of every world size the
+            run may use): :attr:`invariant` is then an
+            :class:`~ripresa.session.invariant.InvariantSteps` over
+            ``state.model`` — run ``with ckpt.invariant.micro_batch(step, i):``
+            for each ``i`` in ``ckpt.invariant.indices()``, ``backward(loss)``,
+            then ``reduce()`` before the optimizer's step — and 1, 2 or 4 ranks
+            give the same weights bit for bit; a resume on another number of
+            ranks keeps the trajectory exact. BatchNorm, a DDP-wrapped model
+            and a per-rank sampler are refused (docs/ARCHITECTURE.md,
+            "World-size changes").
+
         shard_threshold, shards, staging_budget: how a general generation is
             laid out and staged (:class:`~ripresa.store.folder.SaveOptions`):
             tensors of ``shard_threshold`` bytes or more (default 2 GiB; None:

@@ -129,3 +129,24 @@ def test_a_trainer_without_the_mode_fails_with_its_first_divergence_after_the_ch
     first = r["first_divergence"]["resume"]
     assert first.startswith("loss step 3 on 1 rank: "), first
     assert "first divergence of the resumed run: loss step 3 on 1 rank" in res.stdout.replace("\n", " ")
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_mode_the_steering_cannot_switch_off_leaves_the_check_blind(tmp_path):
+    """Its own InvariantSteps, not ``ckpt.invariant``: the resumed line agrees, and so does the control: exit 1."""
+    res, r = _verify(tmp_path, "2,4", 4, "--mode", "own")
+    assert r["positive"] is True and r["negative_divergence_detected"] is False, r["first_divergence"]
+    assert res.returncode == 1 and r["all_checks_passed"] is False
+    assert "no divergence (check is blind)" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_world_size_the_mode_refuses_ends_the_verification_with_exit_2(tmp_path):
+    """G = 4 micro-batches do not divide among 3 ranks: the first launch fails, its log's reason is shown."""
+    out = tmp_path / "V"
+    res = subprocess.run([sys.executable, "-m", "ripresa", "verify", "--world-sizes", "3,2", "--steps", "4", "--output",
+                          str(out), "--", sys.executable, "-B", str(LOOP), "--folder", str(tmp_path / "IGNORED"),
+                          "--steps", "100"], capture_output=True, text=True, timeout=600, env={**os.environ, **ENV_RUN})
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "path failed" in res.stderr and "do not divide among the ranks" in res.stderr and "ChildFailedError" not in res.stderr
+    assert not (out / "verification.json").exists()

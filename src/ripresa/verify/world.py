@@ -114,18 +114,31 @@ def _world_path(name: str, command: Sequence[str], world: int, output: Path, sto
     return run
 
 
+#: A line of torchrun's own report on a failed launch (its agent's log lines, then its traceback and summary).
+_AGENT_LINE = re.compile(r"^[WEI]\d{4} [0-9:.]+ +\d+ .*torch/distributed/elastic/")
+
+
+def ranks_tail(log: Path, n: int = 15) -> str:
+    """The last ``n`` lines the ranks wrote before torchrun's own report of the failure (the reason, not the
+    agent's summary); the log's last lines when there is no such report."""
+    lines = log_tail(log, 2000).splitlines()
+    cut = next((i for i, line in enumerate(lines) if _AGENT_LINE.match(line)), None)
+    return "\n".join(lines[:cut][-n:] if cut else lines[-n:])
+
+
 def _check_reached(run: PathRun, want: int) -> dict[str, Any]:
     """A path exited 0 and its steered Checkpointer stopped at ``want``: its trajectory."""
     summary = run.output / "summary.json"
-    how = f"run by hand: {STEER_ENV}='{run.env.get(STEER_ENV, '')}' " + " ".join(run.argv)
+    how = (f"the launch was: {' '.join(run.argv)} (steered through {STEER_ENV}, which only this verification may "
+           "set: fix the script and run ripresa verify again)")
     if run.returncode != 0:
         raise BadInput(f"the {run.name} path failed (exit {run.returncode}); the verification could not be completed",
-                       file=run.log, expected="exit code 0", found=f"exit code {run.returncode}; last lines:\n{log_tail(run.log)}",
+                       file=run.log, expected="exit code 0", found=f"exit code {run.returncode}; the ranks' last lines:\n{ranks_tail(run.log)}",
                        hint=how[:2000])
     if not os.path.lexists(summary):
         raise BadInput(f"the steered {run.name} path wrote no summary.json", file=summary,
                        expected="a script that builds a ripresa Checkpointer and calls its resume()",
-                       found=f"no trajectory; last lines:\n{log_tail(run.log)}",
+                       found=f"no trajectory; the ranks' last lines:\n{ranks_tail(run.log)}",
                        hint="--world-sizes steers scripts that use ripresa.Checkpointer under torchrun (docs/VERIFY.md)")
     doc = read_trajectory(summary)
     got = (doc.get("final") or {}).get("progress", {}).get("step")

@@ -69,6 +69,33 @@ def test_the_fixed_tree_is_the_same_sum_whatever_the_blocks_each_rank_adds_first
     assert not torch.equal(sequential, whole)  # another order: other bits (why an all-reduce is not invariant)
 
 
+@pytest.mark.parametrize("G", [4, 8, 6])
+def test_one_rank_holds_the_tree_sum_of_the_micro_batch_gradients_whether_it_streams_or_keeps_them(G):
+    """Powers of two merge each gradient into the pending subtrees as it comes (at most log2(G)+1 held); G=6 keeps
+    them all: either way .grad is the fixed tree's sum / G, bit for bit, and the loss the tree's mean."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    x, y = torch.randn(G, 3, 5), torch.randn(G, 3, 1)
+    grads, losses = [], []
+    for i in range(G):
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[i]), y[i])
+        loss.backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        losses.append(torch.tensor(float(loss.detach()), dtype=torch.float64))
+    steps = InvariantSteps(model, micro_batches=G)
+    for i in steps.indices():
+        with steps.micro_batch(1, i):
+            steps.backward(torch.nn.functional.mse_loss(model(x[i]), y[i]))
+        assert len(steps._pending) <= G.bit_length()
+    mean = steps.reduce()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert torch.equal(got, tree_sum(grads).div_(G)) and mean == float(tree_sum(losses) / G)
+    if G != 6:  # streamed: the micro-batches must come in the order of indices()
+        with steps.micro_batch(2, 1), pytest.raises(RuntimeError, match="out of order"):
+            steps.backward(torch.nn.functional.mse_loss(model(x[1]), y[1]))
+
+
 def test_what_makes_a_step_depend_on_the_ranks_is_refused_at_start(tmp_path):
     with pytest.raises(BadInput, match="BatchNorm"):
         InvariantSteps(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)), micro_batches=4)

@@ -124,7 +124,8 @@ class InvariantSteps:
                                 "(docs/ARCHITECTURE.md, \"World-size changes\")")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.per_rank = self.G // self.world
-        self._grads: dict[int, torch.Tensor] = {}
+        self._grads: dict[int, torch.Tensor] = {}  # the general path: every micro-batch's gradient, by index
+        self._pending: list[tuple[int, torch.Tensor]] = []  # subtrees not yet merged: (leaves, sum)
         self._losses: dict[int, float] = {}
         self._current: int | None = None
         self._templates: list[Any] = []
@@ -170,37 +171,56 @@ class InvariantSteps:
             flat = torch.cat([(g.to_local() if g is not None else torch.zeros(0)).reshape(-1) for g in grads])
         else:
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
-        self._grads[index] = flat
+        self._keep(index, flat)
         self._losses[index] = float(loss.detach())
         for p in self.params:
             p.grad = None
+
+    def _streams(self) -> bool:
+        """Whether this rank's gradients can be summed as they come (a subtree, or the ordinary running sum)."""
+        return not self.exact or self.sharded or (_is_power_of_two(self.G) and _is_power_of_two(self.world))
+
+    def _keep(self, index: int, flat: torch.Tensor) -> None:
+        """Hold micro-batch ``index``'s gradient: merged at once into the pending subtrees when this rank's block
+        is a subtree (a binary counter: at most log2(G/W)+1 gradients held), else kept until :meth:`reduce`."""
+        if not self._streams():
+            self._grads[index] = flat
+            return
+        expected = self.indices()[len(self._losses)] if len(self._losses) < self.per_rank else None
+        if index != expected:
+            raise RuntimeError(f"micro-batch {index} out of order: run them in the order of indices() "
+                               f"({self.indices()}), one backward each")
+        if not self.exact:
+            self._pending = [(1, flat if not self._pending else self._pending[0][1].add_(flat))]
+            return
+        self._pending.append((1, flat))
+        while len(self._pending) >= 2 and self._pending[-1][0] == self._pending[-2][0]:
+            (n, right), (_, left) = self._pending.pop(), self._pending.pop()
+            self._pending.append((2 * n, left.add_(right)))  # the tree's node: left subtree + right subtree
 
     # -- the reduction -------------------------------------------------------------------
     def reduce(self) -> float:
         """Sum the step's micro-batch gradients in the fixed tree, divide by ``G``, set every parameter's
         ``.grad`` (the same bits on every rank, for any world size); return the step's mean loss."""
         mine = self.indices()
-        if sorted(self._grads) != sorted(mine):
+        if sorted(self._losses) != sorted(mine):
             raise RuntimeError(f"reduce() needs one backward per micro-batch of this rank: {mine}, got "
-                               f"{sorted(self._grads)}")
-        grads = [self._grads[i] for i in mine]
+                               f"{sorted(self._losses)}")
         losses = torch.tensor([self._losses[i] for i in mine], dtype=torch.float64)
         if not self.exact:
-            total = _sequential(grads)
+            total = self._pending[0][1]
             if not self.sharded and self.world > 1:
                 import torch.distributed as dist
 
                 dist.all_reduce(total, group=self.group)  # the rank-count-dependent order of DDP
                 self.bytes_sent += 2 * total.numel() * total.element_size() * (self.world - 1) // self.world
-        elif self.sharded or not (_is_power_of_two(self.G) and _is_power_of_two(self.world)):
-            if self.sharded:  # round j's sum is the subtree over indices jW .. jW+W-1: the upper levels remain
-                total = tree_sum(grads)
-            else:
-                stacked = self._gather(torch.stack(grads))  # every micro-batch's gradient, by index
-                total = tree_sum([g for block in stacked for g in block.unbind(0)])
-        else:
-            partial = tree_sum(grads)  # this rank's block is a subtree of the tree over the G indices
-            total = tree_sum(self._gather(partial))  # W partial sums, by rank: the tree's upper levels
+        elif not self._streams():
+            stacked = self._gather(torch.stack([self._grads[i] for i in mine]))  # every micro-batch's, by index
+            total = tree_sum([g for block in stacked for g in block.unbind(0)])
+        elif self.sharded:  # round j's sum is the subtree over indices jW .. jW+W-1; the rounds: the upper levels
+            total = self._pending[0][1]
+        else:  # this rank's block is a subtree of the tree over the G indices
+            total = tree_sum(self._gather(self._pending[0][1]))  # W partial sums, by rank: the tree's upper levels
         gathered = self._gather(losses)
         if self.sharded:  # rank r's j-th loss is micro-batch j·W + r
             ordered = [gathered[r][j] for j in range(self.per_rank) for r in range(self.world)]
@@ -210,6 +230,7 @@ class InvariantSteps:
         total.div_(self.G)
         self._assign(total)
         self._grads.clear()
+        self._pending = []
         self._losses.clear()
         return mean_loss
 
@@ -273,13 +294,6 @@ class InvariantSteps:
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
                 m.set_custom_reduce_scatter(comm)
-
-
-def _sequential(parts: list[torch.Tensor]) -> torch.Tensor:
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total += p
-    return total
 
 
 def _reduce_scatter_base() -> type:

@@ -117,6 +117,11 @@ def test_a_run_resumed_on_two_then_one_then_four_ranks_is_bitwise_the_uninterrup
         assert {len(s.get("loss_per_rank", [None])) for s in steps} == {world}  # one rank: a single process's record
         assert json.loads(r["paths"][f"negative-{k}"]["steering"])["invariant"] is False
         assert json.loads(r["paths"][f"resume-{k}"]["steering"])["invariant"] is True
+    # the Checkpointers' own words: the mode on (off in the control), each change called exact (changed)
+    said = r["checkpointer_said"]
+    assert [s["mode"] for s in said["resume"]] == [{"micro_batches": 4, "exact": True}] * 3
+    assert [s["change"] for s in said["resume"]] == [None, "exact", "exact"]
+    assert [s["mode"]["exact"] for s in said["negative"]] == [False] * 3 and said["negative"][2]["change"] == "changed"
     assert not (tmp_path / "IGNORED").exists()
     assert "agrees within 0" in res.stdout and "not compared (one per rank" in res.stdout
 
@@ -129,6 +134,9 @@ def test_a_trainer_without_the_mode_fails_with_its_first_divergence_after_the_ch
     first = r["first_divergence"]["resume"]
     assert first.startswith("loss step 3 on 1 rank: "), first
     assert "first divergence of the resumed run: loss step 3 on 1 rank" in res.stdout.replace("\n", " ")
+    said = r["checkpointer_said"]["resume"]
+    assert said[0]["mode"] is None and said[1]["change"] == "changed" and "does not use world-size-invariant" in said[1]["why"]
+    assert "Checkpointer at each change: changed (the run does not use" in res.stdout.replace("\n", " ")
 
 
 @pytest.mark.slow

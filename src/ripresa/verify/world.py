@@ -37,6 +37,7 @@ from ..core.identity import versions
 from ..errors import BadInput, OutputExists
 from ..io.fsio import write_atomic
 from ..session.steer import ENV as STEER_ENV
+from ..store.history import HISTORY_NAME, read_history
 from .compare import Comparison, Difference, compare_trees
 from .paths import PathRun, log_tail, run_wave, steered_path
 from .trajectory import read_trajectory
@@ -180,6 +181,26 @@ def run_world_paths(command: Sequence[str], *, world_sizes: Sequence[int], steps
     return runs, docs
 
 
+def checkpointer_said(run: PathRun) -> dict[str, Any]:
+    """What the launch's own Checkpointer recorded in its history (its ``world_size_invariant`` and
+    ``world_size_change`` events, after its ``verify_steered``): the mode it ran in and whether it called its
+    resume on another world size exact. A report for the reader; the verdict rests on the comparison alone."""
+    said: dict[str, Any] = {"mode": None, "change": None, "why": None}
+    try:
+        events = read_history(run.output / "run" / HISTORY_NAME).events
+    except (BadInput, OSError):
+        return said
+    mine = False
+    for ev in events:
+        if ev.get("event") == "verify_steered":
+            mine = ev.get("path") == run.name
+        elif mine and ev.get("event") == "world_size_invariant":
+            said["mode"] = {"micro_batches": ev.get("micro_batches"), "exact": ev.get("exact")}
+        elif mine and ev.get("event") == "world_size_change":
+            said["change"], said["why"] = ev.get("trajectory"), ev.get("why")
+    return said
+
+
 def _where(step: int, world: int) -> str:
     return f"step {step} on {world} rank{'s' if world != 1 else ''}"
 
@@ -294,6 +315,8 @@ def verify_world(command: Sequence[str], *, output: str | Path, world_sizes: Seq
         "checks": {line: [c.as_dict() for c in cmp.checks.values()] for line, (cmp, _) in lines.items()},
         "negative_before_first_change": negative_before.as_dict(),
         "first_divergence": {line: cmp.first_divergence for line, (cmp, _) in lines.items()},
+        "checkpointer_said": {line: [checkpointer_said(runs[f"{line}-{k}"]) for k in range(1, len(sizes) + 1)]
+                              for line in LINES},
         "table": {line: _row(docs[REFERENCES[line]], docs[f"{line}-{len(sizes)}"], cmp) for line, (cmp, _) in lines.items()},
         "paths": {name: {"argv": r.argv, "returncode": r.returncode, "seconds": round(r.seconds, 3), "output": str(r.output),
                          "log": str(r.log), "steering": r.env.get(STEER_ENV)} for name, r in runs.items()},
@@ -359,6 +382,12 @@ def render_world_verdict(verdict: Verdict, console=None) -> None:
                   f"{joined(r['compared']['at the start, each change and the end'])} at the start, at each change "
                   "and at the end")
     console.print(f"not compared (one per rank, as many as ranks): {joined(r['not_compared'].values())}")
+    said = r["checkpointer_said"]["resume"][1:]  # segment 2 on: each began with a change
+    if said:
+        from rich.markup import escape
+
+        console.print("the resumed run's Checkpointer at each change: " + escape(joined(
+            f"{s['change'] or 'no world-size change recorded'}" + (f" ({s['why']})" if s.get("why") else "") for s in said)))
     if not pos["agrees"]:
         console.print(f"[red]first divergence of the resumed run:[/] {r['first_divergence']['resume']}")
     if neg["first_divergence"]:

@@ -158,3 +158,15 @@ def test_a_world_size_the_mode_refuses_ends_the_verification_with_exit_2(tmp_pat
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "path failed" in res.stderr and "do not divide among the ranks" in res.stderr and "ChildFailedError" not in res.stderr
     assert not (out / "verification.json").exists()
+
+
+@pytest.mark.slow
+def test_an_fsdp2_run_resumed_on_two_then_one_then_four_ranks_is_bitwise_the_uninterrupted_one(tmp_path):
+    """FSDP2 (fully_shard): the whole parameters and moments are compared (shards gathered), not a rank's shard."""
+    res, r = _verify(tmp_path, "2,1,4", 6, "--mode", "fsdp")
+    assert r["positive"] is True, r["first_divergence"]
+    assert r["negative_divergence_detected"] is True and r["all_checks_passed"] is True and res.returncode == 0
+    final = json.loads((tmp_path / "V" / "resume-3" / "summary.json").read_text())["final"]
+    first = next(v for k, v in final["parameters"].items() if k.endswith("0.weight"))
+    assert len(first) == 32 and len(first[0]) == 16  # whole, gathered from 4 ranks' shards
+    assert [s["change"] for s in r["checkpointer_said"]["resume"]] == [None, "exact", "exact"]

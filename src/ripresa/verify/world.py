@@ -115,8 +115,9 @@ def _world_path(name: str, command: Sequence[str], world: int, output: Path, sto
     return run
 
 
-#: A line of torchrun's own report on a failed launch (its agent's log lines, then its traceback and summary).
-_AGENT_LINE = re.compile(r"^[WEI]\d{4} [0-9:.]+ +\d+ .*torch/distributed/elastic/")
+#: The first line of torchrun's own report on a failed launch (its agent stopping the ranks, then its traceback
+#: and summary).
+_AGENT_LINE = re.compile(r"^[WEI]\d{4} [0-9:.]+ +\d+ .*torch/distributed/elastic/.*(closing signal|failed \(exitcode)")
 
 
 def ranks_tail(log: Path, n: int = 15) -> str:

@@ -108,8 +108,8 @@ def test_a_run_resumed_on_two_then_one_then_four_ranks_is_bitwise_the_uninterrup
     assert r["tolerance"] == {"absolute": 0.0, "relative": 0.0} and r["cuts"] == [4, 8]
     assert r["table"]["resume"]["max_weight_gap"] == 0 and r["table"]["resume"]["loss_gap"] == 0
     # the negative control leaves the uninterrupted run only after the first change (what diverges is the change)
-    first = r["first_divergence"]["negative"]
-    assert first and int(first.split("step ")[1].split()[0]) > 4, first
+    # (its weights, hashed each step, differ from the first step on one rank; its losses agree until step 9)
+    assert r["first_divergence"]["negative"].startswith("parameters_sha256 step 5 on 1 rank: "), r["first_divergence"]
     # real process groups: each segment ran on its world size, steered, the negative one with invariant=false
     out = tmp_path / "V"
     for k, world in enumerate((2, 1, 4), 1):

@@ -158,6 +158,30 @@ def forget() -> None:
     _TAKEN.clear()
 
 
+def parameters_digest(params: Mapping[str, Any]) -> str:
+    """sha256 of a (whole) model state dict: each tensor's name, dtype, shape and bytes, in name order. Recorded
+    per step, it names the first step whose weights differ even when the losses still agree (docs/VERIFY.md,
+    "Across world sizes")."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(params):
+        t = params[name]
+        h.update(f"{name}\0".encode())
+        if isinstance(t, torch.Tensor):
+            t = t.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}\0".encode())
+            try:
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            except (RuntimeError, TypeError):  # a layout with no byte view (e.g. quantized): its values
+                h.update(repr(t.tolist()).encode())
+        else:
+            h.update(repr(t).encode())
+    return h.hexdigest()
+
+
 def _float_or_none(v: Any) -> float | None:
     try:
         return float(v)
@@ -170,8 +194,9 @@ class SteeredRecorder:
 
     ``start`` right after ``resume()``; per step the loss (``step_done``'s
     ``loss`` metric), the LR of each param group as ``step_done`` sees it
-    (after the step's scheduler step, in every path alike) and the data
-    position (the ``data`` object's ``state_dict()``); ``final`` at the stop,
+    (after the step's scheduler step, in every path alike), the data
+    position (the ``data`` object's ``state_dict()``) and the digest of the
+    weights after the step (:func:`parameters_digest`); ``final`` at the stop,
     with ``evaluation = {"last_loss": …}``. Row ids are not known to the
     session: ``rows`` is empty and the data position stands for them.
     """
@@ -205,6 +230,7 @@ class SteeredRecorder:
             "lr": [float(g["lr"]) for g in opt.param_groups] if opt is not None else [],
             "loss": loss,
             "data": to_json_tree(self.state.data.state_dict()) if self.state.data is not None else None,
+            "parameters_sha256": parameters_digest(self.state.model.state_dict()),
         })
 
     def finish(self, progress: Progress) -> None:
@@ -247,7 +273,8 @@ class DistSteeredRecorder(SteeredRecorder):
     ``Stateful`` objects of every rank (a list by rank) and the next draws of
     every rank's streams (``rankR/stream``). Each step holds rank 0's loss
     (as the script passes it), the LR, every rank's data position and
-    ``loss_per_rank``, so a divergence on any rank is seen.
+    ``loss_per_rank``, so a divergence on any rank is seen, and the digest of
+    the whole weights after the step (FSDP2: gathered, a collective).
     """
 
     def __init__(self, steer: Steering, state: TrainingState, dist: Any) -> None:
@@ -295,6 +322,7 @@ class DistSteeredRecorder(SteeredRecorder):
             return
         loss = _float_or_none(metrics.get("loss"))
         data = to_json_tree(self.state.data.state_dict()) if self.state.data is not None else None
+        params = _full(self.state.model.state_dict())  # every rank: gathering a DTensor is a collective
         every = self.dist.gather({"loss": loss, "data": data})
         self.last_loss = loss
         if not self.dist.is_main:
@@ -304,6 +332,7 @@ class DistSteeredRecorder(SteeredRecorder):
             "step": int(step), "rows": [],
             "lr": [float(g["lr"]) for g in opt.param_groups] if opt is not None else [],
             "loss": loss, "data": [r["data"] for r in every], "loss_per_rank": [r["loss"] for r in every],
+            "parameters_sha256": parameters_digest(params),
         })
 
     def finish(self, progress: Progress) -> None:

@@ -49,8 +49,9 @@ MAX_WORLD = 64
 MAX_SEGMENTS = 16
 #: State parts that do not depend on the number of ranks, in the order a divergence is looked for.
 STATE_PARTS = ("progress", "parameters", "optimizer", "scheduler", "scaler", "next_lr")
-#: Step parts that do not depend on the number of ranks (the loss as the script passes it: the step's global loss).
-STEP_PARTS = ("loss", "lr")
+#: Step parts that do not depend on the number of ranks (the loss as the script passes it: the step's global loss;
+#: the digest of the whole weights after the step, which names the step where they first differ).
+STEP_PARTS = ("loss", "lr", "parameters_sha256")
 #: What a trajectory holds per rank: as many entries as ranks, never equal across world sizes.
 NOT_COMPARED = {
     "data": "each rank's data position",

@@ -156,6 +156,7 @@ def test_a_failing_on_staged_is_reported_never_fatal(tmp_path):
     assert sum("on_staged hook failed" in str(w.message) for w in caught) == 2
 
 
+@pytest.mark.slow  # the default tier samples the family with the cheaper tests of this file
 def test_the_engine_audit_off_the_loop_equals_the_synchronous_one(tmp_path):
     """`ripresa train`: the audit sampled on the writer's thread from the staged weights (two torch threads, the
     loop training meanwhile) is the one a synchronous run samples on the loop, and the one the committed

@@ -254,6 +254,7 @@ def gpt_bin(tmp_path_factory) -> Path:
 
 
 @pytest.mark.usefixtures("no_hmac_env")
+@pytest.mark.slow  # the default tier samples the family with the cheaper tests of this file
 def test_convert_bin_to_shards_and_back_is_byte_identical_and_train_resumes_it(gpt_bin, tmp_path):
     sh = tmp_path / "a" / "step_000004.shards"
     res = ripresa_cli("convert", gpt_bin, sh)

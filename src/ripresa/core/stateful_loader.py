@@ -208,6 +208,10 @@ class StatefulLoader:
                     s.rows_consumed += rows - s.cursor
                     s.cursor = rows
                 yield batch
+            end = min(sel.limit * bs, s.n_rows)
+            if s.epoch == epoch and s.cursor < end:  # the rest of the epoch holds none of this rank's: it is done
+                s.rows_consumed += end - s.cursor
+                s.cursor = end
             return
         for batch in self._loader:
             take = min(s.batch_size, s.n_rows - s.cursor)

@@ -87,7 +87,7 @@ class Ranks:
         out = []
         for _ in range(k):
             got = {}
-            for it, idx in zip(self.its, self.idx):
+            for it, idx in zip(self.its, self.idx, strict=True):
                 for i in idx:
                     got[i] = next(it)
             out.append(torch.stack([got[i] for i in range(G)]))
@@ -100,7 +100,7 @@ class Ranks:
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
@@ -111,7 +111,7 @@ def test_one_two_and_four_ranks_draw_the_same_global_micro_batches_and_fetch_onl
         for interleaved in (False, True):
             ranks = Ranks(build, world, interleaved=interleaved)
             assert same(ranks.steps(8), one), (world, interleaved)
-            for loader, idx, handle in zip(ranks.loaders, ranks.idx, ranks.handles):
+            for loader, idx, handle in zip(ranks.loaders, ranks.idx, ranks.handles, strict=True):
                 dataset = handle.dataset if kind == "stateful" else loader.dataset._ripresa_inner
                 assert len(dataset.fetched) == 8 * len(idx) * MB  # this rank's samples, no other's
     # the global order is the unselected loader's, its epoch cut to whole steps (3 of 4 micro-batches)

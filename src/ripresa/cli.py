@@ -215,6 +215,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="also keep a complete generation of every K-th step in shared memory (/dev/shm), copied while "
                    "the next step runs: after a crash of the process the same command loses at most K steps "
                    "(default 0: off; single process only; docs/TIERS.md)")
+    p.add_argument("--invariant", type=int, default=0, metavar="G",
+                   help="world-size-invariant steps: each step is G micro-batches of train.batch_size crops, drawn by "
+                   "global index and summed in a fixed tree, so 1, 2 or 4 ranks (any divisor of G) give the same "
+                   "weights bit for bit and a resume on another number of ranks stays exact; recorded in the run's "
+                   "config (docs/ENGINE.md, \"World size\")")
     p.add_argument("--mtbf", help="--every auto: mean time between failures, e.g. 6h, 24h (default), 7d")
     p.add_argument("--max-redo", help="--every auto: at most this much work lost: N steps or a duration such as 30m")
     p.add_argument("--deadline", help="stop, save, upload and export (RUN/exports/) before this time: "
@@ -275,6 +280,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise BadInput("--steps must be >= 0", found=args.steps)
     if args.every is not None and args.every != "auto" and args.every < 0:
         raise BadInput("--every must be >= 0", expected="--every >= 0 (0: checkpoint on signals only)", found=args.every)
+    if args.invariant < 0:
+        raise BadInput("--invariant must be >= 1", expected="--invariant G, G micro-batches per step (a multiple of "
+                       "every world size the run may use)", found=args.invariant, hint="docs/ENGINE.md, \"World size\"")
     if args.memory_every < 0:
         raise BadInput("--memory-every must be >= 0", expected="--memory-every >= 0 (0: no memory tier)",
                        found=args.memory_every, hint="docs/TIERS.md")
@@ -302,7 +310,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         allow_code_change=args.allow_code_change, allow_data_change=args.allow_data_change,
         allow_config_change=args.allow_config_change,
         shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,
-        final_upload_timeout=final_upload, memory_every=args.memory_every,
+        final_upload_timeout=final_upload, memory_every=args.memory_every, invariant=args.invariant,
     ))
 
 

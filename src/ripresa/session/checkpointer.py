@@ -49,9 +49,18 @@ from .cadence import (
 )
 from .closing import CloseResult, close_plan, parse_final_upload_timeout
 from .deadline import Deadline
-from .distributed import WORLD_CHANGE_NOTE, DistContext, NullHistory
+from .distributed import INVARIANT_CHANGE_NOTE, WORLD_CHANGE_NOTE, DistContext, NullHistory
 from .hyperparams import SIDES, HyperparameterWarning, reconcile, script_values
 from .hyperparams import message as hyperparameter_message
+from .invariant import (
+    InvariantSteps,
+    check_micro_batches,
+    fresh_seed,
+    invariant_record,
+    per_rank_sampling,
+    saved_invariant,
+    world_change_verdict,
+)
 from .memory import MemorySession, MemoryTierWarning
 from .nodes import (
     Heartbeat,
@@ -166,6 +175,18 @@ class Checkpointer:
             trusted across a reboot, another user or another run. Single-process
             sessions (docs/TIERS.md).
 
+        world_size_invariant: 0 (the default: off), or ``G``, the number of
+            micro-batches of every step (a multiple of every world size the
+            run may use): :attr:`invariant` is then an
+            :class:`~ripresa.session.invariant.InvariantSteps` over
+            ``state.model`` — run ``with ckpt.invariant.micro_batch(step, i):``
+            for each ``i`` in ``ckpt.invariant.indices()``, ``backward(loss)``,
+            then ``reduce()`` before the optimizer's step — and 1, 2 or 4 ranks
+            give the same weights bit for bit; a resume on another number of
+            ranks keeps the trajectory exact. BatchNorm, a DDP-wrapped model
+            and a per-rank sampler are refused (docs/ARCHITECTURE.md,
+            "World-size changes").
+
         shard_threshold, shards, staging_budget: how a general generation is
             laid out and staged (:class:`~ripresa.store.folder.SaveOptions`):
             tensors of ``shard_threshold`` bytes or more (default 2 GiB; None:
@@ -214,6 +235,7 @@ class Checkpointer:
         staging_budget: int | None = None,
         final_upload_timeout: float | str | None = None,
         memory_every: int = 0,
+        world_size_invariant: int = 0,
     ) -> None:
         install_script_hooks()  # a ripresa error that ends the script: one paragraph and its exit code (docs/API.md)
         if handle_signals:
@@ -232,6 +254,7 @@ class Checkpointer:
             raise ValueError("mtbf and max_redo apply to every='auto' only")
         if not isinstance(memory_every, int) or isinstance(memory_every, bool) or memory_every < 0:
             raise ValueError(f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}")
+        world_size_invariant = check_micro_batches(world_size_invariant)
         if hyperparameters not in SIDES:
             raise ValueError(f"hyperparameters must be one of {SIDES}, got {hyperparameters!r}")
         self.hyperparameters = hyperparameters
@@ -382,6 +405,29 @@ class Checkpointer:
                 warnings.warn(f"{why}: it is off, the disk tier goes on (docs/TIERS.md)", MemoryTierWarning, stacklevel=2)
         elif memory_every:
             self.memory = MemorySession(memory_every, self.run_dir, state, self.history.event)
+        #: World-size-invariant steps (``world_size_invariant``; docs/ARCHITECTURE.md, "World-size changes"), or None.
+        self.invariant: InvariantSteps | None = None
+        if world_size_invariant:
+            self.invariant = self._invariant_steps(world_size_invariant)
+
+    def _invariant_steps(self, micro_batches: int) -> InvariantSteps:
+        """The session's :class:`InvariantSteps`: refused data, the seed of the micro-batch streams (rank 0's
+        ``torch.initial_seed()``; a resume takes the saved one), recorded in every generation."""
+        why = per_rank_sampling(self.state.data) if self.state.data is not None else None
+        if why is not None:
+            raise BadInput("world-size-invariant steps need a data order that is a function of the global sample "
+                           "index", found=why, expected="a loader over the whole data set, split into micro-batches "
+                           "by index (ExactLoader.select / StatefulLoader.select)",
+                           hint="drop the DistributedSampler: docs/ARCHITECTURE.md, \"World-size changes\"")
+        seed = fresh_seed()
+        if self.dist is not None:
+            seed = int(self.dist.broadcast(seed))
+        exact = bool(getattr(self.steering, "invariant", True)) if self.steering is not None else True
+        steps = InvariantSteps(self.state.model, micro_batches=micro_batches, seed=seed, exact=exact)
+        self.pipeline.extra["invariant"] = invariant_record(steps)
+        self.history.event("world_size_invariant", micro_batches=micro_batches, world_size=steps.world,
+                           exact=exact, sharded=steps.sharded)
+        return steps
 
     def _open_backends(self) -> None:
         """The storage backends of this run mode (docs/ARCHITECTURE.md): the first writes, all are resumed."""
@@ -502,30 +548,41 @@ class Checkpointer:
         dist_fields = {} if self.dist is None else {"world_size": world_size}
         self.history.event("resume", from_step=gen.step, file=str(gen.path), rng_restored=restore_rng, **dist_fields,
                            lineage=self.state.lineage[-1] if self.state.lineage else None)
-        self._note_world_change(restored.extra, world_size=world_size, fresh=restored.fresh)
+        saved_mode = saved_invariant(restored.extra, file=gen.path)
+        if self.invariant is not None and saved_mode is not None:
+            self.invariant.seed = saved_mode["seed"]  # the micro-batch streams go on as saved
+            self.pipeline.extra["invariant"] = invariant_record(self.invariant)
+        self._note_world_change(restored.extra, world_size=world_size, fresh=restored.fresh, saved_mode=saved_mode)
         if self.state.accepted_config_changes:  # allowed (allow_config_change): recorded, as in the lineage
             self.history.event("config_change", step=gen.step, changes=self.state.accepted_config_changes,
                                allowed="explicitly" if self.allow["allow_config_change"] else "by default")
         self._write_config()
         return self.progress.step
 
-    def _note_world_change(self, saved_extra: Mapping[str, Any], *, world_size: int, fresh: bool) -> None:
-        """Record a resume on another number of ranks than the save's (history event, :attr:`world_change`)."""
+    def _note_world_change(self, saved_extra: Mapping[str, Any], *, world_size: int, fresh: bool,
+                           saved_mode: dict[str, int] | None = None) -> None:
+        """Record a resume on another number of ranks than the save's (history event, :attr:`world_change`);
+        warn when the trajectory is no longer the saved world size's (docs/ARCHITECTURE.md, "World-size changes")."""
         rec = saved_record({"extra": saved_extra}, None)
         saved_world = checked_number(rec["world_size"], file=None, field="world_size", lo=1, hi=2**20) if rec else 1
         if saved_world == world_size:
             return
+        not_exact = world_change_verdict(saved_mode, self.invariant)
         self.world_change = {
             "saved_world_size": saved_world,
             "world_size": world_size,
             "saved_shard": rec.get("shard") if rec else None,
             "fresh_stream_ranks": list(range(saved_world, world_size)),
             "dropped_ranks": list(range(world_size, saved_world)),
+            "trajectory": "exact" if not_exact is None else "changed",
         }
-        self.history.event("world_size_change", step=self.progress.step, **self.world_change, note=WORLD_CHANGE_NOTE)
-        if fresh or self.world_change["dropped_ranks"]:
+        note = WORLD_CHANGE_NOTE if not_exact is not None else INVARIANT_CHANGE_NOTE
+        self.history.event("world_size_change", step=self.progress.step, **self.world_change, note=note,
+                           **({} if not_exact is None else {"why": not_exact}))
+        if not_exact is not None and (fresh or self.world_change["dropped_ranks"]):
             warnings.warn(f"resumed a checkpoint of {saved_world} rank(s) on {world_size}: weights, m and v are exact, "
-                          "the data order and trajectory are not those of the saved world size", stacklevel=3)
+                          f"the trajectory is not that of the saved world size: {not_exact} "
+                          "(docs/ARCHITECTURE.md, \"World-size changes\")", stacklevel=3)
 
     def _write_config(self) -> None:
         if self.dist is not None and not self.dist.is_main:

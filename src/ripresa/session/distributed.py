@@ -34,6 +34,7 @@ __all__ = [
     "rank_seed",
     "torchrun_env",
     "WORLD_CHANGE_NOTE",
+    "INVARIANT_CHANGE_NOTE",
 ]
 
 #: What a world-size change does to the data order, written into the history event.
@@ -43,6 +44,12 @@ WORLD_CHANGE_NOTE = (
     "random streams derived from the run seed and their rank, entries of ranks that no longer exist are dropped; "
     "the global batch is now batch_size x world_size, so the data order and the trajectory differ from a "
     "run that kept the saved world size"
+)
+#: The same event of a run in world-size-invariant steps (docs/ARCHITECTURE.md, "World-size changes").
+INVARIANT_CHANGE_NOTE = (
+    "weights, m, v and shared state restored exactly; world-size-invariant steps: the global batch is the same "
+    "G micro-batches, drawn by global sample index, each under streams of its own, summed in one fixed tree, "
+    "so the trajectory is the one the saved world size would have followed, bit for bit"
 )
 
 

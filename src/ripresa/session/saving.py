@@ -80,6 +80,8 @@ class LocalPipeline:
         self.pending: tuple[int, str, float] | None = None  # (step, reason, t0) of the in-flight save
         self.saved_step: int | None = None  # the step of the last committed (or resumed) generation
         self.last_gen: Generation | None = None
+        #: What every generation of the session records beside the state (``extra``; e.g. the invariant mode).
+        self.extra: dict[str, Any] = {}
 
     def resumed(self, step: int | None) -> None:
         """The resumed generation's step counts as saved (None: nothing of this run was)."""
@@ -95,7 +97,7 @@ class LocalPipeline:
             return False  # this exact state is already committed
         t0 = time.perf_counter()
         try:
-            self.submit(step, reason, must_succeed, t0)
+            self.submit(step, reason, must_succeed, t0, dict(self.extra) or None)
         except SaveFailed as exc:
             self.fail(step, exc, must_succeed)
             return False
@@ -224,7 +226,7 @@ class RankZeroPipeline(LocalPipeline):
         fault_point("before_gather", step, d.rank)
         entries = d.all_gather(entry) if self.replicas else d.gather(entry)  # every rank has handed over its part
         self.captured = step
-        extra = {"distributed": {**d.describe(), "ranks": entries}} if self.main else None
+        extra = {"distributed": {**d.describe(), "ranks": entries}, **self.extra} if self.main else None
         return self.write(step, reason, must_succeed, extra, t0)
 
     def staged_on_loop(self, step: int) -> None:

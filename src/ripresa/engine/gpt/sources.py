@@ -389,24 +389,34 @@ class CropSampler:
     def arms(self) -> tuple[str, ...]:
         return tuple(self.sources)
 
-    def batch(self, arm: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def batch(self, arm: str, generator: np.random.Generator | None = None,
+              count: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """``(x, y, offsets)``: int64 CPU tensors ``[B, T]`` with ``y[:, t] = x[:, t + 1]``'s next byte.
 
-        Move them to the device yourself (``x.to(device, non_blocking=True)``).
+        Move them to the device yourself (``x.to(device, non_blocking=True)``). ``generator`` draws the
+        offsets instead of the sampler's own (a world-size-invariant micro-batch's, seeded by its global
+        index); ``count=False`` leaves the counters to :meth:`count`.
         """
         src = self.sources.get(arm)
         if src is None:
             raise BadInput(f"unknown data arm '{arm}'", expected=list(self.sources), found=arm,
                            hint="a bandit state from another run may name an arm this run lacks")
         T = self.block_size
-        offsets = self.generator.integers(0, len(src) - T, size=self.batch_size, dtype=np.int64)  # high exclusive
+        draw = self.generator if generator is None else generator
+        offsets = draw.integers(0, len(src) - T, size=self.batch_size, dtype=np.int64)  # high exclusive
         window = offsets[:, None] + np.arange(T + 1, dtype=np.int64)  # [B, T+1] byte positions
         buf = torch.from_numpy(src.data[window].astype(np.int64))  # [B, T+1]
         x = buf[:, :-1].contiguous()
         y = buf[:, 1:].contiguous()
-        self.batches[arm] += 1
-        self.tokens[arm] += self.batch_size * T
+        if count:
+            self.count(arm, 1)
         return x, y, [int(o) for o in offsets]
+
+    def count(self, arm: str, batches: int) -> None:
+        """Count ``batches`` batches of ``arm`` as served (a world-size-invariant step counts its G micro-batches
+        on every rank, so the counters do not follow the number of ranks)."""
+        self.batches[arm] += batches
+        self.tokens[arm] += batches * self.batch_size * self.block_size
 
     def data_identity(self) -> dict[str, str]:
         """``{arm: sha256}`` of the bytes each arm serves."""

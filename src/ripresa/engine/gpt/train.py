@@ -93,6 +93,7 @@ class TrainArgs:
     deadline: float | None = None  # POSIX time: stop, save, upload and export before it
     final_upload_timeout: float | None = None  # --mirror: a normal end's wait for the store (None: 900 s)
     memory_every: int = 0  # the memory tier's cadence in steps (0: off; docs/TIERS.md)
+    invariant: int = 0  # world-size-invariant steps of G micro-batches (0: the run's config; docs/ENGINE.md)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -414,6 +415,14 @@ def _run(args: TrainArgs, device: torch.device) -> int:
     cfg = resolve_config(args.config, args.sets, run_dir if args.output is None else None, args.sources)
     if args.every is not None and args.every != "auto":
         cfg["train"]["every"] = args.every
+    if args.invariant:  # part of the experiment config: a resume keeps it, another G is a config change
+        cfg["train"]["micro_batches"] = args.invariant
+    g = cfg["train"].get("micro_batches", 0)
+    checked_number(g, file="config.json", field="train.micro_batches", lo=0, hi=2**20, error=BadInput)
+    if g and g % world:
+        raise BadInput("the micro-batches of a world-size-invariant step do not divide among the ranks",
+                       expected=f"train.micro_batches a multiple of the world size {world}", found=g,
+                       hint="choose G (--invariant G) as a multiple of every world size the run may use, e.g. 8")
     # The run's experiment config: its config.json (a fork or a pivot writes it), else the config.json beside
     # the generation --resume names. A change is refused here, before anything is built or restored (it is not
     # damage: no generation is skipped for it); without either file the generation's own config is the reference.
@@ -441,6 +450,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
                             f"{recorded or 'values'} apply (docs/ENGINE.md, \"Precision and threads\"); {err.hint}")
             raise err
     t = cfg["train"]
+    micro_batches = int(t.get("micro_batches", 0))  # G: world-size-invariant steps (docs/ENGINE.md, "World size")
 
     # ---- data: the arms and the bandit that mixes them -------------------------
     notes: list[dict[str, Any]] = []
@@ -493,7 +503,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
             for block in model.transformer.h:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        elif world > 1:
+        elif world > 1 and not micro_batches:  # invariant steps sum the gradients themselves: no DDP wrapper
             from torch.nn.parallel import DistributedDataParallel
 
             forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -566,6 +576,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         format="andrea" if args.shard != "fsdp" and bin_suits(state) is None else "auto",
         hyperparameters="loop",  # apply_hyperparameters() sets the config's values after the resume
         memory_every=args.memory_every,  # a generation in /dev/shm every K steps (docs/TIERS.md)
+        world_size_invariant=micro_batches,  # the same trajectory on any number of ranks (docs/ENGINE.md)
     )
     try:
         for note in notes:
@@ -660,7 +671,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
 #: The ``ripresa train`` options recorded in the ``launch`` history event and replayed by ``pivot --restart``.
 LAUNCH_OPTIONS = ("config", "sets", "sources", "steps", "every", "device", "audit", "asynchronous", "quiet", "threads",
                   "allow_version_change", "allow_code_change", "allow_data_change", "shard", "mirror", "mtbf",
-                  "max_redo", "deadline", "memory_every")
+                  "max_redo", "deadline", "memory_every", "invariant")
 
 
 def launch_record(args: TrainArgs, world: int, local_world: int) -> dict[str, Any]:
@@ -774,7 +785,8 @@ def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, 
     model = forward if model is None else model
     dist_ctx = ckpt.dist
     world = dist_ctx.world_size if dist_ctx is not None else 1
-    samples_per_step = t["batch_size"] * world  # crops of block_size bytes: the global batch (docs/ENGINE.md)
+    steps = ckpt.invariant  # world-size-invariant steps: G micro-batches of batch_size crops (docs/ENGINE.md)
+    samples_per_step = t["batch_size"] * (steps.G if steps is not None else world)  # the global batch (docs/ENGINE.md)
     tokens_per_step = samples_per_step * sampler.block_size
     from rich import get_console
 
@@ -785,6 +797,21 @@ def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, 
         task = bar.add_task("train", total=goal, completed=start, loss="—", rate="—", next="—", stop="—")
         for step in range(start + 1, goal + 1):
             arm = mixture.choose()
+            if steps is not None:
+                lr = lr_at(step - 1, t)
+                for g in optimizer.param_groups:
+                    g["lr"] = lr
+                offsets, loss_value = invariant_step(steps, forward, optimizer, scaler, amp_dtype, device, sampler,
+                                                     arm, step, t)
+                mixture.update(arm, loss_value)  # the step's tree mean: the same on every rank, for any world size
+                if traj is not None:
+                    traj.step(step, rows=offsets, lr=lr, loss=loss_value, arm=arm)
+                stop = ckpt.step_done(step, loss=loss_value, lr=lr, arm=arm, tokens=tokens_per_step,
+                                      samples=samples_per_step)
+                last_t, last_step, rate = _show(bar, task, ckpt, step, goal, stop, loss_value, last_t, last_step, rate)
+                if stop:
+                    return True
+                continue
             x, y, offsets = sampler.batch(arm)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lr = lr_at(step - 1, t)  # the LR of this update (pure function of the step)
@@ -813,15 +840,53 @@ def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, 
                 traj.step(step, rows=offsets, lr=lr, loss=loss_value, arm=arm)
             stop = ckpt.step_done(step, loss=loss_value, lr=lr, arm=arm, tokens=tokens_per_step,
                                   samples=samples_per_step)
-            now = time.perf_counter()
-            if now - last_t >= 0.5 or stop or step == goal:
-                rate = (step - last_step) / (now - last_t) if now > last_t else 0.0
-                last_t, last_step = now, step
-                nxt = ckpt.steps_to_next_checkpoint()
-                eta = f"{nxt / rate:.0f}s" if nxt is not None and rate > 0 else "—"
-                left = ckpt.deadline.seconds_to_stop() if ckpt.deadline is not None else None
-                bar.update(task, completed=step, loss=f"{loss_value:.4f}", rate=f"{rate:.1f}", next=eta,
-                           stop="—" if left is None else f"{max(0.0, left):.0f}s")
+            last_t, last_step, rate = _show(bar, task, ckpt, step, goal, stop, loss_value, last_t, last_step, rate)
             if stop:
                 return True
     return False
+
+
+def _show(bar, task, ckpt, step, goal, stop, loss_value, last_t, last_step, rate):
+    """Refresh the progress line at most twice a second (and at a stop or the end)."""
+    now = time.perf_counter()
+    if now - last_t >= 0.5 or stop or step == goal:
+        rate = (step - last_step) / (now - last_t) if now > last_t else 0.0
+        last_t, last_step = now, step
+        nxt = ckpt.steps_to_next_checkpoint()
+        eta = f"{nxt / rate:.0f}s" if nxt is not None and rate > 0 else "—"
+        left = ckpt.deadline.seconds_to_stop() if ckpt.deadline is not None else None
+        bar.update(task, completed=step, loss=f"{loss_value:.4f}", rate=f"{rate:.1f}", next=eta,
+                   stop="—" if left is None else f"{max(0.0, left):.0f}s")
+    return last_t, last_step, rate
+
+
+def micro_batch_generator(seed: int, step: int, index: int) -> np.random.Generator:
+    """The crop offsets of micro-batch ``index`` of ``step``: a function of the global index, never of the rank."""
+    return np.random.Generator(np.random.PCG64([int(seed), int(step), int(index)]))
+
+
+def invariant_step(steps, forward, optimizer, scaler, amp_dtype, device, sampler, arm, step, t):
+    """One world-size-invariant step (docs/ENGINE.md, "World size"): this rank's micro-batches, each drawn and run
+    by its global index, summed in the fixed tree; returns the step's crop offsets (this rank's) and mean loss."""
+    optimizer.zero_grad(set_to_none=True)
+    offsets: list[int] = []
+    for i in steps.indices():
+        with steps.micro_batch(step, i):
+            x, y, off = sampler.batch(arm, generator=micro_batch_generator(t["seed"], step, i), count=False)
+            offsets += off
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                _, loss = forward(x, y)
+            steps.backward(loss, scaler=scaler)
+    loss_value = steps.reduce()
+    sampler.count(arm, steps.G)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if t["grad_clip"]:
+        steps.clip_grad_norm_(t["grad_clip"])
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return offsets, loss_value

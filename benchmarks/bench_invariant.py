@@ -132,9 +132,8 @@ def worker(args: argparse.Namespace) -> int:
     mine = list(steps["on"].indices())
     a2a_sent = {"bytes": 0}
 
-    def a2a_reduce(s: InvariantSteps) -> torch.Tensor:
+    def a2a_reduce(partial: torch.Tensor) -> torch.Tensor:
         """The fixed tree, its upper levels summed slice by slice after an all-to-all (module doc)."""
-        partial = tree_sum([s._grads[i] for i in mine])  # this rank's subtree, as InvariantSteps.reduce()
         n = partial.numel()
         k = -(-n // world)  # W equal slices (zero padding: its sums are zeros, cut off below)
         padded = torch.cat([partial, partial.new_zeros(k * world - n)])
@@ -144,8 +143,6 @@ def worker(args: argparse.Namespace) -> int:
         out = [torch.empty(k) for _ in range(world)]
         dist.all_gather(out, summed)
         a2a_sent["bytes"] += 2 * (world - 1) * k * padded.element_size()
-        s._grads.clear()
-        s._losses.clear()
         return torch.cat(out)[:n].div_(G)
 
     def one_step(arm: str, step: int) -> dict[str, float]:
@@ -164,21 +161,33 @@ def worker(args: argparse.Namespace) -> int:
             opts[arm].zero_grad()
             loss.backward()
             t1 = time.perf_counter()
-        else:
+        elif arm == "on":
             s = steps[arm]
             for i in mine:
                 with s.micro_batch(step, i):
                     s.backward(torch.nn.functional.mse_loss(models[arm](x[i * b:(i + 1) * b]), y[i * b:(i + 1) * b]))
             t1 = time.perf_counter()
-            if arm == "on":
-                s.reduce()
-            else:
-                kept = (dict(s._grads), dict(s._losses)) if args.check else None
-                total = a2a_reduce(s)
-                off = 0
-                for p in models[arm].parameters():
-                    p.grad = total[off:off + p.numel()].view_as(p).clone()
-                    off += p.numel()
+            s.reduce()
+        else:  # a2a: the same micro-batches and streams, each gradient flattened apart, the rank's subtree summed
+            s, pend, ps = steps[arm], [], list(models[arm].parameters())
+            for i in mine:
+                with s.micro_batch(step, i):
+                    for p in ps:
+                        p.grad = None
+                    torch.nn.functional.mse_loss(models[arm](x[i * b:(i + 1) * b]), y[i * b:(i + 1) * b]).backward()
+                    pend.append((1, torch.cat([p.grad.reshape(-1) for p in ps])))
+                # merged as they come, as InvariantSteps does: the rank's block is a subtree (G, W powers of two)
+                while len(pend) >= 2 and pend[-1][0] == pend[-2][0]:
+                    (n, right), (_, left) = pend.pop(), pend.pop()
+                    pend.append((2 * n, left.add_(right)))
+            partial = pend[0][1]
+            t1 = time.perf_counter()
+            kept = partial.clone() if args.check else None
+            total = a2a_reduce(partial)
+            off = 0
+            for p in ps:
+                p.grad = total[off:off + p.numel()].view_as(p).clone()
+                off += p.numel()
         opts[arm].step()
         t2 = time.perf_counter()
         if kept is not None:
@@ -188,12 +197,12 @@ def worker(args: argparse.Namespace) -> int:
     pending: list[Any] = []
 
     def check_a2a() -> None:
-        """After the measurement: the a2a step's gradient has the bits of InvariantSteps.reduce() on the same micro-batches."""
-        s = steps["a2a"]
-        for (grads, losses), total, step in pending:
-            s._grads, s._losses = grads, losses
-            s.reduce()
-            if not torch.equal(total, torch.cat([p.grad.reshape(-1) for p in models["a2a"].parameters()])):
+        """After the measurement: the a2a step's gradient has the bits of the all-gather tree (InvariantSteps'
+        reduction: the W partial sums gathered, the upper levels summed, divided by G)."""
+        for partial, total, step in pending:
+            gathered = [torch.empty_like(partial) for _ in range(world)]
+            dist.all_gather(gathered, partial)
+            if not torch.equal(total, tree_sum(gathered).div_(G)):
                 raise SystemExit(f"bench_invariant: the a2a reduction differs from the all-gather tree at step {step}")
         pending.clear()
 
@@ -333,9 +342,13 @@ def main(argv: list[str] | None = None) -> int:
         worlds = [int(w) for w in args.worlds.split(",")]
     except ValueError:
         ap.error(f"--worlds takes integers, got {args.worlds!r}")
-    bad = [w for w in worlds if w < 1 or args.micro % w]
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    bad = [w for w in worlds if not pow2(w) or args.micro % w or not pow2(args.micro)]
     if bad or args.micro < 1 or min(args.batch, args.width, args.depth, args.dim, args.blocks, args.block_steps) < 1:
-        ap.error(f"--micro {args.micro} must be a multiple of every world size ({bad}); sizes must be >= 1")
+        ap.error(f"--micro {args.micro} and the world sizes must be powers of two, --micro a multiple of each "
+                 f"({bad}); sizes must be >= 1")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table

@@ -32,18 +32,20 @@ size used; ``G ≥ W``), ``W = 64``. Each rank computes the same forward and bac
 DDP (its ``G/W`` micro-batches), but as ``G/W`` separate backwards (smaller matrix products) and
 flattens each gradient (``G/W`` copies of ``P``). What it sends and holds:
 
-======================  =====================  ==========================  ===========================
-path                    sent per rank          received / held             local sums (adds of P)
-======================  =====================  ==========================  ===========================
-DDP ring all-reduce     2(W−1)/W·P ≈ 1.97 P    buckets ≈ P                 (W−1)/W·P (in the ring)
-on, G, W powers of 2    (W−1)·P = 63 P         W·P = 64 P (all partials)   G/W − 1 + W − 1 = 63 + G/W−1
-on, otherwise           (G/W)(W−1)·P           G·P (every micro-batch)     G − 1
-a2a (proposal)          2(W−1)/W·P ≈ 1.97 P    2 P                         G/W − 1 + (W−1)/W
-======================  =====================  ==========================  ===========================
+======================  =====================  ==============================  ==========================
+path                    sent per rank          held beyond the gradients       adds of P elements a rank
+======================  =====================  ==============================  ==========================
+DDP ring all-reduce     2(W−1)/W·P ≈ 1.97 P    buckets ≈ P                     (W−1)/W ≈ 1
+on, G, W powers of 2    (W−1)·P = 63 P         W·P = 64 P (all partial sums)   G/W − 1 + W − 1 (63)
+on, otherwise           (G/W)(W−1)·P           G·P (every micro-batch)         G − 1
+a2a (proposal)          2(W−1)/W·P ≈ 1.97 P    2 P                             G/W − 1 + (W−1)/W
+======================  =====================  ==============================  ==========================
 
-plus ``G/W`` flattened micro-batch gradients held until the reduction (``G/W·P``; ``P`` when one
-micro-batch a rank). The cost of ``on`` as built is the all-gather: 63/1.97 = 32× DDP's bytes at 64
-ranks (``W/2``), and 64 P of memory — for a 1B-parameter model with fp32 gradients (P = 4 GB) 252 GB
+plus, on the power-of-two path, at most ``log2(G/W) + 1`` flattened micro-batch gradients held while
+the rank's subtree is merged (``InvariantSteps`` merges them as they come).
+
+The cost of ``on`` as built is the all-gather: 63/1.97 = 32× DDP's bytes at 64 ranks (``W/2``), and
+64 P of memory — for a 1B-parameter model with fp32 gradients (P = 4 GB) 252 GB
 sent and 256 GB held per rank per step, which does not fit; at 25 GB/s a rank that is 10 s of
 communication against DDP's 0.3 s (overlapped with the backward). The tree needs neither: its upper
 levels are elementwise, so any slicing of the partial sums gives the same bits, and the ``a2a`` path

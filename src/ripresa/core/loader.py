@@ -544,6 +544,10 @@ def make_exact(loader: Any, *, seed: int | None = None) -> ExactLoader:
     ``pin_memory`` and ``persistent_workers`` are kept. Each ``iter(loader)``
     yields the rest of the current epoch (all of the next one when it is done).
 
+    For world-size-invariant steps, build it over the global order (the same on
+    every rank) and call :meth:`ExactLoader.select` on the handle: the loader
+    then yields only this rank's micro-batches of every step.
+
     Pass the loader (or the returned handle) as ``TrainingState(data=...)``;
     its saved position is O(1): seed, epoch, batches delivered. Calling it
     again returns the same handle. Works on ``DataLoader`` and its subclasses

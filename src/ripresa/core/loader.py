@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import SchemaError
+from .micro_batches import MAX_MICRO_BATCHES, Selection
 from .seeds import sample_seed
 from .seeds import seeded as _seeded
 from .stateful_loader import LOADER_FORMAT as LOADER_FORMAT  # re-exported
@@ -199,13 +200,20 @@ class _ExactSampler(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator[_Key]:
         h = self.handle
         epoch = h._plan_epoch
-        start = h._plan_cursor if self.skip else 0
         seed = h.seed
-        for i in h._epoch_indices(epoch)[start:].tolist():
+        idx = h._epoch_indices(epoch)
+        if self.skip and h._selection is not None:  # one sample a micro-batch: this rank's only
+            for k in h._selection.plan(h._plan_cursor):
+                i = int(idx[k])
+                yield _Key(i, sample_seed(seed, epoch, i))
+            return
+        start = h._plan_cursor if self.skip else 0
+        for i in idx[start:].tolist():
             yield _Key(i, sample_seed(seed, epoch, i))
 
     def __len__(self) -> int:
-        return self.order.length
+        sel = self.handle._selection
+        return sel.local_per_epoch if self.skip and sel is not None else self.order.length
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored: the exact loader counts its epochs itself."""
@@ -222,12 +230,19 @@ class _ExactBatches(torch.utils.data.Sampler):
         epoch, seed, bs = h._plan_epoch, h.seed, self.batch_size
         idx = h._epoch_indices(epoch)
         n = len(idx)
+        if h._selection is not None:  # this rank's micro-batches only: the others' samples are never fetched
+            for k in h._selection.plan(h._plan_cursor):
+                yield [_Key(i, sample_seed(seed, epoch, i)) for i in idx[k * bs: (k + 1) * bs].tolist()]
+            return
         pos = h._plan_cursor * bs
         while pos < n and not (self.drop_last and n - pos < bs):
             yield [_Key(i, sample_seed(seed, epoch, i)) for i in idx[pos: pos + bs].tolist()]
             pos += bs
 
     def __len__(self) -> int:
+        sel = self.handle._selection
+        if sel is not None:
+            return sel.local_per_epoch
         n = self.sampler.order.length
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
@@ -319,6 +334,9 @@ class ExactLoader:
         self._plan_epoch, self._plan_cursor = 0, 0
         self._cached: tuple[int, int, torch.Tensor] | None = None
         self._base_generator = torch.Generator()
+        #: this rank's micro-batches of every step (:meth:`select`); None: every batch of the order.
+        self._selection: Selection | None = None
+        self._saved_micro: int | None = None  # micro_batches of a loaded position, until select() takes it
 
     # -- position -----------------------------------------------------------------
     @property
@@ -328,11 +346,60 @@ class ExactLoader:
 
     @property
     def cursor(self) -> int:
-        """Batches delivered in :attr:`epoch`."""
+        """Batches delivered in :attr:`epoch` — after :meth:`select`, the global micro-batches passed (every rank's)."""
         return self._cursor
 
+    @property
+    def selection(self) -> Selection | None:
+        """What :meth:`select` chose (None: the loader yields every batch of the order)."""
+        return self._selection
+
+    def select(self, *, micro_batches: int, indices: Any) -> ExactLoader:
+        """Yield only this rank's micro-batches of every step, for world-size-invariant steps (docs/API.md, "Data loaders").
+
+        The loader must be built over the *global* order (``shuffle=True``, a ``RandomSampler``, a
+        ``SequentialSampler``...; ``batch_size`` = the micro-batch size), the same on every rank. Its
+        batches are then the global micro-batches of an epoch, ``micro_batches`` (``G``) to a step, and
+        iterating yields, step after step, micro-batches ``s·G + i`` for ``i`` in ``indices`` (this
+        rank's, e.g. ``InvariantSteps.indices()``), in index order; the batch sampler skips the others, so
+        neither the loader nor its workers fetch another rank's samples. The saved position counts
+        global micro-batches and holds no world size or rank: a run saved on 2 ranks resumes on 1 or 4
+        with the micro-batches the uninterrupted run draws. An epoch uses ``⌊len(loader) / G⌋ · G``
+        micro-batches (the rest makes no whole step). Returns the handle.
+
+        Raises:
+            TypeError: a loader that samples per rank (``DistributedSampler``, accelerate's shards).
+            ValueError: ``micro_batches``/``indices`` malformed, or an epoch too short for one step.
+            SchemaError: a loaded position was saved with another ``micro_batches``.
+        """
+        why = self._per_rank()
+        if why is not None:
+            raise TypeError(f"select: this loader samples per rank ({why}); world-size-invariant steps need the "
+                            "global order on every rank: build the DataLoader with shuffle=True (or a RandomSampler, "
+                            "SequentialSampler...) and batch_size = the micro-batch size (docs/API.md, \"Data loaders\")")
+        sel = Selection(micro_batches, indices, self.batches_per_epoch)
+        if self._saved_micro is not None and self._saved_micro != sel.G:
+            raise SchemaError(f"data position was saved with micro_batches={self._saved_micro}, this run selects "
+                              f"{sel.G}", expected=sel.G, found=self._saved_micro,
+                              hint="resume with the micro-batches of the run that saved (the global batch and "
+                                   "the steps depend on them)")
+        self._selection = sel
+        return self
+
+    def _per_rank(self) -> str | None:
+        """How this loader samples per rank, or None (the global order)."""
+        if self._order.kind == "distributed":
+            return (f"a DistributedSampler: rank {self._order.rank} of {self._order.world} takes every "
+                    f"{self._order.world}-th sample")
+        if self._target is not self.loader or isinstance(self._target.__dict__.get("batch_sampler"), _SkipBatches):
+            return "an accelerate prepared loader: each process takes its own shard of the batches"
+        return None
+
+    def _limit(self) -> int:
+        return self._selection.limit if self._selection is not None else self.batches_per_epoch
+
     def _exhausted(self) -> bool:
-        return self._epoch < 0 or self._done or self._cursor >= self.batches_per_epoch
+        return self._epoch < 0 or self._done or self._cursor >= self._limit()
 
     def _epoch_indices(self, epoch: int) -> torch.Tensor:
         cached = self._cached
@@ -342,6 +409,11 @@ class ExactLoader:
 
     def _begin(self) -> None:
         """At ``iter(loader)``: the rest of the current epoch, or all of the next one; no global generator is drawn from."""
+        if self._saved_micro is not None and self._selection is None:
+            raise SchemaError(f"data position was saved by a loader selected for micro_batches={self._saved_micro}",
+                              expected=f"select(micro_batches={self._saved_micro}, indices=...) before iterating",
+                              found="a loader not selected",
+                              hint="call handle.select(...) as the run that saved did (docs/API.md, \"Data loaders\")")
         if self._exhausted():
             self._epoch, self._cursor, self._done = self._epoch + 1, 0, False
         self._plan_epoch, self._plan_cursor = self._epoch, self._cursor
@@ -349,7 +421,15 @@ class ExactLoader:
         self._base_generator.manual_seed(sample_seed(self.seed, self._epoch, _BASE_SEED_INDEX) & _M63)
 
     def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
-        epoch = self._epoch
+        epoch, sel = self._epoch, self._selection
+        if sel is not None:  # the batch sampler follows the same plan: the position after each is known
+            for batch, k in zip(batches, sel.plan(self._plan_cursor), strict=False):
+                if self._epoch == epoch:
+                    self._cursor = sel.after(k)
+                yield batch
+            if self._epoch == epoch:
+                self._done = True
+            return
         for batch in batches:
             if self._epoch == epoch:
                 self._cursor += 1
@@ -359,8 +439,25 @@ class ExactLoader:
 
     # -- Stateful -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``{"format", "seed", "epoch", "cursor", "batches_per_epoch", "order"}``: the position after the last batch trained on."""
+        """``{"format", "seed", "epoch", "cursor", "batches_per_epoch", "order"}``: the position after the last batch trained on.
+
+        After :meth:`select`, ``cursor`` counts global micro-batches and ``micro_batches`` is added.
+        """
         epoch, cursor, held, done = self._epoch, self._cursor, int(self.held_back), self._done
+        sel = self._selection
+        if sel is not None:
+            local = sel.local_count(cursor)
+            if held < 0 or held > local + (sel.local_per_epoch if epoch > 0 else 0):
+                raise ValueError(f"held_back={held} is more than the batches delivered")
+            if held:
+                done = False
+                if held <= local:
+                    cursor = sel.from_local(local - held)
+                else:
+                    epoch, cursor = epoch - 1, sel.from_local(sel.local_per_epoch - (held - local))
+            return {"format": EXACT_FORMAT, "seed": int(self.seed), "epoch": int(epoch), "cursor": int(cursor),
+                    "done": bool(done), "batches_per_epoch": int(self.batches_per_epoch),
+                    "order": dict(self._order.describe), "micro_batches": sel.G}
         if held < 0 or held > self._cursor + (self.batches_per_epoch if epoch > 0 else 0):
             raise ValueError(f"held_back={held} is more than the batches delivered")
         if held:
@@ -393,6 +490,20 @@ class ExactLoader:
             raise SchemaError("data position is malformed", expected="seed in 0..2**64-1, epoch >= -1, "
                               f"cursor in 0..{self.batches_per_epoch}, done a bool",
                               found={k: state.get(k) for k in ("seed", "epoch", "cursor", "done")})
+        micro = state.get("micro_batches")
+        if micro is not None and (type(micro) is not int or not 1 <= micro <= MAX_MICRO_BATCHES
+                                  or type(cursor) is not int or cursor > (self.batches_per_epoch // micro) * micro):
+            raise SchemaError("data position is malformed: micro_batches",
+                              expected=f"an int in 1..{MAX_MICRO_BATCHES}, with the cursor inside the epoch's "
+                                       "whole steps",
+                              found={"micro_batches": repr(micro)[:40], "cursor": repr(cursor)[:40]})
+        sel = self._selection  # a loader not selected yet takes a selected position: select() checks it
+        if sel is not None and sel.G != micro:
+            raise SchemaError(f"data position was saved with micro_batches={micro}, this loader is "
+                              + (f"selected for {sel.G}" if sel is not None else "not selected"),
+                              expected=sel.G if sel is not None else None, found=micro,
+                              hint="select the loader (handle.select) as the run that saved did (docs/API.md, "
+                                   "\"Data loaders\")")
         if self._seed_given and seed != self.seed:
             raise SchemaError(f"data position was saved with seed={seed}, this loader has seed={self.seed}",
                               expected=self.seed, found=seed,
@@ -400,11 +511,13 @@ class ExactLoader:
                                    "augmentation), or leave seed= out to take the saved one")
         self.seed = seed
         self._epoch, self._cursor, self._done = epoch, cursor, bool(state["done"])
+        self._saved_micro = micro
         self.held_back = 0
 
     def __repr__(self) -> str:
+        sel = f", micro_batches={self._selection.G}, indices={list(self._selection.indices)}" if self._selection else ""
         return (f"ExactLoader(epoch={self._epoch}, cursor={self._cursor}/{self.batches_per_epoch}, seed={self.seed}, "
-                f"order={self._order.kind})")
+                f"order={self._order.kind}{sel})")
 
 
 def exact_handle(obj: Any) -> ExactLoader | None:
@@ -430,6 +543,10 @@ def make_exact(loader: Any, *, seed: int | None = None) -> ExactLoader:
     ``drop_last``, ``num_workers``, ``collate_fn``, ``worker_init_fn``,
     ``pin_memory`` and ``persistent_workers`` are kept. Each ``iter(loader)``
     yields the rest of the current epoch (all of the next one when it is done).
+
+    For world-size-invariant steps, build it over the global order (the same on
+    every rank) and call :meth:`ExactLoader.select` on the handle: the loader
+    then yields only this rank's micro-batches of every step.
 
     Pass the loader (or the returned handle) as ``TrainingState(data=...)``;
     its saved position is O(1): seed, epoch, batches delivered. Calling it
@@ -534,3 +651,36 @@ def make_exact(loader: Any, *, seed: int | None = None) -> ExactLoader:
     loader.__dict__["_ripresa_exact"] = handle
     object.__dict__["__class__"].__set__(loader, _exact_class(type(loader)))
     return handle
+
+
+def per_rank_sampling(obj: Any) -> str | None:
+    """How ``obj`` (a ``TrainingState``'s data) samples per rank, or None: what world-size-invariant steps refuse.
+
+    A description when ``obj`` — a ``DataLoader``, one made exact (or its :class:`ExactLoader`), a
+    :class:`StatefulLoader`, a ``DistributedEpochSampler`` — draws a per-rank share of the data (a
+    ``DistributedSampler``, accelerate's prepared loaders, a sampler built with a rank and world size)
+    and has not been :meth:`ExactLoader.select` ed; None for a loader over the global order, selected or
+    not, and for anything else (docs/API.md, "Data loaders").
+    """
+    from .data import DistributedEpochSampler
+
+    handle = exact_handle(obj)
+    if handle is not None:
+        return None if handle.selection is not None else handle._per_rank()
+    if isinstance(obj, DistributedEpochSampler):
+        return (f"a DistributedEpochSampler: rank {obj.rank} of {obj.world_size} takes every "
+                f"{obj.world_size}-th row of a global batch of batch_size x world_size")
+    if isinstance(obj, StatefulLoader):
+        return None  # one global order, the same on every rank
+    if isinstance(obj, DataLoader):
+        if _is_accelerate(obj, "DataLoaderShard") or _is_accelerate(obj, "DataLoaderDispatcher"):
+            return f"accelerate's {type(obj).__name__}: each process takes its own shard of the batches"
+        samplers = [obj.sampler, getattr(obj.batch_sampler, "sampler", None)]
+        bs = obj.batch_sampler
+        if _is_accelerate(bs, "BatchSamplerShard"):
+            return "accelerate's BatchSamplerShard: each process takes its own shard of the batches"
+        for sampler in samplers:
+            if isinstance(sampler, torch.utils.data.DistributedSampler) or _is_torchdata(sampler, "StatefulDistributedSampler"):
+                return (f"a {type(sampler).__name__}: rank {sampler.rank} of {sampler.num_replicas} takes every "
+                        f"{sampler.num_replicas}-th sample")
+    return None

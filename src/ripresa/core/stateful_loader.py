@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..errors import SchemaError
 from .data import EpochSampler
+from .micro_batches import MAX_MICRO_BATCHES, Selection
 from .seeds import sample_seed, seeded
 
 #: ``StatefulLoader.state_dict()["format"]``.
@@ -60,6 +61,11 @@ class _Batches:
         s = self.owner._sampler
         epoch, pos, rows = self._plan()
         n, bs = s.n_rows, s.batch_size
+        sel = self.owner._selection
+        if sel is not None:  # this rank's micro-batches only: the others' rows are never fetched
+            for k in sel.plan(-(-pos // bs)):
+                yield [(epoch, int(r)) for r in rows(k * bs, min((k + 1) * bs, n))]
+            return
         while pos < n and not (s.drop_last and n - pos < bs):
             stop = min(pos + bs, n)
             yield [(epoch, int(r)) for r in rows(pos, stop)]
@@ -67,6 +73,9 @@ class _Batches:
 
     def __len__(self) -> int:
         s = self.owner._sampler
+        sel = self.owner._selection
+        if sel is not None:
+            return sel.local_per_epoch - (0 if self.owner._exhausted() else sel.local_count(-(-s.cursor // s.batch_size)))
         start = 0 if s._epoch_exhausted() else s.cursor
         left = s.n_rows - start
         full, rest = divmod(left, s.batch_size)
@@ -122,6 +131,8 @@ class StatefulLoader:
         # Without shuffling the order is the identity; a feistel sampler then costs no memory.
         self._sampler = EpochSampler(len(dataset), batch_size, seed=seed, drop_last=drop_last,
                                      permutation=permutation if shuffle else "feistel")
+        self._selection: Selection | None = None
+        self._saved_micro: int | None = None  # micro_batches of a loaded position, until select() takes it
         self._batches = _Batches(self)
         # A private generator: the DataLoader draws its workers' base seed from it, never from torch's global one.
         self._loader = DataLoader(
@@ -151,10 +162,57 @@ class StatefulLoader:
         """Batches the next ``iter()`` yields."""
         return len(self._batches)
 
+    @property
+    def selection(self) -> Selection | None:
+        """What :meth:`select` chose (None: every batch of the order)."""
+        return self._selection
+
+    def select(self, *, micro_batches: int, indices: Any) -> StatefulLoader:
+        """Yield only this rank's micro-batches of every step, as :meth:`ripresa.core.loader.ExactLoader.select`.
+
+        ``batch_size`` is the micro-batch size; the loader (the same on every rank) is the global
+        order; iterating yields micro-batches ``s·G + i`` for ``i`` in ``indices``, step after step,
+        and its workers fetch no other rank's rows. The saved position stays global (rows of the
+        epoch's permutation passed, the same on every rank between steps) and adds ``micro_batches``.
+        An epoch uses ``⌊batches_per_epoch / G⌋ · G`` micro-batches. Returns the loader.
+        """
+        sel = Selection(micro_batches, indices, self._sampler.batches_per_epoch)
+        if self._saved_micro is not None and self._saved_micro != sel.G:
+            raise SchemaError(f"data position was saved with micro_batches={self._saved_micro}, this run selects "
+                              f"{sel.G}", expected=sel.G, found=self._saved_micro,
+                              hint="resume with the micro-batches of the run that saved (the global batch and "
+                                   "the steps depend on them)")
+        self._selection = sel
+        return self
+
+    def _exhausted(self) -> bool:
+        s, sel = self._sampler, self._selection
+        if sel is None:
+            return s._epoch_exhausted()
+        return s.epoch < 0 or s.cursor >= min(sel.limit * s.batch_size, s.n_rows)
+
     def __iter__(self) -> Iterator[Any]:
-        s = self._sampler
-        if s._epoch_exhausted():
+        s, sel = self._sampler, self._selection
+        if self._saved_micro is not None and sel is None:
+            raise SchemaError(f"data position was saved by a loader selected for micro_batches={self._saved_micro}",
+                              expected=f"select(micro_batches={self._saved_micro}, indices=...) before iterating",
+                              found="a loader not selected",
+                              hint="call loader.select(...) as the run that saved did (docs/API.md, \"Data loaders\")")
+        if self._exhausted():
             s._begin_epoch()
+        if sel is not None:
+            epoch, bs = s.epoch, s.batch_size
+            for batch, k in zip(self._loader, sel.plan(-(-s.cursor // bs)), strict=False):
+                if s.epoch == epoch:
+                    rows = min(sel.after(k) * bs, s.n_rows)
+                    s.rows_consumed += rows - s.cursor
+                    s.cursor = rows
+                yield batch
+            end = min(sel.limit * bs, s.n_rows)
+            if s.epoch == epoch and s.cursor < end:  # the rest of the epoch holds none of this rank's: it is done
+                s.rows_consumed += end - s.cursor
+                s.cursor = end
+            return
         for batch in self._loader:
             take = min(s.batch_size, s.n_rows - s.cursor)
             s.cursor += take
@@ -166,13 +224,16 @@ class StatefulLoader:
         """The position after the last batch delivered: the sampler's O(1) state, its generator's and its base seed."""
         from .rng import numpy_bitgen_state
 
-        return {
+        out = {
             "format": LOADER_FORMAT,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "sampler": self._sampler.state_dict(),
             "generator": numpy_bitgen_state(self._sampler.generator.bit_generator.state),
         }
+        if self._selection is not None:  # the cursor counts the rows of global micro-batches passed
+            out["micro_batches"] = self._selection.G
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Go on from a saved position; refuses one of another seed, data set or batch size (nothing changed then)."""
@@ -187,5 +248,16 @@ class StatefulLoader:
                                   expected=mine, found=state.get(key),
                                   hint="build the loader as the run that saved (same seed: the same order and augmentation)")
         generator = validate_numpy_state(state.get("generator"), "data.generator")
+        micro = state.get("micro_batches")
+        if micro is not None and (type(micro) is not int or not 1 <= micro <= MAX_MICRO_BATCHES):
+            raise SchemaError("data position is malformed: micro_batches", expected=f"an int in 1..{MAX_MICRO_BATCHES}",
+                              found=repr(micro)[:40])
+        sel = self._selection  # a loader not selected yet takes a selected position: select() checks it
+        if sel is not None and sel.G != micro:
+            raise SchemaError(f"data position was saved with micro_batches={micro}, this loader is selected for "
+                              f"{sel.G}", expected=sel.G, found=micro,
+                              hint="select the loader (loader.select) as the run that saved did (docs/API.md, "
+                                   "\"Data loaders\")")
         self._sampler.load_state_dict(state.get("sampler"))  # validated before it changes anything
         self._sampler.generator.bit_generator.state = generator
+        self._saved_micro = micro

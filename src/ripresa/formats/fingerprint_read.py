@@ -375,8 +375,25 @@ def _check_chunk(t: Any, shape: tuple[int, ...], dtype: torch.dtype, folder: Pat
                              found=f"{type(t).__name__} {getattr(t, 'dtype', '')} {list(getattr(t, 'shape', []))}"[:160])
 
 
+def _index_keys(opt: Any) -> Any:
+    """DCP writes the dict keys of a state as strings: an index-keyed ``optimizer.state_dict()`` comes back with
+    ``"0"`` where its ``param_groups`` say ``0``; such keys are turned back into the indices they were."""
+    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+        return opt
+    indices = {i for g in opt["param_groups"] if isinstance(g, dict) for i in g.get("params", [])
+               if isinstance(i, int) and not isinstance(i, bool)}
+    st = opt["state"]
+    if st and all(isinstance(k, str) and k.isdigit() and int(k) in indices for k in st):
+        opt = dict(opt)
+        opt["state"] = {int(k): v for k, v in st.items()}
+    return opt
+
+
 def _dcp(folder: Path, files: _Files) -> tuple[dict[str, Any], list[str]]:
     tree = _dcp_tree(folder, files)
+    for key in ("optim", "optimizer"):
+        if key in tree:
+            tree[key] = _index_keys(tree[key])
     notes: list[str] = []
     if _lstat(folder / "ripresa.json") is not None:
         from .dcp import decode_state, read_dcp_companion

@@ -150,6 +150,16 @@ def test_a_plain_dcp_folder_and_a_hugging_face_layout_say_same_weights_and_momen
     assert any("trainer_state.json" in n for n in f.notes)
 
 
+def test_inspect_shows_the_fingerprint(layouts, capsys):
+    """`ripresa inspect` of a valid generation: one line 'fingerprint: ROOT' and the JSON field."""
+    from ripresa.tools.inspect import inspect_path
+
+    assert inspect_path(layouts["shards3"])["fingerprint"]["root"] == layouts["live"].root
+    assert inspect_path(layouts["shards3"], deep=False)["fingerprint"] is None
+    assert cli_main(["inspect", str(layouts["bin"])]) == 0
+    assert f"fingerprint: {layouts['live'].root}" in capsys.readouterr().out
+
+
 def test_a_bin_without_companion_is_positional_unless_the_model_names_it(layouts, tmp_path):
     live = layouts["live"]
     bare = tmp_path / "step_000003.bin"

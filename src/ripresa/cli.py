@@ -170,7 +170,8 @@ def _inspect_local(args: argparse.Namespace, got: Any = None) -> int:
         if not args.path.is_dir():
             check_generation_file(args.path)
     try:
-        report = inspect_path(args.path, check_finite=args.check_finite, deep=args.deep)
+        report = inspect_path(args.path, check_finite=args.check_finite, deep=args.deep,
+                              bin_model=_bin_model(Path(args.path)) if args.deep else None)
     except RipresaError as exc:
         if not args.json:
             raise

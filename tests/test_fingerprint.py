@@ -409,3 +409,21 @@ def test_a_stock_trainer_checkpoint_folder_has_the_same_weights_and_moments(tmp_
     assert hf.layout == "hf"
     assert all(hf.parts[p] == mine.parts[p] for p in ("model", "optimizer", "steps")), hf.differences(mine)[:5]
     assert any("rng_state.pth" in n for n in hf.notes)
+
+
+@pytest.mark.slow
+def test_an_engine_run_and_its_conversions_have_one_root(tmp_path):
+    """`ripresa train` (the ANDREA GPT: two parameter groups, so the .bin is named through the run's config.json),
+    then `ripresa convert` to a general generation and a .dcp: the CLI says "same state" for each pair."""
+    run = tmp_path / "run"
+    res = ripresa_cli("train", "--run", run, "--config", "tiny", "--steps", "2", "--every", "2", timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    b = run / "step_000002.bin"
+    for dest in (tmp_path / "c" / "step_000002.safetensors", tmp_path / "d" / "step_000002.dcp"):
+        dest.parent.mkdir()
+        res = ripresa_cli("convert", b, dest, timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        res = ripresa_cli("fingerprint", b, dest, timeout=600)
+        assert res.returncode == 0 and "the roots are equal" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    res = ripresa_cli("fingerprint", b, "--json")
+    assert "parameter names from the model given" in json.loads(res.stdout)["fingerprints"][0]["notes"]

@@ -259,13 +259,20 @@ def _bin(path: Path, files: _Files, model: torch.nn.Module | None, keep: list[An
         items += [("model/@all", region(0, 0, (n,))), ("optimizer/@all/exp_avg", region(1, 0, (n,))),
                   ("optimizer/@all/exp_avg_sq", region(2, 0, (n,)))]
     else:
+        placed: dict[str, torch.Tensor] = {}
         for name, shape in names:
             k = math.prod(shape)
-            items.append((f"model/{name}", region(0, off, shape)))
+            placed[name] = region(0, off, shape)
+            items.append((f"model/{name}", placed[name]))
             if with_state is None or name in with_state:
                 items.append((f"optimizer/{name}/exp_avg", region(1, off, shape)))
                 items.append((f"optimizer/{name}/exp_avg_sq", region(2, off, shape)))
             off += k
+        if model is not None:  # a tied weight under each of its state_dict names, as the other layouts hold it
+            first = {id(p): n for n, p in model.named_parameters()}
+            for alias, t in model.state_dict(keep_vars=True).items():
+                if isinstance(t, torch.nn.Parameter) and alias not in placed and first.get(id(t)) in placed:
+                    items.append((f"model/{alias}", placed[first[id(t)]]))
     return items, sources, notes
 
 

@@ -8,7 +8,9 @@ ANDREA ``.bin`` and a ``.shards`` folder; then, alternating in one process, for 
 * ``fingerprint``: ``fingerprint_path`` of the generation (headers, companion, canonical names, Merkle tree).
 
 and in memory: ``fingerprint_state`` of the live tensors against sha256 of their bytes over the same threads (what
-the probe and ``verify`` pay). Prints median and minimum of each and the ratios; writes JSON and a PNG.
+the probe and ``verify`` pay). Prints median and minimum of each, their ratios, and the median of the ratios of
+each pair (the two samples of a pair run back to back: the figure least moved by other processes' load); writes
+JSON and a PNG.
 
     .venv/bin/python benchmarks/bench_fingerprint.py                   # 25M parameters (300 MB), 7 pairs
     .venv/bin/python benchmarks/bench_fingerprint.py --params 12800000 --threads 2 --pairs 9
@@ -137,13 +139,15 @@ def main() -> int:
         summary = {}
         print(f"{n:,} parameters ({12 * n / 1e6:.0f} MB of weights and moments), {args.threads} threads, "
               f"{args.pairs} pairs, load {os.getloadavg()[0]:.2f}")
-        print(f"{'layout':<10} {'floor med':>10} {'fp med':>10} {'floor min':>10} {'fp min':>10} {'ratio med':>10} {'ratio min':>10}")
+        print(f"{'layout':<10} {'floor med':>10} {'fp med':>10} {'floor min':>10} {'fp min':>10} {'ratio med':>10} {'ratio min':>10} {'paired med':>10}")
         for name, r in results.items():
             fm, pm = statistics.median(r["floor"]), statistics.median(r["fingerprint"])
             fn, pn = min(r["floor"]), min(r["fingerprint"])
+            paired = statistics.median(b / a for a, b in zip(r["floor"], r["fingerprint"], strict=True))
             summary[name] = {"floor_median_s": fm, "fingerprint_median_s": pm, "floor_min_s": fn, "fingerprint_min_s": pn,
-                             "ratio_median": pm / fm, "ratio_min": pn / fn, "samples": r}
-            print(f"{name:<10} {fm:>10.3f} {pm:>10.3f} {fn:>10.3f} {pn:>10.3f} {pm / fm:>10.3f} {pn / fn:>10.3f}")
+                             "ratio_median": pm / fm, "ratio_min": pn / fn, "ratio_paired_median": paired, "samples": r}
+            print(f"{name:<10} {fm:>10.3f} {pm:>10.3f} {fn:>10.3f} {pn:>10.3f} {pm / fm:>10.3f} {pn / fn:>10.3f} "
+                  f"{paired:>10.3f}")
         same = len(set(roots.values())) == 1
         print(f"one root for every layout: {same} ({next(iter(roots.values()))[:16]}...)")
         args.out.mkdir(parents=True, exist_ok=True)

@@ -182,7 +182,8 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def test_one_flipped_bit_changes_the_root_and_names_its_part(layouts, tmp_path, capsys):
-    """A bit of m in a .bin copy: part optimizer, its leaf named; the CLI says 'different state' and exits 1."""
+    """A bit of m in a .bin copy: part optimizer, its leaf named; the CLI says 'different state' and exits 1
+    (the CLI as a real process: the slow engine test)."""
     live = layouts["live"]
     src = layouts["bin"]
     for f in src.parent.glob("step_000003.*"):
@@ -193,9 +194,9 @@ def test_one_flipped_bit_changes_the_root_and_names_its_part(layouts, tmp_path, 
     assert f.root != live.root
     assert [p for p in f.parts if f.parts[p] != live.parts[p]] == ["optimizer"]
     assert f.differences(live) == ["optimizer/0.weight/exp_avg"]
-    res = ripresa_cli("fingerprint", tmp_path / src.name, layouts["shards2"])
-    assert res.returncode == 1, res.stdout + res.stderr
-    assert "different state" in res.stdout and "optimizer/0.weight/exp_avg" in res.stdout
+    assert cli_main(["fingerprint", str(tmp_path / src.name), str(layouts["shards2"])]) == 1
+    out = capsys.readouterr().out
+    assert "different state" in out and "optimizer/0.weight/exp_avg" in out
     assert cli_main(["fingerprint", str(layouts["dcp"]), str(layouts["shards3"]), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["comparison"]["same_root"] and doc["fingerprints"][0]["root"] == live.root
@@ -303,6 +304,28 @@ def test_crafted_pickles_are_refused_and_never_run(layouts, tmp_path, cli):
     assert rc == 1 and "not allowed" in out and not marker.exists()
     with pytest.raises(BadInput):
         fingerprint_path(tmp_path / "nothing")
+
+
+def test_crafted_numbers_and_shapes_are_refused_before_anything_is_allocated(layouts, tmp_path, cli):
+    """A .dcp whose metadata claims a 2^40-element tensor for one small chunk; an optimizer.pt that is no optimizer."""
+    import pickle
+
+    from ripresa.formats.dcp_safe import read_metadata
+
+    d = tmp_path / "step_000003.dcp"
+    shutil.copytree(layouts["dcp"], d)
+    md = read_metadata(d)
+    key = next(k for k in md.state_dict_metadata if k.endswith("0.weight"))
+    md.state_dict_metadata[key].size = torch.Size([1 << 20, 1 << 20])
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    rc, out = cli(d)
+    assert rc == 1 and "do not cover it exactly" in out
+    hf = tmp_path / "checkpoint-3"
+    hf.mkdir()
+    shutil.copyfile(layouts["general"], hf / "model.safetensors")
+    torch.save({"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": [1, 2]}, hf / "optimizer.pt")
+    rc, out = cli(hf)
+    assert rc == 1 and "not shaped as a training state" in out
 
 
 # ---- slow: real world sizes and a real Trainer ----------------------------------------------------------

@@ -355,23 +355,33 @@ def _dcp_tree(folder: Path, files: _Files) -> dict[str, Any]:
                 value = item(fqn, chunks[0].offsets)
                 _check_chunk(value, tuple(entry.size), dtype, folder, fqn)
             else:
-                value = torch.empty(tuple(entry.size), dtype=dtype)
-                covered = 0
+                # decided from the metadata before anything is allocated: the chunks cover the tensor's elements
+                # exactly, and its bytes fit in the items that store them (a 2^48-element claim is refused here)
+                covered = sum(math.prod(c.sizes) for c in chunks)
+                stored = sum(getattr(md.storage_data.get(MetadataIndex(fqn, c.offsets)), "length", 0) for c in chunks)
+                need = math.prod(entry.size) * dtype.itemsize
+                if covered != math.prod(entry.size) or need > stored:
+                    raise IntegrityError("the .dcp chunks of a tensor do not cover it exactly", file=folder / ".metadata",
+                                         expected=f"{math.prod(entry.size)} elements in at least {need} stored bytes",
+                                         found=f"{covered} elements in chunks of {stored} bytes",
+                                         hint="the metadata was edited or a rank's shard is missing")
+                value = torch.zeros(tuple(entry.size), dtype=dtype)
                 for c in chunks:
                     part = item(fqn, c.offsets)
                     _check_chunk(part, tuple(c.sizes), dtype, folder, fqn)
                     value[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))] = part
-                    covered += math.prod(c.sizes)
-                if covered != value.numel():
-                    raise IntegrityError("the .dcp chunks of a tensor do not cover it exactly", file=folder / ".metadata",
-                                         expected=f"{value.numel()} elements", found=f"{covered} in chunks",
-                                         hint="the metadata was edited or a rank's shard is missing")
         else:
             value = item(fqn)
         path = mappings.get(fqn)
-        if not (isinstance(path, tuple) and path and all(isinstance(k, str | int) and not isinstance(k, bool) for k in path)):
+        if not (isinstance(path, tuple) and 0 < len(path) <= 64
+                and all(type(k) is str or (type(k) is int and 0 <= k <= len(md.state_dict_metadata)) for k in path)):
             path = tuple(fqn.split("."))
-        _set_path(tree, path, value)
+        try:
+            _set_path(tree, path, value)
+        except (TypeError, IndexError, AttributeError, KeyError) as exc:
+            raise IntegrityError("the .dcp metadata's paths do not form one state", file=folder / ".metadata",
+                                 found=f"{fqn[:120]}: {type(exc).__name__}",
+                                 hint="the metadata was edited; it is not a folder DCP wrote") from None
     return tree
 
 
@@ -507,10 +517,19 @@ def fingerprint_path(path: str | os.PathLike[str], *, model: torch.nn.Module | N
                 state, notes = _dcp(p, files)
             else:
                 state, notes = _hf(p, files, sources, keep)
-            items, more = fp.canonical_items(state, param_names=param_names)
+            try:
+                items, more = fp.canonical_items(state, param_names=param_names)
+            except (TypeError, AttributeError, KeyError, ValueError, RecursionError) as exc:
+                raise IntegrityError("the generation's state is not shaped as a training state", file=p,
+                                     expected="model, optimizer (state, param_groups), ... (docs/FORMAT.md)",
+                                     found=f"{type(exc).__name__}: {str(exc)[:160]}",
+                                     hint="it was edited or not written by a trainer") from None
             notes = [*notes, *more]
         try:
             leaves = fp.canonical_leaves(items, sources)
         except ValueError as exc:
             raise IntegrityError("the generation names one value twice", file=p, found=str(exc)[:160]) from None
+        except RecursionError:
+            raise IntegrityError("the generation holds a value nested too deeply", file=p, expected="<= 64 levels",
+                                 hint="it was crafted; it is not hashed") from None
         return fp.fingerprint_leaves(leaves, threads=threads, notes=notes, layout=layout, progress=progress)

@@ -14,13 +14,9 @@ size before use; what fails is an :class:`~ripresa.errors.IntegrityError` (exit 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import os
-import pickle
 import stat
-import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import BadInput, IntegrityError, RipresaError, SchemaError
-from ..io.fsio import open_run_file, read_small
+from ..io.fsio import read_small
 from ..io.merkle import FileRange
 from . import companion as companion_fmt
 from . import fingerprint as fp
@@ -36,35 +32,14 @@ from . import general as general_fmt
 from . import shards as shards_fmt
 from .andrea_bin import FLOAT, HEADER, HEADER_SIZE
 from .andrea_bin import read_header as read_bin_header
-from .safetensors_file import Header, header_fd
-
-#: A tensor of at most this many bytes is read into memory at once (the rest are hashed from the file).
-SMALL = 64 * 1024
-#: Largest ``optimizer.pt`` / ``scheduler.pt`` of a Hugging Face folder read (bytes).
-MAX_PICKLE_BYTES = 1 << 40
-
-
-class _Files(contextlib.ExitStack):
-    """The files a fingerprint keeps open until its blocks are hashed."""
-
-    def open(self, path: Path, what: str) -> int:
-        fd = open_run_file(path, what, error=IntegrityError)
-        self.callback(os.close, fd)
-        return fd
-
-
-def _lstat(path: Path) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise BadInput("the path cannot be read", file=path, found=str(exc)[:160]) from None
+from .fingerprint_dcp import dcp_state, hf_state, torch_pickle
+from .fingerprint_files import OpenFiles, lstat_or_none, placeholders, plain_safetensors
+from .safetensors_file import header_fd
 
 
 def detect(path: Path) -> str:
     """The layout of ``path``: ``bin``, ``general``, ``safetensors``, ``pt``, ``shards``, ``dcp``, ``hf``."""
-    st = _lstat(path)
+    st = lstat_or_none(path)
     if st is None:
         raise BadInput("nothing to fingerprint at this path", file=path, expected="a generation (file or folder)",
                        found="nothing", hint="`ripresa inspect RUN` lists a run folder's generations")
@@ -74,9 +49,9 @@ def detect(path: Path) -> str:
     if stat.S_ISDIR(st.st_mode):
         if path.name.endswith(".shards"):
             return "shards"
-        if _lstat(path / ".metadata") is not None:
+        if lstat_or_none(path / ".metadata") is not None:
             return "dcp"
-        if _lstat(path / "model.safetensors") is not None or _lstat(path / "model.safetensors.index.json") is not None:
+        if lstat_or_none(path / "model.safetensors") is not None or lstat_or_none(path / "model.safetensors.index.json") is not None:
             return "hf"
         raise BadInput("this folder is no layout the fingerprint reads", file=path,
                        expected="a .shards or .dcp generation, a DCP folder (.metadata), a Hugging Face checkpoint "
@@ -88,7 +63,7 @@ def detect(path: Path) -> str:
     if path.suffix == ".bin":
         return "bin"
     if path.suffix == ".safetensors":
-        return "general" if _lstat(path.with_name(path.name + ".json")) is not None else "safetensors"
+        return "general" if lstat_or_none(path.with_name(path.name + ".json")) is not None else "safetensors"
     if path.suffix in (".pt", ".pth"):
         return "pt"
     raise BadInput("this file is no layout the fingerprint reads", file=path,
@@ -98,38 +73,6 @@ def detect(path: Path) -> str:
 # ---- safetensors files: placeholders for the tensors, hashed from the file --------------------------
 
 
-def _read_range(fd: int, offset: int, n: int, path: Path) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    done = 0
-    while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise IntegrityError("a file is shorter than its header says", file=path,
-                                 expected=f"{n} bytes at offset {offset}", found=f"{done} bytes",
-                                 hint="the file is truncated or changed while read")
-        done += got
-    return buf
-
-
-def _placeholders(fd: int, path: Path, header: Header, sources: dict[int, list[FileRange]],
-                  keep: list[Any]) -> dict[str, torch.Tensor]:
-    """key -> tensor of a safetensors file: small ones (and the 1-D ``U8``/``I64`` a companion may decode) read,
-    the others meta tensors standing for their byte range (``sources``)."""
-    out: dict[str, torch.Tensor] = {}
-    for e in header.entries:
-        dt, n = e.torch_dtype, e.end - e.begin
-        if n <= SMALL or (len(e.shape) == 1 and dt in (torch.uint8, torch.int64)):
-            raw = _read_range(fd, header.data_start + e.begin, n, path)
-            t = torch.frombuffer(raw, dtype=dt).reshape(e.shape) if n else torch.empty(e.shape, dtype=dt)
-        else:
-            t = torch.empty(e.shape, dtype=dt, device="meta")
-            sources[id(t)] = [FileRange(fd, header.data_start + e.begin, n, str(path))]
-        keep.append(t)
-        out[e.key] = t
-    return out
-
-
 def _join(doc: dict[str, Any], tensors: Mapping[str, torch.Tensor], path: Path) -> dict[str, Any]:
     try:
         return general_fmt.join_state(doc, tensors, path)
@@ -137,7 +80,7 @@ def _join(doc: dict[str, Any], tensors: Mapping[str, torch.Tensor], path: Path) 
         raise IntegrityError(exc.message, file=exc.file, expected=exc.expected, found=exc.found, hint=exc.hint) from None
 
 
-def _general(path: Path, files: _Files, sources: dict[int, list[FileRange]], keep: list[Any]) -> dict[str, Any]:
+def _general(path: Path, files: OpenFiles, sources: dict[int, list[FileRange]], keep: list[Any]) -> dict[str, Any]:
     fd = files.open(path, "tensor file")
     header = header_fd(fd, path)
     cp = path.with_name(path.name + ".json")
@@ -147,10 +90,10 @@ def _general(path: Path, files: _Files, sources: dict[int, list[FileRange]], kee
         general_fmt.validate_envelope(doc, cp)
     except SchemaError as exc:
         raise IntegrityError(exc.message, file=cp, expected=exc.expected, found=exc.found, hint=exc.hint) from None
-    return _join(doc, _placeholders(fd, path, header, sources, keep), cp)
+    return _join(doc, placeholders(fd, path, header, sources, keep), cp)
 
 
-def _shards(folder: Path, files: _Files, sources: dict[int, list[FileRange]], keep: list[Any]) -> dict[str, Any]:
+def _shards(folder: Path, files: OpenFiles, sources: dict[int, list[FileRange]], keep: list[Any]) -> dict[str, Any]:
     cp = folder / shards_fmt.COMPANION_NAME
     doc = companion_fmt.loads_bounded(read_small(cp, "companion", general_fmt.MAX_COMPANION_BYTES, error=IntegrityError),
                                       file=cp)
@@ -159,24 +102,12 @@ def _shards(folder: Path, files: _Files, sources: dict[int, list[FileRange]], ke
     for rec in doc["tensors"]["shards"]:
         p = folder / rec["name"]
         fd = files.open(p, "shard")
-        for k, t in _placeholders(fd, p, header_fd(fd, p), sources, keep).items():
+        for k, t in placeholders(fd, p, header_fd(fd, p), sources, keep).items():
             if k in tensors:
                 raise IntegrityError("two shards hold the same tensor", file=p, found=k[:120],
                                      hint="the folder was edited; it is not a generation ripresa wrote")
             tensors[k] = t
     return _join(doc, tensors, cp)
-
-
-def _plain_safetensors(paths: Sequence[Path], files: _Files, sources: dict[int, list[FileRange]],
-                       keep: list[Any]) -> dict[str, torch.Tensor]:
-    model: dict[str, torch.Tensor] = {}
-    for p in paths:
-        fd = files.open(p, "safetensors file")
-        for k, t in _placeholders(fd, p, header_fd(fd, p), sources, keep).items():
-            if k in model:
-                raise IntegrityError("two files hold the same tensor", file=p, found=k[:120])
-            model[k] = t
-    return model
 
 
 # ---- the ANDREA .bin ---------------------------------------------------------------------------------
@@ -206,7 +137,7 @@ def _bin_names(state: Mapping[str, Any] | None, n_params: int, model: torch.nn.M
                   "parameters without optimizer state): hashed positionally; pass the model to name them")
 
 
-def _bin(path: Path, files: _Files, model: torch.nn.Module | None, keep: list[Any]
+def _bin(path: Path, files: OpenFiles, model: torch.nn.Module | None, keep: list[Any]
          ) -> tuple[list[tuple[str, Any]], dict[int, list[FileRange]], list[str]]:
     head = read_bin_header(path)
     fd = files.open(path, "ANDREA .bin")
@@ -217,7 +148,7 @@ def _bin(path: Path, files: _Files, model: torch.nn.Module | None, keep: list[An
     cp = path.with_name(path.stem + ".json")
     state: dict[str, Any] | None = None
     notes: list[str] = []
-    if _lstat(cp) is not None:
+    if lstat_or_none(cp) is not None:
         doc = companion_fmt.read_companion(cp)
         try:
             state = companion_fmt.decode_tree(doc["state"], "companion.state")
@@ -276,208 +207,6 @@ def _bin(path: Path, files: _Files, model: torch.nn.Module | None, keep: list[An
     return items, sources, notes
 
 
-# ---- DCP folders -------------------------------------------------------------------------------------
-
-
-def _dcp_item(fd: int, offset: int, length: int, path: Path, what: str) -> Any:
-    raw = _read_range(fd, offset, length, path)
-    try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
-            infos = zf.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, OverflowError) as exc:
-        raise IntegrityError("a .dcp shard item is not a torch archive", file=path, expected="a torch.save zip",
-                             found=f"{what}: {type(exc).__name__}: {str(exc)[:160]}", hint="the shard is damaged") from None
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(raw):
-            raise IntegrityError("a .dcp shard item holds a compressed or oversized member", file=path,
-                                 found=f"{what}: {info.filename[:80]!r}", hint="the shard was crafted or damaged")
-    try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise IntegrityError("a .dcp shard item was refused by the safe loader (weights_only=True)", file=path,
-                             found=f"{what}: {str(exc).splitlines()[0][:200]}",
-                             hint="the shard was crafted or damaged; it was not executed") from None
-    except Exception as exc:
-        raise IntegrityError("a .dcp shard item could not be read", file=path,
-                             found=f"{what}: {type(exc).__name__}: {str(exc)[:200]}", hint="the shard is damaged") from None
-
-
-def _set_path(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
-    node: Any = root
-    for i, k in enumerate(path[:-1]):
-        nxt = path[i + 1]
-        if isinstance(node, dict):
-            node = node.setdefault(k, [] if isinstance(nxt, int) else {})
-        else:
-            while len(node) <= k:
-                node.append(None)
-            if node[k] is None:
-                node[k] = [] if isinstance(nxt, int) else {}
-            node = node[k]
-    last = path[-1]
-    if isinstance(node, dict):
-        node[last] = value
-    else:
-        while len(node) <= last:
-            node.append(None)
-        node[last] = value
-
-
-def _dcp_tree(folder: Path, files: _Files) -> dict[str, Any]:
-    """Every item of a DCP folder, unsharded, as the nested state DCP saved (tensors whole, in memory)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    from .dcp_safe import read_metadata
-
-    md = read_metadata(folder)
-    fds: dict[str, int] = {}
-
-    def item(fqn: str, offsets: Any = None) -> Any:
-        idx = MetadataIndex(fqn, offsets) if offsets is not None else MetadataIndex(fqn)
-        info = md.storage_data.get(idx)
-        if info is None:
-            raise IntegrityError("the .dcp metadata lists an item with no storage", file=folder / ".metadata",
-                                 found=f"{fqn[:120]} at {list(offsets) if offsets is not None else '-'}")
-        name = info.relative_path
-        if name not in fds:
-            fds[name] = files.open(folder / name, ".dcp shard")
-        return _dcp_item(fds[name], info.offset, info.length, folder / name, fqn[:120])
-
-    mappings = md.planner_data if isinstance(md.planner_data, dict) else {}
-    tree: dict[str, Any] = {}
-    for fqn, entry in md.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            dtype = entry.properties.dtype
-            if not isinstance(dtype, torch.dtype):
-                raise IntegrityError("a .dcp tensor entry has no dtype", file=folder / ".metadata", found=fqn[:120])
-            chunks = entry.chunks
-            if len(chunks) == 1 and list(chunks[0].offsets) == [0] * len(entry.size) and chunks[0].sizes == entry.size:
-                value = item(fqn, chunks[0].offsets)
-                _check_chunk(value, tuple(entry.size), dtype, folder, fqn)
-            else:
-                # decided from the metadata before anything is allocated: the chunks cover the tensor's elements
-                # exactly, and its bytes fit in the items that store them (a 2^48-element claim is refused here)
-                covered = sum(math.prod(c.sizes) for c in chunks)
-                stored = sum(getattr(md.storage_data.get(MetadataIndex(fqn, c.offsets)), "length", 0) for c in chunks)
-                need = math.prod(entry.size) * dtype.itemsize
-                if covered != math.prod(entry.size) or need > stored:
-                    raise IntegrityError("the .dcp chunks of a tensor do not cover it exactly", file=folder / ".metadata",
-                                         expected=f"{math.prod(entry.size)} elements in at least {need} stored bytes",
-                                         found=f"{covered} elements in chunks of {stored} bytes",
-                                         hint="the metadata was edited or a rank's shard is missing")
-                value = torch.zeros(tuple(entry.size), dtype=dtype)
-                for c in chunks:
-                    part = item(fqn, c.offsets)
-                    _check_chunk(part, tuple(c.sizes), dtype, folder, fqn)
-                    value[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))] = part
-        else:
-            value = item(fqn)
-        path = mappings.get(fqn)
-        if not (isinstance(path, tuple) and 0 < len(path) <= 64
-                and all(type(k) is str or (type(k) is int and 0 <= k <= len(md.state_dict_metadata)) for k in path)):
-            path = tuple(fqn.split("."))
-        try:
-            _set_path(tree, path, value)
-        except (TypeError, IndexError, AttributeError, KeyError) as exc:
-            raise IntegrityError("the .dcp metadata's paths do not form one state", file=folder / ".metadata",
-                                 found=f"{fqn[:120]}: {type(exc).__name__}",
-                                 hint="the metadata was edited; it is not a folder DCP wrote") from None
-    return tree
-
-
-def _check_chunk(t: Any, shape: tuple[int, ...], dtype: torch.dtype, folder: Path, fqn: str) -> None:
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-        raise IntegrityError("a .dcp shard item is not the tensor its metadata says", file=folder / ".metadata",
-                             expected=f"{fqn[:80]}: {dtype} {list(shape)}",
-                             found=f"{type(t).__name__} {getattr(t, 'dtype', '')} {list(getattr(t, 'shape', []))}"[:160])
-
-
-def _index_keys(opt: Any) -> Any:
-    """DCP writes the dict keys of a state as strings: an index-keyed ``optimizer.state_dict()`` comes back with
-    ``"0"`` where its ``param_groups`` say ``0``; such keys are turned back into the indices they were."""
-    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
-        return opt
-    indices = {i for g in opt["param_groups"] if isinstance(g, dict) for i in g.get("params", [])
-               if isinstance(i, int) and not isinstance(i, bool)}
-    st = opt["state"]
-    if st and all(isinstance(k, str) and k.isdigit() and int(k) in indices for k in st):
-        opt = dict(opt)
-        opt["state"] = {int(k): v for k, v in st.items()}
-    return opt
-
-
-def _dcp(folder: Path, files: _Files) -> tuple[dict[str, Any], list[str]]:
-    tree = _dcp_tree(folder, files)
-    for key in ("optim", "optimizer"):
-        if key in tree:
-            tree[key] = _index_keys(tree[key])
-    notes: list[str] = []
-    if _lstat(folder / "ripresa.json") is not None:
-        from .dcp import decode_state, read_dcp_companion
-
-        state = decode_state(read_dcp_companion(folder), folder)
-        state = dict(state)
-        state["model"] = {**(state.get("model") or {}), **tree.pop("model", {})}
-        state["optimizer"] = tree.pop("optim", None)
-        for k, v in tree.items():
-            state[f"dcp_{k}"] = v
-        return state, notes
-    notes.append("a DCP folder without ripresa's companion: 'model' and 'optim'/'optimizer' are read as the model and "
-                 "the optimizer, every other top-level key as its own part")
-    state = {"model": tree.pop("model", {}), "optimizer": tree.pop("optim", None) or tree.pop("optimizer", None)}
-    state.update(tree)
-    return state, notes
-
-
-# ---- a Hugging Face checkpoint folder -----------------------------------------------------------------
-
-
-def _torch_pickle(path: Path) -> Any:
-    from .torch_pt import check_zip_directory
-
-    raw = bytes(read_small(path, path.name, MAX_PICKLE_BYTES, error=IntegrityError))
-    check_zip_directory(path, raw)
-    try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise IntegrityError(f"{path.name} was refused by the safe loader (weights_only=True)", file=path,
-                             expected="tensors, numbers, strings, lists, dicts",
-                             found=str(exc).splitlines()[0][:200] if str(exc) else "a refused global",
-                             hint="it was not executed; a crafted pickle is never loaded") from None
-    except Exception as exc:
-        raise IntegrityError(f"{path.name} could not be read", file=path, found=f"{type(exc).__name__}: {str(exc)[:200]}",
-                             hint="the file is damaged") from None
-
-
-def _hf(folder: Path, files: _Files, sources: dict[int, list[FileRange]], keep: list[Any]) -> tuple[dict[str, Any], list[str]]:
-    notes: list[str] = []
-    index = folder / "model.safetensors.index.json"
-    if _lstat(index) is not None:
-        doc = companion_fmt.loads_bounded(read_small(index, "index", 64 << 20, error=IntegrityError), file=index)
-        wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise IntegrityError("the index has no weight_map", file=index, expected='{"weight_map": {key: file}}')
-        names = sorted(set(wm.values()))
-        if any("/" in n or n in ("", ".", "..") or not n.endswith(".safetensors") for n in names):
-            raise IntegrityError("the index names a file outside the folder", file=index, found=str(names)[:160])
-        paths = [folder / n for n in names]
-    else:
-        paths = [folder / "model.safetensors"]
-    state: dict[str, Any] = {"model": _plain_safetensors(paths, files, sources, keep)}
-    if _lstat(folder / "optimizer.pt") is not None:
-        state["optimizer"] = _torch_pickle(folder / "optimizer.pt")
-        if not isinstance(state["optimizer"], dict) or not isinstance(state["optimizer"].get("state"), dict):
-            raise IntegrityError("optimizer.pt is not an optimizer state_dict", file=folder / "optimizer.pt",
-                                 expected='{"state", "param_groups"}', found=type(state["optimizer"]).__name__)
-    if _lstat(folder / "scheduler.pt") is not None:
-        state["scheduler"] = _torch_pickle(folder / "scheduler.pt")
-    skipped = sorted(n for n in ("rng_state.pth", "trainer_state.json", "training_args.bin", "scaler.pt")
-                     if _lstat(folder / n) is not None)
-    if skipped:
-        notes.append("not hashed (no canonical place, or a pickle of classes never unpickled): " + ", ".join(skipped))
-    return state, notes
-
-
 # ---- the entry point --------------------------------------------------------------------------------
 
 
@@ -497,7 +226,7 @@ def fingerprint_path(path: str | os.PathLike[str], *, model: torch.nn.Module | N
     sources: dict[int, list[FileRange]] = {}
     keep: list[Any] = []
     notes: list[str] = []
-    with _Files() as files:
+    with OpenFiles() as files:
         if layout == "bin":
             items, sources, notes = _bin(p, files, model, keep)
         else:
@@ -506,17 +235,17 @@ def fingerprint_path(path: str | os.PathLike[str], *, model: torch.nn.Module | N
             elif layout == "shards":
                 state = _shards(p, files, sources, keep)
             elif layout == "safetensors":
-                state = {"model": _plain_safetensors([p], files, sources, keep)}
+                state = {"model": plain_safetensors([p], files, sources, keep)}
             elif layout == "pt":
-                state = _torch_pickle(p)
+                state = torch_pickle(p)
                 if not isinstance(state, dict):
                     raise IntegrityError("the .pt file does not hold a dict", file=p, found=type(state).__name__)
                 if "model" not in state:  # a bare state_dict
                     state = {"model": state}
             elif layout == "dcp":
-                state, notes = _dcp(p, files)
+                state, notes = dcp_state(p, files)
             else:
-                state, notes = _hf(p, files, sources, keep)
+                state, notes = hf_state(p, files, sources, keep)
             try:
                 items, more = fp.canonical_items(state, param_names=param_names)
             except (TypeError, AttributeError, KeyError, ValueError, RecursionError) as exc:

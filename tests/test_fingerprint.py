@@ -28,6 +28,7 @@ from ripresa.errors import BadInput, IntegrityError
 from ripresa.formats import dcp as dcp_fmt
 from ripresa.formats.fingerprint import fingerprint_snapshot, fingerprint_state, live_items
 from ripresa.formats.fingerprint_read import fingerprint_path
+from ripresa.formats.torch_pt import save_checkpoint
 from ripresa.io import merkle
 from ripresa.store import dcp as store_dcp
 from ripresa.store.restore import rest_proxy
@@ -86,13 +87,16 @@ def layouts(tmp_path_factory) -> dict:
                          state=rest, hmac_key=None)
     out["dcp"] = d / "step_000003.dcp"
     out["live"] = fingerprint_snapshot(st.snapshot(Progress(step=STEP)))
+    (root / "pt").mkdir()
+    save_checkpoint(root / "pt" / "checkpoint.pt", st.snapshot(Progress(step=STEP)))
+    out["pt"] = root / "pt" / "checkpoint.pt"
     return out
 
 
 def test_every_ripresa_layout_has_the_live_states_fingerprint(layouts):
-    """.bin (named from its companion), general, .shards K=2 and K=3, .dcp: the same root as the live state."""
+    """.bin (named from its companion), general, .shards K=2 and K=3, .dcp, checkpoint.pt: the live state's root."""
     live = layouts["live"]
-    for key in ("general", "bin", "shards2", "shards3", "dcp"):
+    for key in ("general", "bin", "shards2", "shards3", "dcp", "pt"):
         f = fingerprint_path(layouts[key])
         assert f.root == live.root, (key, f.differences(live)[:5])
         assert f.parts == live.parts

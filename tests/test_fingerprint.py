@@ -233,6 +233,16 @@ def test_a_block_spanning_files_hashes_as_one_buffer(tmp_path):
             os.close(fd)
 
 
+def test_logical_order_not_memory_order():
+    """A transposed view hashes as its row-major values (what a save writes), never its storage order."""
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    view = t.t()
+    assert fingerprint_state({"model/x": view}).root == fingerprint_state({"model/x": view.contiguous()}).root
+    assert fingerprint_state({"model/x": view}).root != fingerprint_state({"model/x": t.reshape(4, 3)}).root
+    with pytest.raises(IntegrityError, match="cannot be read"):
+        fingerprint_state({"model/x": torch.eye(3).to_sparse()})
+
+
 # ---- hostile inputs -----------------------------------------------------------------------------------
 
 

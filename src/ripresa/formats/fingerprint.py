@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..errors import IntegrityError
 from ..io.merkle import FileRange, Leaf, leaf_digests, node_digest
 from .general import key_of
 
@@ -123,14 +124,21 @@ def tensor_leaf(name: str, t: torch.Tensor, sources: Mapping[int, Sequence[FileR
     """A tensor's leaf: its bytes in row-major order; a placeholder (``id`` in ``sources``) stands for file ranges."""
     if sources is not None and id(t) in sources:
         return Leaf(name, dtype_name(t.dtype), tuple(t.shape), list(sources[id(t)]))
-    c = t.detach()
-    if c.device.type != "cpu":
-        c = c.to("cpu")
-    c = c.contiguous()
-    if c.numel() == 0:
-        return Leaf(name, dtype_name(t.dtype), tuple(t.shape), [])
-    raw = c.reshape(-1).view(torch.uint8)
-    return Leaf(name, dtype_name(t.dtype), tuple(t.shape), [memoryview(raw.numpy()).cast("B")])
+    try:
+        if t.is_meta or t.layout != torch.strided:
+            raise TypeError(f"a {'meta' if t.is_meta else str(t.layout)} tensor has no bytes to hash")
+        c = t.detach()
+        if c.device.type != "cpu":
+            c = c.to("cpu")
+        c = c.contiguous()
+        if c.numel() == 0:
+            return Leaf(name, dtype_name(t.dtype), tuple(t.shape), [])
+        raw = c.reshape(-1).view(torch.uint8)
+        return Leaf(name, dtype_name(t.dtype), tuple(t.shape), [memoryview(raw.numpy()).cast("B")])
+    except (TypeError, RuntimeError, NotImplementedError) as exc:
+        raise IntegrityError(f"the bytes of {name!r} cannot be read", expected="a dense tensor",
+                             found=f"{type(exc).__name__}: {str(exc)[:160]}",
+                             hint="a tensor ripresa and torch's checkpoints never hold (sparse, quantized, meta)") from None
 
 
 def _walk(prefix: str, path: tuple[Any, ...], node: Any, out: list[tuple[str, Any]]) -> None:

@@ -198,6 +198,8 @@ def test_one_flipped_bit_changes_the_root_and_names_its_part(layouts, tmp_path, 
     assert f.root != live.root
     assert [p for p in f.parts if f.parts[p] != live.parts[p]] == ["optimizer"]
     assert f.differences(live) == ["optimizer/0.weight/exp_avg"]
+    assert f.verdict(live).startswith("different state: part optimizer differs first (optimizer/0.weight/exp_avg)")
+    assert fingerprint_path(layouts["dcp"]).verdict(live).startswith("same state (fingerprint")
     assert cli_main(["fingerprint", str(tmp_path / src.name), str(layouts["shards2"])]) == 1
     out = capsys.readouterr().out
     assert "different state" in out and "optimizer/0.weight/exp_avg" in out

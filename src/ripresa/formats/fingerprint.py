@@ -67,6 +67,29 @@ class Fingerprint:
         names = {n for n in (set(self.leaves) | set(other.leaves)) if part_of(n) in common}
         return sorted(n for n in names if self.leaves.get(n) != other.leaves.get(n))
 
+    def compare(self, other: Fingerprint, *, named: int = 5) -> dict[str, Any]:
+        """Which parts both hold, which are equal, which differ (their first ``named`` differing value names),
+        which only one holds; ``same_state``: every part both hold is equal."""
+        both = [p for p in self.parts if p in other.parts]
+        diff = self.differences(other)
+        differ = {p: [n for n in diff if part_of(n) == p][:named] for p in both if self.parts[p] != other.parts[p]}
+        return {"same_root": self.root == other.root, "same_parts": [p for p in both if p not in differ],
+                "differ": differ, "only_first": [p for p in self.parts if p not in other.parts],
+                "only_second": [p for p in other.parts if p not in self.parts], "same_state": not differ}
+
+    def verdict(self, other: Fingerprint) -> str:
+        """One line for ``verify`` and the probe: ``same state ...`` or ``different state: part P differs first
+        (value names)``."""
+        c = self.compare(other)
+        if c["same_root"]:
+            return f"same state (fingerprint {self.root[:SHORT]}, every part equal)"
+        if c["same_state"]:
+            return (f"same state in the parts both hold ({', '.join(c['same_parts'])}; fingerprints "
+                    f"{self.root[:SHORT]} and {other.root[:SHORT]} differ by the parts only one holds)")
+        first = next(iter(c["differ"]))
+        return (f"different state: part {first} differs first ({', '.join(c['differ'][first]) or 'its values'}); "
+                f"equal: {', '.join(c['same_parts']) or 'none'}")
+
     def line(self) -> str:
         """One line: the root and each part's short digest."""
         parts = " ".join(f"{p}={d[:SHORT]}" for p, d in self.parts.items())

@@ -55,12 +55,7 @@ def fingerprint(path: str | Path, *, model: torch.nn.Module | None = None, param
 
 def compare(a: Fingerprint, b: Fingerprint) -> dict[str, Any]:
     """Which parts both hold, which are equal, which differ (first differing leaves), which only one holds."""
-    both = [p for p in a.parts if p in b.parts]
-    differ = {p: [n for n in a.differences(b) if n.split("/", 1)[0] == p][:MAX_NAMED] for p in both
-              if a.parts[p] != b.parts[p]}
-    return {"same_root": a.root == b.root, "same_parts": [p for p in both if p not in differ], "differ": differ,
-            "only_first": [p for p in a.parts if p not in b.parts], "only_second": [p for p in b.parts if p not in a.parts],
-            "same_state": not differ}
+    return a.compare(b, named=MAX_NAMED)
 
 
 def report(paths: Sequence[Path], prints: Sequence[Fingerprint], *, leaves: bool = False) -> dict[str, Any]:

@@ -107,6 +107,23 @@ def test_every_ripresa_layout_has_the_live_states_fingerprint(layouts):
     assert all(mine.parts[p] == live.parts[p] for p in TRAINED)
 
 
+def _counted(used: list[bool], found):
+    used.append(found is not None)
+    return found
+
+
+def test_a_dcp_hashed_in_place_and_loaded_give_one_root(layouts, monkeypatch):
+    """A .dcp's plain archives are hashed in place; the load path (any other archive) gives the same root."""
+    from ripresa.formats import fingerprint_dcp
+
+    used: list[bool] = []
+    real = fingerprint_dcp.chunk_range
+    monkeypatch.setattr(fingerprint_dcp, "chunk_range", lambda *a, **k: _counted(used, real(*a, **k)))
+    assert fingerprint_path(layouts["dcp"]).root == layouts["live"].root and used and all(used)
+    monkeypatch.setattr(fingerprint_dcp, "chunk_range", lambda *a, **k: None)
+    assert fingerprint_path(layouts["dcp"]).root == layouts["live"].root
+
+
 def test_a_plain_dcp_folder_and_a_hugging_face_layout_say_same_weights_and_moments(layouts, tmp_path):
     """Written without ripresa: DCP by name (get_state_dict) and by index, and model.safetensors + optimizer.pt of an
     optimizer with two groups in another order than the model's (named through param_names)."""
@@ -401,9 +418,16 @@ def test_dcp_written_at_world_sizes_1_and_2_has_the_same_fingerprint(layouts, tm
     two = tmp_path / "ws2" / "step_000003.dcp"
     assert sorted(p.name for p in two.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     live = layouts["live"]
+    from ripresa.formats import fingerprint_dcp
+
+    real = fingerprint_dcp.chunk_range
     for world in (1, 2):
-        f = fingerprint_path(tmp_path / f"ws{world}" / "step_000003.dcp")
+        used: list[bool] = []
+        with pytest.MonkeyPatch.context() as mp:  # count the chunks hashed in place (row shards joined)
+            mp.setattr(fingerprint_dcp, "chunk_range", lambda *a, **k: _counted(used, real(*a, **k)))
+            f = fingerprint_path(tmp_path / f"ws{world}" / "step_000003.dcp")
         assert all(f.parts[p] == live.parts[p] for p in TRAINED), (world, f.differences(live)[:5])
+        assert used and all(used), f"world size {world}: {sum(used)} of {len(used)} chunks hashed in place"
 
 
 _TRAINER = textwrap.dedent('''

@@ -25,6 +25,7 @@ from ..errors import IntegrityError
 from ..io.fsio import read_small
 from ..io.merkle import FileRange
 from . import companion as companion_fmt
+from .fingerprint_distcp import chunk_range, tensor_segments
 from .fingerprint_files import OpenFiles, lstat_or_none, plain_safetensors, read_range
 
 #: Largest ``optimizer.pt`` / ``scheduler.pt`` / ``checkpoint.pt`` read (bytes; read whole, as torch loads it).
@@ -75,8 +76,10 @@ def _set_path(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
         node[last] = value
 
 
-def _dcp_tree(folder: Path, files: OpenFiles) -> dict[str, Any]:
-    """Every item of a DCP folder, unsharded, as the nested state DCP saved (tensors whole, in memory)."""
+def _dcp_tree(folder: Path, files: OpenFiles, sources: dict[int, list[FileRange]], keep: list[Any]) -> dict[str, Any]:
+    """Every item of a DCP folder, unsharded, as the nested state DCP saved: a tensor whose chunks are plain
+    archives split by rows is a placeholder for their byte ranges (``sources``, hashed in place); any other is
+    loaded whole into memory."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     from .dcp_safe import read_metadata
@@ -90,10 +93,31 @@ def _dcp_tree(folder: Path, files: OpenFiles) -> dict[str, Any]:
         if info is None:
             raise IntegrityError("the .dcp metadata lists an item with no storage", file=folder / ".metadata",
                                  found=f"{fqn[:120]} at {list(offsets) if offsets is not None else '-'}")
-        name = info.relative_path
+        return _dcp_item(fd_of(info.relative_path), info.offset, info.length, folder / info.relative_path, fqn[:120])
+
+    def fd_of(name: str) -> int:
         if name not in fds:
             fds[name] = files.open(folder / name, ".dcp shard")
-        return _dcp_item(fds[name], info.offset, info.length, folder / name, fqn[:120])
+        return fds[name]
+
+    def in_place(fqn: str, entry: Any, dtype: torch.dtype) -> torch.Tensor | None:
+        found = []
+        for c in entry.chunks:
+            info = md.storage_data.get(MetadataIndex(fqn, c.offsets))
+            if info is None:
+                return None
+            r = chunk_range(fd_of(info.relative_path), info.offset, info.length, str(folder / info.relative_path),
+                            dtype, tuple(c.sizes))
+            if r is None:
+                return None
+            found.append((tuple(c.offsets), tuple(c.sizes), r))
+        segments = tensor_segments(tuple(entry.size), found)
+        if segments is None:
+            return None
+        t = torch.empty(tuple(entry.size), dtype=dtype, device="meta")
+        sources[id(t)] = segments
+        keep.append(t)
+        return t
 
     mappings = md.planner_data if isinstance(md.planner_data, dict) else {}
     tree: dict[str, Any] = {}
@@ -103,7 +127,10 @@ def _dcp_tree(folder: Path, files: OpenFiles) -> dict[str, Any]:
             if not isinstance(dtype, torch.dtype):
                 raise IntegrityError("a .dcp tensor entry has no dtype", file=folder / ".metadata", found=fqn[:120])
             chunks = entry.chunks
-            if len(chunks) == 1 and list(chunks[0].offsets) == [0] * len(entry.size) and chunks[0].sizes == entry.size:
+            placed = in_place(fqn, entry, dtype)
+            if placed is not None:
+                value = placed
+            elif len(chunks) == 1 and list(chunks[0].offsets) == [0] * len(entry.size) and chunks[0].sizes == entry.size:
                 value = item(fqn, chunks[0].offsets)
                 _check_chunk(value, tuple(entry.size), dtype, folder, fqn)
             else:
@@ -158,8 +185,10 @@ def _index_keys(opt: Any) -> Any:
     return opt
 
 
-def dcp_state(folder: Path, files: OpenFiles) -> tuple[dict[str, Any], list[str]]:
-    tree = _dcp_tree(folder, files)
+def dcp_state(folder: Path, files: OpenFiles, sources: dict[int, list[FileRange]], keep: list[Any]
+              ) -> tuple[dict[str, Any], list[str]]:
+    """The state of a DCP folder (ripresa's ``.dcp``: with its companion's rest) and notes."""
+    tree = _dcp_tree(folder, files, sources, keep)
     for key in ("optim", "optimizer"):
         if key in tree:
             tree[key] = _index_keys(tree[key])

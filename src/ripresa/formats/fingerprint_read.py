@@ -243,7 +243,7 @@ def fingerprint_path(path: str | os.PathLike[str], *, model: torch.nn.Module | N
                 if "model" not in state:  # a bare state_dict
                     state = {"model": state}
             elif layout == "dcp":
-                state, notes = dcp_state(p, files)
+                state, notes = dcp_state(p, files, sources, keep)
             else:
                 state, notes = hf_state(p, files, sources, keep)
             try:

@@ -424,7 +424,7 @@ def test_dcp_written_at_world_sizes_1_and_2_has_the_same_fingerprint(layouts, tm
     for world in (1, 2):
         used: list[bool] = []
         with pytest.MonkeyPatch.context() as mp:  # count the chunks hashed in place (row shards joined)
-            mp.setattr(fingerprint_dcp, "chunk_range", lambda *a, **k: _counted(used, real(*a, **k)))
+            mp.setattr(fingerprint_dcp, "chunk_range", lambda *a, used=used, **k: _counted(used, real(*a, **k)))
             f = fingerprint_path(tmp_path / f"ws{world}" / "step_000003.dcp")
         assert all(f.parts[p] == live.parts[p] for p in TRAINED), (world, f.differences(live)[:5])
         assert used and all(used), f"world size {world}: {sum(used)} of {len(used)} chunks hashed in place"

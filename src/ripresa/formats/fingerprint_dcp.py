@@ -2,8 +2,9 @@
 (docs/FORMAT.md, "The state fingerprint").
 
 :func:`dcp_state`: every item of a ``torch.distributed.checkpoint`` folder (ripresa's ``.dcp`` or any other),
-its ``.metadata`` through the restricted reader of :mod:`ripresa.formats.dcp_safe`, each item a torch archive
-loaded with ``weights_only`` and each tensor assembled whole from its chunks (its size decided from the metadata
+its ``.metadata`` through the restricted reader of :mod:`ripresa.formats.dcp_safe`; a tensor whose chunks are
+plain archives split by rows is hashed in place (:mod:`ripresa.formats.fingerprint_distcp`), any other item is
+loaded with ``weights_only`` and its tensor assembled whole from its chunks (its size decided from the metadata
 and bounded by the bytes that store it before anything is allocated). :func:`hf_state`: ``model.safetensors`` (or
 its sharded index) as placeholders hashed from the files, ``optimizer.pt`` and ``scheduler.pt`` loaded with
 ``weights_only`` after their zip directory is checked.

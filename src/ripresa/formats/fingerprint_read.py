@@ -4,8 +4,9 @@
 generation, a ``.shards`` folder, a ``.dcp`` folder (ripresa's or any ``torch.distributed.checkpoint`` folder), a
 Hugging Face ``checkpoint-N/`` folder, a plain ``.safetensors`` file and a ``checkpoint.pt``, gives the state its
 canonical names (:mod:`ripresa.formats.fingerprint`) and hashes it. The tensors of the ``.bin`` and safetensors
-layouts are hashed straight from the files (each block read and hashed by one of the threads, never the whole
-state in memory); a ``.dcp`` or a torch pickle is loaded first (``weights_only``, the restricted metadata reader).
+layouts, and a ``.dcp``'s plain archives (:mod:`ripresa.formats.fingerprint_distcp`), are hashed straight from the
+files (each block read and hashed by one of the threads, never the whole state in memory); any other ``.dcp`` item
+and a torch pickle are loaded first (``weights_only``, the restricted metadata reader).
 Every file is opened without following links or blocking on a FIFO, every header is checked against the file's
 size before use; what fails is an :class:`~ripresa.errors.IntegrityError` (exit 1) or a
 :class:`~ripresa.errors.BadInput` (exit 2). The commit marker and signature are not checked: that is

@@ -124,6 +124,40 @@ def test_a_dcp_hashed_in_place_and_loaded_give_one_root(layouts, monkeypatch):
     assert fingerprint_path(layouts["dcp"]).root == layouts["live"].root
 
 
+def test_an_item_is_hashed_in_place_only_when_it_is_the_plain_archive(tmp_path):
+    """chunk_range: a torch.save of a contiguous tensor gives its values' bytes; a transposed view, another dtype,
+    a pickle naming another global or a 2^32 memo index (11 bytes) give None (the item is then loaded)."""
+    import io
+    import zipfile
+
+    from ripresa.formats.fingerprint_distcp import chunk_range
+
+    def ranged(obj_or_raw, dtype=torch.float32, sizes=(3, 4)):
+        p = tmp_path / "item"
+        if isinstance(obj_or_raw, bytes):
+            p.write_bytes(obj_or_raw)
+        else:
+            torch.save(obj_or_raw, p)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            r = chunk_range(fd, 0, p.stat().st_size, str(p), dtype, sizes)
+            return None if r is None else os.pread(fd, r.length, r.offset)
+        finally:
+            os.close(fd)
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert ranged(t) == t.numpy().tobytes()
+    column_major = torch.arange(12, dtype=torch.float32).reshape(4, 3).t()  # (3, 4), strides (1, 3)
+    assert column_major.shape == (3, 4) and ranged(column_major) is None
+    assert ranged(t, dtype=torch.float64) is None and ranged(t, sizes=(4, 3)) is None
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("archive/data.pkl", b"\x80\x02Nr" + (2**32 - 2).to_bytes(4, "little") + b".")
+        zf.writestr("archive/byteorder", b"little")
+    assert ranged(buf.getvalue()) is None
+    assert ranged(_Payload(tmp_path / "ran")) is None and not (tmp_path / "ran").exists()
+
+
 def test_a_plain_dcp_folder_and_a_hugging_face_layout_say_same_weights_and_moments(layouts, tmp_path):
     """Written without ripresa: DCP by name (get_state_dict) and by index, and model.safetensors + optimizer.pt of an
     optimizer with two groups in another order than the model's (named through param_names)."""

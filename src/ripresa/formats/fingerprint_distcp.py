@@ -66,8 +66,11 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _
     return _Tensor(storage, offset, size, stride)
 
 
-class _LayoutReader(pickle.Unpickler):
-    """Reads ``data.pkl``: five names, each a record-maker; any other global or persistent id stops it."""
+class _LayoutReader(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """Reads ``data.pkl``: five names, each a record-maker; any other global or persistent id stops it.
+
+    The pure-Python unpickler, as :mod:`ripresa.formats.dcp_safe`'s: its memo is a dict, so a ``LONG_BINPUT``
+    index of 2^32 stores one entry instead of asking C's unpickler for a table that large."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):

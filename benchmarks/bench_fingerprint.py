@@ -38,10 +38,9 @@ from ripresa.formats.fingerprint_read import fingerprint_path
 from ripresa.io.merkle import BLOCK, default_threads
 
 
-def build_state(n_params: int) -> ripresa.TrainingState:
-    """Square-ish linear layers totalling about ``n_params`` parameters, AdamW after one step (moments filled)."""
+def build_state(n_params: int, width: int = 1024) -> ripresa.TrainingState:
+    """Square linear layers of ``width`` totalling about ``n_params`` parameters, AdamW after one step."""
     torch.manual_seed(0)
-    width = 1024
     layers = max(1, n_params // (width * width + width))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -102,13 +101,14 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1024, help="layer width: tensors of width^2 elements")
     ap.add_argument("--dcp", action="store_true", help="also a .dcp (loaded into memory before it is hashed)")
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench_fp_", dir=args.dir))
     try:
-        state = build_state(args.params)
+        state = build_state(args.params, args.width)
         n = sum(p.numel() for p in state.model.parameters())
         gens = {}
         for name, kw in [("general", dict(format="general", shard_threshold=None)), ("bin", dict(format="andrea")),
@@ -164,8 +164,8 @@ def main() -> int:
         same = len({r for k, r in roots.items() if k != "dcp"}) == 1  # a .dcp's companion holds another progress
         print(f"one root for every layout: {same} ({next(iter(roots.values()))[:16]}...)")
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"bench_fingerprint_{args.params}_t{args.threads}"
-        doc = {"params": n, "bytes": 12 * n, "threads": args.threads, "pairs": args.pairs, "block": BLOCK,
+        stem = args.out / f"bench_fingerprint_{args.params}_t{args.threads}{'' if args.width == 1024 else f'_w{args.width}'}"
+        doc = {"params": n, "bytes": 12 * n, "width": args.width, "threads": args.threads, "pairs": args.pairs, "block": BLOCK,
                "load_before": os.getloadavg(), "cpus": os.cpu_count(), "same_root": same, "results": summary,
                "command": " ".join([Path(sys.executable).name, *sys.argv])}
         stem.with_suffix(".json").write_text(json.dumps(doc, indent=2))

@@ -29,7 +29,7 @@ from ripresa.tools import inspect as insp
 
 TOP_KEYS = {
     "schema", "schema_version", "path", "kind", "ok", "exit_code", "problems", "warnings", "notes",
-    "options", "error", "bin", "checkpoint", "run", "safetensors", "dcp", "shards",
+    "options", "error", "bin", "checkpoint", "run", "safetensors", "dcp", "shards", "fingerprint",
 }
 STATS_KEYS = {"count", "finite", "nan", "posinf", "neginf", "min", "max", "mean", "std", "first_nonfinite"}
 BIN_KEYS = {

@@ -202,7 +202,8 @@ def _inspect_local(args: argparse.Namespace, got: Any = None) -> int:
         if not args.path.is_dir():
             check_generation_file(args.path)
     try:
-        report = inspect_path(args.path, check_finite=args.check_finite, deep=args.deep)
+        report = inspect_path(args.path, check_finite=args.check_finite, deep=args.deep,
+                              bin_model=_bin_model(Path(args.path)) if args.deep else None)
     except RipresaError as exc:
         if not args.json:
             raise
@@ -605,6 +606,69 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- fingerprint
+def _add_fingerprint(sub: argparse._SubParsersAction) -> None:
+    p = _command(
+        sub, "fingerprint", _cmd_fingerprint,
+        help="one hash of a generation's state whatever its layout (.bin, .safetensors, .shards, .dcp, HF folder)",
+        description="A Merkle hash over (name, dtype, shape, bytes in logical order) of every value of a generation, "
+        "with one sub-hash per part (model, optimizer, steps, hyper, rng, data, ...): the same for the same state in "
+        "an ANDREA .bin, a general .safetensors generation, a .shards folder of any K, a .dcp folder of any world "
+        "size, a plain DCP folder or a Hugging Face checkpoint-N folder (docs/INSPECT.md, \"The state fingerprint\"). "
+        "With two paths, says whether the parts both hold are equal and names the first values that differ. "
+        "Reads every tensor; checks no commit marker (inspect does). Exit 0 (two paths: the same state), "
+        "1 a check failed or the states differ, 2 bad input.",
+        usage="ripresa fingerprint PATH [OTHER] [--json] [--leaves] [--threads N]",
+    )
+    p.add_argument("path", type=Path, help="a generation: step_NNNNNN.bin/.safetensors/.shards/.dcp, checkpoint.pt, "
+                   "a DCP folder or a Hugging Face checkpoint-N folder")
+    p.add_argument("other", type=Path, nargs="?", help="a second generation to compare with")
+    p.add_argument("--json", action="store_true", help="print one JSON document (keys: docs/INSPECT.md)")
+    p.add_argument("--leaves", action="store_true", help="with --json: the digest of every value too")
+    p.add_argument("--threads", type=int, help="threads that hash (default: the CPUs this process may use)")
+
+
+def _bin_model(path: Path) -> Any:
+    """For an ANDREA ``.bin`` of a run folder whose ``config.json`` has a ``model`` section: its GPT on the meta
+    device (names only, nothing allocated), so the ``.bin``'s offsets get their parameter names. Else None."""
+    import json
+    import os
+
+    from .formats.andrea_bin import read_header
+    from .io.fsio import read_small
+
+    cfg_path = path.parent / "config.json"
+    if path.suffix != ".bin" or not os.path.lexists(cfg_path):
+        return None
+    try:
+        cfg = json.loads(read_small(cfg_path, "config.json", 16 << 20))
+        import torch
+
+        from .engine.gpt.factory import GPT_FACTORY
+
+        with torch.device("meta"):
+            return GPT_FACTORY.build_model(cfg["model"], read_header(path).n_params, path)
+    except (RipresaError, ValueError, KeyError, TypeError):
+        return None  # not an ANDREA run's config: the .bin is named from its companion, or positionally
+
+
+def _cmd_fingerprint(args: argparse.Namespace) -> int:
+    from .tools.fingerprint import fingerprint, render, report
+
+    if args.threads is not None and not 1 <= args.threads <= 1024:
+        raise BadInput("--threads out of range", expected="1..1024", found=args.threads)
+    paths = [p for p in (args.path, args.other) if p is not None]
+    prints = [fingerprint(p, model=_bin_model(p), threads=args.threads, show_progress=not args.json) for p in paths]
+    doc = report(paths, prints, leaves=args.leaves)
+    if args.json:
+        import json
+
+        print(json.dumps(doc, indent=2))
+    else:
+        render(doc)
+    return int(doc["exit_code"])
+
+
 # ----------------------------------------------------------------------------- mirror
 def _add_mirror(sub: argparse._SubParsersAction) -> None:
     p = _command(
@@ -744,6 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_inspect(sub)
     _add_convert(sub)
+    _add_fingerprint(sub)
     _add_mirror(sub)
     _add_rehearse(sub)
     return parser

@@ -32,13 +32,40 @@ INSPECTABLE = ("a .bin, a .safetensors file, a checkpoint.pt, a step_NNNNNN.dcp 
                "or a run folder")
 
 
-def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = True) -> dict[str, Any]:
+def inspect_path(path: str | Path, *, check_finite: bool = False, deep: bool = True,
+                 bin_model: Any = None) -> dict[str, Any]:
     """Inspect a ``.bin``, a ``.safetensors``, a ``checkpoint.pt``, a ``.dcp`` or ``.shards`` folder or a run folder.
 
     The report is JSON-able (see the module docstring for its keys) and
     carries its ``exit_code``. Raises :class:`~ripresa.errors.BadInput`
     (exit 2) for a missing or special path and a file of no known kind.
+    A valid generation inspected deep carries its state fingerprint (``fingerprint``, docs/INSPECT.md, "The
+    state fingerprint"; ``bin_model`` names a ``.bin``'s parameters as ``ripresa fingerprint`` does).
     """
+    report = _inspect_path(path, check_finite=check_finite, deep=deep)
+    return with_fingerprint(report, Path(path), deep=deep, bin_model=bin_model)
+
+
+def with_fingerprint(report: dict[str, Any], p: Path, *, deep: bool, bin_model: Any = None) -> dict[str, Any]:
+    """``report`` with ``fingerprint``: the :class:`~ripresa.formats.fingerprint.Fingerprint` as a dict for a valid
+    generation inspected deep, else None. A fingerprint that cannot be made is a warning, never a failure."""
+    report["fingerprint"] = None
+    if not deep or not report.get("ok") or report.get("kind") not in _FINGERPRINTED:
+        return report
+    from ..formats.fingerprint_read import fingerprint_path
+
+    try:
+        report["fingerprint"] = fingerprint_path(p, model=bin_model).as_dict()
+    except RipresaError as exc:
+        report["warnings"].append(f"fingerprint: not computed: {exc.message}")
+    return report
+
+
+#: The report kinds whose path :func:`~ripresa.formats.fingerprint_read.fingerprint_path` reads.
+_FINGERPRINTED = ("bin", "checkpoint.pt", "dcp", "shards", "safetensors")
+
+
+def _inspect_path(path: str | Path, *, check_finite: bool, deep: bool) -> dict[str, Any]:
     p = Path(path)
     try:
         st = os.stat(p)
@@ -149,10 +176,15 @@ def render_report(report: dict[str, Any], console: Any = None) -> None:
         console.print(line)
     for line in capped_lines(report["notes"], lambda text: f"note: {escape(text)}", what="notes"):
         console.print(line)
+    fp = report.get("fingerprint")
+    if fp:
+        console.print(f"fingerprint: {fp['root']}")
+        console.print("  parts: " + " ".join(f"{k}={v[:8]}" for k, v in fp["parts"].items()), soft_wrap=True)
     if report["ok"]:
         console.print(f"[bold green]OK[/] {escape(report['path'])} (exit 0)")
     else:
         console.print(f"[bold red]FAILED[/] {escape(report['path'])} (exit {report['exit_code']})")
 
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "STAT_BLOCK", "Stats", "error_report", "inspect_path", "render_report", "scan_bin"]
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "STAT_BLOCK", "Stats", "error_report", "inspect_path", "render_report", "scan_bin",
+           "with_fingerprint"]

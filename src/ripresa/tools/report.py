@@ -204,6 +204,7 @@ def base_report(path: str | Path, kind: str | None, check_finite: bool, deep: bo
         "safetensors": None,
         "dcp": None,
         "shards": None,
+        "fingerprint": None,  # set by inspect.with_fingerprint (docs/INSPECT.md, "The state fingerprint")
     }
 
 

@@ -207,3 +207,35 @@ def test_without_the_probe_no_fault_is_seen(tmp_path, one_thread):
     runs = _sessions(tmp_path, ["moments-bf16", "scheduler", "cursor-perm"], probe_every=0)
     for _fault, (run, ckpt, caught) in runs.items():
         assert caught == [] and ckpt.probe is None and not _events(run, "probe_mismatch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["lightning", "hf_trainer"])
+def test_the_framework_integrations_offer_the_probe_and_the_exact_fit_raises_no_alarm(tmp_path, example):
+    pytest.importorskip("lightning" if example == "lightning" else "transformers")
+    script = FIXTURES.parent.parent / "examples" / example / "train.py"
+    run = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-B", str(script), "--run", str(run), "--max-steps", "14", "--every", "5",
+                          "--final", str(tmp_path / "final.safetensors"), "--probe-every", "1"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [e["step"] for e in _events(run, "probe_ok")] == [5], res.stderr[-3000:]
+    assert not _events(run, "probe_mismatch") and not _events(run, "probe_off")
+
+
+@pytest.mark.slow
+def test_ripresa_train_probe_every_confirms_the_engine_and_pivot_replays_the_flag(tmp_path):
+    run = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "ripresa", "train", "--run", str(run), "--config", "tiny", "--steps", "12",
+                          "--every", "5", "--probe-every", "1", "--quiet"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [e["step"] for e in _events(run, "probe_ok")] == [5] and not _events(run, "probe_mismatch")
+    (launch,) = _events(run, "launch")
+    assert launch["options"]["probe_every"] == 1
+    from ripresa.engine.pivot import _replayed_flags
+
+    assert "--probe-every=1" in _replayed_flags(launch, run)
+    bad = subprocess.run([sys.executable, "-m", "ripresa", "train", "--run", str(tmp_path / "x"), "--probe-every", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--probe-every must be >= 0" in bad.stderr and "Traceback" not in bad.stderr

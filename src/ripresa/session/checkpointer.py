@@ -412,6 +412,8 @@ class Checkpointer:
         self.replaying = None if replay is None else ReplaySession(replay, state)
         self.probe = (LiveProbe(probe_every, state, self.history.event, self.dist, probe_command)
                       if probe_every and self.steering is None else None)
+        if self.probe is not None and (self.dist is None or self.dist.is_main):
+            self.store.pinned = self.probe.pinning(self.store.pinned)  # retention keeps the generation being probed
 
     def _open_backends(self) -> None:
         """The storage backends of this run mode (docs/ARCHITECTURE.md): the first writes, all are resumed."""

@@ -468,6 +468,18 @@ class LiveProbe:
         self.off_at_start = self.off is not None  # the same on every rank: no collective is ever asked of it
 
     # ---- hooks of the Checkpointer
+    def pinning(self, previous: Callable[[Any], Any] | None) -> Callable[[Any], set[int]]:
+        """The run folder's ``pinned`` (what retention keeps): ``previous``'s steps and the generation a probe
+        has yet to read (a side process that starts a few seconds later finds it in place)."""
+        def pinned(valid: Any) -> set[int]:
+            steps = list(valid)
+            keep = set(previous(steps)) if previous is not None else set()
+            p = self.current
+            if p is not None and p.step in steps:
+                keep.add(p.step)
+            return keep
+        return pinned
+
     def saved(self, step: int, reason: str, progress: Progress, handed: bool = True) -> None:
         """A generation of ``step`` was handed to the pipeline: record it when it is due for a probe.
 

@@ -120,7 +120,7 @@ def run(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     loop, state = build(a)
-    scratch = Path(tempfile.mkdtemp(prefix=".bench-probe-", dir=a.dir or a.out))
+    scratch = Path(tempfile.mkdtemp(prefix="ripresa-bench-probe-", dir=a.dir))
     command = [sys.executable, str(Path(__file__).resolve()), "--replay", "--size", a.size, "--batch", str(a.batch),
                "--seq", str(a.seq), "--every", str(a.every), "--threads", str(a.threads), "--seed", str(a.seed),
                "--dir", str(scratch / "replay")]
@@ -221,7 +221,7 @@ def main() -> int:
                     help="before each block, wait up to S seconds for other processes to leave the CPU (0: never)")
     ap.add_argument("--quiet-share", type=float, default=0.10, help="the share of the CPU others may use")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: --out)")
+    ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: the system's temporary folder)")
     ap.add_argument("--replay", action="store_true", help=argparse.SUPPRESS)  # the probe's side process
     a = ap.parse_args()
     if a.replay:

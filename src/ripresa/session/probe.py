@@ -345,6 +345,7 @@ class ReplaySession:
         self.doc: dict[str, Any] = {"schema": SCHEMA, "step": replay.step, "rank": replay.rank, "restored": None,
                                     "steps": {}, "error": None}
         self.batch: BatchRecorder | None = None
+        self._parent = os.getppid()
         try:
             os.nice(10)  # training keeps the cores first
         except OSError:
@@ -371,6 +372,8 @@ class ReplaySession:
         self.doc["error"] = error
         try:
             write_atomic(self.replay.result, [json.dumps(self.doc).encode()])
+            if os.getppid() != self._parent:  # the live run has ended (killed): nobody reads it, nothing left behind
+                shutil.rmtree(self.replay.output, ignore_errors=True)
         finally:
             try:
                 sys.stdout.flush()

@@ -1957,7 +1957,8 @@ def main(argv: list[str] | None = None) -> int:
                + (f" --nodes-interruptions {args.nodes_interruptions}"
                   if args.nodes_interruptions != NODES_INTERRUPTIONS else "")
                + (f" --sabotage {','.join(f'{k}={v}' for k, v in args.sabotage.items())}" if args.sabotage else "")
-               + (f" --memory-every {args.memory_every}" if args.memory_every else ""))
+               + (f" --memory-every {args.memory_every}" if args.memory_every else "")
+               + (f" --probe-every {args.probe_every}" if args.probe_every else ""))
     print(f"soak: seed {args.seed}; replay: {command}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -239,3 +239,14 @@ def test_ripresa_train_probe_every_confirms_the_engine_and_pivot_replays_the_fla
     bad = subprocess.run([sys.executable, "-m", "ripresa", "train", "--run", str(tmp_path / "x"), "--probe-every", "-1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--probe-every must be >= 0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_probe_measures_one_confirmed_probe_per_block(tmp_path):
+    bench = FIXTURES.parent.parent / "benchmarks" / "bench_probe.py"
+    res = subprocess.run([sys.executable, str(bench), "--size", "tiny", "--pairs", "1", "--every", "3",
+                          "--quiet-timeout", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench_probe_tiny.json").read_text())
+    assert doc["child"]["confirmed"] == [3] and doc["child"]["mismatches"] == 0
+    assert set(doc["overhead"]) == {"1", "10", "100"} and doc["probe_cost_s"]["samples"]

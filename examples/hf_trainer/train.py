@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory-every", type=int, default=0, help="--mode ripresa: ExactResume's memory_every (0: off)")
+    ap.add_argument("--probe-every", type=int, default=0, help="--mode ripresa: ExactResume's probe_every (0: off)")
     a = ap.parse_args(argv)
 
     scratch = tempfile.TemporaryDirectory(prefix="hf_trainer_out_")  # removed at exit
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RIPRESA_EXAMPLE_LOADER_AS_IS") == "1":  # the negative case: the loader not made exact
             callbacks.append(ExactResume(a.run, every=a.every, exact_loader=False))
         else:
-            callbacks.append(ExactResume(a.run, every=a.every, memory_every=a.memory_every))  # ripresa: the one line
+            callbacks.append(ExactResume(a.run, every=a.every, memory_every=a.memory_every,
+                                         probe_every=a.probe_every))  # ripresa: the one line
     kill = os.environ.get("RIPRESA_EXAMPLE_KILL_AFTER")
     if kill:
         callbacks.append(KillAfter(int(kill)))

@@ -124,6 +124,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--accumulate-grad-batches", type=int, default=1, help="the Trainer's accumulate_grad_batches")
     ap.add_argument("--memory-every", type=int, default=0, help="--mode ripresa: ExactResume's memory_every (0: off)")
+    ap.add_argument("--probe-every", type=int, default=0, help="--mode ripresa: ExactResume's probe_every (0: off)")
     args = ap.parse_args()
 
     pl.seed_everything(args.seed, workers=True)
@@ -137,7 +138,8 @@ def main() -> int:
     if args.mode == "ripresa" and os.environ.get("RIPRESA_EXAMPLE_LOADER_AS_IS") == "1":
         callbacks.append(ExactResume(args.run, every=args.every, exact_loader=False))  # the negative case
     elif args.mode == "ripresa":
-        callbacks.append(ExactResume(args.run, every=args.every, memory_every=args.memory_every))  # ripresa: the one line
+        callbacks.append(ExactResume(args.run, every=args.every, memory_every=args.memory_every,
+                                     probe_every=args.probe_every))  # ripresa: the one line
     elif args.mode == "native":
         callbacks.append(ModelCheckpoint(dirpath=args.run, every_n_train_steps=args.every, save_last=True))
         ckpt_path = "last"

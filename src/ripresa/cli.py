@@ -253,6 +253,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "global index and summed in a fixed tree, so 1, 2 or 4 ranks (any divisor of G) give the same "
                    "weights bit for bit and a resume on another number of ranks stays exact; recorded in the run's "
                    "config (docs/ENGINE.md, \"World size\")")
+    p.add_argument("--probe-every", type=int, default=0, metavar="K",
+                   help="replay the first checkpoint and then every K-th one in a side process (this command started "
+                   "again, resuming it) and compare the next step bit for bit with this run's; a difference is one "
+                   "warning line naming it (default 0: off; docs/VERIFY.md, \"The live probe\")")
     p.add_argument("--mtbf", help="--every auto: mean time between failures, e.g. 6h, 24h (default), 7d")
     p.add_argument("--max-redo", help="--every auto: at most this much work lost: N steps or a duration such as 30m")
     p.add_argument("--deadline", help="stop, save, upload and export (RUN/exports/) before this time: "
@@ -319,6 +323,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.memory_every < 0:
         raise BadInput("--memory-every must be >= 0", expected="--memory-every >= 0 (0: no memory tier)",
                        found=args.memory_every, hint="docs/TIERS.md")
+    if args.probe_every < 0:
+        raise BadInput("--probe-every must be >= 0", expected="--probe-every >= 0 (0: no probe)",
+                       found=args.probe_every, hint="docs/VERIFY.md, \"The live probe\"")
     if args.every != "auto" and (args.mtbf is not None or args.max_redo is not None):
         raise BadInput("--mtbf and --max-redo need --every auto", hint="add --every auto (docs/CADENCE.md)")
     if args.mtbf is not None:
@@ -344,6 +351,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         allow_config_change=args.allow_config_change,
         shard=args.shard, mirror=args.mirror, mtbf=args.mtbf, max_redo=args.max_redo, deadline=deadline,
         final_upload_timeout=final_upload, memory_every=args.memory_every, invariant=args.invariant,
+        probe_every=args.probe_every,
     ))
 
 

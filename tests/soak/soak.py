@@ -4,6 +4,7 @@
     python tests/soak/soak.py --seed 7 --interruptions 20 --lanes general,andrea   # a sample (make test runs one)
     python tests/soak/soak.py --seed 5 --interruptions 3 --lanes nodes             # the two-node lane alone
     python tests/soak/soak.py --seed 41 --interruptions 16 --lanes andrea --memory-every 1   # the memory tier on
+    python tests/soak/soak.py --seed 3 --interruptions 8 --lanes andrea --probe-every 5      # the live probe on
 
 Lanes (each a real training loop with ripresa's ``Checkpointer``; docs/FAULTS.md, "The soak"):
 
@@ -185,6 +186,9 @@ def _checkpointer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         kw["mirror"] = cfg["mirror"]
     if cfg.get("memory_every"):  # --memory-every: the memory tier (single-process lanes)
         kw["memory_every"] = cfg["memory_every"]
+    if cfg.get("probe_every"):  # --probe-every: the live probe, its side process this trainer again (a worker)
+        kw["probe_every"] = cfg["probe_every"]
+        kw["probe_command"] = [sys.executable, str(HERE), "--worker", json.dumps(cfg)]
     return kw
 
 
@@ -780,6 +784,9 @@ class Lane(Laps):
         self.memory_every = args.memory_every if name in MEMORY_LANES else 0
         if args.memory_every and not self.memory_every:
             self.notes.append("memory tier off: a distributed session (it is built for single-process sessions)")
+        #: the live probe's cadence in this lane (0: off), and what its probes said over the laps
+        self.probe_every = args.probe_every if name in MEMORY_LANES else 0
+        self.probes: dict[str, int] = {"probe_ok": 0, "probe_mismatch": 0, "probe_off": 0}
         self.redone_by_kind: dict[str, list[int]] = {}
         self.memory_resumes: list[dict[str, Any]] = []
         self.memory_skipped: list[str] = []
@@ -802,6 +809,8 @@ class Lane(Laps):
             cfg["sabotage"] = "rng"
         if self.memory_every:
             cfg["memory_every"] = self.memory_every
+        if self.probe_every:
+            cfg["probe_every"] = self.probe_every
         cfg["token"] = os.urandom(6).hex()  # not from self.rng: the seeded choices stay as they were
         return cfg
 
@@ -901,10 +910,30 @@ class Lane(Laps):
         self.memory_resumes.extend(hist.memory_resumes)
         self.memory_skipped.extend(f"lap {n}: {x}" for x in hist.memory_skipped)
         self.diverged += len(hist.diverged)
+        if self.probe_every:
+            self.count_probes(run, n)
         self.discard_memory(run)  # the lap's last trainer removed it at its normal end; a lap cut short did not
         shutil.rmtree(run, ignore_errors=True)
         if self.mirror is not None:
             shutil.rmtree(self.mirror, ignore_errors=True)
+
+    def count_probes(self, run: Path, n: int) -> None:
+        """--probe-every: the lap's probe events; an exact lane must never raise an alarm (docs/VERIFY.md)."""
+        try:
+            lines = (run / ".loss.jsonl").read_text(errors="replace").splitlines()
+        except OSError:
+            return
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            name = rec.get("event") if isinstance(rec, dict) else None
+            if name in self.probes:
+                self.probes[name] += 1
+                if name == "probe_mismatch" and not self.sabotage:
+                    self.failures.append(f"lap {n}: the live probe raised an alarm on an exact run: {rec.get('first')}")
+                    self.keep(run, f"lap{n}-probe")
 
     def _ended_at_total(self, hist: LapHistory, rc: int | None) -> bool:
         """The trainer had reached the lap's last step: a SIGTERM then lands in close() (exit 0) or after it,
@@ -1192,6 +1221,10 @@ class Lane(Laps):
             self.notes.append(f"memory tier every {self.memory_every} step(s): {len(self.memory_resumes)} start(s) "
                               f"resumed from it; {len(self.memory_skipped)} memory generation(s) not used or tier off"
                               + (f" (first: {self.memory_skipped[0]})" if self.memory_skipped else ""))
+        if self.probe_every:
+            self.notes.append(f"live probe every {self.probe_every} generation(s): {self.probes['probe_ok']} "
+                              f"confirmed, {self.probes['probe_mismatch']} alarm(s), {self.probes['probe_off']} "
+                              "turned off (a side process that found its generation gone: a trainer killed under it)")
         if self.rankless:
             self.notes.append(f"sigkill-rank sent nothing {self.rankless} time(s): the ranks had ended (not counted)")
         return {"delivered": dict(self.delivered), "survived": dict(self.survived),
@@ -1203,7 +1236,8 @@ class Lane(Laps):
                 "max_mirror_lines": self.max_mirror_lines, "close_s": self.close_s, "orphans": self.orphans,
                 "memory_every": self.memory_every, "redone_by_kind": self.redone_by_kind,
                 "redone_per_interruption": redone_summary(self.redone_by_kind),
-                "memory_resumes": len(self.memory_resumes), "memory_skipped": self.memory_skipped[:20]}
+                "memory_resumes": len(self.memory_resumes), "memory_skipped": self.memory_skipped[:20],
+                "probe_every": self.probe_every, "probes": dict(self.probes)}
 
 
 # ====================================================================== the nodes lane
@@ -1889,6 +1923,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-every", type=int, default=0, metavar="K",
                     help="the memory tier every K steps in the single-process lanes (0: off); a SIGKILL kind "
                          "redoing more than 2K-1 steps fails (docs/FAULTS.md, \"The soak\")")
+    ap.add_argument("--probe-every", type=int, default=0, metavar="K",
+                    help="the live probe every K generations in the single-process lanes (0: off); an alarm on an "
+                         "exact lane fails (docs/VERIFY.md, \"The live probe\")")
     ap.add_argument("--out", default=str(REPO / "build" / "soak"), help="folder of soak.json and the run folders")
     ap.add_argument("--progress-every", type=float, default=60.0, help="seconds between progress lines")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -1920,7 +1957,8 @@ def main(argv: list[str] | None = None) -> int:
                + (f" --nodes-interruptions {args.nodes_interruptions}"
                   if args.nodes_interruptions != NODES_INTERRUPTIONS else "")
                + (f" --sabotage {','.join(f'{k}={v}' for k, v in args.sabotage.items())}" if args.sabotage else "")
-               + (f" --memory-every {args.memory_every}" if args.memory_every else ""))
+               + (f" --memory-every {args.memory_every}" if args.memory_every else "")
+               + (f" --probe-every {args.probe_every}" if args.probe_every else ""))
     print(f"soak: seed {args.seed}; replay: {command}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

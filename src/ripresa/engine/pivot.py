@@ -241,6 +241,7 @@ def _check_launch(rec: Any, path: Path) -> None:
         "shard": lambda v: v in ("ddp", "fsdp"), "mirror": lambda v: v is None or _is_text(v),
         "mtbf": lambda v: v is None or _is_text(v), "max_redo": lambda v: v is None or _is_text(v),
         "deadline": lambda v: v is None or _is_text(v), "memory_every": lambda v: v is None or _is_int(v),
+        "probe_every": lambda v: v is None or _is_int(v),
         **{k: (lambda v: isinstance(v, bool)) for k in ("audit", "asynchronous", "quiet", "allow_version_change",
                                                         "allow_code_change", "allow_data_change", "require_signature")},
     }
@@ -271,8 +272,8 @@ def _replayed_flags(launch: dict[str, Any] | None, run: Path) -> list[str]:
         return []
     o = launch["options"]
     flags = []
-    for key in ("steps", "every", "threads", "mtbf", "max_redo", "deadline", "memory_every"):
-        if o.get(key) is not None and not (key == "memory_every" and o[key] == 0):
+    for key in ("steps", "every", "threads", "mtbf", "max_redo", "deadline", "memory_every", "probe_every"):
+        if o.get(key) is not None and not (key in ("memory_every", "probe_every") and o[key] == 0):
             flags.append(f"--{key.replace('_', '-')}={o[key]}")
     if o.get("device", "auto") != "auto":
         flags.append(f"--device={o['device']}")

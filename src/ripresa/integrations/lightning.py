@@ -175,6 +175,11 @@ class ExactResume(Callback):
             the newest disk generation, so at most ``memory_every`` steps are
             lost. The copy runs on a thread; the next optimizer step waits for
             it (docs/INTEGRATIONS_lightning.md, "The memory tier"; docs/TIERS.md).
+        probe_every: replay the first generation and then every
+            ``probe_every``-th one in a side process (this script started
+            again, resuming it) and compare the next step bit for bit with the
+            fit's; a difference is one ``ProbeMismatchWarning`` line naming it
+            (0, the default: off; docs/VERIFY.md, "The live probe").
         **checkpointer: other :class:`~ripresa.Checkpointer` options
             (``retention``, ``mirror``, ``deadline``, ``asynchronous``, ``mtbf``,
             ``max_redo``, ``allow_*_change``, ``save_on_close``, ``format``...).
@@ -190,12 +195,16 @@ class ExactResume(Callback):
 
     def __init__(self, run_dir: str | Path, every: int | str = 100, *, handle_signals: bool = True,
                  exact_loader: bool = True, seed: int | None = None, monitor: str | None = None,
-                 mode: str = "min", save_top_k: int = 1, memory_every: int = 0, **checkpointer: Any) -> None:
+                 mode: str = "min", save_top_k: int = 1, memory_every: int = 0, probe_every: int = 0,
+                 **checkpointer: Any) -> None:
         if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise ValueError(f"every must be an int >= 0 or 'auto', got {every!r}")
         if not isinstance(memory_every, int) or isinstance(memory_every, bool) or memory_every < 0:
             raise ValueError(f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}")
         checkpointer["memory_every"] = memory_every
+        if not isinstance(probe_every, int) or isinstance(probe_every, bool) or probe_every < 0:
+            raise ValueError(f"probe_every must be an int >= 0 (0: no probe), got {probe_every!r}")
+        checkpointer["probe_every"] = probe_every
         self.monitor = monitor
         if monitor is not None:
             checkpointer["retention"] = _metric_retention(monitor, mode, save_top_k, checkpointer.get("retention"))

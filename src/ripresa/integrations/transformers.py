@@ -145,6 +145,11 @@ class ExactResume(TrainerCallback):
             lost. The copy runs on a thread while the next step's forward and
             backward run; its optimizer step waits for it
             (docs/INTEGRATIONS_transformers.md, "The memory tier"; docs/TIERS.md).
+        probe_every: replay the first generation and then every
+            ``probe_every``-th one in a side process (this script started
+            again, resuming it) and compare the next step bit for bit with the
+            fit's; a difference is one ``ProbeMismatchWarning`` line naming it
+            (0, the default: off; docs/VERIFY.md, "The live probe").
         **checkpointer_kwargs: passed to :class:`~ripresa.Checkpointer` (``retention``,
             ``mirror``, ``deadline``, ``asynchronous``, ...).
 
@@ -164,10 +169,13 @@ class ExactResume(TrainerCallback):
     def __init__(self, run_dir: str | Path, every: int | str = 100, *, seed: int | None = None,
                  exact_loader: bool = True, metric_for_best_model: str | None = None,
                  greater_is_better: bool | None = None, save_total_limit: int | None = None, memory_every: int = 0,
-                 **checkpointer_kwargs: Any) -> None:
+                 probe_every: int = 0, **checkpointer_kwargs: Any) -> None:
         if not isinstance(memory_every, int) or isinstance(memory_every, bool) or memory_every < 0:
             raise ValueError(f"memory_every must be an int >= 0 (0: no memory tier), got {memory_every!r}")
         checkpointer_kwargs["memory_every"] = memory_every
+        if not isinstance(probe_every, int) or isinstance(probe_every, bool) or probe_every < 0:
+            raise ValueError(f"probe_every must be an int >= 0 (0: no probe), got {probe_every!r}")
+        checkpointer_kwargs["probe_every"] = probe_every
         self.run_dir, self.every, self.seed = run_dir, every, seed
         self.metric_for_best_model, self.greater_is_better = metric_for_best_model, greater_is_better
         self.save_total_limit = save_total_limit

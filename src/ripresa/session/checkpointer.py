@@ -15,11 +15,12 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..console import install_script_hooks
+from ..core.loader import per_rank_sampling
 from ..core.numbers import checked_number
 from ..core.state import Progress, TrainingState
 from ..errors import BadInput, SaveFailed
@@ -57,7 +58,6 @@ from .invariant import (
     check_micro_batches,
     fresh_seed,
     invariant_record,
-    per_rank_sampling,
     saved_invariant,
     world_change_verdict,
 )
@@ -76,6 +76,7 @@ from .nodes import (
 )
 from .nodes import detect as detect_nodes
 from .nodes import watch as watch_nodes
+from .probe import LiveProbe, ReplaySession, take_replay
 from .resuming import OtherModeWarning, Resumer
 from .run_files import METRICS_NAME, GenerationMetrics, local_run_dir
 from .saving import CollectivePipeline, LocalPipeline, RankZeroPipeline, SaveHooks
@@ -186,6 +187,21 @@ class Checkpointer:
             ranks keeps the trajectory exact. BatchNorm, a DDP-wrapped model
             and a per-rank sampler are refused (docs/ARCHITECTURE.md,
             "World-size changes").
+        probe_every: replay the first cadence generation and then every
+            ``probe_every``-th one in a side process — the script started
+            again, resuming that generation as a resume would, running the next
+            step — and compare it bit for bit with what this run computed: the
+            loss, the weights and optimizer state, the scheduler, the random
+            streams, the data position and the batch (0, the default: off). The
+            loop never waits for it; a difference is a ``probe_mismatch``
+            history event and one
+            :class:`~ripresa.session.probe.ProbeMismatchWarning` naming what
+            differs first and the generation to resume from; a probe that
+            cannot run says so once and turns itself off (docs/VERIFY.md, "The
+            live probe"). :attr:`probe` holds its outcome.
+        probe_command: the command that starts this script again for the
+            probe (default: this process's own command line, in its working
+            folder and environment).
 
         shard_threshold, shards, staging_budget: how a general generation is
             laid out and staged (:class:`~ripresa.store.folder.SaveOptions`):
@@ -236,12 +252,20 @@ class Checkpointer:
         final_upload_timeout: float | str | None = None,
         memory_every: int = 0,
         world_size_invariant: int = 0,
+        probe_every: int = 0,
+        probe_command: Sequence[str] | None = None,
     ) -> None:
         install_script_hooks()  # a ripresa error that ends the script: one paragraph and its exit code (docs/API.md)
         if handle_signals:
             hold()  # a SIGUSR1 before the handlers below (lock, resume of the mirror) is deferred, never fatal
         bind_to_launcher()  # a rank of python -m ripresa.torchrun dies with its launcher, never trains on orphaned
         save_options = SaveOptions(shard_threshold, shards, staging_budget)  # a bad value fails before any lock
+        if not isinstance(probe_every, int) or isinstance(probe_every, bool) or probe_every < 0:
+            raise ValueError(f"probe_every must be an int >= 0 (0: no probe), got {probe_every!r}")
+        replay = take_replay()  # a probe's side process (session/probe.py): resume the probed generation in a folder
+        if replay is not None:  # of its own, save nothing, touch nothing of the live run, exit after the replayed step
+            run_dir, every, mirror, memory_every, deadline, mtbf, max_redo, probe_every = (
+                replay.run_dir, 0, None, 0, None, None, None, 0)
         auto = every == "auto"
         if auto:
             every = 0
@@ -409,6 +433,13 @@ class Checkpointer:
         self.invariant: InvariantSteps | None = None
         if world_size_invariant:
             self.invariant = self._invariant_steps(world_size_invariant)
+        #: The live probe (``probe_every``; docs/VERIFY.md, "The live probe"), or None; :attr:`replaying`: this
+        #: process is a probe's side process (None in a run of its own).
+        self.replaying = None if replay is None else ReplaySession(replay, state)
+        self.probe = (LiveProbe(probe_every, state, self.history.event, self.dist, probe_command)
+                      if probe_every and self.steering is None else None)
+        if self.probe is not None and (self.dist is None or self.dist.is_main):
+            self.store.pinned = self.probe.pinning(self.store.pinned)  # retention keeps the generation being probed
 
     def _invariant_steps(self, micro_batches: int) -> InvariantSteps:
         """The session's :class:`InvariantSteps`: refused data, the seed of the micro-batch streams (rank 0's
@@ -462,6 +493,10 @@ class Checkpointer:
         rank 0 chooses the generation and every rank loads it
         (session/resuming.py).
         """
+        if self.replaying is not None:  # a probe's side process: the probed generation, as a resume restores it
+            step = self._resume(self.replaying.replay.generation, restore_rng)
+            self.replaying.resumed(step, self.progress)
+            return step
         if self._recorder is not None:  # steered by ripresa verify: the path decides, then the start is recorded
             step = self._resume(from_path, restore_rng and self._recorder.steer.restore_rng)
             self._recorder.start(self.progress, str(self.resumed_from.path) if self.resumed_from is not None else None)
@@ -618,6 +653,10 @@ class Checkpointer:
             p.samples_seen += int(metrics["samples"])
         if "epoch" in metrics:
             p.epoch = int(metrics["epoch"])
+        if self.replaying is not None:  # a probe's side process: record; after its last replayed step it exits
+            self.replaying.step_done(step, p, metrics)
+        elif self.probe is not None:  # records the step a probe replays; starts it; compares its answer (no wait)
+            self.probe.step_done(step, p, metrics)
         if self.memory is not None:  # the previous capture committed before this step's line (docs/TIERS.md)
             self.memory.before_record(step)
         self.history.step(step, **metrics)
@@ -719,7 +758,10 @@ class Checkpointer:
         and the ``on_checkpoint`` hook."""
         if self._metrics.names and self.pipeline.main:
             self._metrics.record(step)  # before the generation is committed: retention reads it
-        if not self.pipeline.save(step, reason, must_succeed):
+        handed = self.pipeline.save(step, reason, must_succeed)
+        if self.probe is not None:
+            self.probe.saved(step, reason, self.progress, handed)  # every rank: rank 0 decides whether to probe it
+        if not handed:
             return  # already saved, or failed (reported)
         if self.pipeline.main:
             self._write_sidecars()
@@ -744,6 +786,8 @@ class Checkpointer:
         self.history.event("checkpoint", step=gen.step, reason=reason, file=gen.path.name, bytes=gen.size,
                            seconds=round(seconds, 4), stall=round(stall, 4), background=background)
         self.history.sync()
+        if self.probe is not None:
+            self.probe.committed(gen.step, gen.path)
         if self.mirror is not None:
             self.mirror.notify(gen.step)
 
@@ -799,6 +843,8 @@ class Checkpointer:
                 self.pipeline.finish()
             if self.mirror is not None:
                 result = self._close_mirror(self.mirror)
+            if self.probe is not None:
+                self.probe.close()  # a side process in flight answers (bounded wait) and is compared
             self.pipeline.close()  # FSDP2, asynchronous: its gloo save group ends now, not at interpreter exit
             if self.memory is not None:  # the disk holds the last step: the memory generations go
                 self.memory.close(normal=True)
@@ -868,6 +914,8 @@ class Checkpointer:
             pass
         if self.memory is not None:
             self.memory.close(normal=False)  # kept: the next start resumes from them when they are the newest
+        if self.probe is not None:
+            self.probe.abort()
         self._release()
 
     def _release(self) -> None:

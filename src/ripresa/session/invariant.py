@@ -383,23 +383,3 @@ def world_change_verdict(saved: dict[str, int] | None, steps: InvariantSteps | N
 def fresh_seed() -> int:
     """The seed of a new run's micro-batch streams: what ``torch.manual_seed`` set (``torch.initial_seed()``)."""
     return int(torch.initial_seed()) & ((1 << 63) - 1)
-
-
-def per_rank_sampling(data: Any) -> str | None:
-    """A description when ``data`` (``TrainingState(data=...)``) draws its order per rank — a
-    ``DistributedSampler``, in a ``DataLoader`` or a loader made exact — whose shard follows the number of
-    ranks; None otherwise."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from ..core.loader import ExactLoader, exact_handle
-
-    handle = exact_handle(data)
-    if isinstance(handle, ExactLoader):
-        order = handle.state_dict().get("order", {})
-        if order.get("kind") == "distributed":
-            return (f"a loader made exact over a DistributedSampler (rank {order.get('rank')} of "
-                    f"{order.get('world_size')}): each rank's shard follows the number of ranks")
-        return None
-    if isinstance(data, DataLoader) and isinstance(getattr(data, "sampler", None), DistributedSampler):
-        return "a DataLoader over a DistributedSampler: each rank's shard follows the number of ranks"
-    return None

@@ -94,6 +94,7 @@ class TrainArgs:
     final_upload_timeout: float | None = None  # --mirror: a normal end's wait for the store (None: 900 s)
     memory_every: int = 0  # the memory tier's cadence in steps (0: off; docs/TIERS.md)
     invariant: int = 0  # world-size-invariant steps of G micro-batches (0: the run's config; docs/ENGINE.md)
+    probe_every: int = 0  # replay every K-th checkpoint in a side process and compare (0: off; docs/VERIFY.md)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -577,6 +578,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
         hyperparameters="loop",  # apply_hyperparameters() sets the config's values after the resume
         memory_every=args.memory_every,  # a generation in /dev/shm every K steps (docs/TIERS.md)
         world_size_invariant=micro_batches,  # the same trajectory on any number of ranks (docs/ENGINE.md)
+        probe_every=args.probe_every,  # a side process replays every K-th checkpoint (docs/VERIFY.md, "The live probe")
     )
     try:
         for note in notes:
@@ -671,7 +673,7 @@ def _run(args: TrainArgs, device: torch.device) -> int:
 #: The ``ripresa train`` options recorded in the ``launch`` history event and replayed by ``pivot --restart``.
 LAUNCH_OPTIONS = ("config", "sets", "sources", "steps", "every", "device", "audit", "asynchronous", "quiet", "threads",
                   "allow_version_change", "allow_code_change", "allow_data_change", "shard", "mirror", "mtbf",
-                  "max_redo", "deadline", "memory_every", "invariant")
+                  "max_redo", "deadline", "memory_every", "invariant", "probe_every")
 
 
 def launch_record(args: TrainArgs, world: int, local_world: int) -> dict[str, Any]:

@@ -7,12 +7,12 @@ For each world size, one real ``torchrun`` process group on gloo (CPU) trains th
 same global batches (``G`` micro-batches of ``b`` samples a step) in alternating blocks of steps:
 
 * ``on``: :class:`ripresa.session.invariant.InvariantSteps` — one backward per micro-batch of the
-  rank, each gradient kept apart (flattened), the fixed-tree sum: the rank's block summed locally,
-  the ``W`` partial sums all-gathered, the upper levels of the tree summed on every rank;
-* ``a2a``: the same fixed tree, reduced by an all-to-all of the partial sums' ``W`` slices (rank ``r``
-  receives slice ``r`` of every partial, sums it in the tree's upper levels) and an all-gather of the
-  summed slices — every gradient bit equal to ``on`` (checked at each step), the traffic of a ring
-  all-reduce (a proposal, measured here; not what ``InvariantSteps`` does);
+  rank, each gradient merged into the rank's subtree as it comes, then the tree's upper levels over
+  the ``W`` partial sums: an all-to-all of their ``W`` slices (rank ``r`` sums slice ``r`` of every
+  partial) and an all-gather of the summed slices — the traffic of a ring all-reduce. (Until issue
+  32's benchmark showed the cost, ``on`` all-gathered the ``W`` whole partial sums: ``(W−1)·P`` sent.)
+* ``a2a``: the same reduction written out in the benchmark itself, every gradient bit checked equal
+  to ``on``'s at each step (the reference the change was measured against);
 * ``off``: ``DistributedDataParallel`` over the rank's share of the global batch (one backward),
   its bucketed all-reduce overlapping the backward;
 * ``accum``: the rank's micro-batches, one backward each accumulated into ``.grad``, no reduction —
@@ -21,8 +21,8 @@ same global batches (``G`` micro-batches of ``b`` samples a step) in alternating
 
 Blocks alternate (``on a2a off accum``, then ``accum off a2a on``, ...); a sample is one step, timed on every rank
 between two barriers, the slowest rank's time kept. Bytes a rank sends per step: for ``on`` and
-``a2a`` what their collectives carry (``InvariantSteps.bytes_sent``: ``(W−1)·P`` for the all-gather
-of ``W`` partial sums of ``P`` gradient bytes); for ``off`` the bytes DDP's comm hook hands to the
+``a2a`` what their collectives carry (``InvariantSteps.bytes_sent``: ``2(W−1)/W·P`` for ``P``
+gradient bytes, the slices padded to a multiple of ``W``); for ``off`` the bytes DDP's comm hook hands to the
 all-reduce (``P``), times ``2(W−1)/W`` for a ring all-reduce; beside them the loopback interface's
 bytes per step divided by ``W`` (what gloo really put on the wire, every process of the host
 included — a shared host adds its noise).
@@ -36,24 +36,24 @@ flattens each gradient (``G/W`` copies of ``P``). What it sends and holds:
 path                    sent per rank          held beyond the gradients       adds of P elements a rank
 ======================  =====================  ==============================  ==========================
 DDP ring all-reduce     2(W−1)/W·P ≈ 1.97 P    buckets ≈ P                     (W−1)/W ≈ 1
-on, G, W powers of 2    (W−1)·P = 63 P         W·P = 64 P (all partial sums)   G/W − 1 + W − 1 (63)
+on, G, W powers of 2    2(W−1)/W·P ≈ 1.97 P    2 P (the slices, the gathered)  G/W − 1 + (W−1)/W
 on, otherwise           (G/W)(W−1)·P           G·P (every micro-batch)         G − 1
-a2a (proposal)          2(W−1)/W·P ≈ 1.97 P    2 P                             G/W − 1 + (W−1)/W
+first version of on     (W−1)·P = 63 P         W·P = 64 P (all partial sums)   G/W − 1 + W − 1 (63)
 ======================  =====================  ==============================  ==========================
 
 plus, on the power-of-two path, at most ``log2(G/W) + 1`` flattened micro-batch gradients held while
 the rank's subtree is merged (``InvariantSteps`` merges them as they come).
 
-The cost of ``on`` as built is the all-gather: 63/1.97 = 32× DDP's bytes at 64 ranks (``W/2``), and
-64 P of memory — for a 1B-parameter model with fp32 gradients (P = 4 GB) 252 GB
-sent and 256 GB held per rank per step, which does not fit; at 25 GB/s a rank that is 10 s of
-communication against DDP's 0.3 s (overlapped with the backward). The tree needs neither: its upper
-levels are elementwise, so any slicing of the partial sums gives the same bits, and the ``a2a`` path
-sends what a ring all-reduce sends, holds 2 P, and adds one all-to-all's latency (``W−1`` messages,
-like the ring's ``2(W−1)`` steps). Left against DDP even then: no overlap of the reduction with the
-backward (DDP starts a bucket's all-reduce while the backward runs; the tree waits for the rank's
-last micro-batch — a bucketed a2a could overlap, the sum of a bucket being elementwise too), the
-``G/W`` separate backwards, and the ``G/W`` copies. The loss all-gather is ``G`` floats.
+The first version all-gathered the partial sums: 63/1.97 = 32× DDP's bytes at 64 ranks (``W/2``), and
+64 P of memory — for a 1B-parameter model with fp32 gradients (P = 4 GB) 252 GB sent and 256 GB
+held per rank per step, which does not fit. The tree needs neither: its upper levels are
+elementwise, so any slicing of the partial sums gives the same bits; ``on`` now sends what a ring
+all-reduce sends, holds 2 P, and adds one all-to-all's latency (``W−1`` messages, like the ring's
+``2(W−1)`` steps). Left against DDP: no overlap of the reduction with the backward (DDP starts a
+bucket's all-reduce while the backward runs; the tree waits for the rank's last micro-batch — a
+bucketed all-to-all could overlap, the sum of a bucket being elementwise too), the ``G/W`` separate
+backwards, and the ``G/W`` copies. The non-power-of-two path still all-gathers every micro-batch's
+gradient. The loss all-gather is ``G`` floats.
 
 Writes ``benchmarks/results/bench_invariant.json`` (every sample, the medians and minimums, the
 paper model) and ``bench_invariant.png``.
@@ -258,12 +258,14 @@ def paper(world: int, micro: int, p: float) -> dict[str, Any]:
     """Bytes a rank sends and holds per step at ``world`` ranks for ``p`` gradient bytes (module doc's table)."""
     per = micro // world
     pow2 = world & (world - 1) == 0 and micro & (micro - 1) == 0
-    on_sent = (world - 1) * p if pow2 else per * (world - 1) * p
+    ring = 2 * (world - 1) / world * p
+    on_sent = ring if pow2 else per * (world - 1) * p
     return {
         "world": world, "micro_batches": micro, "grad_bytes": p,
-        "ddp_ring": {"sent": 2 * (world - 1) / world * p, "held": p},
-        "on": {"sent": on_sent, "held_gathered": (world if pow2 else micro) * p, "held_micro": per * p,
-               "adds": (per - 1 + world - 1) if pow2 else micro - 1, "power_of_two_path": pow2},
+        "ddp_ring": {"sent": ring, "held": p},
+        "on": {"sent": on_sent, "held_gathered": 2 * p if pow2 else micro * p, "held_micro": per * p,
+               "adds": (per - 1 + (world - 1) / world) if pow2 else micro - 1, "power_of_two_path": pow2},
+        "first_version": {"sent": (world - 1) * p, "held_gathered": world * p},
         "a2a": {"sent": 2 * (world - 1) / world * p, "held_gathered": 2 * p, "held_micro": per * p},
         "on_over_ddp_bytes": on_sent / (2 * (world - 1) / world * p),
     }

@@ -116,6 +116,8 @@ def test_each_single_process_fault_is_caught_and_named_and_the_exact_loop_is_qui
     assert caught == [], [str(w.message) for w in caught]  # the exact loop: no alarm
     assert ckpt.probe.confirmed == 10 and not ckpt.probe.mismatches and ckpt.probe.off is None
     assert [e["step"] for e in _events(run, "probe_ok")] == [10]
+    ok = _events(run, "probe_ok")[0]["state"]  # one line: the fingerprint of the replayed step's state
+    assert ok.startswith("same state (fingerprint ") and len(ok.split()[3].rstrip(":")) == 16
     for fault in faults:
         run, ckpt, caught = runs[fault]
         assert len(caught) == 1 and caught[0].category is ProbeMismatchWarning, (fault, [str(w.message) for w in caught])

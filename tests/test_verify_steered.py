@@ -129,6 +129,11 @@ def test_verify_with_defaults_never_touches_the_scripts_own_run(tmp_path):
     resumed = json.loads((out / "resume" / "summary.json").read_text())
     assert [s["step"] for s in resumed["steps"]] == [4, 5, 6] and resumed["resumed_from"].endswith("step_000003.safetensors")
     assert "random streams not used" in res.stdout
+    # the final state in one line: the two runs' last generations fingerprinted (docs/VERIFY.md)
+    fs = r["final_state"]
+    assert fs["same"] is True and fs["line"].startswith("same state: the final generations (step_000006")
+    assert " ".join(fs["line"].split()) in " ".join(res.stdout.split())  # printed (rich wraps long lines)
+    assert {"model", "optimizer", "rng", "data"} <= set(fs["parts"]) and fs["roots"][0] != fs["roots"][1]
 
 
 @pytest.mark.slow
@@ -163,6 +168,7 @@ def test_a_broken_resume_of_a_steered_script_is_caught(tmp_path, fault):
     # what the resumed process holds at the cut is what was saved; the first step after it differs
     assert r["first_divergence"]["resume"].startswith("loss step 5: "), r["first_divergence"]["resume"]
     assert "first divergence of the full resume" in res.stdout
+    assert r["final_state"]["same"] is False and r["final_state"]["line"].startswith("different state: ")
 
 
 def _state() -> ripresa.TrainingState:

@@ -124,6 +124,9 @@ def test_a_run_resumed_on_two_then_one_then_four_ranks_is_bitwise_the_uninterrup
     assert [s["mode"]["exact"] for s in said["negative"]] == [False] * 3 and said["negative"][2]["change"] == "changed"
     assert not (tmp_path / "IGNORED").exists()
     assert "agrees within 0" in res.stdout and "not compared (one per rank" in res.stdout
+    # the final state in one line: the 2-rank run's last generation and the 4-rank segment's, fingerprinted
+    assert r["final_state"]["same"] is True and r["final_state"]["line"].startswith("same state"), r["final_state"]
+    assert {"model", "optimizer"} <= set(r["final_state"]["parts"])
 
 
 @pytest.mark.slow
@@ -170,3 +173,4 @@ def test_an_fsdp2_run_resumed_on_two_then_one_then_four_ranks_is_bitwise_the_uni
     first = next(v for k, v in final["parameters"].items() if k.endswith("0.weight"))
     assert len(first) == 32 and len(first[0]) == 16  # whole, gathered from 4 ranks' shards
     assert [s["change"] for s in r["checkpointer_said"]["resume"]] == [None, "exact", "exact"]
+    assert r["final_state"]["same"] is True, r["final_state"]  # a .dcp of 2 ranks and one of 4: one state

@@ -219,8 +219,8 @@ class InvariantSteps:
             total = tree_sum([g for block in stacked for g in block.unbind(0)])
         elif self.sharded:  # round j's sum is the subtree over indices jW .. jW+W-1; the rounds: the upper levels
             total = self._pending[0][1]
-        else:  # this rank's block is a subtree of the tree over the G indices
-            total = tree_sum(self._gather(self._pending[0][1]))  # W partial sums, by rank: the tree's upper levels
+        else:  # this rank's block is a subtree of the tree over the G indices; the W partial sums: the upper levels
+            total = self._upper_levels(self._pending[0][1])
         gathered = self._gather(losses)
         if self.sharded:  # rank r's j-th loss is micro-batch j·W + r
             ordered = [gathered[r][j] for j in range(self.per_rank) for r in range(self.world)]
@@ -273,6 +273,25 @@ class InvariantSteps:
             n = p.numel()
             p.grad = total[off: off + n].view_as(p).to(p.dtype).clone()
             off += n
+
+    def _upper_levels(self, partial: torch.Tensor) -> torch.Tensor:
+        """The tree over the ranks' ``W`` partial sums, on every rank, with a ring all-reduce's bytes: the levels are
+        elementwise, so each rank sums one ``1/W`` slice of all ``W`` (an all-to-all), then the slices are
+        all-gathered — the very bits of the whole tree summed on every rank, ``2(W-1)/W`` of the gradient sent."""
+        if self.world == 1:
+            return partial
+        import torch.distributed as dist
+
+        n, w = partial.numel(), self.world
+        k = -(-n // w)
+        padded = partial if n == k * w else torch.cat([partial, partial.new_zeros(k * w - n)])
+        received = torch.empty_like(padded)
+        dist.all_to_all_single(received, padded, group=self.group)  # chunk r: rank r's partial sum, my slice
+        mine = tree_sum(list(received.view(w, k).unbind(0)))
+        slices = [torch.empty_like(mine) for _ in range(w)]
+        dist.all_gather(slices, mine, group=self.group)
+        self.bytes_sent += 2 * k * (w - 1) * padded.element_size()
+        return torch.cat(slices)[:n]
 
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         if self.world == 1:

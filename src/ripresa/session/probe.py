@@ -187,7 +187,28 @@ def finish(small: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[s
         for k, t in tensors.items():
             if k.startswith(prefix + " "):
                 out[k] = _tensor_digest(t)
+    out[FINGERPRINT_KEY] = state_fingerprint(tensors)  # last: a difference names its tensor first
     return out
+
+
+#: The record's entry holding the Merkle root of the weights and moments (docs/INSPECT.md, "The state fingerprint").
+FINGERPRINT_KEY = "state fingerprint"
+
+
+def state_fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The state fingerprint (``ripresa fingerprint``'s tree, its canonical names) of the weights (``model``),
+    moments (``optimizer``) and step counters (``steps``) of :func:`capture`'s tensors: the root of those parts,
+    the one the generation's ``model``/``optimizer``/``steps`` parts give in a single-process run."""
+    from ..formats.fingerprint import fingerprint_state
+
+    named: dict[str, torch.Tensor] = {}
+    for k, t in tensors.items():
+        if k.startswith("tensor "):
+            named[f"model/{k[len('tensor '):]}"] = t
+        elif k.startswith("optimizer state "):
+            pname, _, entry = k[len("optimizer state "):].rpartition(".")
+            named[f"steps/{pname}" if entry == "step" else f"optimizer/{pname}/{entry}"] = t
+    return fingerprint_state(named, threads=1).root
 
 
 class BatchRecorder:
@@ -694,7 +715,9 @@ class LiveProbe:
         seconds = round(time.monotonic() - p.started, 3)
         if not diffs:
             self.confirmed, self.confirmed_path = p.step, str(p.path)
-            self.event("probe_ok", step=p.step, file=p.path.name if p.path else None, seconds=seconds)
+            fp = str(live["after"].get(FINGERPRINT_KEY, ""))[:16] if ranks == 1 else None
+            self.event("probe_ok", step=p.step, file=p.path.name if p.path else None, seconds=seconds,
+                       **({"state": f"same state (fingerprint {fp}: weights, moments, steps)"} if fp else {}))
             self._drop(p)
             return
         def name(r: int, d: Difference) -> str:

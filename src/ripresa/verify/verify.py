@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape as rich_escape
+
 from ..core.identity import versions
 from ..errors import BadInput, OutputExists
 from ..io.fsio import write_atomic
@@ -28,6 +30,7 @@ from .paths import (
     reference_exercise_command as reference_exercise_command,  # re-exported (cli, engine.demo)
 )
 from .paths import saved_checkpoint as saved_checkpoint  # re-exported (tests)
+from .state_line import final_state
 from .trajectory import read_trajectory
 
 PATHS = ("continuous", "interrupted", "resume", "resume-without-rng")
@@ -302,6 +305,9 @@ def verify_resume(
         "seconds": round(time.perf_counter() - t0, 3),
         "versions": versions(),
     }
+    if ran.mode == "steered":  # the one line on the final state: the two runs' last generations fingerprinted
+        report["final_state"] = final_state(runs["continuous"].output / "run", runs["resume"].output / "run",
+                                            unused_streams=not_used)
     write_atomic(output / "verification.json", [json.dumps(report, indent=2, default=str).encode()])
     return Verdict(report)
 
@@ -387,6 +393,10 @@ def render_verdict(verdict: Verdict, console=None) -> None:
     if r.get("mode") == "steered":
         console.print("steered: the command ran unchanged in folders ripresa verify owns, its Checkpointer "
                       "recorded the trajectory")
+    if r.get("final_state"):
+        same = r["final_state"]["same"]
+        color = "green" if same else "red" if same is False else "yellow"
+        console.print(f"[{color}]{rich_escape(r['final_state']['line'])}[/]")
     if r.get("streams_not_used"):
         console.print(f"random streams not used (never seeded by the command, not compared): {joined(r['streams_not_used'])}")
     if not r["determinism_before_cut"]["passed"]:

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape as rich_escape
+
 from ..core.identity import versions
 from ..errors import BadInput, OutputExists
 from ..io.fsio import write_atomic
@@ -40,6 +42,7 @@ from ..session.steer import ENV as STEER_ENV
 from ..store.history import HISTORY_NAME, read_history
 from .compare import Comparison, Difference, compare_trees
 from .paths import PathRun, log_tail, run_wave, steered_path
+from .state_line import final_state
 from .trajectory import read_trajectory
 from .verify import CheckResult, PathComparison, Verdict, check_named
 
@@ -325,6 +328,9 @@ def verify_world(command: Sequence[str], *, output: str | Path, world_sizes: Seq
         "seconds": round(time.perf_counter() - t0, 3),
         "versions": versions(),
     }
+    # the one line on the final state: the uninterrupted run's last generation against the last segment's
+    report["final_state"] = final_state(runs[REFERENCES["resume"]].output / "run",
+                                        runs[f"resume-{len(sizes)}"].output / "run")
     write_atomic(output / "verification.json", [json.dumps(report, indent=2, default=str).encode()])
     return Verdict(report)
 
@@ -384,6 +390,10 @@ def render_world_verdict(verdict: Verdict, console=None) -> None:
                   f"{joined(r['compared']['at the start, each change and the end'])} at the start, at each change "
                   "and at the end")
     console.print(f"not compared (one per rank, as many as ranks): {joined(r['not_compared'].values())}")
+    if r.get("final_state"):
+        same = r["final_state"]["same"]
+        color = "green" if same else "red" if same is False else "yellow"
+        console.print(f"[{color}]{rich_escape(r['final_state']['line'])}[/]")
     said = r["checkpointer_said"]["resume"][1:]  # segment 2 on: each began with a change
     if said:
         from rich.markup import escape

@@ -18,9 +18,11 @@ from typing import Any
 HISTORY_PARTS = ("extra", "identity")
 
 
-def final_state(reference: Path, other: Path, *, unused_streams: Sequence[str] = ()) -> dict[str, Any]:
+def final_state(reference: Path, other: Path, *, unused_streams: Sequence[str] = (),
+                skip_parts: Sequence[str] = ()) -> dict[str, Any]:
     """``{"same": bool | None, "line": str, "roots": [..]}`` for the newest valid generations of two run folders;
-    ``unused_streams``: random streams the command never seeded (``rng/<name>``: not compared, as in the verdict)."""
+    ``unused_streams``: random streams the command never seeded (``rng/<name>``: not compared, as in the verdict);
+    ``skip_parts``: parts the verdict does not compare either (across world sizes: the per-rank ones)."""
     from ..errors import RipresaError
     from ..formats.fingerprint_read import fingerprint_path
     from ..store.kinds import latest_valid_any
@@ -32,7 +34,7 @@ def final_state(reference: Path, other: Path, *, unused_streams: Sequence[str] =
         a, b = (fingerprint_path(g.path, threads=2) for g in gens)  # type: ignore[union-attr]
     except (RipresaError, OSError) as exc:
         return {"same": None, "line": f"fingerprint not available: {exc}", "roots": []}
-    kept = [p for p in a.parts if p in b.parts and not p.startswith(HISTORY_PARTS)]
+    kept = [p for p in a.parts if p in b.parts and not p.startswith(HISTORY_PARTS) and p not in skip_parts]
     skipped = {f"rng/{name}" for name in unused_streams}
     leaves = [n for n in a.differences(b) if n.split("/", 1)[0] in kept and n not in skipped]
     differ = [p for p in kept if any(n.split("/", 1)[0] == p for n in leaves)]

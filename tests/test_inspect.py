@@ -40,7 +40,7 @@ PT_KEYS = {
     "file", "size", "sidecar", "schema_ok", "progress", "versions", "code", "data_identity", "config", "lineage",
     "extra_keys", "model", "optimizer", "scheduler", "scaler", "data", "rng", "objects", "finite",
 }
-RUN_KEYS = {"folder", "generations", "resume_step", "lock", "temporaries", "finite"}
+RUN_KEYS = {"folder", "generations", "resume_step", "lock", "temporaries", "finite", "memory"}
 GEN_KEYS = {"step", "valid", "reason", "size", "deep_checked", "resume", "files", "kind", "checks"}
 
 

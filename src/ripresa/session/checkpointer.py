@@ -442,7 +442,7 @@ class Checkpointer:
             self.store.pinned = self.probe.pinning(self.store.pinned)  # retention keeps the generation being probed
 
     def _invariant_steps(self, micro_batches: int) -> InvariantSteps:
-        """The session's :class:`InvariantSteps`: refused data, the seed of the micro-batch streams (rank 0's
+        """The session's :class:`InvariantSteps`: refused data, the micro-batch streams' seed (rank 0's
         ``torch.initial_seed()``; a resume takes the saved one), recorded in every generation."""
         why = per_rank_sampling(self.state.data) if self.state.data is not None else None
         if why is not None:

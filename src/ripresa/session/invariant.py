@@ -353,7 +353,7 @@ RECORD_KEYS = ("micro_batches", "seed")
 
 
 def invariant_record(steps: InvariantSteps) -> dict[str, int]:
-    """What a generation records of the mode: the number of micro-batches and the seed of their streams."""
+    """What a generation records of the mode: the number of micro-batches and their streams' seed (docs/ARCHITECTURE.md, "World-size changes")."""
     return {"micro_batches": steps.G, "seed": steps.seed}
 
 

@@ -799,44 +799,33 @@ def train_loop(forward, optimizer, scaler, amp_dtype, device, sampler, mixture, 
         task = bar.add_task("train", total=goal, completed=start, loss="—", rate="—", next="—", stop="—")
         for step in range(start + 1, goal + 1):
             arm = mixture.choose()
-            if steps is not None:
-                lr = lr_at(step - 1, t)
-                for g in optimizer.param_groups:
-                    g["lr"] = lr
-                offsets, loss_value = invariant_step(steps, forward, optimizer, scaler, amp_dtype, device, sampler,
-                                                     arm, step, t)
-                mixture.update(arm, loss_value)  # the step's tree mean: the same on every rank, for any world size
-                if traj is not None:
-                    traj.step(step, rows=offsets, lr=lr, loss=loss_value, arm=arm)
-                stop = ckpt.step_done(step, loss=loss_value, lr=lr, arm=arm, tokens=tokens_per_step,
-                                      samples=samples_per_step)
-                last_t, last_step, rate = _show(bar, task, ckpt, step, goal, stop, loss_value, last_t, last_step, rate)
-                if stop:
-                    return True
-                continue
-            x, y, offsets = sampler.batch(arm)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lr = lr_at(step - 1, t)  # the LR of this update (pure function of the step)
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                _, loss = forward(x, y)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
+            if steps is not None:  # the step's tree mean: the same on every rank, for any world size
+                offsets, loss_value = invariant_step(steps, forward, optimizer, scaler, amp_dtype, device, sampler,
+                                                     arm, step, t)
             else:
-                loss.backward()
-            if t["grad_clip"]:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            loss_value = float(loss.item())
-            if dist_ctx is not None:
-                loss_value = dist_ctx.mean(loss_value)  # the bandit is shared: every rank updates it alike
+                x, y, offsets = sampler.batch(arm)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    _, loss = forward(x, y)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(optimizer)
+                else:
+                    loss.backward()
+                if t["grad_clip"]:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                loss_value = float(loss.item())
+                if dist_ctx is not None:
+                    loss_value = dist_ctx.mean(loss_value)  # the bandit is shared: every rank updates it alike
             mixture.update(arm, loss_value)
             if traj is not None:
                 traj.step(step, rows=offsets, lr=lr, loss=loss_value, arm=arm)
